@@ -1,0 +1,10 @@
+//! `gguftool bench`.
+
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct Args {}
+
+pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
+    anyhow::bail!("`bench` is not implemented yet")
+}

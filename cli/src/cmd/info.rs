@@ -1,0 +1,10 @@
+//! `gguftool info`.
+
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct Args {}
+
+pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
+    anyhow::bail!("`info` is not implemented yet")
+}

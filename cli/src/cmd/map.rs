@@ -1,0 +1,10 @@
+//! `gguftool map`.
+
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct Args {}
+
+pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
+    anyhow::bail!("`map` is not implemented yet")
+}

@@ -1,0 +1,10 @@
+//! `gguftool merge`.
+
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct Args {}
+
+pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
+    anyhow::bail!("`merge` is not implemented yet")
+}

@@ -1,0 +1,12 @@
+//! One module per subcommand: `Args` (clap) and `run`.
+
+pub mod bench;
+pub mod convert;
+pub mod doctor;
+pub mod generate;
+pub mod info;
+pub mod map;
+pub mod merge;
+pub mod serve;
+pub mod split;
+pub mod verify;

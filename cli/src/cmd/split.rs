@@ -1,0 +1,10 @@
+//! `gguftool split`.
+
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct Args {}
+
+pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
+    anyhow::bail!("`split` is not implemented yet")
+}

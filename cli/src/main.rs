@@ -1,0 +1,70 @@
+//! The `gguftool` binary: command-line parsing and dispatch. Each command lives in `cmd/<name>.rs`;
+//! libraries return typed errors, this binary turns them into one-line messages and exit codes
+//! (0 ok, 1 findings, 2 error).
+
+mod cmd;
+mod util;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "gguftool", version, about = "Verifiable tooling and a runtime for GGUF models")]
+struct Cli {
+    /// Print the full error chain on failure.
+    #[arg(long, global = true)]
+    verbose: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Describe a GGUF model (any shard describes the whole split model).
+    Info(cmd::info::Args),
+    /// Merge split shards into one file, checking the whole set first.
+    Merge(cmd::merge::Args),
+    /// Split a model into llama.cpp-compatible shards.
+    Split(cmd::split::Args),
+    /// Check structure, per-tensor statistics, architecture and integrity.
+    Verify(cmd::verify::Args),
+    /// Print the HF <-> GGUF tensor-name table.
+    Map(cmd::map::Args),
+    /// Convert a GGUF model to HF-layout safetensors.
+    Convert(cmd::convert::Args),
+    /// Generate text from a prompt.
+    Generate(cmd::generate::Args),
+    /// Serve an OpenAI-compatible HTTP API.
+    Serve(cmd::serve::Args),
+    /// Benchmark kernels and the forward pass.
+    Bench(cmd::bench::Args),
+    /// Diagnose the environment and a model (GPU, layers where CPU and GPU diverge).
+    Doctor(cmd::doctor::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Info(a) => cmd::info::run(a),
+        Command::Merge(a) => cmd::merge::run(a),
+        Command::Split(a) => cmd::split::run(a),
+        Command::Verify(a) => cmd::verify::run(a),
+        Command::Map(a) => cmd::map::run(a),
+        Command::Convert(a) => cmd::convert::run(a),
+        Command::Generate(a) => cmd::generate::run(a),
+        Command::Serve(a) => cmd::serve::run(a),
+        Command::Bench(a) => cmd::bench::run(a),
+        Command::Doctor(a) => cmd::doctor::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            if cli.verbose {
+                eprintln!("error: {e:?}");
+            } else {
+                eprintln!("error: {e:#}");
+            }
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! Helpers shared by several commands: output formats, progress bars, atomic output files.

@@ -1,0 +1,98 @@
+//! Split shards as llama.cpp names and keys them (spec §3): `PREFIX-%05d-of-%05d.gguf`,
+//! `split.no` (u16, 0-based), `split.count` (u16), `split.tensors.count` (i32).
+
+use std::path::{Path, PathBuf};
+
+pub const KEY_NO: &str = "split.no";
+pub const KEY_COUNT: &str = "split.count";
+pub const KEY_TENSORS_COUNT: &str = "split.tensors.count";
+
+/// `prefix-00001-of-00003.gguf` for `no = 0, count = 3` (names are 1-based).
+pub fn shard_path(prefix: &str, no: u32, count: u32) -> PathBuf {
+    PathBuf::from(format!("{prefix}-{:05}-of-{:05}.gguf", no + 1, count))
+}
+
+/// Parse a shard file name: `(prefix, no (0-based), count)` when it ends with
+/// `-NNNNN-of-MMMMM.gguf` with 1 <= NNNNN <= MMMMM.
+pub fn parse_shard_name(path: &Path) -> Option<(String, u32, u32)> {
+    let s = path.to_str()?;
+    let stem = s.strip_suffix(".gguf")?;
+    // "-00001-of-00003" is 15 bytes.
+    if stem.len() < 15 || !stem.is_char_boundary(stem.len() - 15) {
+        return None;
+    }
+    let (prefix, tail) = stem.split_at(stem.len() - 15);
+    let b = tail.as_bytes();
+    if b[0] != b'-' || &tail[6..10] != "-of-" {
+        return None;
+    }
+    let no: u32 = tail[1..6].parse().ok()?;
+    let count: u32 = tail[10..15].parse().ok()?;
+    if !tail[1..6].bytes().all(|c| c.is_ascii_digit())
+        || !tail[10..15].bytes().all(|c| c.is_ascii_digit())
+        || no == 0
+        || no > count
+    {
+        return None;
+    }
+    Some((prefix.to_string(), no - 1, count))
+}
+
+/// The sibling paths of a shard by its name, in shard order.
+pub fn sibling_paths(path: &Path) -> Option<Vec<PathBuf>> {
+    let (prefix, _, count) = parse_shard_name(path)?;
+    Some((0..count).map(|i| shard_path(&prefix, i, count)).collect())
+}
+
+/// Plan a split: the tensor index ranges of each shard. `max_tensors` starts a new shard every
+/// N tensors; `max_bytes` when the running sum of 32-byte-padded tensor sizes would exceed it
+/// (gguf-split's rule; metadata not counted). A shard never ends up empty.
+pub fn plan(sizes: &[u64], max_tensors: Option<usize>, max_bytes: Option<u64>) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0usize;
+    let mut cur = 0u64;
+    for (i, &sz) in sizes.iter().enumerate() {
+        let padded = sz.div_ceil(32) * 32;
+        let by_count = max_tensors.is_some_and(|n| n > 0 && i > start && (i - start) % n == 0);
+        let by_size = max_bytes.is_some_and(|m| i > start && cur + padded > m);
+        if by_count || by_size {
+            out.push(start..i);
+            start = i;
+            cur = 0;
+        }
+        cur += padded;
+    }
+    if start < sizes.len() || sizes.is_empty() {
+        out.push(start..sizes.len());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        let p = shard_path("/x/model-Q4", 1, 10);
+        assert_eq!(p, PathBuf::from("/x/model-Q4-00002-of-00010.gguf"));
+        assert_eq!(parse_shard_name(&p), Some(("/x/model-Q4".into(), 1, 10)));
+        assert_eq!(parse_shard_name(Path::new("m-00000-of-00003.gguf")), None);
+        assert_eq!(parse_shard_name(Path::new("m-00004-of-00003.gguf")), None);
+        assert_eq!(parse_shard_name(Path::new("m.gguf")), None);
+        assert_eq!(parse_shard_name(Path::new("m-0001a-of-00003.gguf")), None);
+    }
+
+    #[test]
+    fn plan_by_count_matches_gguf_split() {
+        let sizes = vec![10u64; 94];
+        let p = plan(&sizes, Some(32), None);
+        assert_eq!(p, vec![0..32, 32..64, 64..94]);
+    }
+
+    #[test]
+    fn plan_by_size() {
+        let p = plan(&[64, 64, 64, 10], None, Some(128));
+        assert_eq!(p, vec![0..2, 2..4]);
+    }
+}

@@ -1,0 +1,65 @@
+// Shared prelude of every gguftool kernel module (prepended by kernels/src/nvrtc.rs).
+// NVRTC 13.0 ships no standard or CUDA headers, so everything here is self-contained:
+// fixed-width integer types, f16/bf16 as raw 16-bit words with PTX conversions, warp reductions.
+
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+
+#define DEV __device__ __forceinline__
+
+// Exact IEEE conversions (subnormals, inf and NaN included), matching the `half` crate.
+DEV float f16_to_f32(uint16_t h) {
+    float f;
+    asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+    return f;
+}
+DEV float bf16_to_f32(uint16_t h) { return __uint_as_float(((uint32_t)h) << 16); }
+// Round to nearest even, NaN kept quiet (same rule as `half::bf16::from_f32`).
+DEV uint16_t f32_to_bf16(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+DEV float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+DEV float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum for blockDim.x a multiple of 32 (<= 1024); `scratch` holds >= 32 floats.
+// Every thread gets the result. The summation order is fixed, so results are run-to-run identical.
+DEV float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? scratch[lane] : 0.0f;
+    t = warp_sum(t);
+    return t;
+}
+DEV float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? scratch[lane] : -__int_as_float(0x7f800000);
+    t = warp_max(t);
+    return t;
+}
+
+#define NEG_INF (-__int_as_float(0x7f800000))

@@ -1,0 +1,206 @@
+//! The op-level interface every compute backend implements (CPU reference, CUDA).
+//!
+//! The forward pass of each architecture is written once against [`Backend`]; backends implement
+//! ops, not models, so "GPU matches CPU" is a property of individual ops. Activations are 2-D
+//! row-major f32 tensors `[rows, cols]` with one row per token; weights keep their GGUF type and
+//! are uploaded once.
+
+use crate::weights::HostWeight;
+use crate::RuntimeError;
+
+/// Rotation convention of rotary position embeddings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(x[2j], x[2j+1])` rotate by angle `j` (GPT-J, ggml `ROPE_TYPE_NORM`;
+    /// transformers' `apply_rotary_pos_emb_interleave`).
+    Interleaved,
+    /// Pairs `(x[j], x[j + n_rot/2])` (GPT-NeoX, ggml `ROPE_TYPE_NEOX`).
+    Neox,
+}
+
+/// Where RoPE applies inside each row: `n_groups` groups of `group_dim` columns, the rotated
+/// span being columns `offset .. offset + n_rot` of every group.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeParams {
+    pub n_groups: usize,
+    pub group_dim: usize,
+    pub offset: usize,
+    pub n_rot: usize,
+    pub theta: f32,
+    pub style: RopeStyle,
+}
+
+/// One sequence's attention: queries `[n, n_head * k_dim]` at positions `pos0 .. pos0 + n`
+/// against keys `[t, n_kv_head * k_dim]` and values whose head `g` is columns
+/// `g * v_dim .. (g + 1) * v_dim` of each value row (so the value tensor may be wider, e.g.
+/// the 576-wide MLA latent cache read as 512-wide values). Causal: query `i` sees keys
+/// `0 ..= pos0 + i`. Output `[n, n_head * v_dim]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnParams {
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+    pub scale: f32,
+    pub pos0: usize,
+}
+
+/// The DSA lightning indexer's selection for one sequence: queries `[n, n_head * head_dim]`,
+/// per-head weights `[n, n_head]` (all scaling folded in), keys `[t, head_dim]`.
+/// `score[i, t] = sum_h w[i, h] * relu(scale * q[i, h] . k[t])` over causal keys, then the
+/// `top_k` best keys per query.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IndexerParams {
+    pub n_head: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    pub top_k: usize,
+    pub pos0: usize,
+}
+
+/// How router logits become expert probabilities.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gating {
+    Softmax,
+    Sigmoid,
+}
+
+/// Expert routing (DeepSeek-V3 / GLM "noaux_tc" family).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouteParams {
+    pub n_expert: usize,
+    pub n_used: usize,
+    pub n_group: usize,
+    pub n_group_used: usize,
+    pub gating: Gating,
+    /// Divide the chosen experts' weights by their sum.
+    pub normalize: bool,
+    /// Multiply the final weights (routed_scaling_factor).
+    pub scale: f32,
+}
+
+/// The ops the forward passes need. Every op checks the shapes it is given and reports a
+/// mismatch as [`RuntimeError::Backend`] rather than panicking.
+pub trait Backend: Send + Sync + 'static {
+    /// Activation tensor, 2-D row-major f32.
+    type Tensor: Send + Sync + 'static;
+    /// A weight in its GGUF type (ggml dims, innermost first).
+    type Weight: Send + Sync + 'static;
+    /// Integer tensor `[rows, cols]` (selected key positions, chosen experts); `-1` = empty slot.
+    type Index: Send + Sync + 'static;
+
+    fn name(&self) -> String;
+
+    // --- data movement ---
+    fn upload(&self, w: HostWeight) -> Result<Self::Weight, RuntimeError>;
+    fn from_host(&self, rows: usize, cols: usize, data: &[f32])
+        -> Result<Self::Tensor, RuntimeError>;
+    fn to_host(&self, t: &Self::Tensor) -> Result<Vec<f32>, RuntimeError>;
+    fn index_to_host(&self, i: &Self::Index) -> Result<(usize, usize, Vec<i64>), RuntimeError>;
+    /// `(rows, cols)`.
+    fn shape(&self, t: &Self::Tensor) -> (usize, usize);
+    /// A `[0, cols]` tensor to grow with [`Backend::append_rows`] (KV caches).
+    fn empty(&self, cols: usize) -> Result<Self::Tensor, RuntimeError>;
+    fn append_rows(&self, dst: &mut Self::Tensor, src: &Self::Tensor) -> Result<(), RuntimeError>;
+    fn slice_rows(&self, x: &Self::Tensor, start: usize, n: usize)
+        -> Result<Self::Tensor, RuntimeError>;
+    /// Rows `rows[i]` of `x`, in that order.
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor, RuntimeError>;
+    fn concat_rows(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor, RuntimeError>;
+    /// Columns `start .. start + n` of every row.
+    fn slice_cols(&self, x: &Self::Tensor, start: usize, n: usize)
+        -> Result<Self::Tensor, RuntimeError>;
+    /// Row-wise concatenation of equally tall tensors.
+    fn concat_cols(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor, RuntimeError>;
+    /// Columns `start .. start + n` of each of the `n_head` groups of `head_dim` columns:
+    /// `[rows, n_head * head_dim]` -> `[rows, n_head * n]`.
+    fn head_slice(
+        &self,
+        x: &Self::Tensor,
+        n_head: usize,
+        head_dim: usize,
+        start: usize,
+        n: usize,
+    ) -> Result<Self::Tensor, RuntimeError>;
+    /// Per head `h`: `cat(a_h, b_h)`. `a` is `[rows, n_head * a_dim]`; `b` is
+    /// `[rows, n_head * b_dim]`, or `[rows, b_dim]` shared by every head.
+    fn head_concat(
+        &self,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        n_head: usize,
+    ) -> Result<Self::Tensor, RuntimeError>;
+
+    // --- dense math ---
+    /// `[rows, k]` by a weight of ggml dims `{k, m}` -> `[rows, m]` (`x . W^T` in torch terms).
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor, RuntimeError>;
+    /// Per-head matmul by a 3-D weight `{k, m, n_head}`: `[rows, n_head * k]` -> `[rows, n_head * m]`.
+    fn matmul_heads(&self, x: &Self::Tensor, w: &Self::Weight)
+        -> Result<Self::Tensor, RuntimeError>;
+    /// Token embedding rows of a `{d, vocab}` table.
+    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor, RuntimeError>;
+    /// RMSNorm over every group of `len(w)` columns (f32 statistics), then times `w`.
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Weight, eps: f32)
+        -> Result<Self::Tensor, RuntimeError>;
+    /// LayerNorm (biased variance) over each row, times `w` plus `b`.
+    fn layer_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        b: &Self::Weight,
+        eps: f32,
+    ) -> Result<Self::Tensor, RuntimeError>;
+    fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor, RuntimeError>;
+    fn scale(&self, x: &Self::Tensor, s: f32) -> Result<Self::Tensor, RuntimeError>;
+    /// `silu(gate) * up`.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor)
+        -> Result<Self::Tensor, RuntimeError>;
+    /// RoPE in place; `positions[r]` is row `r`'s position.
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        positions: &[u32],
+        p: &RopeParams,
+    ) -> Result<(), RuntimeError>;
+
+    // --- attention ---
+    /// Softmax attention; `selected` (one row per query, key positions, `-1` = empty) limits
+    /// each query to those keys (sparse attention), `None` = dense causal.
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        p: &AttnParams,
+        selected: Option<&Self::Index>,
+    ) -> Result<Self::Tensor, RuntimeError>;
+    /// Lightning-indexer top-k key selection, `[n, top_k]` ascending positions, `-1` padded.
+    fn indexer_topk(
+        &self,
+        q: &Self::Tensor,
+        weights: &Self::Tensor,
+        keys: &Self::Tensor,
+        p: &IndexerParams,
+    ) -> Result<Self::Index, RuntimeError>;
+
+    // --- mixture of experts ---
+    /// Router logits `[n, n_expert]` -> (weights `[n, n_used]`, experts `[n, n_used]`).
+    /// `bias` (e_score_correction) only influences which experts are chosen.
+    fn moe_route(
+        &self,
+        logits: &Self::Tensor,
+        bias: Option<&Self::Weight>,
+        p: &RouteParams,
+    ) -> Result<(Self::Tensor, Self::Index), RuntimeError>;
+    /// `sum_k w[i,k] * down_e(silu(gate_e x_i) * up_e x_i)` with `e = experts[i,k]`; the expert
+    /// weights are 3-D `{k, m, n_expert}`.
+    fn moe_ffn(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        down: &Self::Weight,
+        weights: &Self::Tensor,
+        experts: &Self::Index,
+    ) -> Result<Self::Tensor, RuntimeError>;
+}

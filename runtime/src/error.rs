@@ -1,0 +1,20 @@
+//! The runtime's error type.
+
+/// Errors from loading a model, running it, tokenizing or serving.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    Gguf(#[from] gguf::Error),
+    /// The model's metadata or tensors do not fit its architecture.
+    #[error("model: {0}")]
+    Model(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    /// The request asks for more context than the model or cache allows.
+    #[error("context length exceeded: {need} tokens > {max}")]
+    ContextExceeded { need: usize, max: usize },
+    #[error("backend: {0}")]
+    Backend(String),
+}

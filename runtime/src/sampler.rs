@@ -1,0 +1,416 @@
+//! Token sampling from logits, shared by `generate` and `serve`.
+//!
+//! The order of the filters follows Hugging Face `generate` and vLLM (temperature first, then
+//! top-k, top-p, min-p on the tempered distribution), so a request means the same thing here as
+//! there. Log-probabilities reported to users are always of the *raw* logits (OpenAI semantics),
+//! independent of the sampling filters.
+
+/// How to pick the next token. `temperature <= 0` is greedy decoding.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 disables.
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability mass reaches `top_p`; 1 disables.
+    pub top_p: f32,
+    /// Drop tokens whose probability is below `min_p` times the best one's; 0 disables.
+    pub min_p: f32,
+    /// Seed of the random stream; `None` draws one from the operating system's hasher keys.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding (argmax, lowest id on ties).
+    pub fn greedy() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            ..Self::default()
+        }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        // NaN temperature is treated as greedy rather than poisoning every probability.
+        self.temperature.is_nan() || self.temperature <= 0.0
+    }
+}
+
+/// A seeded sampler; one per generated sequence so that a seed reproduces that sequence alone.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Xoshiro256,
+    /// Reused candidate buffer: sampling runs once per token, the vocabulary can be 150k entries.
+    scratch: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        let seed = params.seed.unwrap_or_else(entropy_seed);
+        Sampler {
+            params,
+            rng: Xoshiro256::new(seed),
+            scratch: Vec::new(),
+        }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Pick the next token id. An empty slice yields 0; non-finite logits never win over finite ones.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.params.is_greedy() {
+            return argmax(logits);
+        }
+        let inv_t = 1.0 / self.params.temperature as f64;
+        let cands = &mut self.scratch;
+        cands.clear();
+        cands.extend(
+            logits
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.is_finite())
+                .map(|(i, &l)| (i as u32, l)),
+        );
+        if cands.is_empty() {
+            return argmax(logits);
+        }
+        // Highest logit first, lowest id among equals: a total order, so results do not depend on
+        // the sort algorithm and ties resolve like greedy decoding.
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let k = self.params.top_k;
+        if k > 0 && k < cands.len() {
+            cands.select_nth_unstable_by(k - 1, order);
+            cands.truncate(k);
+        }
+        let max = cands.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max) as f64;
+        // min-p compares tempered probabilities: p_i / p_max = exp((l_i - l_max) / T).
+        let min_p = self.params.min_p as f64;
+        if min_p > 0.0 && min_p <= 1.0 {
+            let floor = max + min_p.ln() / inv_t;
+            cands.retain(|c| c.1 as f64 >= floor);
+        }
+        cands.sort_unstable_by(order);
+        let weights: Vec<f64> = cands
+            .iter()
+            .map(|c| ((c.1 as f64 - max) * inv_t).exp())
+            .collect();
+        let total: f64 = weights.iter().sum();
+        let mut keep = weights.len();
+        let top_p = self.params.top_p as f64;
+        if top_p < 1.0 {
+            let mut acc = 0.0;
+            for (i, w) in weights.iter().enumerate() {
+                acc += w / total;
+                if acc >= top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        let kept_total: f64 = weights[..keep].iter().sum();
+        if !(kept_total.is_finite() && kept_total > 0.0) {
+            return cands[0].0;
+        }
+        let target = self.rng.next_f64() * kept_total;
+        let mut acc = 0.0;
+        for (c, w) in cands[..keep].iter().zip(&weights) {
+            acc += w;
+            if target < acc {
+                return c.0;
+            }
+        }
+        // Rounding can leave `target` a hair above the final sum; the last kept token is the answer.
+        cands[keep - 1].0
+    }
+}
+
+/// Index of the largest logit, lowest index on ties; NaN never wins. 0 for an empty slice.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &l) in logits.iter().enumerate() {
+        if l.is_nan() {
+            continue;
+        }
+        match best {
+            Some((_, b)) if l <= b => {}
+            _ => best = Some((i, l)),
+        }
+    }
+    best.map_or(0, |(i, _)| i as u32)
+}
+
+/// `log(sum(exp(logits)))` in f64, ignoring NaN. `-inf` when nothing is finite.
+pub fn log_sum_exp(logits: &[f32]) -> f64 {
+    let max = logits
+        .iter()
+        .filter(|l| !l.is_nan())
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    if !max.is_finite() {
+        return max as f64;
+    }
+    let max = max as f64;
+    let sum: f64 = logits
+        .iter()
+        .filter(|l| !l.is_nan())
+        .map(|&l| (l as f64 - max).exp())
+        .sum();
+    max + sum.ln()
+}
+
+/// Natural-log probability of token `id` under the softmax of the raw logits
+/// (`-inf` for an id out of range).
+pub fn logprob(logits: &[f32], id: u32) -> f32 {
+    match logits.get(id as usize) {
+        Some(&l) if !l.is_nan() => (l as f64 - log_sum_exp(logits)) as f32,
+        _ => f32::NEG_INFINITY,
+    }
+}
+
+/// The `k` most likely tokens with their natural-log softmax probabilities of the raw logits,
+/// most likely first, lowest id among equals.
+pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    if k == 0 || logits.is_empty() {
+        return Vec::new();
+    }
+    let lse = log_sum_exp(logits);
+    let mut cands: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| !l.is_nan())
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
+    let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if k < cands.len() {
+        cands.select_nth_unstable_by(k - 1, order);
+        cands.truncate(k);
+    }
+    cands.sort_unstable_by(order);
+    cands
+        .into_iter()
+        .map(|(i, l)| (i, (l as f64 - lse) as f32))
+        .collect()
+}
+
+/// A seed from the standard library's per-process random hasher keys: enough for "seed not given"
+/// without a dependency on an RNG crate.
+fn entropy_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
+/// xoshiro256** (Blackman & Vigna): small, fast, and good enough for sampling; seeded through
+/// SplitMix64 so that nearby seeds give unrelated streams.
+#[derive(Debug, Clone)]
+struct Xoshiro256 {
+    s: [u64; 4],
+}
+
+impl Xoshiro256 {
+    fn new(seed: u64) -> Self {
+        let mut sm = seed;
+        let mut next = || {
+            sm = sm.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = sm;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        Xoshiro256 {
+            s: [next(), next(), next(), next()],
+        }
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        let result = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in [0, 1) with 53 random bits.
+    fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32, seed: u64) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed: Some(seed),
+        }
+    }
+
+    #[test]
+    fn greedy_is_argmax_with_lowest_id_on_ties() {
+        let mut s = Sampler::new(SamplingParams::greedy());
+        assert_eq!(s.sample(&[0.0, 3.0, 1.0, 3.0]), 1);
+        assert_eq!(s.sample(&[f32::NAN, -1.0, -2.0]), 1);
+        assert_eq!(s.sample(&[]), 0);
+        assert_eq!(s.sample(&[f32::NEG_INFINITY, f32::NEG_INFINITY]), 0);
+    }
+
+    #[test]
+    fn xoshiro_matches_reference_vector() {
+        // Published reference values of the authors' generator seeded with s = {1, 2, 3, 4}
+        // (e.g. the test of the C++ port github.com/Quuxplusone/Xoshiro256ss).
+        let mut r = Xoshiro256 { s: [1, 2, 3, 4] };
+        let got: Vec<u64> = (0..10).map(|_| r.next_u64()).collect();
+        let want: [u64; 10] = [
+            11520,
+            0,
+            1509978240,
+            1215971899390074240,
+            1216172134540287360,
+            607988272756665600,
+            16172922978634559625,
+            8476171486693032832,
+            10595114339597558777,
+            2904607092377533576,
+        ];
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn splitmix_seeding_matches_reference_vector() {
+        // SplitMix64 from seed 0 gives 0xe220a8397b1dcdaf as its first output (Vigna's splitmix64.c).
+        let r = Xoshiro256::new(0);
+        assert_eq!(r.s[0], 0xe220_a839_7b1d_cdaf);
+    }
+
+    #[test]
+    fn same_seed_same_tokens() {
+        let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+        let run = |seed| {
+            let mut s = Sampler::new(params(1.0, 0, 1.0, 0.0, seed));
+            (0..64).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+        };
+        assert_eq!(run(7), run(7));
+        assert_ne!(run(7), run(8));
+    }
+
+    #[test]
+    fn top_k_one_is_greedy() {
+        let logits = [0.5, 2.0, 1.9, -3.0];
+        let mut s = Sampler::new(params(5.0, 1, 1.0, 0.0, 1));
+        for _ in 0..100 {
+            assert_eq!(s.sample(&logits), 1);
+        }
+    }
+
+    #[test]
+    fn top_k_restricts_support() {
+        let logits = [1.0, 0.9, 0.8, 0.7, 0.6];
+        let mut s = Sampler::new(params(1.0, 2, 1.0, 0.0, 3));
+        for _ in 0..500 {
+            assert!(s.sample(&logits) < 2);
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_smallest_set_reaching_mass() {
+        // probabilities 0.5, 0.3, 0.2 (logits are their logs): top_p 0.7 needs tokens 0 and 1.
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
+        let mut s = Sampler::new(params(1.0, 0, 0.7, 0.0, 11));
+        let mut seen = [0usize; 3];
+        for _ in 0..2000 {
+            seen[s.sample(&logits) as usize] += 1;
+        }
+        assert_eq!(seen[2], 0);
+        assert!(seen[0] > 0 && seen[1] > 0);
+    }
+
+    #[test]
+    fn min_p_drops_unlikely_tokens() {
+        // p = 0.6, 0.3, 0.1: min_p 0.25 keeps tokens with p >= 0.15, i.e. 0 and 1.
+        let logits = [0.6f32.ln(), 0.3f32.ln(), 0.1f32.ln()];
+        let mut s = Sampler::new(params(1.0, 0, 1.0, 0.25, 5));
+        let mut seen = [0usize; 3];
+        for _ in 0..2000 {
+            seen[s.sample(&logits) as usize] += 1;
+        }
+        assert_eq!(seen[2], 0);
+        assert!(seen[1] > 0);
+    }
+
+    #[test]
+    fn sampling_frequencies_follow_softmax() {
+        // p = 0.7, 0.2, 0.1. With 20000 draws the binomial standard deviation of a frequency is
+        // at most sqrt(0.25/20000) = 0.0035; 0.02 is more than 5 sigma.
+        let p = [0.7f32, 0.2, 0.1];
+        let logits: Vec<f32> = p.iter().map(|x| x.ln()).collect();
+        let mut s = Sampler::new(params(1.0, 0, 1.0, 0.0, 1234));
+        let n = 20000;
+        let mut seen = [0usize; 3];
+        for _ in 0..n {
+            seen[s.sample(&logits) as usize] += 1;
+        }
+        for i in 0..3 {
+            let f = seen[i] as f32 / n as f32;
+            assert!((f - p[i]).abs() < 0.02, "token {i}: {f} vs {}", p[i]);
+        }
+    }
+
+    #[test]
+    fn temperature_sharpens() {
+        // At T = 0.5, p ∝ p_raw^2: 0.49 / 0.53 vs 0.04 / 0.53; token 1 share ≈ 0.075.
+        let logits = [0.7f32.ln(), 0.2f32.ln()];
+        let mut s = Sampler::new(params(0.5, 0, 1.0, 0.0, 99));
+        let n = 20000;
+        let ones = (0..n).filter(|_| s.sample(&logits) == 1).count();
+        let f = ones as f32 / n as f32;
+        assert!((f - 0.04 / 0.53).abs() < 0.02, "{f}");
+    }
+
+    #[test]
+    fn logprobs_are_log_softmax_of_raw_logits() {
+        // softmax([ln 0.5, ln 0.25, ln 0.25]) = [0.5, 0.25, 0.25] exactly.
+        let logits = [0.5f32.ln(), 0.25f32.ln(), 0.25f32.ln()];
+        let top = top_logprobs(&logits, 2);
+        assert_eq!(top.len(), 2);
+        assert_eq!(top[0].0, 0);
+        assert_eq!(top[1].0, 1, "ties resolve to the lowest id");
+        assert!((top[0].1 - 0.5f32.ln()).abs() < 1e-6);
+        assert!((top[1].1 - 0.25f32.ln()).abs() < 1e-6);
+        assert!((logprob(&logits, 2) - 0.25f32.ln()).abs() < 1e-6);
+        assert_eq!(logprob(&logits, 3), f32::NEG_INFINITY);
+        assert_eq!(top_logprobs(&logits, 10).len(), 3);
+        assert!(top_logprobs(&logits, 0).is_empty());
+    }
+
+    #[test]
+    fn logprobs_stable_for_large_logits() {
+        let logits = [1000.0f32, 1000.0];
+        assert!((logprob(&logits, 0) - 0.5f32.ln()).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,150 @@
+//! Weights as stored in a GGUF file, handed to a backend's `upload`: name, ggml type, dims and
+//! the raw bytes (borrowed from the model's mmap, or owned for derived/synthetic weights).
+
+use crate::RuntimeError;
+use gguf::GgmlType;
+use std::sync::Arc;
+
+/// Where a weight's bytes live.
+#[derive(Clone)]
+enum Bytes {
+    Owned(Arc<Vec<u8>>),
+}
+
+/// One weight tensor in its GGUF type. Cloning is cheap (the bytes are shared).
+#[derive(Clone)]
+pub struct HostWeight {
+    name: String,
+    ty: GgmlType,
+    /// ggml order: `dims[0]` is the row length.
+    dims: Vec<usize>,
+    n_bytes: usize,
+    bytes: Bytes,
+}
+
+impl std::fmt::Debug for HostWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} {:?}", self.name, self.ty, self.dims)
+    }
+}
+
+fn expected_bytes(name: &str, ty: GgmlType, dims: &[usize]) -> Result<usize, RuntimeError> {
+    let bad = || {
+        RuntimeError::Model(format!(
+            "tensor {name}: shape {dims:?} does not fit type {ty} (row length must be a multiple of {})",
+            ty.block_size()
+        ))
+    };
+    let row = *dims.first().ok_or_else(bad)?;
+    let rows = dims[1..]
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(bad)?;
+    let rb = ty.row_bytes(row as u64).ok_or_else(bad)?;
+    usize::try_from(rb)
+        .ok()
+        .and_then(|rb| rb.checked_mul(rows))
+        .ok_or_else(bad)
+}
+
+impl HostWeight {
+    /// A weight from owned bytes; the byte count must match type and dims.
+    pub fn from_bytes(
+        name: impl Into<String>,
+        ty: GgmlType,
+        dims: Vec<usize>,
+        bytes: Vec<u8>,
+    ) -> Result<Self, RuntimeError> {
+        let name = name.into();
+        let need = expected_bytes(&name, ty, &dims)?;
+        if bytes.len() != need {
+            return Err(RuntimeError::Model(format!(
+                "tensor {name}: {} bytes, {ty} {dims:?} needs {need}",
+                bytes.len()
+            )));
+        }
+        Ok(Self {
+            name,
+            ty,
+            dims,
+            n_bytes: need,
+            bytes: Bytes::Owned(Arc::new(bytes)),
+        })
+    }
+
+    /// An F32 weight from values (derived weights such as the reassembled `kv_b`, tests).
+    pub fn from_f32(
+        name: impl Into<String>,
+        dims: Vec<usize>,
+        values: &[f32],
+    ) -> Result<Self, RuntimeError> {
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Self::from_bytes(name, GgmlType::F32, dims, bytes)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+    pub fn dims(&self) -> &[usize] {
+        &self.dims
+    }
+    /// Elements per row (`dims[0]`).
+    pub fn row_len(&self) -> usize {
+        self.dims[0]
+    }
+    /// Number of rows over all outer dims.
+    pub fn n_rows(&self) -> usize {
+        self.dims[1..].iter().product()
+    }
+    pub fn row_bytes(&self) -> usize {
+        // Checked in the constructors.
+        self.n_bytes / self.n_rows().max(1)
+    }
+    /// The raw bytes in the GGUF type.
+    pub fn bytes(&self) -> &[u8] {
+        match &self.bytes {
+            Bytes::Owned(b) => b,
+        }
+    }
+
+    /// All values as f32.
+    pub fn to_f32(&self) -> Result<Vec<f32>, RuntimeError> {
+        let mut out = vec![0f32; self.n_rows() * self.row_len()];
+        dequantize(self.ty, self.bytes(), &mut out)
+            .map_err(|e| RuntimeError::Model(format!("tensor {}: {e}", self.name)))?;
+        Ok(out)
+    }
+}
+
+/// Dequantize `bytes` of type `ty` into `out` (whose length fixes the element count).
+pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), String> {
+    let need = ty
+        .row_bytes(out.len() as u64)
+        .ok_or_else(|| format!("{} values are not whole {ty} blocks", out.len()))?;
+    if bytes.len() as u64 != need {
+        return Err(format!("{} bytes for {} {ty} values", bytes.len(), out.len()));
+    }
+    match ty {
+        GgmlType::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+        GgmlType::BF16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                // bf16 is the top half of an f32: exact.
+                *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+            }
+        }
+        _ => return Err(format!("{ty} is not supported yet")),
+    }
+    Ok(())
+}
