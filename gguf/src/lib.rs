@@ -5,10 +5,12 @@
 //! Byte order: only little-endian files are read. A byte-swapped (big-endian, gguf-py
 //! `--bigendian`) file is detected by its version field and refused with [`Error::BigEndian`].
 
+pub mod copy;
 pub mod error;
 pub mod metadata;
 pub mod model;
 pub mod quant;
+pub mod stats;
 pub mod reader;
 pub mod split;
 pub mod types;

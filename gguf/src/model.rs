@@ -29,6 +29,8 @@ pub struct GgufFile {
     path: PathBuf,
     header: Header,
     bytes: Bytes,
+    /// The open file, for streaming copies that should not go through the map.
+    file: Option<File>,
 }
 
 impl GgufFile {
@@ -48,7 +50,9 @@ impl GgufFile {
             // reads, the same contract every mmap-based model loader (llama.cpp, candle) has.
             Bytes::Mapped(unsafe { Mmap::map(&f) }.map_err(io)?)
         };
-        Self::from_bytes(bytes, path)
+        let mut g = Self::from_bytes(bytes, path)?;
+        g.file = Some(f);
+        Ok(g)
     }
 
     /// A file held in static memory (the bundled demo model).
@@ -64,11 +68,16 @@ impl GgufFile {
             path,
             header,
             bytes,
+            file: None,
         })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+    /// The open file (`None` for a model in static memory).
+    pub fn file(&self) -> Option<&File> {
+        self.file.as_ref()
     }
     pub fn header(&self) -> &Header {
         &self.header
@@ -232,6 +241,18 @@ impl Model {
             }
         }
         Ok(Model { shards, index })
+    }
+
+    /// Index files without checking they form a complete split set (describing one shard alone).
+    /// Duplicate tensor names across the files keep the first.
+    pub fn from_shards_unchecked(shards: Vec<GgufFile>) -> Model {
+        let mut index = HashMap::new();
+        for (si, f) in shards.iter().enumerate() {
+            for (ti, t) in f.tensors().iter().enumerate() {
+                index.entry(t.name.clone()).or_insert((si, ti));
+            }
+        }
+        Model { shards, index }
     }
 
     pub fn shards(&self) -> &[GgufFile] {

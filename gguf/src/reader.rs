@@ -526,20 +526,26 @@ impl Header {
             }
         }
         spans.sort_unstable();
-        for w in spans.windows(2) {
-            let (a, b) = (&w[0], &w[1]);
-            // Zero-sized tensors occupy nothing and cannot overlap.
-            if b.0 < a.1 && b.1 > b.0 {
-                return Err(Error::OverlappingTensors {
-                    at: Location {
-                        file,
-                        offset: self.data_offset + b.0,
-                    },
-                    tensor: b.2.to_string(),
-                    other: a.2.to_string(),
-                    start: b.0,
-                    end: b.1,
-                });
+        // Compare each span with the furthest-reaching one before it, not just its neighbour:
+        // a large tensor can cover several later ones. Zero-sized tensors occupy nothing.
+        let mut reach: Option<(u64, &str)> = None;
+        for &(start, end, name) in spans.iter().filter(|s| s.1 > s.0) {
+            if let Some((reach_end, other)) = reach {
+                if start < reach_end {
+                    return Err(Error::OverlappingTensors {
+                        at: Location {
+                            file,
+                            offset: self.data_offset + start,
+                        },
+                        tensor: name.to_string(),
+                        other: other.to_string(),
+                        start,
+                        end,
+                    });
+                }
+            }
+            if reach.is_none_or(|(e, _)| end > e) {
+                reach = Some((end, name));
             }
         }
         Ok(())
@@ -569,10 +575,11 @@ impl Header {
         let end = self
             .tensors
             .iter()
-            .map(|t| t.offset + align_up(t.n_bytes(), self.alignment))
+            .map(|t| t.offset.saturating_add(align_up(t.n_bytes(), self.alignment)))
             .max()
             .unwrap_or(0);
-        self.data_offset + end
+        // Saturating: a header not yet checked against its file may hold any offset.
+        self.data_offset.saturating_add(end)
     }
 
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {

@@ -103,6 +103,21 @@ pub fn canonical_offsets(tensors: &mut [TensorInfo], alignment: u64) {
     }
 }
 
+/// A tensor's byte size padded to `alignment`, `None` when ne0 is not a multiple of the block
+/// size or the size does not fit in u64.
+fn padded_size(t: &TensorInfo, alignment: u64) -> Option<u64> {
+    let row = t.ty.row_bytes(t.dims.first().copied().unwrap_or(1))?;
+    let n = t.dims.iter().skip(1).try_fold(row, |acc, &d| acc.checked_mul(d))?;
+    n.div_ceil(alignment).checked_mul(alignment)
+}
+
+fn bad_extent(t: &TensorInfo) -> Error {
+    Error::Write(format!(
+        "tensor {:?}: {} {:?} at offset {}: ne0 not a multiple of the block size, or the data would end past 2^64",
+        t.name, t.ty, t.dims, t.offset
+    ))
+}
+
 /// A header laid out for writing: serialized bytes and where the data section starts.
 pub struct Layout {
     pub header: Vec<u8>,
@@ -116,13 +131,11 @@ impl Layout {
     /// Lay out a new file: canonical offsets in the given order.
     pub fn new(version: u32, metadata: &Metadata, mut tensors: Vec<TensorInfo>) -> Result<Layout> {
         let alignment = alignment_of(metadata)?;
+        let mut total = 0u64;
         for t in &tensors {
-            if t.ty.row_bytes(t.dims.first().copied().unwrap_or(1)).is_none() {
-                return Err(Error::Write(format!(
-                    "tensor {:?}: ne0 not a multiple of {}'s block size",
-                    t.name, t.ty
-                )));
-            }
+            total = padded_size(t, alignment)
+                .and_then(|n| total.checked_add(n))
+                .ok_or_else(|| bad_extent(t))?;
         }
         canonical_offsets(&mut tensors, alignment);
         Self::with_offsets(version, metadata, tensors)
@@ -133,6 +146,14 @@ impl Layout {
         let alignment = alignment_of(metadata)?;
         let header = header_bytes(version, metadata, &tensors)?;
         let data_offset = align_up(header.len() as u64, alignment);
+        // Offsets may come from a header never checked against its file: make sure every
+        // extent computed below fits in u64.
+        for t in &tensors {
+            padded_size(t, alignment)
+                .and_then(|n| t.offset.checked_add(n))
+                .and_then(|end| data_offset.checked_add(end))
+                .ok_or_else(|| bad_extent(t))?;
+        }
         Ok(Layout {
             header,
             alignment,

@@ -63,3 +63,34 @@ DEV float block_max(float v, float* scratch) {
 }
 
 #define NEG_INF (-__int_as_float(0x7f800000))
+
+// Arg-max step: (ov, oi) replaces (v, i) when larger, or equal with a lower index.
+// A NaN candidate never wins.
+DEV void argmax_step(float& v, int& i, float ov, int oi) {
+    if (ov > v || (ov == v && oi < i)) {
+        v = ov;
+        i = oi;
+    }
+}
+DEV void warp_argmax(float& v, int& i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        argmax_step(v, i, ov, oi);
+    }
+}
+// Block arg-max (blockDim.x a multiple of 32); every thread gets the winner. Empty/all-NaN -> i = INT_MAX.
+DEV void block_argmax(float& v, int& i, float* sv, int* si) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    warp_argmax(v, i);
+    __syncthreads();
+    if (lane == 0) {
+        sv[warp] = v;
+        si[warp] = i;
+    }
+    __syncthreads();
+    v = lane < nw ? sv[lane] : NEG_INF;
+    i = lane < nw ? si[lane] : 0x7fffffff;
+    warp_argmax(v, i);
+}

@@ -1,2 +1,24 @@
-//! CUDA kernels for gguftool: CUDA C sources (one op per `.cu` file), compiled by NVRTC at first use
-//! for the device's architecture and cached, with Rust launch wrappers that check every launch.
+//! CUDA kernels for gguftool: CUDA C sources (one op per `.cu` file under `kernels/cuda/`),
+//! compiled by NVRTC at first use for the device's own architecture and cached per device and op,
+//! with Rust launch wrappers that check every argument against the shape before launching.
+//!
+//! Nothing here needs the CUDA toolkit at build time: cudarc loads `libcuda` / `libnvrtc` /
+//! `libcublas` at run time. [`Gpu::get`] fails with [`KernelError::NoDriver`] /
+//! [`KernelError::NoDevice`] on machines without a GPU; [`nvrtc::compile`] works on any machine
+//! that has `libnvrtc` (the compile-check test uses it for sm_90 and sm_120).
+
+pub mod dequant;
+pub mod device;
+pub mod error;
+pub mod gemv;
+pub mod nvrtc;
+pub mod ops;
+mod quant;
+
+pub use device::{device_count, driver_available, DeviceInfo, Gpu, KernelResources};
+pub use error::KernelError;
+pub use gemv::{Channels, MatShape};
+pub use ops::Op;
+
+/// Re-exported so callers can name buffer types without depending on cudarc themselves.
+pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};

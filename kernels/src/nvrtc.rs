@@ -89,14 +89,15 @@ fn options(op: Op, arch: &str, verbose: bool) -> Vec<String> {
     o
 }
 
-/// The full source NVRTC sees for an op: the shared prelude, then the op's own file.
+/// The full source NVRTC sees for an op: the shared prelude, the headers the op needs, then
+/// the op's own file, each under a `#line` directive so compiler messages name the real file.
 pub fn full_source(op: Op) -> String {
-    let mut s = String::with_capacity(crate::ops::PRELUDE.len() + op.source().len() + 64);
-    s.push_str(crate::ops::PRELUDE);
-    s.push_str("\n#line 1 \"");
-    s.push_str(op.file_name());
-    s.push_str("\"\n");
-    s.push_str(op.source());
+    let mut s = String::new();
+    for (name, text) in op.sections() {
+        s.push_str(&format!("#line 1 \"{name}\"\n"));
+        s.push_str(text);
+        s.push('\n');
+    }
     s
 }
 

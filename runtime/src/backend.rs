@@ -81,7 +81,7 @@ pub struct RouteParams {
 
 /// The ops the forward passes need. Every op checks the shapes it is given and reports a
 /// mismatch as [`RuntimeError::Backend`] rather than panicking.
-pub trait Backend: Send + Sync + 'static {
+pub trait Backend: Clone + Send + Sync + 'static {
     /// Activation tensor, 2-D row-major f32.
     type Tensor: Send + Sync + 'static;
     /// A weight in its GGUF type (ggml dims, innermost first).
@@ -102,6 +102,8 @@ pub trait Backend: Send + Sync + 'static {
     /// A `[0, cols]` tensor to grow with [`Backend::append_rows`] (KV caches).
     fn empty(&self, cols: usize) -> Result<Self::Tensor, RuntimeError>;
     fn append_rows(&self, dst: &mut Self::Tensor, src: &Self::Tensor) -> Result<(), RuntimeError>;
+    /// Keep the first `rows` rows (rolls a cache back after a failed step).
+    fn truncate_rows(&self, t: &mut Self::Tensor, rows: usize) -> Result<(), RuntimeError>;
     fn slice_rows(&self, x: &Self::Tensor, start: usize, n: usize)
         -> Result<Self::Tensor, RuntimeError>;
     /// Rows `rows[i]` of `x`, in that order.
@@ -151,6 +153,8 @@ pub trait Backend: Send + Sync + 'static {
         eps: f32,
     ) -> Result<Self::Tensor, RuntimeError>;
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor, RuntimeError>;
+    /// Adds a bias vector to every row.
+    fn add_bias(&self, x: &Self::Tensor, b: &Self::Weight) -> Result<Self::Tensor, RuntimeError>;
     fn scale(&self, x: &Self::Tensor, s: f32) -> Result<Self::Tensor, RuntimeError>;
     /// `silu(gate) * up`.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor)

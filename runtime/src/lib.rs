@@ -11,3 +11,9 @@ pub mod tokenizer;
 
 pub use error::RuntimeError;
 pub use lm::{LanguageModel, SeqStep, SequenceState};
+pub mod backend;
+pub mod cpu;
+pub mod weights;
+pub mod spec;
+pub mod cache;
+pub mod glm;

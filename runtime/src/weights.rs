@@ -9,6 +9,8 @@ use std::sync::Arc;
 #[derive(Clone)]
 enum Bytes {
     Owned(Arc<Vec<u8>>),
+    /// A tensor of an open model; the `Arc` keeps the mmap alive while the weight exists.
+    Gguf { model: Arc<gguf::Model>, name: Arc<str> },
 }
 
 /// One weight tensor in its GGUF type. Cloning is cheap (the bytes are shared).
@@ -82,6 +84,38 @@ impl HostWeight {
         Self::from_bytes(name, GgmlType::F32, dims, bytes)
     }
 
+    /// Tensor `name` of `model`, without copying its bytes.
+    pub fn from_model(model: &Arc<gguf::Model>, name: &str) -> Result<Self, RuntimeError> {
+        let t = model
+            .tensor(name)
+            .ok_or_else(|| RuntimeError::Model(format!("missing tensor {name}")))?;
+        let dims = t
+            .info
+            .dims
+            .iter()
+            .map(|&d| usize::try_from(d))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| RuntimeError::Model(format!("tensor {name}: dims too large")))?;
+        let ty = t.info.ty;
+        let need = expected_bytes(name, ty, &dims)?;
+        let have = model.data(&t).len();
+        if have != need {
+            return Err(RuntimeError::Model(format!(
+                "tensor {name}: {have} bytes, {ty} {dims:?} needs {need}"
+            )));
+        }
+        Ok(Self {
+            name: name.to_string(),
+            ty,
+            dims,
+            n_bytes: need,
+            bytes: Bytes::Gguf {
+                model: Arc::clone(model),
+                name: Arc::from(name),
+            },
+        })
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -107,6 +141,11 @@ impl HostWeight {
     pub fn bytes(&self) -> &[u8] {
         match &self.bytes {
             Bytes::Owned(b) => b,
+            Bytes::Gguf { model, name } => match model.tensor(name) {
+                Some(t) => model.data(&t),
+                // Resolved at construction; a model's tensor table never changes.
+                None => &[],
+            },
         }
     }
 
@@ -144,7 +183,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Str
                 *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
             }
         }
-        _ => return Err(format!("{ty} is not supported yet")),
+        _ => gguf::quant::dequantize_row(ty, bytes, out).map_err(|e| e.to_string())?,
     }
     Ok(())
 }

@@ -90,6 +90,14 @@ def blocks_for(qtype: T, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
             nib = (d >> np.uint16(4 * k)) & np.uint16(0xF)
             scales[:, k] = (scales[:, k] & np.uint16(0x0FFF)) | (nib << np.uint16(12))
         raw[:, 48:56] = scales.view(np.uint8).reshape(n_blocks, 8)
+    # Edge scales every decoder must get right, not left to chance: E8M0 subnormal halves
+    # (e = 0, 1) and 2^127 (overflows to Inf with the larger values); UE4M3 zero, the 0x7F
+    # "NaN" pattern (decodes to 0), bit 7 set (ignored) and the largest value.
+    if qtype == T.MXFP4:
+        raw[:4, 0] = [0, 1, 254, 255]
+    if qtype == T.NVFP4:
+        raw[0, 0:4] = [0x00, 0x7F, 0x80, 0xFF]
+        raw[1, 0:4] = [0x01, 0x08, 0x7E, 0x38]
     return raw
 
 

@@ -13,9 +13,9 @@ pub mod blocks;
 pub mod reference;
 
 mod act;
-mod fast;
+pub(crate) mod fast;
 mod floats;
-mod tables;
+pub(crate) mod tables;
 
 pub use act::{quantize_row_q8_0, quantize_row_q8_1, quantize_row_q8_k};
 pub use blocks::Block;
@@ -97,7 +97,7 @@ pub(crate) fn task_blocks(ty: GgmlType) -> usize {
 /// inputs. Bit-identical to [`reference::dequantize`].
 pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<(), QuantError> {
     check_lengths(ty, data, out)?;
-    let tables = fast::tables_for(ty)?;
+    let tables = tables::tables()?;
     if out.len() <= TASK_ELEMS {
         fast::dequantize_row(ty, data, out, tables);
         return Ok(());
@@ -120,7 +120,7 @@ pub fn dequantize_to_vec(ty: GgmlType, data: &[u8]) -> Result<Vec<f32>, QuantErr
 /// row per task. Bit-identical to [`dequantize`].
 pub fn dequantize_row(ty: GgmlType, row: &[u8], out: &mut [f32]) -> Result<(), QuantError> {
     check_lengths(ty, row, out)?;
-    let tables = fast::tables_for(ty)?;
+    let tables = tables::tables()?;
     fast::dequantize_row(ty, row, out, tables);
     Ok(())
 }
@@ -146,5 +146,37 @@ pub(crate) fn array_chunks_mut<const N: usize>(
         let (head, tail) = std::mem::take(&mut rest).split_first_chunk_mut::<N>()?;
         rest = tail;
         Some(head)
+    })
+}
+
+/// The IQ / FP4 lookup tables, borrowed from the embedded data file, for consumers that must
+/// decode with exactly the data the CPU dequantizers use (the CUDA kernels upload these).
+/// Added for the kernels crate (issue 8).
+#[derive(Debug, Clone, Copy)]
+pub struct LookupTables {
+    pub iq2xxs: &'static [[u8; 8]; 256],
+    pub iq2xs: &'static [[u8; 8]; 512],
+    pub iq2s: &'static [[u8; 8]; 1024],
+    pub iq3xxs: &'static [[u8; 4]; 256],
+    pub iq3s: &'static [[u8; 4]; 512],
+    pub iq1s: &'static [[i8; 8]; 2048],
+    pub ksigns: &'static [u8; 128],
+    pub kvalues_iq4nl: &'static [i8; 16],
+    pub kvalues_mxfp4: &'static [i8; 16],
+}
+
+/// The decoded lookup tables (decoded once, on first use).
+pub fn lookup_tables() -> Result<LookupTables, QuantError> {
+    let t = tables::tables()?;
+    Ok(LookupTables {
+        iq2xxs: &t.iq2xxs,
+        iq2xs: &t.iq2xs,
+        iq2s: &t.iq2s,
+        iq3xxs: &t.iq3xxs,
+        iq3s: &t.iq3s,
+        iq1s: &t.iq1s,
+        ksigns: &t.ksigns,
+        kvalues_iq4nl: &t.kvalues_iq4nl,
+        kvalues_mxfp4: &t.kvalues_mxfp4,
     })
 }

@@ -44,7 +44,12 @@ pub(crate) struct PreSpec {
 }
 
 const fn spec(regexes: &'static [&'static str], ignore_merges: bool, add_bos: bool) -> PreSpec {
-    PreSpec { regexes, ignore_merges, add_bos, no_default_bos: false }
+    PreSpec {
+        regexes,
+        ignore_merges,
+        add_bos,
+        no_default_bos: false,
+    }
 }
 
 /// The table. `ignore_merges` follows the model families' tokenizer.json; for GLM-4/GLM-5 that
@@ -58,7 +63,10 @@ pub(crate) fn lookup(name: &str) -> Option<PreSpec> {
     static GPT4O_SEQ: [&str; 1] = [GPT4O];
     static TEKKEN_SEQ: [&str; 1] = [TEKKEN];
     Some(match name {
-        "glm4" | "chatglm-bpe" => PreSpec { no_default_bos: true, ..spec(&LLAMA3_SEQ, true, false) },
+        "glm4" | "chatglm-bpe" => PreSpec {
+            no_default_bos: true,
+            ..spec(&LLAMA3_SEQ, true, false)
+        },
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" => spec(&LLAMA3_SEQ, true, true),
         "dbrx" | "smaug-bpe" => spec(&LLAMA3_SEQ, false, false),
         "qwen2" | "deepseek-r1-qwen" | "megrez" | "stablelm2" => spec(&QWEN2_SEQ, false, false),
@@ -111,7 +119,8 @@ impl PreTokenizer {
             for piece in pieces {
                 let mut last = 0;
                 for m in re.find_iter(piece) {
-                    let m = m.map_err(|e| RuntimeError::Tokenizer(format!("pre-tokenizer: {e}")))?;
+                    let m =
+                        m.map_err(|e| RuntimeError::Tokenizer(format!("pre-tokenizer: {e}")))?;
                     if m.start() > last {
                         next.push(&piece[last..m.start()]);
                     }

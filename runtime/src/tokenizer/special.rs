@@ -24,14 +24,20 @@ impl SpecialMatcher {
     pub(crate) fn new(tokens: Vec<(u32, &str, bool)>) -> Result<Self, RuntimeError> {
         let tokens: Vec<_> = tokens.into_iter().filter(|t| !t.1.is_empty()).collect();
         if tokens.is_empty() {
-            return Ok(Self { ac: None, patterns: Vec::new() });
+            return Ok(Self {
+                ac: None,
+                patterns: Vec::new(),
+            });
         }
         let ac = AhoCorasick::builder()
             .match_kind(MatchKind::Standard)
             .build(tokens.iter().map(|t| t.1))
             .map_err(|e| RuntimeError::Tokenizer(format!("special-token matcher: {e}")))?;
         let patterns = tokens.iter().map(|t| (t.0, t.1.len(), t.2)).collect();
-        Ok(Self { ac: Some(ac), patterns })
+        Ok(Self {
+            ac: Some(ac),
+            patterns,
+        })
     }
 
     /// Splits `text` the way llama.cpp's `tokenizer_st_partition` does: special tokens are taken
@@ -41,7 +47,11 @@ impl SpecialMatcher {
     /// the number of special tokens (Gemma has thousands).
     pub(crate) fn partition<'t>(&self, text: &'t str, parse_special: bool) -> Vec<Fragment<'t>> {
         let Some(ac) = &self.ac else {
-            return if text.is_empty() { Vec::new() } else { vec![Fragment::Text(text)] };
+            return if text.is_empty() {
+                Vec::new()
+            } else {
+                vec![Fragment::Text(text)]
+            };
         };
         let mut occ: Vec<(usize, usize, u32)> = ac
             .find_overlapping_iter(text)
@@ -55,7 +65,10 @@ impl SpecialMatcher {
         let mut taken: BTreeMap<usize, (usize, u32)> = BTreeMap::new();
         for (start, len, id) in occ {
             let end = start + len;
-            let clashes = taken.range(..end).next_back().is_some_and(|(_, &(e, _))| e > start);
+            let clashes = taken
+                .range(..end)
+                .next_back()
+                .is_some_and(|(_, &(e, _))| e > start);
             if !clashes {
                 taken.insert(start, (end, id));
             }
@@ -88,7 +101,10 @@ mod tests {
         // "bcd" (longer) is carved out before "ab" is considered: llama.cpp order.
         assert_eq!(m.partition("abcd", true), vec![Text("a"), Token(2)]);
         // Control tokens stay text without parse_special; user-defined ones are still split.
-        assert_eq!(m.partition("ab<u>x", false), vec![Text("ab"), Token(3), Text("x")]);
+        assert_eq!(
+            m.partition("ab<u>x", false),
+            vec![Text("ab"), Token(3), Text("x")]
+        );
         assert_eq!(m.partition("abab", true), vec![Token(1), Token(1)]);
         assert_eq!(m.partition("", true), vec![]);
     }

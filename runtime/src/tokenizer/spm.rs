@@ -69,7 +69,12 @@ pub(crate) fn tokenize(text: &str, vocab: &SpmVocab<'_>, out: &mut Vec<u32>) {
     }
     let lookup = |s: &str| -> Option<u32> {
         let id = *vocab.token_to_id.get(s)?;
-        vocab.mergeable.get(id as usize).copied().unwrap_or(false).then_some(id)
+        vocab
+            .mergeable
+            .get(id as usize)
+            .copied()
+            .unwrap_or(false)
+            .then_some(id)
     };
     let mut heap = BinaryHeap::new();
     let try_add = |heap: &mut BinaryHeap<Bigram>, syms: &[Sym], l: usize, r: usize| {
@@ -80,7 +85,12 @@ pub(crate) fn tokenize(text: &str, vocab: &SpmVocab<'_>, out: &mut Vec<u32>) {
         let piece = &text[a.start..b.start + b.len];
         if let Some(id) = lookup(piece) {
             let score = vocab.scores.get(id as usize).copied().unwrap_or(0.0);
-            heap.push(Bigram { score, left: l, right: r, size: piece.len() });
+            heap.push(Bigram {
+                score,
+                left: l,
+                right: r,
+                size: piece.len(),
+            });
         }
     };
     for i in 1..syms.len() {

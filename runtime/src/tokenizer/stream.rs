@@ -19,7 +19,10 @@ pub struct Detokenizer {
 
 impl Detokenizer {
     pub fn new(skip_special: bool) -> Self {
-        Self { pending: Vec::new(), skip_special }
+        Self {
+            pending: Vec::new(),
+            skip_special,
+        }
     }
 
     /// Feeds one token; returns the text completed by it (possibly empty). Invalid UTF-8 becomes
@@ -83,7 +86,10 @@ pub struct DecodeStream<'a> {
 
 impl<'a> DecodeStream<'a> {
     pub(crate) fn new(tok: &'a Tokenizer, skip_special: bool) -> Self {
-        Self { tok, state: Detokenizer::new(skip_special) }
+        Self {
+            tok,
+            state: Detokenizer::new(skip_special),
+        }
     }
 
     /// Feeds one token; `None` until some complete text is available.

@@ -1,0 +1,148 @@
+//! Dequantization on the device: whole tensors to f32 / bf16, and row gathers (embeddings).
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use gguf::GgmlType;
+
+use crate::device::{dlen, need_len, to_i32, Gpu};
+use crate::error::KernelError;
+use crate::ops::Op;
+use crate::quant::{block_alignment, decoder_block, type_kernels};
+
+const BLOCK: u32 = 128;
+
+/// Elements `n_bytes` of `ty` decode to, checking for whole blocks.
+pub fn elements_of(op: &'static str, ty: GgmlType, n_bytes: usize) -> Result<usize, KernelError> {
+    gguf::quant::n_elements(ty, n_bytes).map_err(|e| KernelError::BadShape {
+        op,
+        msg: e.to_string(),
+    })
+}
+
+pub(crate) fn check_aligned(
+    op: &'static str,
+    arg: &str,
+    ptr: u64,
+    align: usize,
+) -> Result<(), KernelError> {
+    if ptr % align as u64 != 0 {
+        return Err(KernelError::BadShape {
+            op,
+            msg: format!("`{arg}` at device address {ptr:#x} is not {align}-byte aligned"),
+        });
+    }
+    Ok(())
+}
+
+impl Gpu {
+    /// Dequantize `src` (whole blocks of `ty`, as stored in the GGUF file) into `dst` (f32).
+    /// `dst` must hold at least as many values as `src` decodes to.
+    pub fn dequantize(
+        &self,
+        ty: GgmlType,
+        src: &impl DevicePtr<u8>,
+        dst: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "dequant";
+        let n = elements_of(OP, ty, dlen(src))?;
+        need_len(OP, "dst", dlen(dst), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(Op::Dequant, type_kernels(ty).dequant)?;
+        let tables = self.tables()?.params;
+        let chunks = n.div_ceil(32) as u64;
+        let cfg = self.cfg(OP, (chunks.div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
+        let (sp, _gs) = src.device_ptr(self.stream());
+        let (dp, _gd) = dst.device_ptr_mut(self.stream());
+        check_aligned(OP, "src", sp, block_alignment(ty))?;
+        check_aligned(OP, "dst", dp, 16)?;
+        let n64 = n as i64;
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(&sp).arg(&dp).arg(&n64).arg(&tables);
+        // SAFETY: dst holds >= n floats, src holds exactly the blocks of n elements, both aligned
+        // as the decoders' loads require (checked above).
+        self.launched(OP, unsafe { b.launch(cfg) })
+    }
+
+    /// Like [`Gpu::dequantize`], writing bf16 bit patterns (round to nearest even).
+    pub fn dequantize_bf16(
+        &self,
+        ty: GgmlType,
+        src: &impl DevicePtr<u8>,
+        dst: &mut impl DevicePtrMut<u16>,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "dequant_bf16";
+        let n = elements_of(OP, ty, dlen(src))?;
+        need_len(OP, "dst", dlen(dst), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(Op::Dequant, type_kernels(ty).dequant_bf16)?;
+        let tables = self.tables()?.params;
+        let chunks = n.div_ceil(32) as u64;
+        let cfg = self.cfg(OP, (chunks.div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
+        let (sp, _gs) = src.device_ptr(self.stream());
+        let (dp, _gd) = dst.device_ptr_mut(self.stream());
+        check_aligned(OP, "src", sp, block_alignment(ty))?;
+        check_aligned(OP, "dst", dp, 16)?;
+        let n64 = n as i64;
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(&sp).arg(&dp).arg(&n64).arg(&tables);
+        // SAFETY: as in `dequantize`.
+        self.launched(OP, unsafe { b.launch(cfg) })
+    }
+
+    /// `dst[r, :] = row ids[r]` of the `[nrows, k]` matrix `src` of type `ty` (embedding lookup).
+    /// Ids outside `0..nrows` produce NaN rows (never out-of-bounds reads).
+    pub fn get_rows(
+        &self,
+        ty: GgmlType,
+        src: &impl DevicePtr<u8>,
+        k: usize,
+        ids: &impl DevicePtr<i32>,
+        dst: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "get_rows";
+        let (qb, _) = decoder_block(ty);
+        if k == 0 || k % qb != 0 || k % 32 != 0 {
+            return Err(KernelError::BadShape {
+                op: OP,
+                msg: format!("row length {k} is not a multiple of the {ty} block ({qb})"),
+            });
+        }
+        let row_bytes = ty
+            .row_bytes(k as u64)
+            .ok_or_else(|| KernelError::BadShape {
+                op: OP,
+                msg: format!("row length {k} does not fit {ty} blocks"),
+            })? as usize;
+        let nrows = dlen(src) / row_bytes;
+        if nrows * row_bytes != dlen(src) {
+            return Err(KernelError::BadShape {
+                op: OP,
+                msg: format!("{} bytes is not a whole number of {row_bytes}-byte rows", dlen(src)),
+            });
+        }
+        let nids = dlen(ids);
+        if nids == 0 {
+            return Ok(());
+        }
+        need_len(OP, "dst", dlen(dst), nids * k)?;
+        let f = self.func(Op::Dequant, type_kernels(ty).get_rows)?;
+        let tables = self.tables()?.params;
+        let chunks = (k / 32) as u64;
+        let cfg = self.cfg(OP, (chunks.div_ceil(BLOCK as u64), nids as u64, 1), BLOCK)?;
+        let (sp, _gs) = src.device_ptr(self.stream());
+        let (ip, _gi) = ids.device_ptr(self.stream());
+        let (dp, _gd) = dst.device_ptr_mut(self.stream());
+        check_aligned(OP, "src", sp, block_alignment(ty))?;
+        check_aligned(OP, "dst", dp, 16)?;
+        let rb = row_bytes as i64;
+        let nr = nrows as i64;
+        let k32 = to_i32(OP, "k", k)?;
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(&sp).arg(&rb).arg(&nr).arg(&ip).arg(&dp).arg(&k32).arg(&tables);
+        // SAFETY: every id is bounds-checked in the kernel; dst holds nids * k floats.
+        self.launched(OP, unsafe { b.launch(cfg) })
+    }
+}

@@ -1,0 +1,355 @@
+//! One CUDA device: context, stream, lazily compiled modules (per op, in memory), uploaded
+//! quant tables, and the launch checks every op wrapper goes through.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DeviceSlice,
+    LaunchConfig, ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+
+use crate::error::KernelError;
+use crate::nvrtc;
+use crate::ops::Op;
+use crate::quant::DeviceTables;
+
+/// Whether the CUDA driver library can be loaded (cudarc would panic on first use otherwise).
+pub fn driver_available() -> bool {
+    // SAFETY: only tries to dlopen candidate library names.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Number of CUDA devices, 0 when there is no driver or no device.
+pub fn device_count() -> usize {
+    if !driver_available() {
+        return 0;
+    }
+    CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0)
+}
+
+/// What we know about the device, read once at open.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// The NVRTC target for this device, e.g. `sm_90`.
+    pub arch: String,
+    pub sm_count: u32,
+    pub max_grid: (u32, u32, u32),
+    pub l2_bytes: u64,
+    pub total_mem: u64,
+}
+
+/// Resource usage of one loaded kernel (for spill checks and reports).
+#[derive(Debug, Clone)]
+pub struct KernelResources {
+    pub kernel: String,
+    pub registers: i32,
+    pub local_bytes: i32,
+}
+
+/// A CUDA device with its own stream; every op of this crate runs on that one stream, in order.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    info: DeviceInfo,
+    modules: Mutex<HashMap<Op, Arc<CudaModule>>>,
+    funcs: Mutex<HashMap<&'static str, CudaFunction>>,
+    resources: Mutex<Vec<KernelResources>>,
+    tables: OnceLock<DeviceTables>,
+    blas: OnceLock<cudarc::cublas::CudaBlas>,
+    sync_each: bool,
+}
+
+static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
+
+impl Gpu {
+    /// The process-wide handle for device `ordinal` (created on first call), so compiled modules
+    /// are shared by every user of that device.
+    pub fn get(ordinal: usize) -> Result<Arc<Gpu>, KernelError> {
+        let map = DEVICES.get_or_init(|| Mutex::new(HashMap::new()));
+        let mut map = map.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(g) = map.get(&ordinal) {
+            return Ok(g.clone());
+        }
+        let g = Arc::new(Gpu::open(ordinal)?);
+        map.insert(ordinal, g.clone());
+        Ok(g)
+    }
+
+    fn open(ordinal: usize) -> Result<Gpu, KernelError> {
+        if !driver_available() {
+            return Err(KernelError::NoDriver);
+        }
+        let count = CudaContext::device_count().map_err(KernelError::driver("cuDeviceGetCount"))?;
+        let count = count.max(0) as usize;
+        if ordinal >= count {
+            return Err(KernelError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(KernelError::driver("cuDevicePrimaryCtxRetain"))?;
+        // One stream per device and strictly ordered work: cudarc's per-slice event tracking
+        // would only add an event record/wait to every launch.
+        // SAFETY: no CudaSlice exists yet in this context, and all use is on `stream`.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(KernelError::driver("cuStreamCreate"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(KernelError::driver("cuDeviceGetAttribute"))?;
+        let attr = |a: sys::CUdevice_attribute| -> Result<i32, KernelError> {
+            ctx.attribute(a).map_err(KernelError::driver("cuDeviceGetAttribute"))
+        };
+        use sys::CUdevice_attribute as A;
+        let info = DeviceInfo {
+            ordinal,
+            name: ctx.name().map_err(KernelError::driver("cuDeviceGetName"))?,
+            compute_capability: (major, minor),
+            arch: nvrtc::arch_name(major, minor),
+            sm_count: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(0) as u32,
+            max_grid: (
+                attr(A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X)?.max(0) as u32,
+                attr(A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y)?.max(0) as u32,
+                attr(A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z)?.max(0) as u32,
+            ),
+            l2_bytes: attr(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?.max(0) as u64,
+            total_mem: ctx.total_mem().map_err(KernelError::driver("cuDeviceTotalMem"))? as u64,
+        };
+        let sync_each = std::env::var("GGUFTOOL_CUDA_SYNC").is_ok_and(|v| v == "1");
+        Ok(Gpu {
+            ctx,
+            stream,
+            info,
+            modules: Mutex::new(HashMap::new()),
+            funcs: Mutex::new(HashMap::new()),
+            resources: Mutex::new(Vec::new()),
+            tables: OnceLock::new(),
+            blas: OnceLock::new(),
+            sync_each,
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Synchronize after every launch (also with `GGUFTOOL_CUDA_SYNC=1`): a fault is then
+    /// reported by the op that caused it instead of a later one.
+    pub fn set_sync_each(&mut self, on: bool) {
+        self.sync_each = on;
+    }
+
+    /// Wait for all queued work; a kernel fault surfaces here.
+    pub fn synchronize(&self) -> Result<(), KernelError> {
+        self.stream.synchronize().map_err(|source| KernelError::Launch {
+            op: "synchronize",
+            source,
+        })
+    }
+
+    /// Registers and local memory of every kernel loaded so far.
+    pub fn kernel_resources(&self) -> Vec<KernelResources> {
+        self.resources
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn module(&self, op: Op) -> Result<Arc<CudaModule>, KernelError> {
+        let mut mods = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = mods.get(&op) {
+            return Ok(m.clone());
+        }
+        let archs = nvrtc::supported_archs()?;
+        let (major, minor) = self.info.compute_capability;
+        if !archs.contains(&(major * 10 + minor)) {
+            let (vmaj, vmin) = nvrtc::version()?;
+            return Err(KernelError::UnsupportedArch {
+                major,
+                minor,
+                arch: self.info.arch.clone(),
+                nvrtc: format!("{vmaj}.{vmin}"),
+            });
+        }
+        let compiled = nvrtc::compile(op, &self.info.arch, false)?;
+        let m = self
+            .ctx
+            .load_module(Ptx::from_binary(compiled.cubin))
+            .map_err(KernelError::driver("cuModuleLoadData"))?;
+        mods.insert(op, m.clone());
+        Ok(m)
+    }
+
+    /// The kernel `name` of `op`, compiling and loading the module on first use.
+    pub(crate) fn func(&self, op: Op, name: &'static str) -> Result<CudaFunction, KernelError> {
+        if let Some(f) = self
+            .funcs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+        {
+            return Ok(f.clone());
+        }
+        let m = self.module(op)?;
+        let f = m
+            .load_function(name)
+            .map_err(KernelError::driver("cuModuleGetFunction"))?;
+        let registers = f.num_regs().unwrap_or(-1);
+        let local_bytes = f.local_size_bytes().unwrap_or(-1);
+        self.resources
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(KernelResources {
+                kernel: name.to_string(),
+                registers,
+                local_bytes,
+            });
+        self.funcs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name, f.clone());
+        Ok(f)
+    }
+
+    /// Fails unless `grid` fits the device's limits.
+    pub(crate) fn check_grid(
+        &self,
+        op: &'static str,
+        grid: (u64, u64, u64),
+    ) -> Result<(u32, u32, u32), KernelError> {
+        let (mx, my, mz) = self.info.max_grid;
+        let err = || KernelError::GridTooLarge {
+            op,
+            grid,
+            limit: self.info.max_grid,
+        };
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Err(KernelError::BadShape {
+                op,
+                msg: format!("empty launch grid {grid:?}"),
+            });
+        }
+        if grid.0 > mx as u64 || grid.1 > my as u64 || grid.2 > mz as u64 {
+            return Err(err());
+        }
+        Ok((grid.0 as u32, grid.1 as u32, grid.2 as u32))
+    }
+
+    pub(crate) fn cfg(
+        &self,
+        op: &'static str,
+        grid: (u64, u64, u64),
+        block: u32,
+    ) -> Result<LaunchConfig, KernelError> {
+        Ok(LaunchConfig {
+            grid_dim: self.check_grid(op, grid)?,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+
+    /// Map a launch result and, in sync mode, wait for the kernel and report its fault.
+    pub(crate) fn launched<T>(
+        &self,
+        op: &'static str,
+        r: Result<T, cudarc::driver::DriverError>,
+    ) -> Result<(), KernelError> {
+        r.map_err(|source| KernelError::Launch { op, source })?;
+        if self.sync_each {
+            self.stream
+                .synchronize()
+                .map_err(|source| KernelError::Launch { op, source })?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn tables(&self) -> Result<&DeviceTables, KernelError> {
+        if let Some(t) = self.tables.get() {
+            return Ok(t);
+        }
+        let t = DeviceTables::upload(&self.stream)?;
+        Ok(self.tables.get_or_init(|| t))
+    }
+
+    pub(crate) fn blas(&self) -> Result<&cudarc::cublas::CudaBlas, KernelError> {
+        if let Some(b) = self.blas.get() {
+            return Ok(b);
+        }
+        let b = cudarc::cublas::CudaBlas::new(self.stream.clone()).map_err(|source| {
+            KernelError::Cublas {
+                what: "cublasCreate",
+                source,
+            }
+        })?;
+        Ok(self.blas.get_or_init(|| b))
+    }
+
+    // ---- buffers -------------------------------------------------------------------------
+
+    /// Copy host data into a new device buffer.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, KernelError> {
+        self.stream
+            .clone_htod(host)
+            .map_err(KernelError::driver("cuMemcpyHtoD"))
+    }
+
+    /// A zero-filled device buffer of `n` elements.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, KernelError> {
+        self.stream
+            .alloc_zeros(n.max(1))
+            .map_err(KernelError::driver("cuMemAlloc"))
+    }
+
+    /// Copy a device buffer back (waits for the stream).
+    pub fn download<T: DeviceRepr + Clone + Default>(
+        &self,
+        dev: &impl cudarc::driver::DevicePtr<T>,
+    ) -> Result<Vec<T>, KernelError> {
+        let mut out = vec![T::default(); dev.len()];
+        self.stream
+            .memcpy_dtoh(dev, &mut out)
+            .map_err(|source| KernelError::Launch {
+                op: "download",
+                source,
+            })?;
+        self.synchronize()?;
+        Ok(out)
+    }
+}
+
+/// Fail with [`KernelError::BadLength`] unless `got >= need`.
+pub(crate) fn need_len(
+    op: &'static str,
+    arg: &'static str,
+    got: usize,
+    need: usize,
+) -> Result<(), KernelError> {
+    if got < need {
+        return Err(KernelError::BadLength { op, arg, need, got });
+    }
+    Ok(())
+}
+
+/// The length of a device buffer (slice or view).
+pub(crate) fn dlen<T>(s: &impl DeviceSlice<T>) -> usize {
+    s.len()
+}
+
+/// Checked conversion of a shape value to the `int` a kernel takes.
+pub(crate) fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32, KernelError> {
+    i32::try_from(v).map_err(|_| KernelError::BadShape {
+        op,
+        msg: format!("{what} = {v} exceeds the kernel's 32-bit range"),
+    })
+}

@@ -1,0 +1,118 @@
+//! The kernel sources: one op per `.cu` file under `kernels/cuda/`, embedded in the binary.
+//!
+//! NVRTC compiles `prelude.cuh` + the op's headers + the op's file as one translation unit
+//! (NVRTC 13.0 has no include path to the CUDA headers, so nothing is `#include`d).
+
+/// Shared prelude of every module: integer typedefs, f16/bf16 conversions, reductions.
+const PRELUDE: &str = include_str!("../cuda/prelude.cuh");
+/// The ggml block decoders, shared by the ops that read quantized weights.
+const QUANT: &str = include_str!("../cuda/quant.cuh");
+
+/// One compiled module = one op file. Modules are compiled lazily, once per device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Op {
+    Dequant,
+    Gemv,
+    RmsNorm,
+    LayerNorm,
+    Rope,
+    MlaAttention,
+    IndexerScores,
+    TopK,
+    MoeRouter,
+    MoeCombine,
+    SiluMul,
+    Elementwise,
+    Argmax,
+}
+
+impl Op {
+    /// Every op, for the compile check.
+    pub const ALL: [Op; 13] = [
+        Op::Dequant,
+        Op::Gemv,
+        Op::RmsNorm,
+        Op::LayerNorm,
+        Op::Rope,
+        Op::MlaAttention,
+        Op::IndexerScores,
+        Op::TopK,
+        Op::MoeRouter,
+        Op::MoeCombine,
+        Op::SiluMul,
+        Op::Elementwise,
+        Op::Argmax,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Dequant => "dequant",
+            Op::Gemv => "gemv",
+            Op::RmsNorm => "rmsnorm",
+            Op::LayerNorm => "layernorm",
+            Op::Rope => "rope",
+            Op::MlaAttention => "mla_attention",
+            Op::IndexerScores => "indexer_scores",
+            Op::TopK => "topk",
+            Op::MoeRouter => "moe_router",
+            Op::MoeCombine => "moe_combine",
+            Op::SiluMul => "silu_mul",
+            Op::Elementwise => "elementwise",
+            Op::Argmax => "argmax",
+        }
+    }
+
+    pub fn file_name(self) -> &'static str {
+        match self {
+            Op::Dequant => "dequant.cu",
+            Op::Gemv => "gemv.cu",
+            Op::RmsNorm => "rmsnorm.cu",
+            Op::LayerNorm => "layernorm.cu",
+            Op::Rope => "rope.cu",
+            Op::MlaAttention => "mla_attention.cu",
+            Op::IndexerScores => "indexer_scores.cu",
+            Op::TopK => "topk.cu",
+            Op::MoeRouter => "moe_router.cu",
+            Op::MoeCombine => "moe_combine.cu",
+            Op::SiluMul => "silu_mul.cu",
+            Op::Elementwise => "elementwise.cu",
+            Op::Argmax => "argmax.cu",
+        }
+    }
+
+    /// The op's own source file.
+    pub fn source(self) -> &'static str {
+        match self {
+            Op::Dequant => include_str!("../cuda/dequant.cu"),
+            Op::Gemv => include_str!("../cuda/gemv.cu"),
+            Op::RmsNorm => include_str!("../cuda/rmsnorm.cu"),
+            Op::LayerNorm => include_str!("../cuda/layernorm.cu"),
+            Op::Rope => include_str!("../cuda/rope.cu"),
+            Op::MlaAttention => include_str!("../cuda/mla_attention.cu"),
+            Op::IndexerScores => include_str!("../cuda/indexer_scores.cu"),
+            Op::TopK => include_str!("../cuda/topk.cu"),
+            Op::MoeRouter => include_str!("../cuda/moe_router.cu"),
+            Op::MoeCombine => include_str!("../cuda/moe_combine.cu"),
+            Op::SiluMul => include_str!("../cuda/silu_mul.cu"),
+            Op::Elementwise => include_str!("../cuda/elementwise.cu"),
+            Op::Argmax => include_str!("../cuda/argmax.cu"),
+        }
+    }
+
+    /// (file name, text) of everything NVRTC compiles for this op, in order: the prelude, the
+    /// headers the op needs, the op's own file.
+    pub fn sections(self) -> Vec<(&'static str, &'static str)> {
+        let mut v = vec![("prelude.cuh", PRELUDE)];
+        if matches!(self, Op::Dequant | Op::Gemv) {
+            v.push(("quant.cuh", QUANT));
+        }
+        v.push((self.file_name(), self.source()));
+        v
+    }
+
+    /// Whether NVRTC may contract `a*b+c` into FMAs. Off for the dequantizer, whose products must
+    /// round exactly like the CPU oracle's (`verify --gpu` checks them to a few ulps).
+    pub(crate) fn allow_fma(self) -> bool {
+        !matches!(self, Op::Dequant)
+    }
+}

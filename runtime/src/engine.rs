@@ -1,1 +1,0 @@
-//! engine (in progress).

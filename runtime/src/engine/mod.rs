@@ -1,0 +1,712 @@
+//! The engine: one scheduler thread owns the model and runs continuous batching.
+//!
+//! Requests wait in a bounded queue; between two forward passes the scheduler admits waiting
+//! requests into the running batch, so every step shares one weight read among all running
+//! sequences. Long prompts are prefilled in chunks so that they do not stall the decoding of
+//! others for a whole prompt. Each request gets its tokens through a channel; dropping the
+//! receiving [`Generation`] cancels the request at the next step.
+
+pub mod metrics;
+
+use crate::lm::{LanguageModel, SeqStep, SequenceState};
+use crate::sampler::{self, Sampler, SamplingParams};
+pub use metrics::Metrics;
+use std::collections::{HashMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+use tokio::sync::mpsc;
+
+/// Limits of the scheduler.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Requests allowed to wait for a slot; one more is refused with [`SubmitError::QueueFull`].
+    pub max_queue: usize,
+    /// Sequences decoded together in one step.
+    pub max_running: usize,
+    /// Prompt tokens processed per step (summed over sequences); a longer prompt is prefilled in
+    /// chunks over several steps.
+    pub prefill_chunk: usize,
+    /// Longest sequence (prompt + generated); at most the model's context length.
+    pub context_length: usize,
+}
+
+impl EngineConfig {
+    /// Defaults for a model: 128 waiting, 16 running, 512-token prefill chunks, full context.
+    pub fn for_model(model: &dyn LanguageModel) -> Self {
+        EngineConfig {
+            max_queue: 128,
+            max_running: 16,
+            prefill_chunk: 512,
+            context_length: model.context_length(),
+        }
+    }
+}
+
+/// What to generate for one request.
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (0 only scores the prompt).
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Tokens that end the generation (end-of-generation ids); not reported as output tokens.
+    pub stop_tokens: Vec<u32>,
+    /// Report each generated token's log-probability and this many alternatives.
+    pub logprobs: Option<usize>,
+    /// Report each prompt token's log-probability (after the first) and this many alternatives.
+    pub prompt_logprobs: Option<usize>,
+    /// Added to the logits before sampling (OpenAI `logit_bias`); `-inf` bans a token.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// OpenAI presence / frequency penalties over the generated tokens.
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+}
+
+impl GenerationRequest {
+    /// A plain request: greedy unless `sampling` says otherwise, no logprobs, no penalties.
+    pub fn new(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Self {
+        GenerationRequest {
+            prompt,
+            max_tokens,
+            sampling,
+            stop_tokens: Vec::new(),
+            logprobs: None,
+            prompt_logprobs: None,
+            logit_bias: Vec::new(),
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+        }
+    }
+}
+
+/// Log-probability of one token (natural log of the raw softmax) and the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token was generated.
+    Stop,
+    /// `max_tokens` or the context length was reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    /// Generated tokens, the stop token included.
+    pub completion_tokens: usize,
+}
+
+/// What the engine sends back for one request, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Logprobs of prompt tokens 1.. (token 0 has no prediction); only when asked for.
+    PromptLogprobs(Vec<TokenLogprobs>),
+    /// One generated token (stop tokens are not sent, they end the stream with `Finished`).
+    Token {
+        id: u32,
+        logprobs: Option<TokenLogprobs>,
+    },
+    Finished { reason: FinishReason, usage: Usage },
+    /// The backend failed; the request is over.
+    Failed(String),
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the server is busy: {max} requests are already waiting; retry later")]
+    QueueFull { max: usize },
+    #[error("this model's maximum context length is {max} tokens, but {need} were requested ({prompt} in the prompt + {max_tokens} to generate)")]
+    ContextExceeded {
+        need: usize,
+        max: usize,
+        prompt: usize,
+        max_tokens: usize,
+    },
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("token id {id} is out of range (vocabulary size {vocab})")]
+    TokenOutOfRange { id: u32, vocab: usize },
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+/// The receiving end of one request. Dropping it cancels the request.
+#[derive(Debug)]
+pub struct Generation {
+    rx: mpsc::UnboundedReceiver<Event>,
+}
+
+impl Generation {
+    /// The next event; `None` after the last one.
+    pub async fn recv(&mut self) -> Option<Event> {
+        self.rx.recv().await
+    }
+
+    /// Blocking variant for synchronous callers (never call it inside an async task).
+    pub fn blocking_recv(&mut self) -> Option<Event> {
+        self.rx.blocking_recv()
+    }
+}
+
+struct Job {
+    req: GenerationRequest,
+    tx: mpsc::UnboundedSender<Event>,
+    arrived: Instant,
+}
+
+struct Shared {
+    queue: Mutex<VecDeque<Job>>,
+    wake: Condvar,
+    stop: AtomicBool,
+}
+
+/// Handle to the scheduler thread; cheap to clone. The thread ends when the last handle is dropped.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<EngineInner>,
+}
+
+struct EngineInner {
+    shared: Arc<Shared>,
+    config: EngineConfig,
+    vocab: usize,
+    metrics: Arc<Metrics>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for EngineInner {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.wake.notify_all();
+        let handle = self
+            .thread
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Engine {
+    /// Start the scheduler thread over `model`.
+    pub fn start(
+        model: Arc<dyn LanguageModel>,
+        mut config: EngineConfig,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<Engine> {
+        config.context_length = config.context_length.clamp(1, model.context_length().max(1));
+        config.max_running = config.max_running.max(1);
+        config.prefill_chunk = config.prefill_chunk.max(1);
+        metrics.kv_cache_capacity_tokens.store(
+            (config.max_running * config.context_length) as u64,
+            Ordering::Relaxed,
+        );
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(VecDeque::new()),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let vocab = model.vocab_size();
+        let mut sched = Scheduler {
+            model,
+            shared: shared.clone(),
+            config: config.clone(),
+            metrics: metrics.clone(),
+            running: Vec::new(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || sched.run())?;
+        Ok(Engine {
+            inner: Arc::new(EngineInner {
+                shared,
+                config,
+                vocab,
+                metrics,
+                thread: Mutex::new(Some(thread)),
+            }),
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.metrics
+    }
+
+    pub fn context_length(&self) -> usize {
+        self.inner.config.context_length
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.vocab
+    }
+
+    /// Check a request against the engine's limits without queueing it.
+    pub fn check(&self, req: &GenerationRequest) -> Result<(), SubmitError> {
+        if req.prompt.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        let vocab = self.inner.vocab;
+        let bad = req
+            .prompt
+            .iter()
+            .chain(&req.stop_tokens)
+            .chain(req.logit_bias.iter().map(|(id, _)| id))
+            .find(|&&id| id as usize >= vocab);
+        if let Some(&id) = bad {
+            return Err(SubmitError::TokenOutOfRange { id, vocab });
+        }
+        let max = self.inner.config.context_length;
+        let need = req.prompt.len().saturating_add(req.max_tokens);
+        if need > max {
+            return Err(SubmitError::ContextExceeded {
+                need,
+                max,
+                prompt: req.prompt.len(),
+                max_tokens: req.max_tokens,
+            });
+        }
+        Ok(())
+    }
+
+    /// Queue a request. Fails at once when it cannot run or the queue is full.
+    pub fn submit(&self, req: GenerationRequest) -> Result<Generation, SubmitError> {
+        let m = &self.inner.metrics;
+        if let Err(e) = self.check(&req) {
+            m.record_rejected(match e {
+                SubmitError::ContextExceeded { .. } => "context_exceeded",
+                _ => "invalid",
+            });
+            return Err(e);
+        }
+        let shared = &self.inner.shared;
+        if shared.stop.load(Ordering::SeqCst) {
+            return Err(SubmitError::Stopped);
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        {
+            let mut q = lock(&shared.queue);
+            // Requests whose client already left do not count against the limit.
+            q.retain(|j| !j.tx.is_closed());
+            let max = self.inner.config.max_queue;
+            if q.len() >= max {
+                m.record_rejected("queue_full");
+                return Err(SubmitError::QueueFull { max });
+            }
+            q.push_back(Job {
+                req,
+                tx,
+                arrived: Instant::now(),
+            });
+            m.requests_waiting.store(q.len() as u64, Ordering::Relaxed);
+        }
+        shared.wake.notify_one();
+        Ok(Generation { rx })
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One running sequence.
+struct Active {
+    job: Job,
+    state: Box<dyn SequenceState>,
+    sampler: Sampler,
+    /// Prompt tokens already in the cache.
+    prefilled: usize,
+    /// The last sampled token, fed to the model in the next step.
+    next: [u32; 1],
+    generated: usize,
+    prompt_lps: Vec<TokenLogprobs>,
+    /// Generated-token counts for presence / frequency penalties.
+    counts: HashMap<u32, u32>,
+    last_token: Option<Instant>,
+}
+
+impl Active {
+    fn prefill_left(&self) -> usize {
+        self.job.req.prompt.len() - self.prefilled
+    }
+}
+
+/// What one sequence does in the current step.
+#[derive(Clone, Copy)]
+enum Work {
+    Prefill { from: usize, to: usize },
+    Decode,
+}
+
+struct Scheduler {
+    model: Arc<dyn LanguageModel>,
+    shared: Arc<Shared>,
+    config: EngineConfig,
+    metrics: Arc<Metrics>,
+    running: Vec<Active>,
+}
+
+impl Scheduler {
+    fn run(&mut self) {
+        while let Some(()) = self.admit() {
+            self.step();
+        }
+        // Engine dropped: tell whoever still listens.
+        for a in self.running.drain(..) {
+            let _ = a.job.tx.send(Event::Failed("the engine has stopped".into()));
+        }
+        for j in lock(&self.shared.queue).drain(..) {
+            let _ = j.tx.send(Event::Failed("the engine has stopped".into()));
+        }
+    }
+
+    /// Move waiting requests into the batch; block while there is nothing to do.
+    /// `None` when the engine is shutting down.
+    fn admit(&mut self) -> Option<()> {
+        let mut q = lock(&self.shared.queue);
+        loop {
+            if self.shared.stop.load(Ordering::SeqCst) {
+                return None;
+            }
+            while self.running.len() < self.config.max_running {
+                let Some(job) = q.pop_front() else { break };
+                if job.tx.is_closed() {
+                    self.metrics.record_finished("cancelled");
+                    continue;
+                }
+                self.metrics
+                    .queue_time
+                    .observe(job.arrived.elapsed().as_secs_f64());
+                if job.req.max_tokens == 0 && job.req.prompt_logprobs.is_none() {
+                    // Nothing to compute.
+                    let usage = Usage {
+                        prompt_tokens: job.req.prompt.len(),
+                        completion_tokens: 0,
+                    };
+                    self.metrics.record_finished("length");
+                    let _ = job.tx.send(Event::Finished {
+                        reason: FinishReason::Length,
+                        usage,
+                    });
+                    continue;
+                }
+                let state = self.model.new_sequence();
+                let counts = HashMap::new();
+                self.running.push(Active {
+                    sampler: Sampler::new(job.req.sampling),
+                    job,
+                    state,
+                    prefilled: 0,
+                    next: [0],
+                    generated: 0,
+                    prompt_lps: Vec::new(),
+                    counts,
+                    last_token: None,
+                });
+            }
+            self.metrics
+                .requests_waiting
+                .store(q.len() as u64, Ordering::Relaxed);
+            self.metrics
+                .requests_running
+                .store(self.running.len() as u64, Ordering::Relaxed);
+            if !self.running.is_empty() {
+                return Some(());
+            }
+            q = self
+                .shared
+                .wake
+                .wait(q)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn step(&mut self) {
+        // Cancelled requests leave before they cost a forward pass.
+        let before = self.running.len();
+        self.running.retain(|a| !a.job.tx.is_closed());
+        for _ in self.running.len()..before {
+            self.metrics.record_finished("cancelled");
+        }
+        if self.running.is_empty() {
+            return;
+        }
+
+        // Decoding sequences always step; prompts share a token budget, oldest first, and the
+        // first prompt always progresses so a prompt longer than the budget is not starved.
+        let mut budget = self.config.prefill_chunk;
+        let mut work: Vec<Option<Work>> = Vec::with_capacity(self.running.len());
+        let mut any_prefill_started = false;
+        for a in &self.running {
+            let left = a.prefill_left();
+            if left == 0 {
+                work.push(Some(Work::Decode));
+            } else if budget > 0 || !any_prefill_started {
+                let n = left.min(budget.max(1));
+                budget = budget.saturating_sub(n);
+                any_prefill_started = true;
+                work.push(Some(Work::Prefill {
+                    from: a.prefilled,
+                    to: a.prefilled + n,
+                }));
+            } else {
+                work.push(None);
+            }
+        }
+
+        let mut steps: Vec<SeqStep<'_>> = Vec::with_capacity(self.running.len());
+        let mut n_tokens = 0;
+        let mut prefill_only = true;
+        for (a, w) in self.running.iter_mut().zip(&work) {
+            let Some(w) = *w else { continue };
+            let Active {
+                state, job, next, ..
+            } = a;
+            let (tokens, all_logits): (&[u32], bool) = match w {
+                Work::Prefill { from, to } => (
+                    &job.req.prompt[from..to],
+                    job.req.prompt_logprobs.is_some(),
+                ),
+                Work::Decode => {
+                    prefill_only = false;
+                    (&next[..], false)
+                }
+            };
+            n_tokens += tokens.len();
+            steps.push(SeqStep {
+                seq: state.as_mut(),
+                tokens,
+                all_logits,
+            });
+        }
+        let expected: Vec<usize> = steps
+            .iter()
+            .map(|s| {
+                if s.all_logits {
+                    s.tokens.len()
+                } else {
+                    1
+                }
+            })
+            .collect();
+
+        let t0 = Instant::now();
+        let model = &self.model;
+        let result = catch_unwind(AssertUnwindSafe(|| model.forward(&mut steps)));
+        drop(steps);
+        self.metrics
+            .record_step(n_tokens, prefill_only, t0.elapsed().as_micros() as u64);
+        let vocab = self.model.vocab_size();
+        let outputs = match result {
+            Ok(Ok(out))
+                if out.len() == expected.len()
+                    && out.iter().zip(&expected).all(|(o, &e)| o.len() == e * vocab) =>
+            {
+                out
+            }
+            Ok(Ok(_)) => {
+                return self.fail_stepped(&work, "backend returned logits of the wrong shape")
+            }
+            Ok(Err(e)) => return self.fail_stepped(&work, &e.to_string()),
+            Err(_) => return self.fail_stepped(&work, "backend panicked during a forward pass"),
+        };
+
+        let mut outputs = outputs.into_iter();
+        let mut finished: Vec<usize> = Vec::new();
+        for (i, (a, w)) in self.running.iter_mut().zip(&work).enumerate() {
+            let Some(w) = *w else { continue };
+            let Some(logits) = outputs.next() else { break };
+            let done = match w {
+                Work::Prefill { from, to } => {
+                    self.metrics
+                        .prompt_tokens
+                        .fetch_add((to - from) as u64, Ordering::Relaxed);
+                    a.prefilled = to;
+                    prefill_logits(a, from, to, &logits, vocab, &self.metrics)
+                }
+                Work::Decode => sample_next(a, &logits, &self.metrics),
+            };
+            if done {
+                finished.push(i);
+            }
+        }
+        for &i in finished.iter().rev() {
+            self.running.swap_remove(i);
+        }
+        // swap_remove changes the order; keep arrival order so prefill budgets go oldest-first.
+        self.running.sort_by_key(|a| a.job.arrived);
+
+        let (mut tokens, mut bytes) = (0u64, 0u64);
+        for a in &self.running {
+            tokens += a.state.len() as u64;
+            bytes += a.state.cache_bytes() as u64;
+        }
+        self.metrics
+            .kv_cache_tokens
+            .store(tokens, Ordering::Relaxed);
+        self.metrics.kv_cache_bytes.store(bytes, Ordering::Relaxed);
+        self.metrics
+            .requests_running
+            .store(self.running.len() as u64, Ordering::Relaxed);
+    }
+
+    /// A failed forward pass ends every sequence that took part in it: their caches may be
+    /// half-written.
+    fn fail_stepped(&mut self, work: &[Option<Work>], msg: &str) {
+        tracing::error!("forward pass failed: {msg}");
+        // Metrics first: a client that gets the event may read them at once.
+        for _ in work.iter().flatten() {
+            self.metrics.record_finished("error");
+        }
+        let mut i = 0;
+        self.running.retain(|a| {
+            let stepped = work.get(i).copied().flatten().is_some();
+            i += 1;
+            if stepped {
+                let _ = a.job.tx.send(Event::Failed(msg.to_string()));
+            }
+            !stepped
+        });
+    }
+}
+
+/// Handle the logits of a prompt chunk. Returns true when the request is finished.
+fn prefill_logits(
+    a: &mut Active,
+    from: usize,
+    to: usize,
+    logits: &[f32],
+    vocab: usize,
+    metrics: &Metrics,
+) -> bool {
+    let req = &a.job.req;
+    if let Some(k) = req.prompt_logprobs {
+        // Row j predicts prompt token from + j + 1.
+        for (j, row) in logits.chunks_exact(vocab).enumerate() {
+            let Some(&target) = req.prompt.get(from + j + 1) else {
+                break;
+            };
+            a.prompt_lps.push(TokenLogprobs {
+                logprob: sampler::logprob(row, target),
+                top: sampler::top_logprobs(row, k),
+            });
+        }
+    }
+    if to < req.prompt.len() {
+        return false;
+    }
+    if req.prompt_logprobs.is_some() {
+        let lps = std::mem::take(&mut a.prompt_lps);
+        if a.job.tx.send(Event::PromptLogprobs(lps)).is_err() {
+            metrics.record_finished("cancelled");
+            return true;
+        }
+    }
+    if req.max_tokens == 0 {
+        finish(a, FinishReason::Length, metrics);
+        return true;
+    }
+    match logits.len() / vocab {
+        0 => {
+            finish(a, FinishReason::Length, metrics);
+            true
+        }
+        rows => sample_next(a, &logits[(rows - 1) * vocab..], metrics),
+    }
+}
+
+fn finish(a: &Active, reason: FinishReason, metrics: &Metrics) {
+    let usage = Usage {
+        prompt_tokens: a.job.req.prompt.len(),
+        completion_tokens: a.generated,
+    };
+    metrics.record_finished(reason.as_str());
+    metrics
+        .request_latency
+        .observe(a.job.arrived.elapsed().as_secs_f64());
+    let _ = a.job.tx.send(Event::Finished { reason, usage });
+}
+
+/// Sample a token from the last position's logits, send it, and decide whether the request ends.
+fn sample_next(a: &mut Active, logits: &[f32], metrics: &Metrics) -> bool {
+    let req = &a.job.req;
+    let penalize = req.presence_penalty != 0.0 || req.frequency_penalty != 0.0;
+    let adjusted;
+    let view: &[f32] = if req.logit_bias.is_empty() && (a.counts.is_empty() || !penalize) {
+        logits
+    } else {
+        let mut l = logits.to_vec();
+        for &(id, bias) in &req.logit_bias {
+            if let Some(x) = l.get_mut(id as usize) {
+                *x += bias;
+            }
+        }
+        if penalize {
+            for (&id, &c) in &a.counts {
+                if let Some(x) = l.get_mut(id as usize) {
+                    *x -= req.presence_penalty + req.frequency_penalty * c as f32;
+                }
+            }
+        }
+        adjusted = l;
+        &adjusted
+    };
+    let id = a.sampler.sample(view);
+    // Reported logprobs are those of the model's raw distribution (OpenAI semantics).
+    let lp = req.logprobs.map(|k| TokenLogprobs {
+        logprob: sampler::logprob(logits, id),
+        top: sampler::top_logprobs(logits, k),
+    });
+    a.generated += 1;
+    if penalize {
+        *a.counts.entry(id).or_default() += 1;
+    }
+    let now = Instant::now();
+    match a.last_token {
+        None => metrics
+            .time_to_first_token
+            .observe((now - a.job.arrived).as_secs_f64()),
+        Some(t) => metrics.inter_token_latency.observe((now - t).as_secs_f64()),
+    }
+    a.last_token = Some(now);
+    metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
+    if req.stop_tokens.contains(&id) {
+        finish(a, FinishReason::Stop, metrics);
+        return true;
+    }
+    if a.job.tx.send(Event::Token { id, logprobs: lp }).is_err() {
+        metrics.record_finished("cancelled");
+        return true;
+    }
+    // `check` made prompt + max_tokens fit the context, so this also bounds the cache.
+    if a.generated >= req.max_tokens {
+        finish(a, FinishReason::Length, metrics);
+        return true;
+    }
+    a.next = [id];
+    false
+}

@@ -1,1 +1,0 @@
-//! server (in progress).

@@ -1,0 +1,351 @@
+//! OpenAI-compatible HTTP server (axum): `/v1/completions`, `/v1/chat/completions` (streaming
+//! with SSE), `/v1/models`, llama-server's `/tokenize` and `/detokenize`, `/health` and
+//! Prometheus `/metrics`.
+//!
+//! The server only translates between HTTP and the [`Engine`]: it validates requests at the edge
+//! ([`params`]), renders chat templates and tokenizes (through [`TextCodec`]), and turns the
+//! engine's token events back into text ([`text`]). Every error is an OpenAI-shaped JSON object
+//! ([`ApiError`]), including axum's own rejections (bad JSON, unknown route, wrong method).
+
+pub mod error;
+mod openai;
+pub mod params;
+pub mod text;
+
+use crate::engine::{Engine, Metrics};
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+pub use error::ApiError;
+use serde_json::{json, Value};
+use std::sync::{Arc, OnceLock};
+pub use text::{Message, TextCodec};
+
+/// Settings of the HTTP layer.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Required as `Authorization: Bearer <key>` on every route but `/health` when set.
+    pub api_key: Option<String>,
+    /// Largest request body accepted (bytes); larger ones get 413.
+    pub max_body_bytes: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            api_key: None,
+            max_body_bytes: 8 << 20,
+        }
+    }
+}
+
+/// A loaded model ready to serve: the engine and the model's text side.
+pub struct Backend {
+    pub engine: Engine,
+    pub codec: Arc<dyn TextCodec>,
+    /// Reported by `/v1/models` and in every response's `model` field.
+    pub model_name: String,
+    /// Ids of `<think>` / `</think>` when the vocabulary has both (GLM reasoning split).
+    think: Option<(u32, u32)>,
+    eog: Vec<u32>,
+}
+
+impl Backend {
+    pub fn new(engine: Engine, codec: Arc<dyn TextCodec>, model_name: impl Into<String>) -> Self {
+        let think = codec.token_id("<think>").zip(codec.token_id("</think>"));
+        let eog = codec.eog_ids();
+        Backend {
+            engine,
+            codec,
+            model_name: model_name.into(),
+            think,
+            eog,
+        }
+    }
+}
+
+/// Shared state of all handlers. The model may still be loading (`/health` answers 503 then).
+pub struct AppState {
+    pub config: ServerConfig,
+    pub metrics: Arc<Metrics>,
+    backend: OnceLock<Arc<Backend>>,
+    created: u64,
+}
+
+impl AppState {
+    /// State without a model yet; call [`AppState::set_ready`] once it is loaded. `metrics`
+    /// should be the one given to the engine so that `/metrics` shows both layers.
+    pub fn new(config: ServerConfig, metrics: Arc<Metrics>) -> Arc<Self> {
+        Arc::new(AppState {
+            config,
+            metrics,
+            backend: OnceLock::new(),
+            created: unix_time(),
+        })
+    }
+
+    /// The model is loaded; the API routes start answering.
+    pub fn set_ready(&self, backend: Backend) {
+        let _ = self.backend.set(Arc::new(backend));
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.backend.get().is_some()
+    }
+
+    fn backend(&self) -> Result<Arc<Backend>, ApiError> {
+        self.backend.get().cloned().ok_or_else(ApiError::loading)
+    }
+}
+
+pub(crate) fn unix_time() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// All routes with authentication, JSON errors and request metrics.
+pub fn router(state: Arc<AppState>) -> Router {
+    let api = Router::new()
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/metrics", get(metrics))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/health", get(health))
+        .merge(api)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), count_requests))
+        .with_state(state)
+}
+
+/// Bind-independent serving loop: run the router on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn health(State(s): State<Arc<AppState>>) -> Response {
+    match s.backend() {
+        Ok(_) => Json(json!({"status": "ok"})).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::not_found(format!("no route {} {}", req.method(), req.uri().path()))
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        format!("method {} is not allowed on {}", req.method(), req.uri().path()),
+    )
+}
+
+async fn require_api_key(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &s.config.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Comparison whose time does not depend on where the strings differ (key guessing by timing).
+/// Only the key's length can leak, not its bytes.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn count_requests(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    // Only known routes become labels, so random paths cannot blow up the series count.
+    const ROUTES: [&str; 8] = [
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/metrics",
+        "/health",
+        "/v1/health",
+    ];
+    let path = req.uri().path();
+    let route = ROUTES.iter().find(|&&r| r == path).copied().unwrap_or("other");
+    let resp = next.run(req).await;
+    s.metrics.record_http(route, resp.status().as_u16());
+    resp
+}
+
+/// Read and parse a JSON body within the size limit; every failure is a JSON 4xx.
+pub(crate) async fn read_json(state: &AppState, req: Request) -> Result<Value, ApiError> {
+    let limit = state.config.max_body_bytes;
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("request body larger than {limit} bytes"),
+        )
+    };
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let bytes = axum::body::to_bytes(req.into_body(), limit)
+        .await
+        .map_err(|_| too_large())?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+    let b = s.backend()?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": b.model_name,
+            "object": "model",
+            "created": s.created,
+            "owned_by": "gguftool",
+            "meta": {
+                "n_ctx": b.engine.context_length(),
+                "n_vocab": b.engine.vocab_size(),
+            },
+        }],
+    })))
+}
+
+async fn metrics(State(s): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        s.metrics.render(),
+    )
+        .into_response()
+}
+
+/// llama-server's `/tokenize`: `{"content", "parse_special"?, "with_pieces"?}` -> `{"tokens"}`.
+async fn tokenize(State(s): State<Arc<AppState>>, req: Request) -> Result<Json<Value>, ApiError> {
+    let b = s.backend()?;
+    let body = read_json(&s, req).await?;
+    let f = params::Fields::of(&body)?;
+    let content = f
+        .string("content")?
+        .ok_or_else(|| ApiError::invalid("content", "'content' is required"))?
+        .to_string();
+    // Models served here add no BOS of their own (GLM); the flag is accepted for compatibility.
+    f.boolean("add_special")?;
+    let parse_special = f.boolean("parse_special")?.unwrap_or(true);
+    let with_pieces = f.boolean("with_pieces")?.unwrap_or(false);
+    let codec = b.codec.clone();
+    let ids = tokio::task::spawn_blocking(move || codec.encode(&content, parse_special))
+        .await
+        .map_err(|_| ApiError::internal("tokenizer task failed"))?
+        .map_err(ApiError::bad_request)?;
+    let tokens: Vec<Value> = if with_pieces {
+        ids.iter()
+            .map(|&id| {
+                let bytes = b.codec.token_bytes(id).unwrap_or_default();
+                let piece = match String::from_utf8(bytes) {
+                    Ok(s) => json!(s),
+                    Err(e) => json!(e.into_bytes()),
+                };
+                json!({"id": id, "piece": piece})
+            })
+            .collect()
+    } else {
+        ids.iter().map(|&id| json!(id)).collect()
+    };
+    Ok(Json(json!({ "tokens": tokens })))
+}
+
+/// llama-server's `/detokenize`: `{"tokens": [ids]}` -> `{"content"}`.
+async fn detokenize(
+    State(s): State<Arc<AppState>>,
+    req: Request,
+) -> Result<Json<Value>, ApiError> {
+    let b = s.backend()?;
+    let body = read_json(&s, req).await?;
+    let f = params::Fields::of(&body)?;
+    let vocab = b.engine.vocab_size();
+    let ids = match f.get("tokens") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|t| {
+                t.as_u64()
+                    .filter(|&t| t < vocab as u64)
+                    .map(|t| t as u32)
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "tokens",
+                            format!("{t} is not a token id (vocabulary size {vocab})"),
+                        )
+                    })
+            })
+            .collect::<Result<Vec<u32>, _>>()?,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "tokens",
+                "'tokens' must be an array of token ids",
+            ))
+        }
+    };
+    Ok(Json(json!({ "content": b.codec.decode(&ids, false) })))
+}
+
+/// An SSE response over a stream of already formatted `data:` events.
+pub(crate) fn sse_response(
+    stream: impl futures::Stream<Item = Result<axum::body::Bytes, std::convert::Infallible>>
+        + Send
+        + 'static,
+) -> Response {
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .header("x-accel-buffering", "no")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| ApiError::internal("could not build the response").into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constant_time_eq_works() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+        assert!(!constant_time_eq(b"", b"a"));
+        assert!(constant_time_eq(b"", b""));
+    }
+}

@@ -1,0 +1,375 @@
+//! The text side of serving: what the server needs from a tokenizer and chat template
+//! ([`TextCodec`]), and the conversion of the engine's token stream into text pieces — UTF-8
+//! boundaries across tokens, stop strings, and the split of GLM thinking text into
+//! `reasoning_content`.
+
+use crate::engine::{Event, FinishReason, Generation, TokenLogprobs, Usage};
+use std::sync::Arc;
+
+/// One chat message as the template sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+/// Tokenizer and chat template of the served model. The real binary wraps the GGUF tokenizer;
+/// tests use small mocks.
+pub trait TextCodec: Send + Sync {
+    /// Text to token ids; `parse_special` turns special-token text (`<|user|>`) into its id.
+    fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, String>;
+    /// The bytes a token stands for (a special token: its text). `None` for an unknown id.
+    fn token_bytes(&self, id: u32) -> Option<Vec<u8>>;
+    /// Control tokens (`<|user|>`, `<think>`, ...) that are not shown in generated text.
+    fn is_special(&self, id: u32) -> bool;
+    /// Ids that end a generation.
+    fn eog_ids(&self) -> Vec<u32>;
+    /// The id of a token by its exact text, if the vocabulary has it.
+    fn token_id(&self, piece: &str) -> Option<u32>;
+    /// Render a conversation with the model's chat template.
+    fn render_chat(&self, messages: &[Message], add_generation_prompt: bool)
+        -> Result<String, String>;
+
+    /// Text of a token sequence; `skip_special` leaves control tokens out.
+    fn decode(&self, ids: &[u32], skip_special: bool) -> String {
+        let mut bytes = Vec::new();
+        for &id in ids {
+            if skip_special && self.is_special(id) {
+                continue;
+            }
+            if let Some(b) = self.token_bytes(id) {
+                bytes.extend_from_slice(&b);
+            }
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+/// Turns a stream of byte chunks into text, holding back an incomplete UTF-8 sequence at the end
+/// until the next token completes it (byte-level BPE splits characters across tokens).
+#[derive(Debug, Default)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
+        let mut out = String::new();
+        let mut start = 0;
+        loop {
+            match std::str::from_utf8(&self.pending[start..]) {
+                Ok(s) => {
+                    out.push_str(s);
+                    start = self.pending.len();
+                    break;
+                }
+                Err(e) => {
+                    let valid = start + e.valid_up_to();
+                    out.push_str(&String::from_utf8_lossy(&self.pending[start..valid]));
+                    match e.error_len() {
+                        // Invalid bytes never become valid: replace them now.
+                        Some(n) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            start = valid + n;
+                        }
+                        // Incomplete sequence at the end: wait for more bytes.
+                        None => {
+                            start = valid;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.pending.drain(..start);
+        out
+    }
+
+    /// End of stream: whatever is left is shown as replacement characters.
+    pub fn finish(&mut self) -> String {
+        let s = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        s
+    }
+}
+
+/// Finds stop strings in streamed text. Text that could still become the start of a stop string
+/// is held back, so a stop string is never sent even when it spans several tokens.
+#[derive(Debug, Default)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+    held: String,
+}
+
+impl StopMatcher {
+    pub fn new(stops: Vec<String>) -> Self {
+        StopMatcher {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            held: String::new(),
+        }
+    }
+
+    /// Add text; returns the text that is safe to send and whether a stop string was found
+    /// (then the returned text ends right before it and the rest is dropped).
+    pub fn push(&mut self, text: &str) -> (String, bool) {
+        if self.stops.is_empty() {
+            return (text.to_string(), false);
+        }
+        self.held.push_str(text);
+        let first = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min();
+        if let Some(pos) = first {
+            let out = self.held[..pos].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        // Longest suffix of `held` that is a proper prefix of some stop string.
+        let mut keep = 0;
+        for s in &self.stops {
+            for (i, _) in self.held.char_indices() {
+                let suffix = &self.held[i..];
+                if suffix.len() <= keep {
+                    break;
+                }
+                if s.starts_with(suffix) {
+                    keep = suffix.len();
+                    break;
+                }
+            }
+        }
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        (out, false)
+    }
+
+    /// End of generation: the held text was not a stop string after all.
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+/// Where a piece of generated chat text belongs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Channel {
+    Content,
+    Reasoning,
+}
+
+/// One generated token as reported in `logprobs`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenInfo {
+    pub id: u32,
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// What the server turns into response JSON.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    /// Prompt logprobs (echo), one entry per prompt token after the first.
+    Prompt(Vec<TokenLogprobs>),
+    /// Text for one channel plus the tokens that produced it (possibly empty text while a
+    /// character or a possible stop string is incomplete).
+    Text {
+        channel: Channel,
+        text: String,
+        tokens: Vec<TokenInfo>,
+    },
+    Finish { reason: FinishReason, usage: Usage },
+    Error(String),
+}
+
+/// Options of one generation's text conversion.
+#[derive(Debug, Clone, Default)]
+pub struct TextOptions {
+    pub stop: Vec<String>,
+    /// `(open, close)` ids of the thinking markers; `None` disables the reasoning split.
+    pub think: Option<(u32, u32)>,
+    /// The prompt ended inside an open thinking block.
+    pub start_in_reasoning: bool,
+    /// Reported in the usage of a generation cut by a stop string.
+    pub prompt_tokens: usize,
+}
+
+/// Converts a [`Generation`]'s events to [`Piece`]s. Dropping it cancels the generation.
+pub struct TextStream {
+    rx: Option<Generation>,
+    codec: Arc<dyn TextCodec>,
+    utf8: Utf8Stream,
+    stop: StopMatcher,
+    channel: Channel,
+    think: Option<(u32, u32)>,
+    generated: usize,
+    prompt_tokens: usize,
+    queued: std::collections::VecDeque<Piece>,
+}
+
+impl TextStream {
+    pub fn new(rx: Generation, codec: Arc<dyn TextCodec>, opts: TextOptions) -> Self {
+        let channel = if opts.think.is_some() && opts.start_in_reasoning {
+            Channel::Reasoning
+        } else {
+            Channel::Content
+        };
+        TextStream {
+            rx: Some(rx),
+            codec,
+            utf8: Utf8Stream::default(),
+            stop: StopMatcher::new(opts.stop),
+            channel,
+            think: opts.think,
+            generated: 0,
+            prompt_tokens: opts.prompt_tokens,
+            queued: Default::default(),
+        }
+    }
+
+    /// The next piece; `None` after `Finish` or `Error`.
+    pub async fn next(&mut self) -> Option<Piece> {
+        loop {
+            if let Some(p) = self.queued.pop_front() {
+                return Some(p);
+            }
+            let rx = self.rx.as_mut()?;
+            let ev = rx.recv().await;
+            self.handle(ev);
+        }
+    }
+
+    /// Release held-back text at the end of a channel or of the generation. A stop string
+    /// completed by the final bytes still cuts the text.
+    fn flush(&mut self) -> String {
+        let tail = self.utf8.finish();
+        let (mut out, stopped) = self.stop.push(&tail);
+        if !stopped {
+            out.push_str(&self.stop.finish());
+        }
+        out
+    }
+
+    fn handle(&mut self, ev: Option<Event>) {
+        match ev {
+            Some(Event::PromptLogprobs(lps)) => self.queued.push_back(Piece::Prompt(lps)),
+            Some(Event::Token { id, logprobs }) => {
+                self.generated += 1;
+                let info = TokenInfo { id, logprobs };
+                if let Some((open, close)) = self.think {
+                    let switch_to = if id == open {
+                        Some(Channel::Reasoning)
+                    } else if id == close {
+                        Some(Channel::Content)
+                    } else {
+                        None
+                    };
+                    if let Some(ch) = switch_to {
+                        // A stop string cannot span the marker; the text so far is final.
+                        let text = self.flush();
+                        self.queued.push_back(Piece::Text {
+                            channel: self.channel,
+                            text,
+                            tokens: vec![info],
+                        });
+                        self.channel = ch;
+                        return;
+                    }
+                }
+                let bytes = if self.codec.is_special(id) {
+                    Vec::new()
+                } else {
+                    self.codec.token_bytes(id).unwrap_or_default()
+                };
+                let text = self.utf8.push(&bytes);
+                let (text, stopped) = self.stop.push(&text);
+                self.queued.push_back(Piece::Text {
+                    channel: self.channel,
+                    text,
+                    tokens: vec![info],
+                });
+                if stopped {
+                    // Dropping the receiver cancels the sequence in the engine.
+                    self.rx = None;
+                    self.queued.push_back(Piece::Finish {
+                        reason: FinishReason::Stop,
+                        usage: Usage {
+                            prompt_tokens: self.prompt_tokens,
+                            completion_tokens: self.generated,
+                        },
+                    });
+                }
+            }
+            Some(Event::Finished { reason, usage }) => {
+                let text = self.flush();
+                if !text.is_empty() {
+                    self.queued.push_back(Piece::Text {
+                        channel: self.channel,
+                        text,
+                        tokens: Vec::new(),
+                    });
+                }
+                self.queued.push_back(Piece::Finish { reason, usage });
+                self.rx = None;
+            }
+            Some(Event::Failed(msg)) => {
+                self.queued.push_back(Piece::Error(msg));
+                self.rx = None;
+            }
+            None => {
+                self.queued
+                    .push_back(Piece::Error("the engine ended the request".into()));
+                self.rx = None;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utf8_split_across_tokens() {
+        let mut u = Utf8Stream::default();
+        let euro = "€".as_bytes(); // 3 bytes
+        assert_eq!(u.push(&[b'a', euro[0]]), "a");
+        assert_eq!(u.push(&euro[1..2]), "");
+        assert_eq!(u.push(&euro[2..]), "€");
+        assert_eq!(u.push(&[0xff, b'b']), "\u{fffd}b");
+        assert_eq!(u.push(&[0xe2]), "");
+        assert_eq!(u.finish(), "\u{fffd}");
+    }
+
+    #[test]
+    fn stop_string_across_pieces() {
+        let mut m = StopMatcher::new(vec!["END".into()]);
+        assert_eq!(m.push("abc E"), ("abc ".to_string(), false));
+        assert_eq!(m.push("N"), (String::new(), false));
+        assert_eq!(m.push("Dzzz"), (String::new(), true));
+    }
+
+    #[test]
+    fn stop_prefix_that_does_not_match_is_released() {
+        let mut m = StopMatcher::new(vec!["END".into(), "xy".into()]);
+        assert_eq!(m.push("EN"), (String::new(), false));
+        assert_eq!(m.push("O"), ("ENO".to_string(), false));
+        assert_eq!(m.push("x"), (String::new(), false));
+        assert_eq!(m.finish(), "x");
+    }
+
+    #[test]
+    fn earliest_stop_wins() {
+        let mut m = StopMatcher::new(vec!["c".into(), "ab".into()]);
+        assert_eq!(m.push("zabc"), ("z".to_string(), true));
+    }
+
+    #[test]
+    fn stop_with_multibyte_text() {
+        let mut m = StopMatcher::new(vec!["é!".into()]);
+        assert_eq!(m.push("aé"), ("a".to_string(), false));
+        assert_eq!(m.push("b"), ("éb".to_string(), false));
+        assert_eq!(m.push("é!"), (String::new(), true));
+    }
+}

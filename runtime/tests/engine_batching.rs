@@ -1,0 +1,302 @@
+//! Engine tests over the rule-based mock model: generation, stop tokens, logprobs, continuous
+//! batching, the bounded queue, cancellation and backend failures.
+
+mod server_support;
+
+use runtime::engine::{
+    Engine, EngineConfig, Event, FinishReason, Generation, GenerationRequest, Metrics,
+    SubmitError, Usage,
+};
+use runtime::sampler::SamplingParams;
+use runtime::LanguageModel;
+use server_support::{other_logprob, peak_logprob, wait_until, MockModel, EOS, USER};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+fn engine(model: &Arc<MockModel>, f: impl FnOnce(&mut EngineConfig)) -> (Engine, Arc<Metrics>) {
+    let m: Arc<dyn LanguageModel> = model.clone();
+    let mut cfg = EngineConfig::for_model(m.as_ref());
+    f(&mut cfg);
+    let metrics = Arc::new(Metrics::default());
+    (Engine::start(m, cfg, metrics.clone()).unwrap(), metrics)
+}
+
+fn bytes(s: &str) -> Vec<u32> {
+    s.bytes().map(u32::from).collect()
+}
+
+fn req(prompt: &str, max_tokens: usize) -> GenerationRequest {
+    let mut r = GenerationRequest::new(bytes(prompt), max_tokens, SamplingParams::greedy());
+    r.stop_tokens = vec![EOS, USER];
+    r
+}
+
+/// All events of a generation.
+fn drain(mut g: Generation) -> Vec<Event> {
+    let mut out = Vec::new();
+    while let Some(e) = g.blocking_recv() {
+        let end = matches!(e, Event::Finished { .. } | Event::Failed(_));
+        out.push(e);
+        if end {
+            break;
+        }
+    }
+    out
+}
+
+fn tokens_and_end(events: &[Event]) -> (String, Option<(FinishReason, Usage)>) {
+    let mut s = String::new();
+    let mut end = None;
+    for e in events {
+        match e {
+            Event::Token { id, .. } => s.push(char::from_u32(*id).unwrap_or('?')),
+            Event::Finished { reason, usage } => end = Some((*reason, *usage)),
+            _ => {}
+        }
+    }
+    (s, end)
+}
+
+#[test]
+fn greedy_follows_the_rule_and_stops_at_max_tokens() {
+    let model = MockModel::new(512);
+    let (e, _) = engine(&model, |_| {});
+    let (text, end) = tokens_and_end(&drain(e.submit(req("abc", 5)).unwrap()));
+    assert_eq!(text, "defgh");
+    let usage = Usage {
+        prompt_tokens: 3,
+        completion_tokens: 5,
+    };
+    assert_eq!(end, Some((FinishReason::Length, usage)));
+}
+
+#[test]
+fn stop_token_ends_with_stop_and_is_counted_not_sent() {
+    let model = MockModel::new(512);
+    let (e, _) = engine(&model, |_| {});
+    let (text, end) = tokens_and_end(&drain(e.submit(req("xy", 10)).unwrap()));
+    assert_eq!(text, "z");
+    let usage = Usage {
+        prompt_tokens: 2,
+        completion_tokens: 2,
+    };
+    assert_eq!(end, Some((FinishReason::Stop, usage)));
+}
+
+#[test]
+fn logprobs_are_those_of_the_model_distribution() {
+    let model = MockModel::new(512);
+    let (e, _) = engine(&model, |_| {});
+    let mut r = req("ab", 2);
+    r.logprobs = Some(2);
+    let events = drain(e.submit(r).unwrap());
+    let lps: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Token { id, logprobs } => Some((*id, logprobs.clone().unwrap())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(lps.len(), 2);
+    // f32 logits and an f64 log-sum-exp rounded to f32: 1e-5 is a few f32 ulps at this size.
+    for (id, lp) in lps {
+        assert!((lp.logprob as f64 - peak_logprob()).abs() < 1e-5);
+        assert_eq!(lp.top.len(), 2);
+        assert_eq!(lp.top[0].0, id);
+        // Every other token ties at logit 0; the lowest id (0) is reported first.
+        assert_eq!(lp.top[1].0, 0);
+        assert!((lp.top[1].1 as f64 - other_logprob()).abs() < 1e-5);
+    }
+}
+
+#[test]
+fn prompt_logprobs_with_zero_max_tokens() {
+    let model = MockModel::new(512);
+    let (e, _) = engine(&model, |_| {});
+    let mut r = req("abc", 0);
+    r.prompt_logprobs = Some(1);
+    let events = drain(e.submit(r).unwrap());
+    match &events[0] {
+        Event::PromptLogprobs(lps) => {
+            assert_eq!(lps.len(), 2, "tokens 1.. of a 3-token prompt");
+            for lp in lps {
+                assert!((lp.logprob as f64 - peak_logprob()).abs() < 1e-5);
+            }
+            assert_eq!(lps[0].top[0].0, b'b' as u32);
+            assert_eq!(lps[1].top[0].0, b'c' as u32);
+        }
+        other => panic!("expected prompt logprobs, got {other:?}"),
+    }
+    let (text, end) = tokens_and_end(&events);
+    assert_eq!(text, "");
+    assert_eq!(end.unwrap().0, FinishReason::Length);
+}
+
+#[test]
+fn chunked_prefill_gives_the_same_result() {
+    let model = MockModel::new(512);
+    let (e, _) = engine(&model, |c| c.prefill_chunk = 4);
+    let mut r = req("abcdefghij", 3);
+    r.prompt_logprobs = Some(0);
+    let events = drain(e.submit(r).unwrap());
+    match &events[0] {
+        Event::PromptLogprobs(lps) => assert_eq!(lps.len(), 9),
+        other => panic!("expected prompt logprobs, got {other:?}"),
+    }
+    assert_eq!(tokens_and_end(&events).0, "klm");
+    // 10 prompt tokens in chunks of 4 = 3 prefill steps, then 2 decode steps.
+    assert_eq!(model.forwards.load(Ordering::SeqCst), 5);
+}
+
+#[test]
+fn limits_are_checked_at_submit() {
+    let model = MockModel::new(16);
+    let (e, m) = engine(&model, |_| {});
+    assert_eq!(
+        e.submit(req("abcdefghij", 7)).unwrap_err(),
+        SubmitError::ContextExceeded {
+            need: 17,
+            max: 16,
+            prompt: 10,
+            max_tokens: 7
+        }
+    );
+    assert!(e.submit(req("abcdefghij", 6)).is_ok());
+    assert_eq!(e.submit(req("", 1)).unwrap_err(), SubmitError::EmptyPrompt);
+    let mut r = req("a", 1);
+    r.prompt = vec![999];
+    assert_eq!(
+        e.submit(r).unwrap_err(),
+        SubmitError::TokenOutOfRange { id: 999, vocab: 260 }
+    );
+    let mut r = req("a", 1);
+    r.logit_bias = vec![(5000, 1.0)];
+    assert!(matches!(
+        e.submit(r).unwrap_err(),
+        SubmitError::TokenOutOfRange { id: 5000, .. }
+    ));
+    assert!(m.render().contains("gguftool_requests_rejected_total{reason=\"context_exceeded\"} 1"));
+}
+
+#[test]
+fn concurrent_requests_share_forward_passes() {
+    let model = MockModel::new(512);
+    let (e, m) = engine(&model, |_| {});
+    model.gate.set(false);
+    let first = e.submit(req("a", 4)).unwrap();
+    wait_until("the first request to run", || {
+        m.requests_running.load(Ordering::SeqCst) == 1
+    });
+    let prompts = ["b", "c", "d", "e", "f", "g", "h"];
+    let rest: Vec<_> = prompts.iter().map(|p| e.submit(req(p, 4)).unwrap()).collect();
+    wait_until("7 waiting requests", || {
+        m.requests_waiting.load(Ordering::SeqCst) == 7
+    });
+    model.gate.set(true);
+    assert_eq!(tokens_and_end(&drain(first)).0, "bcde");
+    for (p, g) in prompts.iter().zip(rest) {
+        let start = p.as_bytes()[0];
+        let want: String = (1..=4).map(|i| (start + i) as char).collect();
+        assert_eq!(tokens_and_end(&drain(g)).0, want);
+    }
+    assert_eq!(model.max_batch.load(Ordering::SeqCst), 8);
+    assert_eq!(model.live.load(Ordering::SeqCst), 0, "every sequence freed");
+}
+
+#[test]
+fn full_queue_refuses_and_recovers() {
+    let model = MockModel::new(512);
+    let (e, m) = engine(&model, |c| {
+        c.max_queue = 2;
+        c.max_running = 1;
+    });
+    model.gate.set(false);
+    let a = e.submit(req("a", 2)).unwrap();
+    wait_until("the first request to run", || {
+        m.requests_running.load(Ordering::SeqCst) == 1
+    });
+    let b = e.submit(req("b", 2)).unwrap();
+    let c = e.submit(req("c", 2)).unwrap();
+    assert_eq!(
+        e.submit(req("d", 2)).unwrap_err(),
+        SubmitError::QueueFull { max: 2 }
+    );
+    // A waiting client that leaves frees its place.
+    drop(c);
+    let d = e.submit(req("d", 2)).unwrap();
+    model.gate.set(true);
+    assert_eq!(tokens_and_end(&drain(a)).0, "bc");
+    assert_eq!(tokens_and_end(&drain(b)).0, "cd");
+    assert_eq!(tokens_and_end(&drain(d)).0, "ef");
+}
+
+#[test]
+fn dropping_the_receiver_cancels() {
+    let model = MockModel::new(512);
+    let (e, m) = engine(&model, |_| {});
+    // 'a' .. 'z' then <eos> -> 'a' again: with no stop tokens it runs to max_tokens.
+    let mut r = req("a", 400);
+    r.stop_tokens.clear();
+    let mut g = e.submit(r).unwrap();
+    assert!(matches!(g.blocking_recv(), Some(Event::Token { .. })));
+    drop(g);
+    wait_until("the cancellation", || m.finished_count("cancelled") == 1);
+    wait_until("the sequence to be freed", || {
+        model.live.load(Ordering::SeqCst) == 0
+    });
+    let after = model.forwards.load(Ordering::SeqCst);
+    assert!(after < 400, "generation stopped early ({after} steps)");
+    // The engine still serves.
+    assert_eq!(tokens_and_end(&drain(e.submit(req("a", 2)).unwrap())).0, "bc");
+}
+
+#[test]
+fn backend_errors_and_panics_fail_only_their_batch() {
+    let model = MockModel::new(512);
+    let (e, m) = engine(&model, |_| {});
+    let events = drain(e.submit(GenerationRequest::new(vec![1], 3, SamplingParams::greedy())).unwrap());
+    assert!(matches!(&events[..], [Event::Failed(msg)] if msg.contains("mock failure")));
+    let events = drain(e.submit(GenerationRequest::new(vec![2], 3, SamplingParams::greedy())).unwrap());
+    assert!(matches!(&events[..], [Event::Failed(msg)] if msg.contains("panicked")));
+    assert_eq!(m.finished_count("error"), 2);
+    assert_eq!(tokens_and_end(&drain(e.submit(req("a", 2)).unwrap())).0, "bc");
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let model = MockModel::new(512);
+    let (e, _) = engine(&model, |_| {});
+    let run = |seed| {
+        // Temperature 2 flattens the mock's peak enough that other tokens get drawn.
+        let sp = SamplingParams {
+            temperature: 2.0,
+            seed: Some(seed),
+            ..SamplingParams::default()
+        };
+        let r = GenerationRequest::new(bytes("a"), 30, sp);
+        drain(e.submit(r).unwrap())
+    };
+    assert_eq!(run(42), run(42));
+}
+
+#[test]
+fn logit_bias_bans_a_token() {
+    let model = MockModel::new(512);
+    let (e, _) = engine(&model, |_| {});
+    let mut r = req("abc", 1);
+    r.logit_bias = vec![(b'd' as u32, f32::NEG_INFINITY)];
+    // With 'd' banned every remaining token has logit 0; greedy takes the lowest id.
+    let events = drain(e.submit(r).unwrap());
+    assert!(matches!(events[0], Event::Token { id: 0, .. }));
+}
+
+#[test]
+fn metrics_count_tokens() {
+    let model = MockModel::new(512);
+    let (e, m) = engine(&model, |_| {});
+    drain(e.submit(req("abc", 5)).unwrap());
+    assert_eq!(m.prompt_tokens.load(Ordering::SeqCst), 3);
+    assert_eq!(m.generation_tokens.load(Ordering::SeqCst), 5);
+    assert_eq!(m.time_to_first_token.count(), 1);
+    assert_eq!(m.inter_token_latency.count(), 4);
+}
