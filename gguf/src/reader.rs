@@ -575,7 +575,10 @@ impl Header {
         let end = self
             .tensors
             .iter()
-            .map(|t| t.offset.saturating_add(align_up(t.n_bytes(), self.alignment)))
+            .map(|t| {
+                t.offset
+                    .saturating_add(align_up(t.n_bytes(), self.alignment))
+            })
             .max()
             .unwrap_or(0);
         // Saturating: a header not yet checked against its file may hold any offset.

@@ -51,7 +51,12 @@ pub fn tensor_stats(ty: GgmlType, data: &[u8]) -> Result<TensorStats, QuantError
 pub fn f32_stats(values: &[f32]) -> TensorStats {
     let partials: Vec<Partial> = values
         .par_chunks(crate::quant::TASK_ELEMS)
-        .map(|chunk| chunk.chunks(SUB).map(chunk_stats).fold(Partial::EMPTY, merge))
+        .map(|chunk| {
+            chunk
+                .chunks(SUB)
+                .map(chunk_stats)
+                .fold(Partial::EMPTY, merge)
+        })
         .collect();
     partials.into_iter().fold(Partial::EMPTY, merge).finish()
 }
@@ -109,7 +114,11 @@ impl Partial {
             absmax: min.abs().max(max.abs()),
             sum_sq: self.sum_sq,
             n_zero: self.n_zero,
-            zero_fraction: if self.n == 0 { f64::NAN } else { self.n_zero as f64 / n },
+            zero_fraction: if self.n == 0 {
+                f64::NAN
+            } else {
+                self.n_zero as f64 / n
+            },
             n_nan: self.n_nan,
             n_inf: self.n_inf,
         }
@@ -128,7 +137,10 @@ fn merge(a: Partial, b: Partial) -> Partial {
     let (wa, wb) = (a.n as f64 / n as f64, b.n as f64 / n as f64);
     let (mean, m2) = if a.mean.is_finite() && b.mean.is_finite() {
         let delta = b.mean - a.mean;
-        (a.mean + delta * wb, a.m2 + b.m2 + delta * delta * (a.n as f64 * wb))
+        (
+            a.mean + delta * wb,
+            a.m2 + b.m2 + delta * delta * (a.n as f64 * wb),
+        )
     } else {
         // An infinite or NaN part: the weighted mean keeps inf (or inf - inf = NaN) as a plain
         // sum would, and the spread is undefined, as numpy's std is.
@@ -236,8 +248,14 @@ fn chunk_stats(x: &[f32]) -> Partial {
         mean: k + s1 / n,
         m2: if m2 < 0.0 { 0.0 } else { m2 },
         sum_sq: s2 + 2.0 * k * s1 + n * k * k,
-        min: min.iter().copied().fold(f32::INFINITY, |a, b| if b < a { b } else { a }),
-        max: max.iter().copied().fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a }),
+        min: min
+            .iter()
+            .copied()
+            .fold(f32::INFINITY, |a, b| if b < a { b } else { a }),
+        max: max
+            .iter()
+            .copied()
+            .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a }),
         n_zero: zeros.iter().map(|&c| u64::from(c)).sum(),
         n_nan,
         n_inf: nonfinite - n_nan,
@@ -255,7 +273,8 @@ mod tests {
     #[test]
     fn hand_computed_small() {
         // 1, 2, 3, 4, 0: mean 2, population variance (1+0+1+4+4)/5 = 2, sum_sq 30.
-        let s = tensor_stats(GgmlType::F32, &bytes(&[1.0, 2.0, 3.0, 4.0, 0.0])).unwrap_or_else(|e| panic!("{e}"));
+        let s = tensor_stats(GgmlType::F32, &bytes(&[1.0, 2.0, 3.0, 4.0, 0.0]))
+            .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(s.count, 5);
         assert_eq!(s.mean, 2.0);
         assert_eq!(s.std, 2f64.sqrt());
@@ -279,7 +298,10 @@ mod tests {
     fn nan_and_inf_are_counted_and_extremes_skip_nan() {
         let s = f32_stats(&[1.0, f32::NAN, -3.0, f32::INFINITY, 0.0, -0.0]);
         assert_eq!((s.n_nan, s.n_inf, s.n_zero), (1, 1, 2));
-        assert_eq!((s.min, s.max, s.absmax), (-3.0, f64::INFINITY, f64::INFINITY));
+        assert_eq!(
+            (s.min, s.max, s.absmax),
+            (-3.0, f64::INFINITY, f64::INFINITY)
+        );
         assert!(s.mean.is_nan() && s.std.is_nan());
         let s = f32_stats(&[f32::NAN; 3]);
         assert!(s.min.is_nan() && s.max.is_nan() && s.absmax.is_nan());
@@ -296,11 +318,25 @@ mod tests {
         let v: Vec<f32> = (-n..n).map(|k| k as f32 / 7.0).collect();
         let s = f32_stats(&v);
         let exact_mean: f64 = v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len() as f64;
-        let exact_var: f64 = v.iter().map(|&x| (f64::from(x) - exact_mean).powi(2)).sum::<f64>() / v.len() as f64;
+        let exact_var: f64 = v
+            .iter()
+            .map(|&x| (f64::from(x) - exact_mean).powi(2))
+            .sum::<f64>()
+            / v.len() as f64;
         // Both are f64 sums of the same 2e5 values in different orders: |error| <= n * eps * sum|x|.
         let bound = v.len() as f64 * f64::EPSILON * (n as f64 / 7.0);
-        assert!((s.mean - exact_mean).abs() <= bound, "{} vs {}", s.mean, exact_mean);
-        assert!((s.std - exact_var.sqrt()).abs() <= bound, "{} vs {}", s.std, exact_var.sqrt());
+        assert!(
+            (s.mean - exact_mean).abs() <= bound,
+            "{} vs {}",
+            s.mean,
+            exact_mean
+        );
+        assert!(
+            (s.std - exact_var.sqrt()).abs() <= bound,
+            "{} vs {}",
+            s.std,
+            exact_var.sqrt()
+        );
     }
 
     #[test]

@@ -107,7 +107,11 @@ pub fn canonical_offsets(tensors: &mut [TensorInfo], alignment: u64) {
 /// size or the size does not fit in u64.
 fn padded_size(t: &TensorInfo, alignment: u64) -> Option<u64> {
     let row = t.ty.row_bytes(t.dims.first().copied().unwrap_or(1))?;
-    let n = t.dims.iter().skip(1).try_fold(row, |acc, &d| acc.checked_mul(d))?;
+    let n = t
+        .dims
+        .iter()
+        .skip(1)
+        .try_fold(row, |acc, &d| acc.checked_mul(d))?;
     n.div_ceil(alignment).checked_mul(alignment)
 }
 

@@ -179,7 +179,9 @@ impl W {
 
 /// Deterministic filler bytes for tensor data.
 fn pattern(n: u64, seed: u8) -> Vec<u8> {
-    (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -211,7 +213,11 @@ impl Failure {
     /// The message names the file and this byte offset.
     fn at(&self, offset: u64) -> &Self {
         let want = format!("{} at byte {offset}", self.file);
-        assert!(self.msg().contains(&want), "message {:?} lacks {want:?}", self.msg());
+        assert!(
+            self.msg().contains(&want),
+            "message {:?} lacks {want:?}",
+            self.msg()
+        );
         self
     }
 }
@@ -241,7 +247,10 @@ fn header_err(bytes: &[u8]) -> Failure {
         assert_eq!(open.to_string(), other.to_string());
     }
     for a in [a1, a2, a3] {
-        assert!(a < SMALL_ALLOC, "allocation of {a} bytes for a corrupt header");
+        assert!(
+            a < SMALL_ALLOC,
+            "allocation of {a} bytes for a corrupt header"
+        );
     }
     Failure {
         err: open,
@@ -282,7 +291,10 @@ fn same_value(a: &Value, b: &Value) -> bool {
         (Value::Array(x), Value::Array(y)) => {
             x.elem_type == y.elem_type
                 && x.values.len() == y.values.len()
-                && x.values.iter().zip(&y.values).all(|(p, q)| same_value(p, q))
+                && x.values
+                    .iter()
+                    .zip(&y.values)
+                    .all(|(p, q)| same_value(p, q))
         }
         _ => a == b,
     }
@@ -309,7 +321,11 @@ fn bad_magic() {
     let mut w = W::header(3, 0, 0);
     w.0[..4].copy_from_slice(b"FUGG");
     let f = header_err(&w.bytes());
-    assert!(matches!(f.err, Error::BadMagic { got, .. } if &got == b"FUGG"), "{:?}", f.err);
+    assert!(
+        matches!(f.err, Error::BadMagic { got, .. } if &got == b"FUGG"),
+        "{:?}",
+        f.err
+    );
     f.at(0);
 }
 
@@ -317,7 +333,11 @@ fn bad_magic() {
 fn short_magic_and_empty_file() {
     for bytes in [&b""[..], b"G", b"GGU"] {
         let f = header_err(bytes);
-        assert!(matches!(f.err, Error::Truncated { need: 4, .. }), "{:?}", f.err);
+        assert!(
+            matches!(f.err, Error::Truncated { need: 4, .. }),
+            "{:?}",
+            f.err
+        );
         f.at(0);
         assert!(f.msg().contains("magic"), "{}", f.msg());
     }
@@ -364,7 +384,13 @@ fn big_endian_file_is_named_as_such() {
     b.extend_from_slice(&7u32.to_be_bytes());
     let f = header_err(&b);
     assert!(
-        matches!(f.err, Error::BigEndian { raw: 0x0300_0000, .. }),
+        matches!(
+            f.err,
+            Error::BigEndian {
+                raw: 0x0300_0000,
+                ..
+            }
+        ),
         "{:?}",
         f.err
     );
@@ -559,7 +585,13 @@ fn array_count_over_the_cap() {
 #[test]
 fn array_count_past_the_end() {
     // Within the cap, but more elements than bytes left (a string needs at least 8 bytes).
-    for (elem, count) in [(T_U8, 17u64), (T_U64, 3), (T_STRING, 3), (T_ARRAY, 2), (T_U8, 1 << 30)] {
+    for (elem, count) in [
+        (T_U8, 17u64),
+        (T_U64, 3),
+        (T_STRING, 3),
+        (T_ARRAY, 2),
+        (T_U8, 1 << 30),
+    ] {
         let mut w = W::header(3, 0, 1);
         w.key("arr", T_ARRAY).u32(elem);
         let at = w.pos();
@@ -592,7 +624,10 @@ fn nested_arrays(w: &mut W, levels: usize) -> Vec<u64> {
 #[test]
 fn nested_arrays_within_the_cap_are_read() {
     let cap = gguf::reader::MAX_ARRAY_DEPTH;
-    assert!(cap >= 2, "nested arrays (gguf-py writes them) must be readable");
+    assert!(
+        cap >= 2,
+        "nested arrays (gguf-py writes them) must be readable"
+    );
     let mut w = W::header(3, 0, 1);
     w.key("nested", T_ARRAY);
     nested_arrays(&mut w, cap);
@@ -635,7 +670,10 @@ fn nested_arrays_deeper_than_the_cap() {
 #[test]
 fn duplicate_key() {
     let mut w = W::header(3, 0, 3);
-    w.key("my_key_0", T_U8).u8(1).key("my_key_1", T_STRING).str(b"x");
+    w.key("my_key_0", T_U8)
+        .u8(1)
+        .key("my_key_1", T_STRING)
+        .str(b"x");
     let at = w.pos();
     // Same key, different type: still a duplicate.
     w.key("my_key_0", T_U32).u32(2);
@@ -671,7 +709,11 @@ fn bad_alignment_values_and_types() {
         let at = w.pos();
         w.key("general.alignment", ty).raw(&value);
         let f = header_err(&w.bytes());
-        assert!(matches!(f.err, Error::BadAlignment { .. }), "{ty}: {:?}", f.err);
+        assert!(
+            matches!(f.err, Error::BadAlignment { .. }),
+            "{ty}: {:?}",
+            f.err
+        );
         f.at(at);
     }
 }
@@ -718,7 +760,10 @@ fn kv_zoo() -> (W, Vec<(&'static str, Value)>) {
     want.push(("f64", Value::F64(std::f64::consts::PI)));
 
     w.key("a.u8", T_ARRAY).array(T_U8, 3).raw(&[1, 2, 255]);
-    want.push(("a.u8", arr(VT::U8, vec![Value::U8(1), Value::U8(2), Value::U8(255)])));
+    want.push((
+        "a.u8",
+        arr(VT::U8, vec![Value::U8(1), Value::U8(2), Value::U8(255)]),
+    ));
     w.key("a.i8", T_ARRAY).array(T_I8, 2).raw(&[0xff, 0x7f]);
     want.push(("a.i8", arr(VT::I8, vec![Value::I8(-1), Value::I8(127)])));
     w.key("a.u16", T_ARRAY).array(T_U16, 1).u16(513);
@@ -726,32 +771,54 @@ fn kv_zoo() -> (W, Vec<(&'static str, Value)>) {
     w.key("a.i16", T_ARRAY).array(T_I16, 1).u16(0x8000);
     want.push(("a.i16", arr(VT::I16, vec![Value::I16(i16::MIN)])));
     w.key("a.u32", T_ARRAY).array(T_U32, 2).u32(0).u32(u32::MAX);
-    want.push(("a.u32", arr(VT::U32, vec![Value::U32(0), Value::U32(u32::MAX)])));
+    want.push((
+        "a.u32",
+        arr(VT::U32, vec![Value::U32(0), Value::U32(u32::MAX)]),
+    ));
     w.key("a.i32", T_ARRAY).array(T_I32, 1).u32(0xffff_fffe);
     want.push(("a.i32", arr(VT::I32, vec![Value::I32(-2)])));
-    w.key("a.f32", T_ARRAY).array(T_F32, 2).u32(0x3f80_0000).u32(0xffc0_0001);
+    w.key("a.f32", T_ARRAY)
+        .array(T_F32, 2)
+        .u32(0x3f80_0000)
+        .u32(0xffc0_0001);
     want.push((
         "a.f32",
-        arr(VT::F32, vec![Value::F32(1.0), Value::F32(f32::from_bits(0xffc0_0001))]),
+        arr(
+            VT::F32,
+            vec![Value::F32(1.0), Value::F32(f32::from_bits(0xffc0_0001))],
+        ),
     ));
     w.key("a.bool", T_ARRAY).array(T_BOOL, 3).raw(&[0, 1, 0x80]);
     want.push((
         "a.bool",
-        arr(VT::Bool, vec![Value::Bool(false), Value::Bool(true), Value::Bool(true)]),
+        arr(
+            VT::Bool,
+            vec![Value::Bool(false), Value::Bool(true), Value::Bool(true)],
+        ),
     ));
-    w.key("a.str", T_ARRAY).array(T_STRING, 3).str(b"<s>").str(b"").str("Ġthe".as_bytes());
+    w.key("a.str", T_ARRAY)
+        .array(T_STRING, 3)
+        .str(b"<s>")
+        .str(b"")
+        .str("Ġthe".as_bytes());
     want.push((
         "a.str",
         arr(
             VT::String,
-            vec![Value::String("<s>".into()), Value::String("".into()), Value::String("Ġthe".into())],
+            vec![
+                Value::String("<s>".into()),
+                Value::String("".into()),
+                Value::String("Ġthe".into()),
+            ],
         ),
     ));
     w.key("a.u64", T_ARRAY).array(T_U64, 1).u64(1 << 40);
     want.push(("a.u64", arr(VT::U64, vec![Value::U64(1 << 40)])));
     w.key("a.i64", T_ARRAY).array(T_I64, 1).u64(u64::MAX);
     want.push(("a.i64", arr(VT::I64, vec![Value::I64(-1)])));
-    w.key("a.f64", T_ARRAY).array(T_F64, 1).u64(0x8000_0000_0000_0000);
+    w.key("a.f64", T_ARRAY)
+        .array(T_F64, 1)
+        .u64(0x8000_0000_0000_0000);
     want.push(("a.f64", arr(VT::F64, vec![Value::F64(-0.0)])));
     w.key("a.empty.u8", T_ARRAY).array(T_U8, 0);
     want.push(("a.empty.u8", arr(VT::U8, vec![])));
@@ -759,12 +826,20 @@ fn kv_zoo() -> (W, Vec<(&'static str, Value)>) {
     want.push(("a.empty.str", arr(VT::String, vec![])));
     w.key("a.empty.arr", T_ARRAY).array(T_ARRAY, 0);
     want.push(("a.empty.arr", arr(VT::Array, vec![])));
-    w.key("a.arr", T_ARRAY).array(T_ARRAY, 2).array(T_U8, 1).u8(5).array(T_STRING, 1).str(b"x");
+    w.key("a.arr", T_ARRAY)
+        .array(T_ARRAY, 2)
+        .array(T_U8, 1)
+        .u8(5)
+        .array(T_STRING, 1)
+        .str(b"x");
     want.push((
         "a.arr",
         arr(
             VT::Array,
-            vec![arr(VT::U8, vec![Value::U8(5)]), arr(VT::String, vec![Value::String("x".into())])],
+            vec![
+                arr(VT::U8, vec![Value::U8(5)]),
+                arr(VT::String, vec![Value::String("x".into())]),
+            ],
         ),
     ));
     (w, want)
@@ -909,14 +984,24 @@ fn byte_count_overflows() {
         }
         w.u32(ty.0).u64(0);
         let f = header_err(&w.bytes());
-        assert!(matches!(f.err, Error::ShapeOverflow { .. }), "{dims:?}: {:?}", f.err);
+        assert!(
+            matches!(f.err, Error::ShapeOverflow { .. }),
+            "{dims:?}: {:?}",
+            f.err
+        );
         f.at(at);
     }
 }
 
 #[test]
 fn row_not_a_multiple_of_the_block() {
-    for (ty, ne0) in [(Q4_K, 100u64), (Q4_0, 33), (Q8_0, 16), (NVFP4, 32), (Q1_0, 64)] {
+    for (ty, ne0) in [
+        (Q4_K, 100u64),
+        (Q4_0, 33),
+        (Q8_0, 16),
+        (NVFP4, 32),
+        (Q1_0, 64),
+    ] {
         let mut w = with_tensors(1);
         w.str(b"w");
         let at = w.pos();
@@ -1017,7 +1102,9 @@ fn duplicate_tensor_name() {
 fn tensor_data_past_end_of_file() {
     // The last tensor is one byte short.
     let mut w = with_tensors(2);
-    w.info("a", &[8], F32.0, 0).info("b", &[16], F32.0, 32).pad(32);
+    w.info("a", &[8], F32.0, 0)
+        .info("b", &[16], F32.0, 32)
+        .pad(32);
     let data_offset = w.pos();
     w.raw(&pattern(32 + 63, 1));
     let f = data_err(&w.bytes());
@@ -1035,7 +1122,9 @@ fn data_size_overflow() {
     // DATA_MEM_SIZE_OVERFLOW: two tensors of 2^63 - 64 bytes each and 32 bytes of data.
     let ne = 0x7FFF_FFFF_FFFF_FFC0;
     let mut w = with_tensors(2);
-    w.info("a", &[ne], I8.0, 0).info("b", &[ne], I8.0, ne).pad(32);
+    w.info("a", &[ne], I8.0, 0)
+        .info("b", &[ne], I8.0, ne)
+        .pad(32);
     let data_offset = w.pos();
     w.raw(&pattern(32, 0));
     let f = data_err(&w.bytes());
@@ -1050,7 +1139,7 @@ fn data_size_overflow() {
 #[test]
 fn offset_far_past_the_end() {
     // Aligned, so only the extent check can catch it; data_offset + offset overflows u64.
-    for offset in [u64::MAX & !31, 1 << 40] {
+    for offset in [!31u64, 1 << 40] {
         let mut w = with_tensors(1);
         w.info("a", &[8], F32.0, offset).pad(32);
         w.raw(&pattern(32, 0));
@@ -1061,7 +1150,11 @@ fn offset_far_past_the_end() {
             "{:?}",
             f.err
         );
-        assert!(f.msg().contains(&f.file) && f.msg().contains("at byte"), "{}", f.msg());
+        assert!(
+            f.msg().contains(&f.file) && f.msg().contains("at byte"),
+            "{}",
+            f.msg()
+        );
         // Reports over the unchecked header must not overflow either.
         let h = Header::parse_slice(&bytes, "x.gguf").unwrap();
         let _ = h.data_end();
@@ -1072,7 +1165,9 @@ fn offset_far_past_the_end() {
 #[test]
 fn overlapping_tensors() {
     let mut w = with_tensors(2);
-    w.info("a", &[16], F32.0, 0).info("b", &[8], F32.0, 32).pad(32);
+    w.info("a", &[16], F32.0, 0)
+        .info("b", &[8], F32.0, 32)
+        .pad(32);
     let data_offset = w.pos();
     w.raw(&pattern(64, 0));
     let f = data_err(&w.bytes());
@@ -1086,17 +1181,29 @@ fn overlapping_tensors() {
 
     // Table order does not matter: the later tensor in the data is named.
     let mut w = with_tensors(2);
-    w.info("b", &[8], F32.0, 32).info("a", &[16], F32.0, 0).pad(32);
+    w.info("b", &[8], F32.0, 32)
+        .info("a", &[16], F32.0, 0)
+        .pad(32);
     w.raw(&pattern(64, 0));
     let f = data_err(&w.bytes());
-    assert!(matches!(&f.err, Error::OverlappingTensors { tensor, .. } if tensor == "b"), "{:?}", f.err);
+    assert!(
+        matches!(&f.err, Error::OverlappingTensors { tensor, .. } if tensor == "b"),
+        "{:?}",
+        f.err
+    );
 
     // Same offset, same size.
     let mut w = with_tensors(2);
-    w.info("a", &[8], F32.0, 0).info("b", &[8], F32.0, 0).pad(32);
+    w.info("a", &[8], F32.0, 0)
+        .info("b", &[8], F32.0, 0)
+        .pad(32);
     w.raw(&pattern(32, 0));
     let f = data_err(&w.bytes());
-    assert!(matches!(f.err, Error::OverlappingTensors { .. }), "{:?}", f.err);
+    assert!(
+        matches!(f.err, Error::OverlappingTensors { .. }),
+        "{:?}",
+        f.err
+    );
 }
 
 #[test]
@@ -1126,7 +1233,11 @@ fn overlap_not_adjacent_in_offset_order() {
         .pad(32);
     w.raw(&pattern(256, 0));
     let f = data_err(&w.bytes());
-    assert!(matches!(f.err, Error::OverlappingTensors { .. }), "{:?}", f.err);
+    assert!(
+        matches!(f.err, Error::OverlappingTensors { .. }),
+        "{:?}",
+        f.err
+    );
 }
 
 #[test]
@@ -1148,7 +1259,9 @@ fn zero_sized_tensors_overlap_nothing() {
 #[test]
 fn gap_between_tensors_is_read_and_reported() {
     let mut w = with_tensors(2);
-    w.info("a", &[8], F32.0, 0).info("b", &[8], F32.0, 64).pad(32);
+    w.info("a", &[8], F32.0, 0)
+        .info("b", &[8], F32.0, 64)
+        .pad(32);
     let a = pattern(32, 3);
     let b = pattern(32, 9);
     w.raw(&a).raw(&[0xAA; 32]).raw(&b);
@@ -1161,7 +1274,9 @@ fn gap_between_tensors_is_read_and_reported() {
         matches!(&findings[0], Error::OffsetMismatch { tensor, expected: 32, got: 64, .. } if tensor == "b"),
         "{findings:?}"
     );
-    assert!(findings[0].to_string().contains(&f.path().display().to_string()));
+    assert!(findings[0]
+        .to_string()
+        .contains(&f.path().display().to_string()));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1259,8 +1374,14 @@ fn truncated_at_every_byte() {
     w.key("n", T_U64).u64(78);
     w.key("eps", T_F32).u32(0x3727_c5ac);
     w.key("flag", T_BOOL).u8(1);
-    w.key("tokens", T_ARRAY).array(T_STRING, 3).str(b"a").str(b"bc").str(b"");
-    w.info("a", &[32], Q8_0.0, 0).info("b", &[8, 2], F32.0, 64).pad(32);
+    w.key("tokens", T_ARRAY)
+        .array(T_STRING, 3)
+        .str(b"a")
+        .str(b"bc")
+        .str(b"");
+    w.info("a", &[32], Q8_0.0, 0)
+        .info("b", &[8, 2], F32.0, 64)
+        .pad(32);
     let infos_end_max = w.pos();
     w.raw(&pattern(34, 1)).pad(32).raw(&pattern(64, 2));
     let bytes = w.bytes();
@@ -1278,7 +1399,10 @@ fn truncated_at_every_byte() {
         let Err(e) = open else {
             panic!("prefix of {len} bytes accepted");
         };
-        assert!(e.to_string().contains(&format!("{file} at byte")), "{len}: {e}");
+        assert!(
+            e.to_string().contains(&format!("{file} at byte")),
+            "{len}: {e}"
+        );
         let slice = Header::parse_slice(prefix, &path);
         let known = Header::parse_reader(Cursor::new(prefix), Some(len as u64), &path);
         let unknown = Header::parse_reader(Cursor::new(prefix), None, &path);
@@ -1289,7 +1413,10 @@ fn truncated_at_every_byte() {
             );
             for r in [&slice, &known] {
                 let other = r.as_ref().expect_err("truncated header accepted");
-                assert!(same_kind(&e, other) && e.to_string() == other.to_string(), "{len}");
+                assert!(
+                    same_kind(&e, other) && e.to_string() == other.to_string(),
+                    "{len}"
+                );
             }
             let u = unknown.expect_err("truncated stream accepted");
             assert!(matches!(u, Error::Truncated { .. }), "{len}: {u:?}");
@@ -1321,7 +1448,11 @@ fn arbitrary_garbage_never_panics() {
             if h.check_data_layout(m.len() as u64).is_ok() {
                 for t in &h.tensors {
                     let end = h.data_offset + t.offset + t.n_bytes();
-                    assert!(end <= m.len() as u64, "byte {i} = {v:#x}: {} out of bounds", t.name);
+                    assert!(
+                        end <= m.len() as u64,
+                        "byte {i} = {v:#x}: {} out of bounds",
+                        t.name
+                    );
                 }
             }
         }

@@ -35,8 +35,14 @@ fn check(ty: GgmlType, data: &[u8]) {
     let mut row = vec![f32::NAN; want.len()];
     dequantize_row(ty, data, &mut row).unwrap_or_else(|e| panic!("{e}"));
     for (i, ((w, f), r)) in want.iter().zip(&fast).zip(&row).enumerate() {
-        assert!(same(*w, *f), "{ty}: element {i}: fast {f:e}, reference {w:e}");
-        assert!(same(*w, *r), "{ty}: element {i}: row {r:e}, reference {w:e}");
+        assert!(
+            same(*w, *f),
+            "{ty}: element {i}: fast {f:e}, reference {w:e}"
+        );
+        assert!(
+            same(*w, *r),
+            "{ty}: element {i}: row {r:e}, reference {w:e}"
+        );
     }
 }
 

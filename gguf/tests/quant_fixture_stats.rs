@@ -47,13 +47,15 @@ impl Check {
     /// `got` is an f32 widened to f64; `want` the same value printed to 16 digits.
     fn same_f32(&mut self, field: &str, got: f64, want: f64) {
         if (got as f32).to_bits() != (want as f32).to_bits() || f64::from(got as f32) != got {
-            self.failures.push(format!("{}: {field} {got:e} != {want:e}", self.what));
+            self.failures
+                .push(format!("{}: {field} {got:e} != {want:e}", self.what));
         }
     }
 
     fn exact(&mut self, field: &str, got: f64, want: f64) {
         if got != want {
-            self.failures.push(format!("{}: {field} {got:e} != {want:e}", self.what));
+            self.failures
+                .push(format!("{}: {field} {got:e} != {want:e}", self.what));
         }
     }
 
@@ -73,9 +75,12 @@ fn fixture_tensor_stats_match_gguf_py() {
     let Some(json_path) = fixture("stats-tiny-glm5.json") else {
         return;
     };
-    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&json_path).unwrap_or_default())
-        .unwrap_or_else(|e| panic!("{}: {e}", json_path.display()));
-    let files = json["files"].as_array().unwrap_or_else(|| panic!("no files in stats json"));
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json_path).unwrap_or_default())
+            .unwrap_or_else(|e| panic!("{}: {e}", json_path.display()));
+    let files = json["files"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no files in stats json"));
     let mut check = Check {
         what: String::new(),
         failures: Vec::new(),
@@ -91,7 +96,10 @@ fn fixture_tensor_stats_match_gguf_py() {
         };
         let Some(path) = fixture(&rel) else { continue };
         let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        for t in f["tensors"].as_array().unwrap_or_else(|| panic!("{name}: no tensors")) {
+        for t in f["tensors"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{name}: no tensors"))
+        {
             let tname = t["name"].as_str().unwrap_or_default();
             check.what = format!("{name} {tname}");
             let ty = GgmlType::from_name(t["type"].as_str().unwrap_or_default())
@@ -101,7 +109,12 @@ fn fixture_tensor_stats_match_gguf_py() {
             let data = bytes
                 .get(start..start.saturating_add(len))
                 .unwrap_or_else(|| panic!("{}: bytes out of file", check.what));
-            assert_eq!(hex(&Sha256::digest(data)), t["sha256_raw"].as_str().unwrap_or(""), "{}", check.what);
+            assert_eq!(
+                hex(&Sha256::digest(data)),
+                t["sha256_raw"].as_str().unwrap_or(""),
+                "{}",
+                check.what
+            );
 
             let s = tensor_stats(ty, data).unwrap_or_else(|e| panic!("{}: {e}", check.what));
             let r = &t["dequant_f32"];
@@ -120,9 +133,14 @@ fn fixture_tensor_stats_match_gguf_py() {
 
             // The scalar oracle on real model data, reduced by a plain two-pass loop here.
             let mut values = vec![0.0f32; n as usize];
-            reference::dequantize(ty, data, &mut values).unwrap_or_else(|e| panic!("{}: {e}", check.what));
+            reference::dequantize(ty, data, &mut values)
+                .unwrap_or_else(|e| panic!("{}: {e}", check.what));
             let mean = values.iter().map(|&v| f64::from(v)).sum::<f64>() / n as f64;
-            let var = values.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / n as f64;
+            let var = values
+                .iter()
+                .map(|&v| (f64::from(v) - mean).powi(2))
+                .sum::<f64>()
+                / n as f64;
             let min = values.iter().copied().fold(f32::INFINITY, f32::min);
             let max = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             check.same_f32("reference min", f64::from(min), field("min"));
@@ -131,8 +149,15 @@ fn fixture_tensor_stats_match_gguf_py() {
             check.close("reference std", var.sqrt(), field("std"), tol(field("std")));
             // And the fast path gives the oracle's bits.
             let fast = dequantize_to_vec(ty, data).unwrap_or_default();
-            if fast.iter().zip(&values).any(|(a, b)| a.to_bits() != b.to_bits()) {
-                check.failures.push(format!("{}: fast and reference dequantization differ", check.what));
+            if fast
+                .iter()
+                .zip(&values)
+                .any(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                check.failures.push(format!(
+                    "{}: fast and reference dequantization differ",
+                    check.what
+                ));
             }
             n_tensors += 1;
             types_seen.insert(ty.name());

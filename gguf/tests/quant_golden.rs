@@ -18,7 +18,10 @@ fn read(name: &str) -> Vec<u8> {
 }
 
 fn sha256_hex(b: &[u8]) -> String {
-    Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+    Sha256::digest(b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
 }
 
 /// Index and values of the first element whose bits differ (NaN equals any NaN).
@@ -32,49 +35,75 @@ fn first_mismatch(got: &[f32], want: &[f32]) -> Option<(usize, f32, f32)> {
 
 #[test]
 fn every_type_matches_gguf_py_bit_for_bit() {
-    let manifest: serde_json::Value =
-        serde_json::from_slice(&read("MANIFEST.json")).unwrap_or_else(|e| panic!("MANIFEST.json: {e}"));
-    let types = manifest["types"].as_object().unwrap_or_else(|| panic!("MANIFEST.json: no types"));
+    let manifest: serde_json::Value = serde_json::from_slice(&read("MANIFEST.json"))
+        .unwrap_or_else(|e| panic!("MANIFEST.json: {e}"));
+    let types = manifest["types"]
+        .as_object()
+        .unwrap_or_else(|| panic!("MANIFEST.json: no types"));
     // Everything gguf-py 0.19.0 can dequantize; the others (Q8_1, Q8_K, Q1_0, F64, I*) have
     // hand-computed tests in quant_handmade.rs.
     let expected_types = [
-        "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-        "TQ1_0", "TQ2_0", "MXFP4", "NVFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M",
-        "IQ4_NL", "IQ4_XS",
+        "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+        "Q5_K", "Q6_K", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+        "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS",
     ];
     let mut names: Vec<&str> = types.keys().map(String::as_str).collect();
     names.sort();
     let mut want_names = expected_types.to_vec();
     want_names.sort();
-    assert_eq!(names, want_names, "golden data covers a different set of types");
+    assert_eq!(
+        names, want_names,
+        "golden data covers a different set of types"
+    );
 
     let mut failures = Vec::new();
     for (name, entry) in types {
         let ty = GgmlType::from_name(name).unwrap_or_else(|| panic!("unknown type {name}"));
         let blocks = read(&format!("{name}.bin"));
         let expected_bytes = read(&format!("{name}.f32"));
-        assert_eq!(sha256_hex(&blocks), entry["sha256_bin"].as_str().unwrap_or(""), "{name}.bin");
-        assert_eq!(sha256_hex(&expected_bytes), entry["sha256_f32"].as_str().unwrap_or(""), "{name}.f32");
+        assert_eq!(
+            sha256_hex(&blocks),
+            entry["sha256_bin"].as_str().unwrap_or(""),
+            "{name}.bin"
+        );
+        assert_eq!(
+            sha256_hex(&expected_bytes),
+            entry["sha256_f32"].as_str().unwrap_or(""),
+            "{name}.f32"
+        );
         let expected: Vec<f32> = expected_bytes
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
-        assert_eq!(expected.len() as u64, entry["n_elements"].as_u64().unwrap_or(0), "{name}");
+        assert_eq!(
+            expected.len() as u64,
+            entry["n_elements"].as_u64().unwrap_or(0),
+            "{name}"
+        );
 
         let mut got = vec![0.0f32; expected.len()];
         reference::dequantize(ty, &blocks, &mut got).unwrap_or_else(|e| panic!("{name}: {e}"));
         if let Some(m) = first_mismatch(&got, &expected) {
-            failures.push(format!("{name} reference: element {} = {:e}, gguf-py {:e}", m.0, m.1, m.2));
+            failures.push(format!(
+                "{name} reference: element {} = {:e}, gguf-py {:e}",
+                m.0, m.1, m.2
+            ));
         }
         got.fill(0.0);
         dequantize(ty, &blocks, &mut got).unwrap_or_else(|e| panic!("{name}: {e}"));
         if let Some(m) = first_mismatch(&got, &expected) {
-            failures.push(format!("{name} fast: element {} = {:e}, gguf-py {:e}", m.0, m.1, m.2));
+            failures.push(format!(
+                "{name} fast: element {} = {:e}, gguf-py {:e}",
+                m.0, m.1, m.2
+            ));
         }
         got.fill(0.0);
         dequantize_row(ty, &blocks, &mut got).unwrap_or_else(|e| panic!("{name}: {e}"));
         if let Some(m) = first_mismatch(&got, &expected) {
-            failures.push(format!("{name} row: element {} = {:e}, gguf-py {:e}", m.0, m.1, m.2));
+            failures.push(format!(
+                "{name} row: element {} = {:e}, gguf-py {:e}",
+                m.0, m.1, m.2
+            ));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -101,5 +130,8 @@ fn length_errors_are_typed() {
         })
     );
     assert!(dequantize_row(GgmlType::BF16, &[0u8; 3], &mut out[..1]).is_err());
-    assert_eq!(gguf::quant::dequantize_to_vec(GgmlType::Q8_0, &[]), Ok(vec![]));
+    assert_eq!(
+        gguf::quant::dequantize_to_vec(GgmlType::Q8_0, &[]),
+        Ok(vec![])
+    );
 }

@@ -41,7 +41,9 @@ fn q8_1_is_d_times_q_and_ignores_s() {
 fn q8_k_is_f32_d_times_q() {
     // {f32 d = 0.25, i8 qs[256], i16 bsums[16]}; bsums are dot-product helpers, not values.
     let mut b = 0.25f32.to_le_bytes().to_vec();
-    let qs: Vec<u8> = (0..256).map(|i| (i as i8).wrapping_sub(-128) as u8).collect(); // -128..127
+    let qs: Vec<u8> = (0..256)
+        .map(|i| (i as i8).wrapping_sub(-128) as u8)
+        .collect(); // -128..127
     b.extend(&qs);
     b.extend(std::iter::repeat_n(0xffu8, 32));
     assert_eq!(b.len(), 292);
@@ -68,18 +70,33 @@ fn q1_0_bits_select_plus_or_minus_d() {
 
 #[test]
 fn plain_integer_and_f64_types_convert_rounding_to_nearest_even() {
-    let f64s: Vec<u8> = [1.0f64, -2.5, 1e300, 1.0 + 2f64.powi(-30), f64::from(f32::MAX)]
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .collect();
+    let f64s: Vec<u8> = [
+        1.0f64,
+        -2.5,
+        1e300,
+        1.0 + 2f64.powi(-30),
+        f64::from(f32::MAX),
+    ]
+    .iter()
+    .flat_map(|v| v.to_le_bytes())
+    .collect();
     assert_eq!(
         both(GgmlType::F64, &f64s),
         vec![1.0, -2.5, f32::INFINITY, 1.0, f32::MAX]
     );
-    assert_eq!(both(GgmlType::I8, &[0x80, 0x7f, 0xff]), vec![-128.0, 127.0, -1.0]);
-    assert_eq!(both(GgmlType::I16, &[0x00, 0x80, 0x34, 0x12]), vec![-32768.0, 4660.0]);
+    assert_eq!(
+        both(GgmlType::I8, &[0x80, 0x7f, 0xff]),
+        vec![-128.0, 127.0, -1.0]
+    );
+    assert_eq!(
+        both(GgmlType::I16, &[0x00, 0x80, 0x34, 0x12]),
+        vec![-32768.0, 4660.0]
+    );
     // 2^24 + 1 is a tie between 2^24 and 2^24 + 2: even mantissa wins.
-    let i32s: Vec<u8> = [16_777_217i32, -3].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let i32s: Vec<u8> = [16_777_217i32, -3]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
     assert_eq!(both(GgmlType::I32, &i32s), vec![16_777_216.0, -3.0]);
     let i64s: Vec<u8> = [i64::MIN, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
     assert_eq!(both(GgmlType::I64, &i64s), vec![-9.223_372e18, 5.0]);

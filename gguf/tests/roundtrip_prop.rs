@@ -52,8 +52,12 @@ fn value_of(ty: ValueType, depth: usize) -> BoxedStrategy<Value> {
         ValueType::U32 => any::<u32>().prop_map(Value::U32).boxed(),
         ValueType::I32 => any::<i32>().prop_map(Value::I32).boxed(),
         // From raw bits, so NaNs with payloads, infinities and subnormals all occur.
-        ValueType::F32 => any::<u32>().prop_map(|b| Value::F32(f32::from_bits(b))).boxed(),
-        ValueType::F64 => any::<u64>().prop_map(|b| Value::F64(f64::from_bits(b))).boxed(),
+        ValueType::F32 => any::<u32>()
+            .prop_map(|b| Value::F32(f32::from_bits(b)))
+            .boxed(),
+        ValueType::F64 => any::<u64>()
+            .prop_map(|b| Value::F64(f64::from_bits(b)))
+            .boxed(),
         ValueType::Bool => any::<bool>().prop_map(Value::Bool).boxed(),
         ValueType::String => text().prop_map(Value::String).boxed(),
         ValueType::U64 => any::<u64>().prop_map(Value::U64).boxed(),
@@ -105,7 +109,14 @@ struct Tensor {
 impl std::fmt::Debug for Tensor {
     // The data is noise from a seed: its length says enough in a failure report.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:?} {} {:?} ({} bytes)", self.name, self.ty, self.dims, self.data.len())
+        write!(
+            f,
+            "{:?} {} {:?} ({} bytes)",
+            self.name,
+            self.ty,
+            self.dims,
+            self.data.len()
+        )
     }
 }
 
@@ -227,9 +238,8 @@ fn put_value(out: &mut Vec<u8>, v: &Value) {
 }
 
 fn pad(out: &mut Vec<u8>, align: u64) {
-    while out.len() as u64 % align != 0 {
-        out.push(0);
-    }
+    let len = (out.len() as u64).div_ceil(align) * align;
+    out.resize(len as usize, 0);
 }
 
 /// The whole file: header, infos with canonical offsets, padding, padded data. Returns the bytes,
@@ -277,7 +287,10 @@ fn same_value(a: &Value, b: &Value) -> bool {
         (Value::Array(x), Value::Array(y)) => {
             x.elem_type == y.elem_type
                 && x.values.len() == y.values.len()
-                && x.values.iter().zip(&y.values).all(|(p, q)| same_value(p, q))
+                && x.values
+                    .iter()
+                    .zip(&y.values)
+                    .all(|(p, q)| same_value(p, q))
         }
         _ => a == b,
     }
@@ -367,14 +380,17 @@ fn writer_refuses_impossible_shapes() {
     ];
     for (dims, ty) in cases {
         let r = gguf::writer::build(&md, &[("t", dims, ty, &[])]);
-        assert!(matches!(r, Err(gguf::Error::Write(_))), "{dims:?} {ty}: {r:?}");
+        assert!(
+            matches!(r, Err(gguf::Error::Write(_))),
+            "{dims:?} {ty}: {r:?}"
+        );
     }
     // Offsets kept from a header never checked against its file.
     let t = TensorInfo {
         name: "t".into(),
         dims: vec![8],
         ty: GgmlType::F32,
-        offset: u64::MAX & !31,
+        offset: !31, // the largest multiple of 32
     };
     let r = gguf::writer::Layout::with_offsets(3, &md, vec![t]);
     assert!(matches!(r, Err(gguf::Error::Write(_))));

@@ -1,9 +1,9 @@
 // Op `layernorm`: y = (x - mean) / sqrt(var + eps) * w + b with the biased variance
 // (the DSA indexer's k_norm, spec §1.7). Two-pass mean/variance in f32, one block per row.
 
-extern "C" __global__ void layernorm_f32(const float* __restrict__ x, long long x_stride,
+extern "C" __global__ void layernorm_f32(const float* x, long long x_stride,
                                          const float* __restrict__ w, const float* __restrict__ b,
-                                         float* __restrict__ y, long long y_stride, int n, float eps) {
+                                         float* y, long long y_stride, int n, float eps) {
     __shared__ float scratch[32];
     const long long r = blockIdx.x;
     const float* xr = x + r * x_stride;

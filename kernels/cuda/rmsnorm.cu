@@ -3,10 +3,11 @@
 // division and sqrt (no rsqrtf approximation), so rows agree with an f64 oracle to ~1e-6.
 // Optional fused residual: if `res` is non-null, x = x + res is formed first and written to `xo`.
 
-extern "C" __global__ void rmsnorm_f32(const float* __restrict__ x, long long x_stride,
-                                       const float* __restrict__ res, long long res_stride,
-                                       float* __restrict__ xo, long long xo_stride,
-                                       const float* __restrict__ w, float* __restrict__ y,
+// No __restrict__: callers may normalize in place (y == x) and pass res == xo.
+extern "C" __global__ void rmsnorm_f32(const float* x, long long x_stride,
+                                       const float* res, long long res_stride,
+                                       float* xo, long long xo_stride,
+                                       const float* __restrict__ w, float* y,
                                        long long y_stride, int n, float eps) {
     __shared__ float scratch[32];
     const long long r = blockIdx.x;

@@ -48,19 +48,34 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
+        let (sp, _gs) = src.device_ptr(self.stream());
+        let (dp, _gd) = dst.device_ptr_mut(self.stream());
+        // SAFETY: src holds exactly the blocks of n elements, dst at least n floats.
+        unsafe { self.dequant_raw(ty, sp, n, dp) }
+    }
+
+    /// Launch the f32 dequantizer on raw device addresses.
+    ///
+    /// # Safety
+    /// `src` must hold the whole blocks of `n` elements of `ty` and `dst` room for `n` floats.
+    pub(crate) unsafe fn dequant_raw(
+        &self,
+        ty: GgmlType,
+        sp: u64,
+        n: usize,
+        dp: u64,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "dequant";
         let f = self.func(Op::Dequant, type_kernels(ty).dequant)?;
         let tables = self.tables()?.params;
         let chunks = n.div_ceil(32) as u64;
         let cfg = self.cfg(OP, (chunks.div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
-        let (sp, _gs) = src.device_ptr(self.stream());
-        let (dp, _gd) = dst.device_ptr_mut(self.stream());
         check_aligned(OP, "src", sp, block_alignment(ty))?;
         check_aligned(OP, "dst", dp, 16)?;
         let n64 = n as i64;
         let mut b = self.stream().launch_builder(&f);
         b.arg(&sp).arg(&dp).arg(&n64).arg(&tables);
-        // SAFETY: dst holds >= n floats, src holds exactly the blocks of n elements, both aligned
-        // as the decoders' loads require (checked above).
+        // SAFETY: extents are the caller's contract; alignment checked above.
         self.launched(OP, unsafe { b.launch(cfg) })
     }
 

@@ -7,17 +7,33 @@
 //! [`KernelError::NoDevice`] on machines without a GPU; [`nvrtc::compile`] works on any machine
 //! that has `libnvrtc` (the compile-check test uses it for sm_90 and sm_120).
 
+pub mod act;
+pub mod attention;
 pub mod dequant;
 pub mod device;
 pub mod error;
+pub mod gemm;
 pub mod gemv;
+pub mod indexer;
+mod launch;
+pub mod moe;
+pub mod norm;
 pub mod nvrtc;
 pub mod ops;
 mod quant;
+pub mod rope;
+pub mod verify;
 
 pub use device::{device_count, driver_available, DeviceInfo, Gpu, KernelResources};
 pub use error::KernelError;
+pub use act::Rows3;
+pub use attention::{KeyLists, MlaShape};
 pub use gemv::{Channels, MatShape};
+pub use indexer::IndexerShape;
+pub use moe::RouterConfig;
+pub use norm::Rows;
+pub use rope::{rope_inv_freq, RopeLayout};
+pub use verify::{compare_tensor, GpuDiff};
 pub use ops::Op;
 
 /// Re-exported so callers can name buffer types without depending on cudarc themselves.

@@ -48,7 +48,7 @@ impl Default for ExportOptions {
     }
 }
 
-/// Progress callbacks.
+/// Progress callbacks; the callback returns `false` to stop the export (Ctrl-C).
 #[derive(Debug, Clone)]
 pub enum Progress<'a> {
     /// Planning done: what will be written.
@@ -455,7 +455,7 @@ struct Ctx<'a> {
     model: &'a Model,
     items: &'a [Item],
     error: RefCell<Option<MappingError>>,
-    progress: RefCell<&'a mut dyn FnMut(Progress)>,
+    progress: RefCell<&'a mut dyn FnMut(Progress) -> bool>,
 }
 
 /// A tensor whose bytes are produced when the safetensors writer asks for them.
@@ -490,10 +490,13 @@ impl safetensors::View for Lazy<'_> {
         });
         match r {
             Ok(b) => {
-                (self.ctx.progress.borrow_mut())(Progress::Tensor {
+                let go_on = (self.ctx.progress.borrow_mut())(Progress::Tensor {
                     name: &item.hf,
                     bytes: b.len() as u64,
                 });
+                if !go_on {
+                    *self.ctx.error.borrow_mut() = Some(MappingError::Interrupted);
+                }
                 Cow::Owned(b)
             }
             Err(e) => {
@@ -533,7 +536,7 @@ pub fn export_safetensors(
     model: &Model,
     out: &Path,
     opts: &ExportOptions,
-    progress: &mut dyn FnMut(Progress),
+    progress: &mut dyn FnMut(Progress) -> bool,
 ) -> Result<ExportSummary, MappingError> {
     if out.exists() && !opts.overwrite {
         return Err(io(out, "already exists (pass overwrite to replace it)"));
@@ -561,7 +564,7 @@ fn write_all(
     model: &Model,
     dir: &Path,
     opts: &ExportOptions,
-    progress: &mut dyn FnMut(Progress),
+    progress: &mut dyn FnMut(Progress) -> bool,
 ) -> Result<ExportSummary, MappingError> {
     let mut summary = ExportSummary::default();
     let mut items = plan(model, opts.tp, &mut summary.notes)?;
@@ -605,10 +608,12 @@ fn write_all(
     if start < items.len() {
         shards.push(start..items.len());
     }
-    progress(Progress::Start {
+    if !progress(Progress::Start {
         tensors: items.len(),
         bytes: total,
-    });
+    }) {
+        return Err(MappingError::Interrupted);
+    }
     let n = shards.len();
     let ctx = Ctx {
         model,
@@ -641,6 +646,10 @@ fn write_all(
         if let Some(e) = ctx.error.borrow_mut().take() {
             return Err(e);
         }
+        // durable before the directory is renamed into place
+        std::fs::File::open(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| io(&path, e))?;
     }
     let params: u64 = items.iter().map(|i| i.shape.iter().product::<usize>() as u64).sum();
     write_json(

@@ -35,4 +35,7 @@ pub enum MappingError {
     File { path: PathBuf, msg: String },
     #[error("tensor {tensor:?}: {msg}")]
     Tensor { tensor: String, msg: String },
+    /// The caller asked to stop (Ctrl-C).
+    #[error("interrupted")]
+    Interrupted,
 }

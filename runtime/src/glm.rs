@@ -631,6 +631,7 @@ impl<B: Backend> GlmModel<B> {
             let mut k = be.matmul(x, &iw.k)?;
             k = be.layer_norm(&k, &iw.k_norm, &iw.k_norm_b, ix.norm_eps)?;
             be.rope(&mut k, positions, &rope_p(1, ix.head_dim))?;
+            self.emit(obs, || format!("blk.{li}.indexer.k.out"), &k)?;
             ix_keys = Some(k);
             if segs.iter().any(|s| s.pos0 + s.n > ix.top_k) {
                 let qr = q_resid
@@ -641,6 +642,8 @@ impl<B: Backend> GlmModel<B> {
                 // transformers: weights_proj(x) * n_heads^-0.5 (the softmax scale is applied to
                 // the dot products, as there).
                 let wts = be.scale(&be.matmul(x, &iw.proj)?, (ix.n_head as f32).powf(-0.5))?;
+                self.emit(obs, || format!("blk.{li}.indexer.q.out"), &qi)?;
+                self.emit(obs, || format!("blk.{li}.indexer.weights.out"), &wts)?;
                 ix_q = Some((qi, wts));
             }
         }

@@ -10,3 +10,4 @@ pub mod merge;
 pub mod serve;
 pub mod split;
 pub mod verify;
+pub mod verify_gpu;

@@ -12,7 +12,7 @@ use crate::{GgmlType, QK_K};
 
 fn check(ty: GgmlType, x: &[f32]) -> Result<(), QuantError> {
     let block_size = ty.block_size();
-    if x.len() % block_size != 0 {
+    if !x.len().is_multiple_of(block_size) {
         return Err(QuantError::PartialRow {
             ty,
             len: x.len(),

@@ -269,6 +269,10 @@ fn iq4_xs(b: &[u8; 136], y: &mut [f32; 256], kv: &[i8; 16]) {
         let low = (b[4 + j / 2] >> (4 * (j % 2))) & 0xf;
         let ls = low | (((scales_h >> (2 * j)) & 3) as u8) << 4;
         let dl = d * (i32::from(ls) - 32) as f32;
-        lookup32(&b[8 + 16 * j..24 + 16 * j], &scaled(dl, kv), &mut y[32 * j..32 * j + 32]);
+        lookup32(
+            &b[8 + 16 * j..24 + 16 * j],
+            &scaled(dl, kv),
+            &mut y[32 * j..32 * j + 32],
+        );
     }
 }

@@ -30,7 +30,11 @@ pub(crate) fn f16_to_f32_fast(h: u16) -> f32 {
     let inf_nan = rebiased + ((128 - 16) << 23);
     // For subnormal inputs, bias the exponent one up and subtract 2^-14: exact in f32.
     let sub = f32::from_bits(rebiased + (1 << 23)) - f32::from_bits(113 << 23);
-    let normal = if exp == 0x0f80_0000 { inf_nan } else { rebiased };
+    let normal = if exp == 0x0f80_0000 {
+        inf_nan
+    } else {
+        rebiased
+    };
     let bits = if exp == 0 { sub.to_bits() } else { normal };
     f32::from_bits(bits | ((h & 0x8000) << 16))
 }

@@ -61,7 +61,7 @@ pub enum QuantError {
 /// Elements that `n_bytes` of type `ty` decode to, checking that they are whole blocks.
 pub fn n_elements(ty: GgmlType, n_bytes: usize) -> Result<usize, QuantError> {
     let block_bytes = ty.type_size();
-    if n_bytes % block_bytes != 0 {
+    if !n_bytes.is_multiple_of(block_bytes) {
         return Err(QuantError::PartialBlock {
             ty,
             len: n_bytes,

@@ -66,7 +66,10 @@ fn plain<const N: usize>(data: &[u8], out: &mut [f32], f: impl Fn(&[u8; N]) -> f
 
 /// Runs `f` on every block; `y` is the block's `B::ELEMS` output values.
 fn each<B: Block>(data: &[u8], out: &mut [f32], f: impl Fn(&B, &mut [f32])) {
-    for (bytes, y) in data.chunks_exact(B::BYTES).zip(out.chunks_exact_mut(B::ELEMS)) {
+    for (bytes, y) in data
+        .chunks_exact(B::BYTES)
+        .zip(out.chunks_exact_mut(B::ELEMS))
+    {
         if let Some(b) = B::read(bytes) {
             f(&b, y);
         }
@@ -245,7 +248,11 @@ fn tq2_0(b: &BlockTq2_0, y: &mut [f32]) {
 fn q1_0(b: &BlockQ1_0, y: &mut [f32]) {
     let d = f16_to_f32(b.d);
     for (e, y) in y.iter_mut().enumerate() {
-        *y = if (b.qs[e / 8] >> (e % 8)) & 1 == 1 { d } else { -d };
+        *y = if (b.qs[e / 8] >> (e % 8)) & 1 == 1 {
+            d
+        } else {
+            -d
+        };
     }
 }
 
@@ -351,7 +358,11 @@ fn iq1_s(b: &BlockIq1S, y: &mut [f32], t: &Tables) {
         let i = e / 32;
         let qh = b.qh[i];
         let dl = d * f32::from(2 * ((qh >> 12) & 7) + 1);
-        let delta = if qh & 0x8000 != 0 { -IQ1_DELTA } else { IQ1_DELTA };
+        let delta = if qh & 0x8000 != 0 {
+            -IQ1_DELTA
+        } else {
+            IQ1_DELTA
+        };
         let k = (e % 32) / 8;
         let idx = usize::from(b.qs[4 * i + k]) | usize::from((qh >> (3 * k)) & 7) << 8;
         *y = dl * (f32::from(t.iq1s[idx][e % 8]) + delta);
@@ -359,8 +370,10 @@ fn iq1_s(b: &BlockIq1S, y: &mut [f32], t: &Tables) {
 }
 
 fn iq1_m(b: &BlockIq1M, y: &mut [f32], t: &Tables) {
-    let sc: [u16; 4] = std::array::from_fn(|i| u16::from_le_bytes([b.scales[2 * i], b.scales[2 * i + 1]]));
-    let d = f16_to_f32((sc[0] >> 12) | (sc[1] >> 12) << 4 | (sc[2] >> 12) << 8 | (sc[3] >> 12) << 12);
+    let sc: [u16; 4] =
+        std::array::from_fn(|i| u16::from_le_bytes([b.scales[2 * i], b.scales[2 * i + 1]]));
+    let d =
+        f16_to_f32((sc[0] >> 12) | (sc[1] >> 12) << 4 | (sc[2] >> 12) << 8 | (sc[3] >> 12) << 12);
     for (e, y) in y.iter_mut().enumerate() {
         let s = e / 16;
         let sub = (sc[s / 4] >> (3 * (s % 4))) & 7;
@@ -368,7 +381,11 @@ fn iq1_m(b: &BlockIq1M, y: &mut [f32], t: &Tables) {
         let g = e / 8;
         let entry = (b.qh[g / 2] >> (4 * (g % 2))) & 0xf;
         let idx = usize::from(b.qs[g]) | usize::from(entry & 7) << 8;
-        let delta = if entry & 8 != 0 { -IQ1_DELTA } else { IQ1_DELTA };
+        let delta = if entry & 8 != 0 {
+            -IQ1_DELTA
+        } else {
+            IQ1_DELTA
+        };
         *y = dl * (f32::from(t.iq1s[idx][e % 8]) + delta);
     }
 }
@@ -384,7 +401,8 @@ fn iq4_xs(b: &BlockIq4Xs, y: &mut [f32], t: &Tables) {
     let d = f16_to_f32(b.d);
     for (e, y) in y.iter_mut().enumerate() {
         let j = e / 32;
-        let ls = ((b.scales_l[j / 2] >> (4 * (j % 2))) & 0xf) | (((b.scales_h >> (2 * j)) & 3) as u8) << 4;
+        let ls = ((b.scales_l[j / 2] >> (4 * (j % 2))) & 0xf)
+            | (((b.scales_h >> (2 * j)) & 3) as u8) << 4;
         let dl = d * (i32::from(ls) - 32) as f32;
         let i = e % 32;
         let q = if i < 16 {

@@ -89,7 +89,13 @@ impl<'a> Cursor<'a> {
     }
 }
 
-fn find<'a>(raw: &'a [Raw<'a>], name: &str, signed: bool, rows: usize, cols: usize) -> Result<&'a [u8], String> {
+fn find<'a>(
+    raw: &'a [Raw<'a>],
+    name: &str,
+    signed: bool,
+    rows: usize,
+    cols: usize,
+) -> Result<&'a [u8], String> {
     let t = raw
         .iter()
         .find(|t| t.name == name)
@@ -165,13 +171,18 @@ mod tests {
             t.kvalues_mxfp4,
             [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
         );
-        let set = |rows: &[[u8; 8]], allowed: &[u8]| rows.iter().flatten().all(|v| allowed.contains(v));
+        let set =
+            |rows: &[[u8; 8]], allowed: &[u8]| rows.iter().flatten().all(|v| allowed.contains(v));
         assert!(set(&t.iq2xxs[..], &[0x08, 0x19, 0x2b]));
         assert!(set(&t.iq2xs[..], &[0x08, 0x19, 0x2b]));
         assert!(set(&t.iq2s[..], &[0x08, 0x19, 0x2b]));
         let iq3 = [0x04, 0x0c, 0x14, 0x1c, 0x24, 0x2c, 0x34, 0x3e];
         assert!(t.iq3xxs.iter().flatten().all(|v| iq3.contains(v)));
-        assert!(t.iq3s.iter().flatten().all(|v| [1, 3, 5, 7, 9, 11, 13, 15].contains(v)));
+        assert!(t
+            .iq3s
+            .iter()
+            .flatten()
+            .all(|v| [1, 3, 5, 7, 9, 11, 13, 15].contains(v)));
         assert!(t.iq1s.iter().flatten().all(|v| (-1..=1).contains(v)));
         // Grids are sets of distinct points.
         let mut rows: Vec<_> = t.iq2s.iter().collect();

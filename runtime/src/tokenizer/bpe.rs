@@ -7,29 +7,34 @@ use std::collections::{BinaryHeap, HashMap};
 /// GPT-2's reversible byte -> char alphabet. Printable Latin-1 bytes stand for themselves; the
 /// other 68 bytes get U+0100.. in increasing byte order. Computed rather than tabulated because
 /// the rule is the definition (openai/gpt-2 `bytes_to_unicode`).
-pub(crate) fn byte_alphabet() -> [char; 256] {
+pub(crate) const ALPHABET: [char; 256] = byte_alphabet();
+
+const fn byte_alphabet() -> [char; 256] {
     let mut out = ['\0'; 256];
     let mut next = 256u32;
-    for (b, slot) in out.iter_mut().enumerate() {
-        let b = b as u32;
+    let mut b = 0u32;
+    while b < 256 {
         let printable =
-            (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+            (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
         let cp = if printable {
             b
         } else {
-            let cp = next;
             next += 1;
-            cp
+            next - 1
         };
         // Both ranges are valid scalar values (< 0x200), so the fallback is unreachable.
-        *slot = char::from_u32(cp).unwrap_or('\u{FFFD}');
+        out[b as usize] = match char::from_u32(cp) {
+            Some(c) => c,
+            None => '\u{FFFD}',
+        };
+        b += 1;
     }
     out
 }
 
-/// Inverse of [`byte_alphabet`]: char -> byte for the 256 alphabet chars.
+/// Inverse of [`ALPHABET`]: char -> byte for the 256 alphabet chars.
 pub(crate) fn char_to_byte_map() -> HashMap<char, u8> {
-    byte_alphabet()
+    ALPHABET
         .iter()
         .enumerate()
         .map(|(b, &c)| (c, b as u8))
@@ -71,6 +76,9 @@ struct Sym {
 
 const NONE: usize = usize::MAX;
 
+/// (rank, left index, right index, left id, right id) of a possible merge.
+type Candidate = (u32, usize, usize, u32, u32);
+
 /// Applies the merges to one piece whose initial symbols are `initial` (one per input byte), in
 /// rank order with ties going to the leftmost pair, which is what both HF `tokenizers` and
 /// llama.cpp do. A heap plus lazy invalidation keeps long pieces (runs of punctuation) at
@@ -93,7 +101,7 @@ pub(crate) fn merge(initial: &[Option<u32>], merges: &MergeTable, out: &mut Vec<
         .collect();
     // (rank, left index, right index, left id, right id); stale entries are detected on pop by
     // re-checking adjacency and ids (a merged symbol always gets a different, longer token).
-    let mut heap: BinaryHeap<Reverse<(u32, usize, usize, u32, u32)>> = BinaryHeap::new();
+    let mut heap: BinaryHeap<Reverse<Candidate>> = BinaryHeap::new();
     let push = |heap: &mut BinaryHeap<_>, syms: &[Sym], l: usize, r: usize| {
         if l == NONE || r == NONE {
             return;
@@ -139,7 +147,7 @@ mod tests {
 
     #[test]
     fn alphabet_is_a_bijection_with_gpt2_landmarks() {
-        let a = byte_alphabet();
+        let a = ALPHABET;
         // Landmarks of the GPT-2 table: space -> 'Ġ' (U+0120), '\n' -> 'Ċ' (U+010A), '!' itself.
         assert_eq!(a[b' ' as usize], 'Ġ');
         assert_eq!(a[b'\n' as usize], 'Ċ');

@@ -89,7 +89,6 @@ enum Kind {
         pre: pretok::PreTokenizer,
         ignore_merges: bool,
         merges: bpe::MergeTable,
-        alphabet: [char; 256],
     },
     Spm {
         scores: Vec<f32>,
@@ -239,19 +238,38 @@ impl Tokenizer {
         let unk = checked("unknown_token_id", spec.unk_id).or_else(|| spm_default(0));
         let pad = checked("padding_token_id", spec.pad_id);
         let find_text = |texts: &[&str]| texts.iter().find_map(|t| token_to_id.get(*t).copied());
-        let eot = checked("eot_token_id", spec.eot_id).or_else(|| find_text(EOT_TEXTS));
-        let eom = checked("eom_token_id", spec.eom_id).or_else(|| find_text(&["<|eom_id|>"]));
+        let eot_by_text = spec
+            .eot_id
+            .is_none()
+            .then(|| find_text(EOT_TEXTS))
+            .flatten();
+        let eom_by_text = spec
+            .eom_id
+            .is_none()
+            .then(|| find_text(&["<|eom_id|>"]))
+            .flatten();
+        let eot = checked("eot_token_id", spec.eot_id).or(eot_by_text);
+        let eom = checked("eom_token_id", spec.eom_id).or(eom_by_text);
 
-        // End-of-generation set, derived as llama.cpp does.
-        let mut eog = BTreeSet::new();
-        for group in FIM_EOG_TEXTS {
-            eog.extend(find_text(group));
-        }
-        for t in EOG_TEXTS {
-            if let Some(&id) = token_to_id.get(*t) {
-                eog.insert(id);
+        // End-of-generation set, derived as llama.cpp does: stop tokens recognised by their text
+        // (which must be control tokens: llama.cpp upgrades mis-typed ones, so they are skipped
+        // by `skip_special` and only split out when parsing specials), then eos/eot/eom by id.
+        let mut by_text: BTreeSet<u32> =
+            FIM_EOG_TEXTS.iter().filter_map(|g| find_text(g)).collect();
+        by_text.extend(
+            EOG_TEXTS
+                .iter()
+                .filter_map(|t| token_to_id.get(*t).copied()),
+        );
+        by_text.extend(eot_by_text);
+        by_text.extend(eom_by_text);
+        for &id in &by_text {
+            let t = &mut types[id as usize];
+            if !matches!(t, TokenType::Control) {
+                *t = TokenType::Control;
             }
         }
+        let mut eog = by_text;
         eog.extend([eos, eot, eom].into_iter().flatten());
         let text_of = |id: &u32| tokens[*id as usize].as_str();
         let has = |eog: &BTreeSet<u32>, t: &str| eog.iter().find(|id| text_of(id) == t).copied();
@@ -273,14 +291,6 @@ impl Tokenizer {
             if let Some(s) = has(&eog, "</s>") {
                 eog.remove(&s);
                 types[s as usize] = TokenType::Normal;
-            }
-        }
-        // Stop tokens must be control tokens (skipped by `skip_special`, split only when parsing
-        // specials); llama.cpp upgrades mis-typed ones the same way.
-        for &id in &eog {
-            let t = &mut types[id as usize];
-            if !matches!(t, TokenType::Control | TokenType::UserDefined) {
-                *t = TokenType::Control;
             }
         }
         // gpt-oss channel markers are always rendered.
@@ -355,13 +365,11 @@ impl Tokenizer {
                     "tokenizer: {skipped} merges refer to tokens outside the vocabulary; ignored"
                 );
             }
-            let _ = pre_spec.no_default_bos;
             (
                 Kind::Bpe {
                     pre,
                     ignore_merges: pre_spec.ignore_merges,
                     merges,
-                    alphabet: bpe::byte_alphabet(),
                 },
                 pre_spec.add_bos,
                 false,
@@ -371,9 +379,9 @@ impl Tokenizer {
         let mut byte_tokens = [None; 256];
         for (b, slot) in byte_tokens.iter_mut().enumerate() {
             *slot = match &kind {
-                Kind::Bpe { alphabet, .. } => {
-                    token_to_id.get(alphabet[b].to_string().as_str()).copied()
-                }
+                Kind::Bpe { .. } => token_to_id
+                    .get(bpe::ALPHABET[b].to_string().as_str())
+                    .copied(),
                 Kind::Spm { .. } => token_to_id.get(format!("<0x{b:02X}>").as_str()).copied(),
             };
         }
@@ -492,12 +500,12 @@ impl Tokenizer {
                 pre,
                 ignore_merges,
                 merges,
-                alphabet,
             } => {
                 let mut initial = Vec::new();
                 for piece in pre.split(text)? {
                     if *ignore_merges {
-                        let encoded: String = piece.bytes().map(|b| alphabet[b as usize]).collect();
+                        let encoded: String =
+                            piece.bytes().map(|b| bpe::ALPHABET[b as usize]).collect();
                         if let Some(&id) = self.token_to_id.get(&encoded) {
                             out.push(id);
                             continue;

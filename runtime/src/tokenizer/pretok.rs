@@ -39,8 +39,6 @@ pub(crate) struct PreSpec {
     pub ignore_merges: bool,
     /// Default of `tokenizer.ggml.add_bos_token` when the key is absent (llama.cpp's table).
     pub add_bos: bool,
-    /// llama.cpp forgets the default BOS id for this type (it is taken from metadata only).
-    pub no_default_bos: bool,
 }
 
 const fn spec(regexes: &'static [&'static str], ignore_merges: bool, add_bos: bool) -> PreSpec {
@@ -48,7 +46,6 @@ const fn spec(regexes: &'static [&'static str], ignore_merges: bool, add_bos: bo
         regexes,
         ignore_merges,
         add_bos,
-        no_default_bos: false,
     }
 }
 
@@ -63,10 +60,7 @@ pub(crate) fn lookup(name: &str) -> Option<PreSpec> {
     static GPT4O_SEQ: [&str; 1] = [GPT4O];
     static TEKKEN_SEQ: [&str; 1] = [TEKKEN];
     Some(match name {
-        "glm4" | "chatglm-bpe" => PreSpec {
-            no_default_bos: true,
-            ..spec(&LLAMA3_SEQ, true, false)
-        },
+        "glm4" | "chatglm-bpe" => spec(&LLAMA3_SEQ, true, false),
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" => spec(&LLAMA3_SEQ, true, true),
         "dbrx" | "smaug-bpe" => spec(&LLAMA3_SEQ, false, false),
         "qwen2" | "deepseek-r1-qwen" | "megrez" | "stablelm2" => spec(&QWEN2_SEQ, false, false),

@@ -78,22 +78,35 @@ impl SequenceState for MockSeq {
     }
 }
 
-/// A gate the test can close to hold the model inside `forward`.
+/// A gate the test can close to hold the model inside `forward`, or open for a number of steps.
 #[derive(Default)]
 pub struct Gate {
-    open: Mutex<bool>,
+    /// `None`: open; `Some(n)`: n more forward passes may start.
+    permits: Mutex<Option<usize>>,
     cv: Condvar,
 }
 
 impl Gate {
     pub fn set(&self, open: bool) {
-        *self.open.lock().unwrap() = open;
+        *self.permits.lock().unwrap() = if open { None } else { Some(0) };
+        self.cv.notify_all();
+    }
+    /// Let exactly `n` more forward passes run, then hold.
+    pub fn allow(&self, n: usize) {
+        *self.permits.lock().unwrap() = Some(n);
         self.cv.notify_all();
     }
     fn wait(&self) {
-        let mut g = self.open.lock().unwrap();
-        while !*g {
-            g = self.cv.wait(g).unwrap();
+        let mut g = self.permits.lock().unwrap();
+        loop {
+            match *g {
+                None => return,
+                Some(n) if n > 0 => {
+                    *g = Some(n - 1);
+                    return;
+                }
+                Some(_) => g = self.cv.wait(g).unwrap(),
+            }
         }
     }
 }

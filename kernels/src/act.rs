@@ -1,0 +1,226 @@
+//! Element-wise ops of the forward pass: SwiGLU, residual adds, scaling, strided copies, bf16.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+
+use crate::device::{dlen, need_len, to_i32, Gpu};
+use crate::error::KernelError;
+use crate::launch::{shape_err, span};
+use crate::ops::Op;
+
+const BLOCK: u32 = 256;
+
+/// `rows` rows of `n` values, each operand with its own row stride.
+#[derive(Debug, Clone, Copy)]
+pub struct Rows3 {
+    pub rows: usize,
+    pub n: usize,
+    pub a_stride: usize,
+    pub b_stride: usize,
+    pub out_stride: usize,
+}
+
+impl Rows3 {
+    pub fn dense(rows: usize, n: usize) -> Self {
+        Rows3 {
+            rows,
+            n,
+            a_stride: n,
+            b_stride: n,
+            out_stride: n,
+        }
+    }
+}
+
+impl Gpu {
+    /// `out = silu(gate) * up` with `silu(g) = g / (1 + exp(-g))`.
+    pub fn silu_mul(
+        &self,
+        gate: &impl DevicePtr<f32>,
+        up: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+        l: Rows3,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "silu_mul";
+        if l.rows == 0 || l.n == 0 {
+            return Err(shape_err(OP, format!("empty rows {l:?}")));
+        }
+        need_len(OP, "gate", dlen(gate), span(l.rows, l.a_stride, l.n))?;
+        need_len(OP, "up", dlen(up), span(l.rows, l.b_stride, l.n))?;
+        need_len(OP, "out", dlen(out), span(l.rows, l.out_stride, l.n))?;
+        let f = self.func(Op::SiluMul, "silu_mul_f32")?;
+        let grid = ((l.n as u64).div_ceil(BLOCK as u64), l.rows as u64, 1);
+        let cfg = self.cfg(OP, grid, BLOCK)?;
+        let s = self.stream();
+        let (gp, _g1) = gate.device_ptr(s);
+        let (up_, _g2) = up.device_ptr(s);
+        let (op, _g3) = out.device_ptr_mut(s);
+        let (gs, us, os) = (l.a_stride as i64, l.b_stride as i64, l.out_stride as i64);
+        let n = to_i32(OP, "n", l.n)?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&gp).arg(&gs).arg(&up_).arg(&us).arg(&op).arg(&os).arg(&n);
+        // SAFETY: extents checked above.
+        self.launched(OP, unsafe { b.launch(cfg) })
+    }
+
+    /// `y = a + b` over the first `n` elements (for in-place adds see [`Gpu::add_assign`]).
+    pub fn add(
+        &self,
+        a: &impl DevicePtr<f32>,
+        b: &impl DevicePtr<f32>,
+        y: &mut impl DevicePtrMut<f32>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "add";
+        need_len(OP, "a", dlen(a), n)?;
+        need_len(OP, "b", dlen(b), n)?;
+        need_len(OP, "y", dlen(y), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(Op::Elementwise, "add_f32")?;
+        let cfg = self.cfg(OP, ((n as u64).div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
+        let s = self.stream();
+        let (ap, _ga) = a.device_ptr(s);
+        let (bp, _gb) = b.device_ptr(s);
+        let (yp, _gy) = y.device_ptr_mut(s);
+        let n64 = n as i64;
+        let mut bl = s.launch_builder(&f);
+        bl.arg(&ap).arg(&bp).arg(&yp).arg(&n64);
+        // SAFETY: all three hold >= n elements.
+        self.launched(OP, unsafe { bl.launch(cfg) })
+    }
+
+    /// `y += b` over the first `n` elements (residual add).
+    pub fn add_assign(
+        &self,
+        y: &mut impl DevicePtrMut<f32>,
+        b: &impl DevicePtr<f32>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "add_assign";
+        need_len(OP, "b", dlen(b), n)?;
+        need_len(OP, "y", dlen(y), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(Op::Elementwise, "add_f32")?;
+        let cfg = self.cfg(OP, ((n as u64).div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
+        let s = self.stream();
+        let (bp, _gb) = b.device_ptr(s);
+        let (yp, _gy) = y.device_ptr_mut(s);
+        let n64 = n as i64;
+        let mut bl = s.launch_builder(&f);
+        bl.arg(&yp).arg(&bp).arg(&yp).arg(&n64);
+        // SAFETY: both hold >= n elements; the kernel reads y[i] before writing it.
+        self.launched(OP, unsafe { bl.launch(cfg) })
+    }
+
+    /// `y = a * scale` over the first `n` elements.
+    pub fn scale(
+        &self,
+        a: &impl DevicePtr<f32>,
+        scale: f32,
+        y: &mut impl DevicePtrMut<f32>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "scale";
+        need_len(OP, "a", dlen(a), n)?;
+        need_len(OP, "y", dlen(y), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(Op::Elementwise, "scale_f32")?;
+        let cfg = self.cfg(OP, ((n as u64).div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
+        let s = self.stream();
+        let (ap, _ga) = a.device_ptr(s);
+        let (yp, _gy) = y.device_ptr_mut(s);
+        let n64 = n as i64;
+        let mut bl = s.launch_builder(&f);
+        bl.arg(&ap).arg(&scale).arg(&yp).arg(&n64);
+        // SAFETY: both hold >= n elements.
+        self.launched(OP, unsafe { bl.launch(cfg) })
+    }
+
+    /// Strided row copy: `dst[r * dst_stride + i] = src[r * src_stride + i]`, `i < n`.
+    pub fn copy_rows(
+        &self,
+        src: &impl DevicePtr<f32>,
+        src_stride: usize,
+        dst: &mut impl DevicePtrMut<f32>,
+        dst_stride: usize,
+        rows: usize,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "copy_rows";
+        if rows == 0 || n == 0 {
+            return Ok(());
+        }
+        need_len(OP, "src", dlen(src), span(rows, src_stride, n))?;
+        need_len(OP, "dst", dlen(dst), span(rows, dst_stride, n))?;
+        let f = self.func(Op::Elementwise, "copy_rows_f32")?;
+        let cfg = self.cfg(OP, ((n as u64).div_ceil(BLOCK as u64), rows as u64, 1), BLOCK)?;
+        let s = self.stream();
+        let (sp, _gs) = src.device_ptr(s);
+        let (dp, _gd) = dst.device_ptr_mut(s);
+        let (ss, ds) = (src_stride as i64, dst_stride as i64);
+        let n32 = to_i32(OP, "n", n)?;
+        let mut bl = s.launch_builder(&f);
+        bl.arg(&sp).arg(&ss).arg(&dp).arg(&ds).arg(&n32);
+        // SAFETY: extents checked above.
+        self.launched(OP, unsafe { bl.launch(cfg) })
+    }
+
+    /// f32 -> bf16 bit patterns (round to nearest even), for bf16 cuBLAS operands.
+    pub fn to_bf16(
+        &self,
+        src: &impl DevicePtr<f32>,
+        dst: &mut impl DevicePtrMut<u16>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "f32_to_bf16";
+        need_len(OP, "src", dlen(src), n)?;
+        need_len(OP, "dst", dlen(dst), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(Op::Elementwise, "f32_to_bf16")?;
+        let cfg = self.cfg(OP, ((n as u64).div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
+        let s = self.stream();
+        let (sp, _gs) = src.device_ptr(s);
+        let (dp, _gd) = dst.device_ptr_mut(s);
+        let n64 = n as i64;
+        let mut bl = s.launch_builder(&f);
+        bl.arg(&sp).arg(&dp).arg(&n64);
+        // SAFETY: both hold >= n elements.
+        self.launched(OP, unsafe { bl.launch(cfg) })
+    }
+
+    /// Greedy sampling: `out[r]` = index of the largest of row r (ties: lower index; NaN never
+    /// wins). `x` holds `rows` rows of `n` logits, `stride` apart.
+    pub fn argmax(
+        &self,
+        x: &impl DevicePtr<f32>,
+        rows: usize,
+        n: usize,
+        stride: usize,
+        out: &mut impl DevicePtrMut<i32>,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "argmax";
+        if rows == 0 || n == 0 {
+            return Err(shape_err(OP, "empty logits"));
+        }
+        need_len(OP, "x", dlen(x), span(rows, stride, n))?;
+        need_len(OP, "out", dlen(out), rows)?;
+        let f = self.func(Op::Argmax, "argmax_f32")?;
+        let cfg = self.cfg(OP, (rows as u64, 1, 1), 1024)?;
+        let s = self.stream();
+        let (xp, _gx) = x.device_ptr(s);
+        let (op, _go) = out.device_ptr_mut(s);
+        let st = stride as i64;
+        let n32 = to_i32(OP, "n", n)?;
+        let mut bl = s.launch_builder(&f);
+        bl.arg(&xp).arg(&st).arg(&n32).arg(&op);
+        // SAFETY: extents checked above.
+        self.launched(OP, unsafe { bl.launch(cfg) })
+    }
+}

@@ -1,0 +1,123 @@
+//! DSA lightning indexer on the device: per-key scores and the top-k key selection.
+
+use cudarc::driver::{CudaViewMut, DevicePtr, DevicePtrMut, PushKernelArg};
+
+use crate::device::{dlen, need_len, to_i32, Gpu};
+use crate::error::KernelError;
+use crate::launch::{shape_err, span};
+use crate::ops::Op;
+
+/// Shapes and strides of one indexer call (f32 elements).
+#[derive(Debug, Clone, Copy)]
+pub struct IndexerShape {
+    /// Query tokens S, indexer heads H, head width D (multiple of 32, <= 256).
+    pub tokens: usize,
+    pub heads: usize,
+    pub dim: usize,
+    /// q is `[S, H, D]` with token stride `q_stride` (>= H*D).
+    pub q_stride: usize,
+    /// Key cache rows (stride `k_stride`) and the number of valid rows T.
+    pub k_stride: usize,
+    pub kv_len: usize,
+    /// Per-head weights `[S, H]` (already times H^-0.5), token stride `w_stride`.
+    pub w_stride: usize,
+    /// Output scores `[S, T]`, token stride `out_stride` (>= T).
+    pub out_stride: usize,
+    /// D^-0.5.
+    pub scale: f32,
+}
+
+impl Gpu {
+    /// `out[s,t] = sum_h w[s,h] * relu(scale * q[s,h] . k[t])` for `t <= pos[s]`, -inf otherwise.
+    pub fn indexer_scores(
+        &self,
+        q: &impl DevicePtr<f32>,
+        k: &impl DevicePtr<f32>,
+        w: &impl DevicePtr<f32>,
+        pos: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<f32>,
+        sh: IndexerShape,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "indexer_scores";
+        if sh.tokens == 0 || sh.heads == 0 || sh.kv_len == 0 {
+            return Err(shape_err(OP, format!("empty shape {sh:?}")));
+        }
+        if sh.dim == 0 || sh.dim % 32 != 0 || sh.dim > 256 {
+            return Err(shape_err(OP, format!("head width {} must be a multiple of 32, <= 256", sh.dim)));
+        }
+        if sh.q_stride < sh.heads * sh.dim || sh.out_stride < sh.kv_len || sh.k_stride < sh.dim {
+            return Err(shape_err(OP, format!("strides too small for {sh:?}")));
+        }
+        need_len(OP, "q", dlen(q), span(sh.tokens, sh.q_stride, sh.heads * sh.dim))?;
+        need_len(OP, "k", dlen(k), span(sh.kv_len, sh.k_stride, sh.dim))?;
+        need_len(OP, "w", dlen(w), span(sh.tokens, sh.w_stride, sh.heads))?;
+        need_len(OP, "pos", dlen(pos), sh.tokens)?;
+        need_len(OP, "out", dlen(out), span(sh.tokens, sh.out_stride, sh.kv_len))?;
+        let f = self.func(Op::IndexerScores, "indexer_scores_f32")?;
+        let cfg = self.cfg(OP, ((sh.kv_len as u64).div_ceil(8), sh.tokens as u64, 1), 256)?;
+        let s = self.stream();
+        let (qp, _g1) = q.device_ptr(s);
+        let (kp, _g2) = k.device_ptr(s);
+        let (wp, _g3) = w.device_ptr(s);
+        let (pp, _g4) = pos.device_ptr(s);
+        let (op, _g5) = out.device_ptr_mut(s);
+        let qs = sh.q_stride as i64;
+        let h = to_i32(OP, "heads", sh.heads)?;
+        let d = to_i32(OP, "dim", sh.dim)?;
+        let ks = sh.k_stride as i64;
+        let ws = sh.w_stride as i64;
+        let t = to_i32(OP, "kv_len", sh.kv_len)?;
+        let os = sh.out_stride as i64;
+        let mut b = s.launch_builder(&f);
+        b.arg(&qp).arg(&qs).arg(&h).arg(&d).arg(&kp).arg(&ks).arg(&wp).arg(&ws);
+        b.arg(&pp).arg(&t).arg(&sh.scale).arg(&op).arg(&os);
+        // SAFETY: extents checked above.
+        self.launched(OP, unsafe { b.launch(cfg) })
+    }
+
+    /// Per row of `scores` (`rows` rows of `n`, `stride` apart): the indices of the `k` largest
+    /// entries (ties to the lower index) in ascending order, `-1` padded; entries that are -inf
+    /// or NaN are never selected, and when at most `k` remain all of them are kept.
+    /// `out` is `[rows, k]`; `count[r]` (optional) receives the number selected.
+    #[allow(clippy::too_many_arguments)]
+    pub fn topk(
+        &self,
+        scores: &impl DevicePtr<f32>,
+        rows: usize,
+        n: usize,
+        stride: usize,
+        k: usize,
+        out: &mut impl DevicePtrMut<i32>,
+        count: Option<&mut CudaViewMut<'_, i32>>,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "topk";
+        if rows == 0 || n == 0 || k == 0 {
+            return Err(shape_err(OP, "empty top-k"));
+        }
+        if n >= 1 << 24 {
+            return Err(shape_err(OP, format!("row length {n} >= 2^24")));
+        }
+        need_len(OP, "scores", dlen(scores), span(rows, stride, n))?;
+        need_len(OP, "out", dlen(out), rows * k)?;
+        let f = self.func(Op::TopK, "topk_f32")?;
+        let cfg = self.cfg(OP, (rows as u64, 1, 1), 1024)?;
+        let s = self.stream();
+        let (sp, _g1) = scores.device_ptr(s);
+        let (op, _g2) = out.device_ptr_mut(s);
+        let cp = match count {
+            Some(c) => {
+                need_len(OP, "count", c.len(), rows)?;
+                c.device_ptr_mut(s).0
+            }
+            None => 0u64,
+        };
+        let st = stride as i64;
+        let n32 = to_i32(OP, "n", n)?;
+        let k32 = to_i32(OP, "k", k)?;
+        let os = k as i64;
+        let mut b = s.launch_builder(&f);
+        b.arg(&sp).arg(&st).arg(&n32).arg(&k32).arg(&op).arg(&os).arg(&cp);
+        // SAFETY: extents checked above.
+        self.launched(OP, unsafe { b.launch(cfg) })
+    }
+}

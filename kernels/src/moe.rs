@@ -1,0 +1,115 @@
+//! MoE on the device: sigmoid routing with group-limited top-k, and the weighted combination of
+//! the selected experts' outputs. The expert GEMVs themselves are [`Gpu::gemv_batched`] with ids,
+//! which read only the selected experts' slabs.
+
+use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut, PushKernelArg};
+
+use crate::device::{dlen, need_len, to_i32, Gpu};
+use crate::error::KernelError;
+use crate::launch::{opt_ptr, shape_err, span};
+use crate::ops::Op;
+
+/// Router hyper-parameters (spec §1.10).
+#[derive(Debug, Clone, Copy)]
+pub struct RouterConfig {
+    pub n_experts: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub top_k: usize,
+    /// `norm_topk_prob`: divide the selected weights by their sum (+1e-20).
+    pub norm: bool,
+    /// `routed_scaling_factor`.
+    pub scale: f32,
+}
+
+impl Gpu {
+    /// Route `tokens` rows of router logits (`[tokens, n_experts]`, row stride `stride`):
+    /// `ids[t, k]` = chosen experts (descending by biased score, ties to the lower id),
+    /// `weights[t, k]` = their normalized, scaled sigmoid scores.
+    pub fn moe_route(
+        &self,
+        logits: &impl DevicePtr<f32>,
+        tokens: usize,
+        stride: usize,
+        bias: Option<&CudaView<'_, f32>>,
+        cfg: RouterConfig,
+        ids: &mut impl DevicePtrMut<i32>,
+        weights: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "moe_router";
+        let e = cfg.n_experts;
+        if tokens == 0 || e == 0 || e > 1024 {
+            return Err(shape_err(OP, format!("{tokens} tokens, {e} experts (1..=1024)")));
+        }
+        if cfg.top_k == 0 || cfg.top_k > e || cfg.top_k > 64 {
+            return Err(shape_err(OP, format!("top_k {} must be 1..=min(64, experts)", cfg.top_k)));
+        }
+        if cfg.n_group == 0 || cfg.n_group > 64 || e % cfg.n_group != 0 {
+            return Err(shape_err(OP, format!("n_group {} must divide {e} and be <= 64", cfg.n_group)));
+        }
+        if cfg.topk_group == 0 || cfg.topk_group > cfg.n_group {
+            return Err(shape_err(OP, format!("topk_group {} must be 1..=n_group", cfg.topk_group)));
+        }
+        need_len(OP, "logits", dlen(logits), span(tokens, stride, e))?;
+        need_len(OP, "ids", dlen(ids), tokens * cfg.top_k)?;
+        need_len(OP, "weights", dlen(weights), tokens * cfg.top_k)?;
+        let f = self.func(Op::MoeRouter, "moe_router_f32")?;
+        let block = e.div_ceil(32) as u32 * 32;
+        let lc = self.cfg(OP, (tokens as u64, 1, 1), block)?;
+        let s = self.stream();
+        let bp = opt_ptr(OP, "bias", bias, e, s)?;
+        let (lp, _g1) = logits.device_ptr(s);
+        let (ip, _g2) = ids.device_ptr_mut(s);
+        let (wp, _g3) = weights.device_ptr_mut(s);
+        let st = stride as i64;
+        let e32 = to_i32(OP, "experts", e)?;
+        let ng = to_i32(OP, "n_group", cfg.n_group)?;
+        let tg = to_i32(OP, "topk_group", cfg.topk_group)?;
+        let tk = to_i32(OP, "top_k", cfg.top_k)?;
+        let norm = i32::from(cfg.norm);
+        let mut b = s.launch_builder(&f);
+        b.arg(&lp).arg(&st).arg(&e32).arg(&bp).arg(&ng).arg(&tg).arg(&tk);
+        b.arg(&norm).arg(&cfg.scale).arg(&ip).arg(&wp);
+        // SAFETY: extents checked above.
+        self.launched(OP, unsafe { b.launch(lc) })
+    }
+
+    /// `out[t] = sum_k w[t,k] * y[t*top_k + k]` (+ `out[t]` when `accumulate`), `d` values per
+    /// row; `y` rows are `y_stride` apart, `out` rows `out_stride` apart.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine(
+        &self,
+        y: &impl DevicePtr<f32>,
+        y_stride: usize,
+        w: &impl DevicePtr<f32>,
+        tokens: usize,
+        top_k: usize,
+        d: usize,
+        out: &mut impl DevicePtrMut<f32>,
+        out_stride: usize,
+        accumulate: bool,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "moe_combine";
+        if tokens == 0 || top_k == 0 || d == 0 {
+            return Err(shape_err(OP, "empty combine"));
+        }
+        need_len(OP, "y", dlen(y), span(tokens * top_k, y_stride, d))?;
+        need_len(OP, "w", dlen(w), tokens * top_k)?;
+        need_len(OP, "out", dlen(out), span(tokens, out_stride, d))?;
+        let f = self.func(Op::MoeCombine, "moe_combine_f32")?;
+        let lc = self.cfg(OP, ((d as u64).div_ceil(256), tokens as u64, 1), 256)?;
+        let s = self.stream();
+        let (yp, _g1) = y.device_ptr(s);
+        let (wp, _g2) = w.device_ptr(s);
+        let (op, _g3) = out.device_ptr_mut(s);
+        let ys = y_stride as i64;
+        let k32 = to_i32(OP, "top_k", top_k)?;
+        let d32 = to_i32(OP, "d", d)?;
+        let os = out_stride as i64;
+        let acc = i32::from(accumulate);
+        let mut b = s.launch_builder(&f);
+        b.arg(&yp).arg(&ys).arg(&wp).arg(&k32).arg(&d32).arg(&op).arg(&os).arg(&acc);
+        // SAFETY: extents checked above.
+        self.launched(OP, unsafe { b.launch(lc) })
+    }
+}

@@ -1,0 +1,68 @@
+//! Interleaved RoPE on the rope dims of every head (GLM-5 main attention and DSA indexer).
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+
+use crate::device::{dlen, need_len, to_i32, Gpu};
+use crate::error::KernelError;
+use crate::launch::shape_err;
+use crate::ops::Op;
+
+/// Where the rope dims sit: token s, head h starts at `s * tok_stride + h * head_stride`; the
+/// `n_rot` rotated values start `offset` into the head (main attention: after the 192 nope dims;
+/// indexer: at 0).
+#[derive(Debug, Clone, Copy)]
+pub struct RopeLayout {
+    pub tokens: usize,
+    pub heads: usize,
+    pub tok_stride: usize,
+    pub head_stride: usize,
+    pub offset: usize,
+    pub n_rot: usize,
+}
+
+/// `inv_freq[j] = 1 / theta^(2j / n_rot)` in f32, as HF computes it (spec §1.4).
+pub fn rope_inv_freq(theta: f32, n_rot: usize) -> Vec<f32> {
+    (0..n_rot / 2)
+        .map(|j| 1.0f32 / theta.powf((2 * j) as f32 / n_rot as f32))
+        .collect()
+}
+
+impl Gpu {
+    /// Rotate pair j of every head of token s by `pos[s] * inv_freq[j]`, in place.
+    /// `deinterleave`: write HF's output order (rotated evens, then odds) instead of in place.
+    pub fn rope(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        l: RopeLayout,
+        pos: &impl DevicePtr<i32>,
+        inv_freq: &impl DevicePtr<f32>,
+        deinterleave: bool,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "rope";
+        if l.tokens == 0 || l.heads == 0 {
+            return Err(shape_err(OP, format!("empty layout {l:?}")));
+        }
+        if l.n_rot == 0 || l.n_rot % 2 != 0 || l.n_rot > 2048 {
+            return Err(shape_err(OP, format!("n_rot {} must be even, 2..=2048", l.n_rot)));
+        }
+        let need = (l.tokens - 1) * l.tok_stride + (l.heads - 1) * l.head_stride + l.offset + l.n_rot;
+        need_len(OP, "x", dlen(x), need)?;
+        need_len(OP, "pos", dlen(pos), l.tokens)?;
+        need_len(OP, "inv_freq", dlen(inv_freq), l.n_rot / 2)?;
+        let f = self.func(Op::Rope, "rope_f32")?;
+        let block = (l.n_rot / 2).div_ceil(32) as u32 * 32;
+        let cfg = self.cfg(OP, (l.heads as u64, l.tokens as u64, 1), block)?;
+        let s = self.stream();
+        let (xp, _gx) = x.device_ptr_mut(s);
+        let (pp, _gp) = pos.device_ptr(s);
+        let (fp, _gf) = inv_freq.device_ptr(s);
+        let (ts, hs) = (l.tok_stride as i64, l.head_stride as i64);
+        let off = to_i32(OP, "offset", l.offset)?;
+        let nr = to_i32(OP, "n_rot", l.n_rot)?;
+        let de = i32::from(deinterleave);
+        let mut b = s.launch_builder(&f);
+        b.arg(&xp).arg(&ts).arg(&hs).arg(&off).arg(&nr).arg(&pp).arg(&fp).arg(&de);
+        // SAFETY: the furthest element touched is within x (checked above).
+        self.launched(OP, unsafe { b.launch(cfg) })
+    }
+}
