@@ -38,6 +38,8 @@ enum Command {
     Serve(cmd::serve::Args),
     /// Benchmark kernels and the forward pass.
     Bench(cmd::bench::Args),
+    /// Write a model with a preset's exact layout and random contents (benchmarks).
+    Synth(cmd::synth::Args),
     /// Diagnose the environment and a model (GPU, layers where CPU and GPU diverge).
     Doctor(cmd::doctor::Args),
 }
@@ -55,6 +57,7 @@ fn main() -> ExitCode {
         Command::Serve(a) => cmd::serve::run(a),
         Command::Bench(a) => cmd::bench::run(a),
         Command::Doctor(a) => cmd::doctor::run(a),
+        Command::Synth(a) => cmd::synth::run(a),
     };
     match result {
         Ok(code) => code,

@@ -9,6 +9,8 @@
 //! `absmax` ignore NaNs (and are NaN only when every value is NaN); NaNs and infinities are also
 //! counted.
 
+use crate::quant::fast::{with_kernel, Kernel};
+use crate::quant::tables::Tables;
 use crate::quant::{n_elements, QuantError};
 use crate::GgmlType;
 use rayon::prelude::*;
@@ -42,7 +44,7 @@ pub fn tensor_stats(ty: GgmlType, data: &[u8]) -> Result<TensorStats, QuantError
     let task_bytes = crate::quant::task_blocks(ty) * ty.type_size();
     let partials: Vec<Partial> = data
         .par_chunks(task_bytes)
-        .map(|chunk| task(ty, chunk, tables))
+        .map(|chunk| with_kernel!(ty, task(ty, chunk, tables)))
         .collect();
     Ok(partials.into_iter().fold(Partial::EMPTY, merge).finish())
 }
@@ -160,23 +162,23 @@ fn merge(a: Partial, b: Partial) -> Partial {
 }
 
 /// One task: dequantize `data` SUB values at a time into a stack buffer and reduce.
-fn task(ty: GgmlType, data: &[u8], t: &crate::quant::tables::Tables) -> Partial {
+fn task<K: Kernel>(ty: GgmlType, data: &[u8], t: &Tables) -> Partial {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the running CPU supports AVX2, checked just above.
-        return unsafe { task_avx2(ty, data, t) };
+        return unsafe { task_avx2::<K>(ty, data, t) };
     }
-    task_generic(ty, data, t)
+    task_generic::<K>(ty, data, t)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn task_avx2(ty: GgmlType, data: &[u8], t: &crate::quant::tables::Tables) -> Partial {
-    task_generic(ty, data, t)
+fn task_avx2<K: Kernel>(ty: GgmlType, data: &[u8], t: &Tables) -> Partial {
+    task_generic::<K>(ty, data, t)
 }
 
 #[inline(always)]
-fn task_generic(ty: GgmlType, data: &[u8], t: &crate::quant::tables::Tables) -> Partial {
+fn task_generic<K: Kernel>(ty: GgmlType, data: &[u8], t: &Tables) -> Partial {
     let blocks = (SUB / ty.block_size()).max(1);
     let mut buf = [0.0f32; SUB];
     let mut acc = Partial::EMPTY;
@@ -185,7 +187,7 @@ fn task_generic(ty: GgmlType, data: &[u8], t: &crate::quant::tables::Tables) -> 
         let Some(values) = buf.get_mut(..n) else {
             break; // unreachable: block sizes divide SUB
         };
-        crate::quant::fast::dequantize_row_generic(ty, chunk, values, t);
+        K::row(ty, chunk, values, t);
         acc = merge(acc, chunk_stats(values));
     }
     acc

@@ -1142,6 +1142,7 @@ fn offset_far_past_the_end() {
     for offset in [!31u64, 1 << 40] {
         let mut w = with_tensors(1);
         w.info("a", &[8], F32.0, offset).pad(32);
+        let data_offset = w.pos();
         w.raw(&pattern(32, 0));
         let bytes = w.bytes();
         let f = data_err(&bytes);
@@ -1150,15 +1151,15 @@ fn offset_far_past_the_end() {
             "{:?}",
             f.err
         );
-        assert!(
-            f.msg().contains(&f.file) && f.msg().contains("at byte"),
-            "{}",
-            f.msg()
-        );
-        // Reports over the unchecked header must not overflow either.
+        f.at(data_offset.saturating_add(offset));
+        // Reports and rewrites over the unchecked header must not overflow either.
         let h = Header::parse_slice(&bytes, "x.gguf").unwrap();
-        let _ = h.data_end();
-        let _ = h.layout_findings();
+        assert!(h.data_end() > bytes.len() as u64);
+        assert_eq!(h.layout_findings().len(), 1);
+        match h.layout() {
+            Ok(layout) => assert_eq!(layout.file_size(), data_offset + offset + 32),
+            Err(e) => assert!(offset > 1 << 40 && matches!(e, Error::Write(_)), "{e}"),
+        }
     }
 }
 
@@ -1445,6 +1446,9 @@ fn arbitrary_garbage_never_panics() {
             };
             let _ = h.layout_findings();
             let _ = h.data_end();
+            if let Ok(layout) = h.layout() {
+                let _ = (layout.file_size(), layout.data_plan());
+            }
             if h.check_data_layout(m.len() as u64).is_ok() {
                 for t in &h.tensors {
                     let end = h.data_offset + t.offset + t.n_bytes();

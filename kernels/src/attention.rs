@@ -55,7 +55,7 @@ impl Gpu {
         if m.tokens == 0 || m.heads == 0 || m.kv_len == 0 {
             return Err(shape_err(OP, format!("empty shape {m:?}")));
         }
-        if m.d_qk == 0 || m.d_qk % 32 != 0 || m.d_qk > 1024 || m.d_v == 0 || m.d_v > m.d_qk {
+        if m.d_qk == 0 || !m.d_qk.is_multiple_of(32) || m.d_qk > 1024 || m.d_v == 0 || m.d_v > m.d_qk {
             return Err(shape_err(
                 OP,
                 format!("d_qk {} must be a multiple of 32 <= 1024 and d_v {} <= d_qk", m.d_qk, m.d_v),

@@ -24,7 +24,7 @@ pub(crate) fn check_aligned(
     ptr: u64,
     align: usize,
 ) -> Result<(), KernelError> {
-    if ptr % align as u64 != 0 {
+    if !ptr.is_multiple_of(align as u64) {
         return Err(KernelError::BadShape {
             op,
             msg: format!("`{arg}` at device address {ptr:#x} is not {align}-byte aligned"),
@@ -119,7 +119,7 @@ impl Gpu {
     ) -> Result<(), KernelError> {
         const OP: &str = "get_rows";
         let (qb, _) = decoder_block(ty);
-        if k == 0 || k % qb != 0 || k % 32 != 0 {
+        if k == 0 || !k.is_multiple_of(qb) || !k.is_multiple_of(32) {
             return Err(KernelError::BadShape {
                 op: OP,
                 msg: format!("row length {k} is not a multiple of the {ty} block ({qb})"),

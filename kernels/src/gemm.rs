@@ -32,7 +32,7 @@ impl Gpu {
         if slabs != 1 || rows == 0 || k == 0 || tokens == 0 {
             return Err(shape_err(OP, format!("{shape:?} x {tokens} tokens")));
         }
-        if k % 32 != 0 || k % ty.block_size() != 0 {
+        if !k.is_multiple_of(32) || !k.is_multiple_of(ty.block_size()) {
             return Err(shape_err(OP, format!("row length {k} is not a multiple of 32 and of the {ty} block")));
         }
         let row_bytes = shape.row_bytes().ok_or_else(|| shape_err(OP, "row size overflows"))?;

@@ -108,7 +108,7 @@ impl Gpu {
         if rows == 0 || k == 0 || slabs == 0 || ch.count == 0 {
             return Err(bad(format!("empty shape {shape:?} x {} channels", ch.count)));
         }
-        if k % 32 != 0 || k % ty.block_size() != 0 {
+        if !k.is_multiple_of(32) || !k.is_multiple_of(ty.block_size()) {
             return Err(bad(format!(
                 "row length {k} is not a multiple of 32 and of the {ty} block ({})",
                 ty.block_size()
@@ -117,7 +117,7 @@ impl Gpu {
         if ch.x_div == 0 {
             return Err(bad("x_div must be at least 1".into()));
         }
-        if ch.x_stride % 4 != 0 {
+        if !ch.x_stride.is_multiple_of(4) {
             return Err(bad(format!(
                 "x stride {} is not a multiple of 4 floats",
                 ch.x_stride

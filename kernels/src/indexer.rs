@@ -42,7 +42,7 @@ impl Gpu {
         if sh.tokens == 0 || sh.heads == 0 || sh.kv_len == 0 {
             return Err(shape_err(OP, format!("empty shape {sh:?}")));
         }
-        if sh.dim == 0 || sh.dim % 32 != 0 || sh.dim > 256 {
+        if sh.dim == 0 || !sh.dim.is_multiple_of(32) || sh.dim > 256 {
             return Err(shape_err(OP, format!("head width {} must be a multiple of 32, <= 256", sh.dim)));
         }
         if sh.q_stride < sh.heads * sh.dim || sh.out_stride < sh.kv_len || sh.k_stride < sh.dim {

@@ -26,6 +26,7 @@ impl Gpu {
     /// Route `tokens` rows of router logits (`[tokens, n_experts]`, row stride `stride`):
     /// `ids[t, k]` = chosen experts (descending by biased score, ties to the lower id),
     /// `weights[t, k]` = their normalized, scaled sigmoid scores.
+    #[allow(clippy::too_many_arguments)]
     pub fn moe_route(
         &self,
         logits: &impl DevicePtr<f32>,
@@ -44,7 +45,7 @@ impl Gpu {
         if cfg.top_k == 0 || cfg.top_k > e || cfg.top_k > 64 {
             return Err(shape_err(OP, format!("top_k {} must be 1..=min(64, experts)", cfg.top_k)));
         }
-        if cfg.n_group == 0 || cfg.n_group > 64 || e % cfg.n_group != 0 {
+        if cfg.n_group == 0 || cfg.n_group > 64 || !e.is_multiple_of(cfg.n_group) {
             return Err(shape_err(OP, format!("n_group {} must divide {e} and be <= 64", cfg.n_group)));
         }
         if cfg.topk_group == 0 || cfg.topk_group > cfg.n_group {

@@ -42,7 +42,7 @@ impl Gpu {
         if l.tokens == 0 || l.heads == 0 {
             return Err(shape_err(OP, format!("empty layout {l:?}")));
         }
-        if l.n_rot == 0 || l.n_rot % 2 != 0 || l.n_rot > 2048 {
+        if l.n_rot == 0 || !l.n_rot.is_multiple_of(2) || l.n_rot > 2048 {
             return Err(shape_err(OP, format!("n_rot {} must be even, 2..=2048", l.n_rot)));
         }
         let need = (l.tokens - 1) * l.tok_stride + (l.heads - 1) * l.head_stride + l.offset + l.n_rot;

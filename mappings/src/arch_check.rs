@@ -99,7 +99,9 @@ pub fn check_parts(t: &Table, meta: &dyn MetaSource, tensors: &[(&str, &[u64])])
     }
     for c in &t.checks {
         match env.eval(&c.expr, None) {
-            Ok(0) => rep.inconsistent_metadata.push(format!("{} ({})", c.msg, c.src)),
+            Ok(0) => rep
+                .inconsistent_metadata
+                .push(format!("{} ({})", c.msg, c.src)),
             Ok(_) | Err(ExprError::Unavailable(..)) => {}
             Err(e) => rep.inconsistent_metadata.push(format!("{}: {e}", c.msg)),
         }
@@ -134,7 +136,10 @@ pub fn check_parts(t: &Table, meta: &dyn MetaSource, tensors: &[(&str, &[u64])])
                     continue;
                 }
                 // a tied output head stands in for the missing tensor
-                if e.tied_to.as_ref().is_some_and(|t| present.contains(t.as_str())) {
+                if e.tied_to
+                    .as_ref()
+                    .is_some_and(|t| present.contains(t.as_str()))
+                {
                     continue;
                 }
                 rep.missing_tensors.push(name);

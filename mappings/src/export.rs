@@ -89,8 +89,14 @@ impl Buf {
 
     fn to_f32(&self) -> Vec<f32> {
         match self {
-            Buf::Bf16(v) => v.iter().map(|x| half::bf16::from_bits(*x).to_f32()).collect(),
-            Buf::F16(v) => v.iter().map(|x| half::f16::from_bits(*x).to_f32()).collect(),
+            Buf::Bf16(v) => v
+                .iter()
+                .map(|x| half::bf16::from_bits(*x).to_f32())
+                .collect(),
+            Buf::F16(v) => v
+                .iter()
+                .map(|x| half::f16::from_bits(*x).to_f32())
+                .collect(),
             Buf::F32(v) => v.clone(),
         }
     }
@@ -179,7 +185,11 @@ fn dims_usize(name: &str, dims: &[u64]) -> Result<Vec<usize>, MappingError> {
 }
 
 /// The HF tensors of a GGUF model with their sources, in GGUF order.
-fn plan(model: &Model, tp: Option<(usize, usize)>, notes: &mut Vec<String>) -> Result<Vec<Item>, MappingError> {
+fn plan(
+    model: &Model,
+    tp: Option<(usize, usize)>,
+    notes: &mut Vec<String>,
+) -> Result<Vec<Item>, MappingError> {
     let arch = model.architecture().ok_or_else(|| MappingError::File {
         path: model.path().to_path_buf(),
         msg: "no general.architecture key".into(),
@@ -203,11 +213,17 @@ fn plan(model: &Model, tp: Option<(usize, usize)>, notes: &mut Vec<String>) -> R
             _ => None,
         };
         match e.kind {
-            Kind::GgufOnly => notes.push(format!("{name}: not an HF tensor ({}), skipped", e.note.as_deref().unwrap_or("computed from config"))),
+            Kind::GgufOnly => notes.push(format!(
+                "{name}: not an HF tensor ({}), skipped",
+                e.note.as_deref().unwrap_or("computed from config")
+            )),
             Kind::HfOnly | Kind::Tied => {}
             Kind::Experts => {
                 let [ne0, ne1, ne2] = dims[..] else {
-                    return Err(terr(name, format!("stacked experts must be 3-D, ne {dims:?}")));
+                    return Err(terr(
+                        name,
+                        format!("stacked experts must be 3-D, ne {dims:?}"),
+                    ));
                 };
                 for x in 0..ne2 as u64 {
                     let hf = e.hf_name(bid, Some(x)).unwrap_or_default();
@@ -257,7 +273,10 @@ fn plan(model: &Model, tp: Option<(usize, usize)>, notes: &mut Vec<String>) -> R
                 let unpermute = match &e.transform {
                     Some(Transform::RopePermute(h)) => {
                         let heads = env.eval(h, bid).map_err(|x| terr(name, x.to_string()))?;
-                        Some(usize::try_from(heads).map_err(|_| terr(name, "negative head count"))?)
+                        Some(
+                            usize::try_from(heads)
+                                .map_err(|_| terr(name, "negative head count"))?,
+                        )
                     }
                     _ => None,
                 };
@@ -283,7 +302,9 @@ fn plan(model: &Model, tp: Option<(usize, usize)>, notes: &mut Vec<String>) -> R
                     dtype: safetensors::Dtype::F32,
                 });
                 if matches!(e.transform, Some(Transform::AddOne)) {
-                    notes.push(format!("{name}: stored as w + 1 by the converter; exported as (w + 1) - 1 in f32"));
+                    notes.push(format!(
+                        "{name}: stored as w + 1 by the converter; exported as (w + 1) - 1 in f32"
+                    ));
                 }
             }
         }
@@ -298,11 +319,17 @@ fn plan(model: &Model, tp: Option<(usize, usize)>, notes: &mut Vec<String>) -> R
 }
 
 /// Rows `rows` of a row-major byte matrix with `row_bytes` per row, in the order given.
-fn pick_rows(data: &[u8], row_bytes: usize, rows: impl Iterator<Item = usize>) -> Result<Vec<u8>, String> {
+fn pick_rows(
+    data: &[u8],
+    row_bytes: usize,
+    rows: impl Iterator<Item = usize>,
+) -> Result<Vec<u8>, String> {
     let mut out = Vec::new();
     for r in rows {
         let s = r.checked_mul(row_bytes).ok_or("row offset overflows")?;
-        let row = data.get(s..s + row_bytes).ok_or("row outside the tensor data")?;
+        let row = data
+            .get(s..s + row_bytes)
+            .ok_or("row outside the tensor data")?;
         out.extend_from_slice(row);
     }
     Ok(out)
@@ -323,7 +350,8 @@ fn materialize(model: &Model, item: &Item) -> Result<Buf, MappingError> {
                     Buf::Bf16(kvb::reassemble_heads(&a, &b, *dims, heads.clone()).map_err(err)?)
                 }
                 (a, b) => Buf::F32(
-                    kvb::reassemble_heads(&a.to_f32(), &b.to_f32(), *dims, heads.clone()).map_err(err)?,
+                    kvb::reassemble_heads(&a.to_f32(), &b.to_f32(), *dims, heads.clone())
+                        .map_err(err)?,
                 ),
             })
         }
@@ -349,7 +377,12 @@ fn materialize(model: &Model, item: &Item) -> Result<Buf, MappingError> {
                 Some(x) => {
                     let ne1 = dims[1];
                     let s = (*x as usize) * ne1;
-                    (Cow::Owned(pick_rows(data, row_bytes, s..s + ne1).map_err(|m| bad(m.into()))?), ne1)
+                    (
+                        Cow::Owned(
+                            pick_rows(data, row_bytes, s..s + ne1).map_err(|m| bad(m.into()))?,
+                        ),
+                        ne1,
+                    )
                 }
                 None => (Cow::Borrowed(data), dims.iter().skip(1).product()),
             };
@@ -379,7 +412,11 @@ fn materialize(model: &Model, item: &Item) -> Result<Buf, MappingError> {
             drop(bytes);
             if let Some((_, n, rank)) = elem_tp {
                 // rowwise on a matrix: columns; any split of a vector: elements
-                let (r, c) = if dims.len() >= 2 { (buf.len() / ne0, ne0) } else { (1, buf.len()) };
+                let (r, c) = if dims.len() >= 2 {
+                    (buf.len() / ne0, ne0)
+                } else {
+                    (1, buf.len())
+                };
                 buf = buf.map(&|e| {
                     Ok(match e {
                         Elems::U16(v) => Elems::U16(kvb::rowwise_slice(&v, r, c, n, rank)?),
@@ -440,7 +477,11 @@ fn known_dtype(model: &Model, item: &Item, want: OutDtype) -> Option<safetensors
     }
     let ty = |n: &str| model.tensor(n).map(|t| t.info.ty);
     let all = match &item.src {
-        Source::Plain { gguf, add_one: false, .. } => vec![ty(gguf)?],
+        Source::Plain {
+            gguf,
+            add_one: false,
+            ..
+        } => vec![ty(gguf)?],
         Source::Plain { .. } => return None,
         Source::KvB { k, v, .. } => vec![ty(k)?, ty(v)?],
     };
@@ -485,7 +526,10 @@ impl safetensors::View for Lazy<'_> {
             if bytes.len() == self.len {
                 Ok(bytes)
             } else {
-                Err(terr(&item.hf, format!("{} bytes produced, {} planned", bytes.len(), self.len)))
+                Err(terr(
+                    &item.hf,
+                    format!("{} bytes produced, {} planned", bytes.len(), self.len),
+                ))
             }
         });
         match r {
@@ -579,9 +623,14 @@ fn write_all(
             OutDtype::F32 => safetensors::Dtype::F32,
         };
         if item.dtype != want {
-            summary.kept_wide.push(format!("{} ({:?})", item.hf, item.dtype));
+            summary
+                .kept_wide
+                .push(format!("{} ({:?})", item.hf, item.dtype));
         }
-        *summary.dtypes.entry(format!("{:?}", item.dtype)).or_default() += 1;
+        *summary
+            .dtypes
+            .entry(format!("{:?}", item.dtype))
+            .or_default() += 1;
     }
     let sizes: Vec<usize> = items
         .iter()
@@ -651,7 +700,10 @@ fn write_all(
             .and_then(|f| f.sync_all())
             .map_err(|e| io(&path, e))?;
     }
-    let params: u64 = items.iter().map(|i| i.shape.iter().product::<usize>() as u64).sum();
+    let params: u64 = items
+        .iter()
+        .map(|i| i.shape.iter().product::<usize>() as u64)
+        .sum();
     write_json(
         &dir.join("model.safetensors.index.json"),
         &serde_json::json!({
@@ -668,16 +720,27 @@ fn write_all(
         OutDtype::F16 => "float16",
         OutDtype::F32 => "float32",
     };
-    write_json(&dir.join("config.json"), &hfconfig::config_json(meta, arch, tied, torch_dtype)?)?;
-    write_json(&dir.join("generation_config.json"), &hfconfig::generation_config_json(meta)?)?;
+    write_json(
+        &dir.join("config.json"),
+        &hfconfig::config_json(meta, arch, tied, torch_dtype)?,
+    )?;
+    write_json(
+        &dir.join("generation_config.json"),
+        &hfconfig::generation_config_json(meta)?,
+    )?;
     match hfconfig::tokenizer_files(meta, arch)? {
         Ok((tok, cfg)) => {
             write_json(&dir.join("tokenizer.json"), &tok)?;
             write_json(&dir.join("tokenizer_config.json"), &cfg)?;
         }
-        Err(why) => summary.notes.push(format!("tokenizer files not written: {why}")),
+        Err(why) => summary
+            .notes
+            .push(format!("tokenizer files not written: {why}")),
     }
-    if let Some(t) = meta.get("tokenizer.chat_template").and_then(gguf::Value::as_str) {
+    if let Some(t) = meta
+        .get("tokenizer.chat_template")
+        .and_then(gguf::Value::as_str)
+    {
         let p = dir.join("chat_template.jinja");
         std::fs::write(&p, t).map_err(|e| io(&p, e))?;
     }
@@ -709,7 +772,10 @@ pub fn kv_b_f32(
     let names = e.gguf_names(Some(bid));
     let load = |n: &str| -> Result<(Vec<u64>, Vec<f32>), MappingError> {
         let r = model.tensor(n).ok_or_else(|| terr(n, "missing"))?;
-        Ok((r.info.dims.clone(), decode(n, r.info.ty, model.data(&r))?.to_f32()))
+        Ok((
+            r.info.dims.clone(),
+            decode(n, r.info.ty, model.data(&r))?.to_f32(),
+        ))
     };
     let (kd, k) = load(&names[0])?;
     let (vd, v) = load(&names[1])?;
@@ -720,5 +786,9 @@ pub fn kv_b_f32(
     };
     let rows = heads.len() * d.head_rows();
     let w = kvb::reassemble_heads(&k, &v, d, heads)?;
-    Ok((e.hf_name(Some(bid), None).unwrap_or_default(), [rows, d.kv_lora], w))
+    Ok((
+        e.hf_name(Some(bid), None).unwrap_or_default(),
+        [rows, d.kv_lora],
+        w,
+    ))
 }

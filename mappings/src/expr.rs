@@ -69,7 +69,11 @@ impl fmt::Display for Expr {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ExprError {
     #[error("expression {src:?}: {msg} at column {col}")]
-    Parse { src: String, msg: String, col: usize },
+    Parse {
+        src: String,
+        msg: String,
+        col: usize,
+    },
     #[error("unknown variable {0:?}")]
     Unknown(String),
     #[error("variable {0:?} is not available ({1})")]
@@ -273,9 +277,7 @@ impl Expr {
             Expr::Var(v) => lookup(v)?,
             Expr::Not(e) => i64::from(e.eval(lookup)? == 0),
             Expr::Neg(e) => e.eval(lookup)?.checked_neg().ok_or_else(ov)?,
-            Expr::Bin(Op::And, a, b) => {
-                i64::from(a.eval(lookup)? != 0 && b.eval(lookup)? != 0)
-            }
+            Expr::Bin(Op::And, a, b) => i64::from(a.eval(lookup)? != 0 && b.eval(lookup)? != 0),
             Expr::Bin(Op::Or, a, b) => i64::from(a.eval(lookup)? != 0 || b.eval(lookup)? != 0),
             Expr::Bin(op, a, b) => {
                 let (x, y) = (a.eval(lookup)?, b.eval(lookup)?);
@@ -319,7 +321,10 @@ mod tests {
         assert_eq!(ev("2 + 3 * 4", &[]), Ok(14));
         assert_eq!(ev("(2 + 3) * 4", &[]), Ok(20));
         assert_eq!(ev("10 - 4 - 3", &[]), Ok(3));
-        assert_eq!(ev("a * (b + c)", &[("a", 64), ("b", 192), ("c", 256)]), Ok(28672));
+        assert_eq!(
+            ev("a * (b + c)", &[("a", 64), ("b", 192), ("c", 256)]),
+            Ok(28672)
+        );
         assert_eq!(ev("x >= 3 && x < 79", &[("x", 78)]), Ok(1));
         assert_eq!(ev("!(x == 1) || 0", &[("x", 1)]), Ok(0));
         assert_eq!(ev("-3 + 5 % 3", &[]), Ok(-1));
@@ -328,10 +333,16 @@ mod tests {
     #[test]
     fn errors_are_values_not_panics() {
         assert!(matches!(ev("1 / 0", &[]), Err(ExprError::DivByZero(_))));
-        assert!(matches!(ev("9223372036854775807 + 1", &[]), Err(ExprError::Overflow(_))));
+        assert!(matches!(
+            ev("9223372036854775807 + 1", &[]),
+            Err(ExprError::Overflow(_))
+        ));
         assert!(matches!(ev("a + 1", &[]), Err(ExprError::Unknown(_))));
         assert!(matches!(Expr::parse("a = 1"), Err(ExprError::Parse { .. })));
-        assert!(matches!(Expr::parse("(a + 1"), Err(ExprError::Parse { .. })));
+        assert!(matches!(
+            Expr::parse("(a + 1"),
+            Err(ExprError::Parse { .. })
+        ));
         assert!(matches!(Expr::parse("a b"), Err(ExprError::Parse { .. })));
         assert!(matches!(Expr::parse(""), Err(ExprError::Parse { .. })));
         // short-circuit keeps a guarded division safe

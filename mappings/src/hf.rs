@@ -66,12 +66,16 @@ pub fn read_header(path: &Path) -> Result<Vec<HfTensor>, MappingError> {
         .map_err(|_| ferr(path, "too short for a safetensors header"))?;
     let n = u64::from_le_bytes(len);
     if n > MAX_HEADER || n > size.saturating_sub(8) {
-        return Err(ferr(path, format!("header length {n} exceeds the file ({size} bytes)")));
+        return Err(ferr(
+            path,
+            format!("header length {n} exceeds the file ({size} bytes)"),
+        ));
     }
     let mut buf = vec![0u8; n as usize];
-    f.read_exact(&mut buf).map_err(|e| ferr(path, e.to_string()))?;
-    let hdr: serde_json::Map<String, Value> =
-        serde_json::from_slice(&buf).map_err(|e| ferr(path, format!("header is not a JSON object: {e}")))?;
+    f.read_exact(&mut buf)
+        .map_err(|e| ferr(path, e.to_string()))?;
+    let hdr: serde_json::Map<String, Value> = serde_json::from_slice(&buf)
+        .map_err(|e| ferr(path, format!("header is not a JSON object: {e}")))?;
     let base = 8 + n;
     let mut out = Vec::new();
     for (name, v) in hdr {
@@ -79,16 +83,26 @@ pub fn read_header(path: &Path) -> Result<Vec<HfTensor>, MappingError> {
             continue;
         }
         let bad = |m: &str| ferr(path, format!("tensor {name:?}: {m}"));
-        let dtype = v["dtype"].as_str().ok_or_else(|| bad("no dtype"))?.to_string();
+        let dtype = v["dtype"]
+            .as_str()
+            .ok_or_else(|| bad("no dtype"))?
+            .to_string();
         let shape = v["shape"]
             .as_array()
             .ok_or_else(|| bad("no shape"))?
             .iter()
-            .map(|d| d.as_u64().ok_or_else(|| bad("shape is not a list of integers")))
+            .map(|d| {
+                d.as_u64()
+                    .ok_or_else(|| bad("shape is not a list of integers"))
+            })
             .collect::<Result<Vec<_>, _>>()?;
-        let offs = v["data_offsets"].as_array().ok_or_else(|| bad("no data_offsets"))?;
-        let (Some(a), Some(b)) = (offs.first().and_then(Value::as_u64), offs.get(1).and_then(Value::as_u64))
-        else {
+        let offs = v["data_offsets"]
+            .as_array()
+            .ok_or_else(|| bad("no data_offsets"))?;
+        let (Some(a), Some(b)) = (
+            offs.first().and_then(Value::as_u64),
+            offs.get(1).and_then(Value::as_u64),
+        ) else {
             return Err(bad("data_offsets must be two integers"));
         };
         let (start, end) = (
@@ -96,7 +110,9 @@ pub fn read_header(path: &Path) -> Result<Vec<HfTensor>, MappingError> {
             base.checked_add(b).ok_or_else(|| bad("offset overflows"))?,
         );
         if a > b || end > size {
-            return Err(bad(&format!("data [{start}, {end}) outside the file ({size} bytes)")));
+            return Err(bad(&format!(
+                "data [{start}, {end}) outside the file ({size} bytes)"
+            )));
         }
         if let Some(es) = dtype_size(&dtype) {
             let n = shape
@@ -104,7 +120,10 @@ pub fn read_header(path: &Path) -> Result<Vec<HfTensor>, MappingError> {
                 .try_fold(es, |acc, d| acc.checked_mul(*d))
                 .ok_or_else(|| bad("shape overflows"))?;
             if n != b - a {
-                return Err(bad(&format!("{} bytes for {dtype} {shape:?} ({n} expected)", b - a)));
+                return Err(bad(&format!(
+                    "{} bytes for {dtype} {shape:?} ({n} expected)",
+                    b - a
+                )));
             }
         }
         out.push(HfTensor {
@@ -148,15 +167,24 @@ impl HfDir {
                     .as_str()
                     .ok_or_else(|| ferr(&index, format!("{name}: shard is not a string")))?;
                 if file.contains('/') || file.contains('\\') || file == ".." {
-                    return Err(ferr(&index, format!("{name}: shard {file:?} is not a plain file name")));
+                    return Err(ferr(
+                        &index,
+                        format!("{name}: shard {file:?} is not a plain file name"),
+                    ));
                 }
                 if !headers.contains_key(file) {
                     let list = read_header(&path.join(file))?;
-                    headers.insert(file.to_string(), list.into_iter().map(|t| (t.name.clone(), t)).collect());
+                    headers.insert(
+                        file.to_string(),
+                        list.into_iter().map(|t| (t.name.clone(), t)).collect(),
+                    );
                 }
-                let t = headers[file]
-                    .get(name)
-                    .ok_or_else(|| ferr(&path.join(file), format!("index lists {name:?} but the shard lacks it")))?;
+                let t = headers[file].get(name).ok_or_else(|| {
+                    ferr(
+                        &path.join(file),
+                        format!("index lists {name:?} but the shard lacks it"),
+                    )
+                })?;
                 out.push(t.clone());
             }
             out
@@ -168,7 +196,10 @@ impl HfDir {
                 .collect();
             files.sort();
             if files.is_empty() {
-                return Err(ferr(path, "no model.safetensors.index.json and no *.safetensors files"));
+                return Err(ferr(
+                    path,
+                    "no model.safetensors.index.json and no *.safetensors files",
+                ));
             }
             let mut out = Vec::new();
             for f in files {
@@ -195,8 +226,10 @@ impl HfDir {
     /// The raw little-endian bytes of one tensor.
     pub fn read_raw(&self, t: &HfTensor) -> Result<Vec<u8>, MappingError> {
         let mut f = File::open(&t.file).map_err(|e| ferr(&t.file, e.to_string()))?;
-        f.seek(SeekFrom::Start(t.start)).map_err(|e| ferr(&t.file, e.to_string()))?;
-        let len = usize::try_from(t.end - t.start).map_err(|_| ferr(&t.file, "tensor too large"))?;
+        f.seek(SeekFrom::Start(t.start))
+            .map_err(|e| ferr(&t.file, e.to_string()))?;
+        let len =
+            usize::try_from(t.end - t.start).map_err(|_| ferr(&t.file, "tensor too large"))?;
         let mut buf = vec![0u8; len];
         f.read_exact(&mut buf)
             .map_err(|e| ferr(&t.file, format!("tensor {}: {e}", t.name)))?;

@@ -30,7 +30,9 @@ fn int_or(meta: &Metadata, key: &str, default: u64) -> Result<u64, MappingError>
 /// A float as the shortest decimal that reads back as the stored f32: GGUF keeps these as f32
 /// (1e-5 is stored as 9.99999974e-6) while the HF config held the decimal the f32 came from.
 fn float_json(meta: &Metadata, key: &str) -> Result<Option<Json>, MappingError> {
-    let Some(v) = meta.get(key) else { return Ok(None) };
+    let Some(v) = meta.get(key) else {
+        return Ok(None);
+    };
     let x = match v {
         Value::F32(x) => format!("{x}").parse::<f64>().unwrap_or(f64::from(*x)),
         other => other
@@ -45,7 +47,12 @@ fn tok_id(meta: &Metadata, key: &str) -> Option<u64> {
 }
 
 /// `config.json` for a model of table `arch`. `tied`: the GGUF has no `output.weight`.
-pub fn config_json(meta: &Metadata, arch: &str, tied: bool, dtype: &str) -> Result<Json, MappingError> {
+pub fn config_json(
+    meta: &Metadata,
+    arch: &str,
+    tied: bool,
+    dtype: &str,
+) -> Result<Json, MappingError> {
     let k = |s: &str| format!("{arch}.{s}");
     let mut c: BTreeMap<&str, Json> = BTreeMap::new();
     let block_count = int(meta, &k("block_count"))?;
@@ -65,11 +72,21 @@ pub fn config_json(meta: &Metadata, arch: &str, tied: bool, dtype: &str) -> Resu
     c.insert("hidden_size", json!(int(meta, &k("embedding_length"))?));
     c.insert("num_hidden_layers", json!(n_layer));
     c.insert("num_attention_heads", json!(n_head));
-    c.insert("max_position_embeddings", json!(int(meta, &k("context_length"))?));
+    c.insert(
+        "max_position_embeddings",
+        json!(int(meta, &k("context_length"))?),
+    );
     c.insert("vocab_size", json!(vocab));
     c.insert("tie_word_embeddings", json!(tied));
     c.insert("dtype", json!(dtype));
-    c.insert("hidden_act", json!(if arch == "gemma3" { "gelu_pytorch_tanh" } else { "silu" }));
+    c.insert(
+        "hidden_act",
+        json!(if arch == "gemma3" {
+            "gelu_pytorch_tanh"
+        } else {
+            "silu"
+        }),
+    );
     c.insert("attention_dropout", json!(0.0));
     c.insert("initializer_range", json!(0.02));
     c.insert("use_cache", json!(true));
@@ -77,15 +94,28 @@ pub fn config_json(meta: &Metadata, arch: &str, tied: bool, dtype: &str) -> Resu
         c.insert("rms_norm_eps", eps);
     }
     if meta.contains(&k("feed_forward_length")) {
-        c.insert("intermediate_size", json!(int(meta, &k("feed_forward_length"))?));
+        c.insert(
+            "intermediate_size",
+            json!(int(meta, &k("feed_forward_length"))?),
+        );
     }
     let theta = float_json(meta, &k("rope.freq_base"))?.unwrap_or(json!(10000.0));
-    c.insert("rope_parameters", json!({"rope_theta": theta, "rope_type": "default"}));
-    c.insert("pad_token_id", json!(tok_id(meta, "tokenizer.ggml.padding_token_id")));
+    c.insert(
+        "rope_parameters",
+        json!({"rope_theta": theta, "rope_type": "default"}),
+    );
+    c.insert(
+        "pad_token_id",
+        json!(tok_id(meta, "tokenizer.ggml.padding_token_id")),
+    );
     // the GGUF bos of GLM ([gMASK]) is a tokenizer choice of the converter, not the model config's
     c.insert(
         "bos_token_id",
-        json!(if arch == "glm-dsa" { None } else { tok_id(meta, "tokenizer.ggml.bos_token_id") }),
+        json!(if arch == "glm-dsa" {
+            None
+        } else {
+            tok_id(meta, "tokenizer.ggml.bos_token_id")
+        }),
     );
     c.insert("eos_token_id", eos_list(meta));
 
@@ -96,11 +126,20 @@ pub fn config_json(meta: &Metadata, arch: &str, tied: bool, dtype: &str) -> Resu
             let key_mla = int(meta, &k("attention.key_length_mla"))?;
             let v_mla = int(meta, &k("attention.value_length_mla"))?;
             let n_dense = int_or(meta, &k("leading_dense_block_count"), 0)?.min(n_layer);
-            let idx_types: Vec<Json> = match meta.get(&k("attention.indexer.types")).and_then(Value::as_array) {
+            let idx_types: Vec<Json> = match meta
+                .get(&k("attention.indexer.types"))
+                .and_then(Value::as_array)
+            {
                 Some(a) => a
                     .values
                     .iter()
-                    .map(|v| json!(if v.as_bool().unwrap_or(true) { "full" } else { "shared" }))
+                    .map(|v| {
+                        json!(if v.as_bool().unwrap_or(true) {
+                            "full"
+                        } else {
+                            "shared"
+                        })
+                    })
                     .collect(),
                 None => vec![json!("full"); n_layer as usize],
             };
@@ -121,26 +160,56 @@ pub fn config_json(meta: &Metadata, arch: &str, tied: bool, dtype: &str) -> Resu
             );
             c.insert("v_head_dim", json!(v_mla));
             c.insert("kv_lora_rank", json!(kv_lora));
-            c.insert("q_lora_rank", json!(int(meta, &k("attention.q_lora_rank"))?));
+            c.insert(
+                "q_lora_rank",
+                json!(int(meta, &k("attention.q_lora_rank"))?),
+            );
             // MLA GGUFs store head_count_kv = 1 (MQA over the latent); HF keeps one per head
             c.insert("num_key_value_heads", json!(n_head));
-            c.insert("index_head_dim", json!(int(meta, &k("attention.indexer.key_length"))?));
-            c.insert("index_n_heads", json!(int(meta, &k("attention.indexer.head_count"))?));
-            c.insert("index_topk", json!(int(meta, &k("attention.indexer.top_k"))?));
+            c.insert(
+                "index_head_dim",
+                json!(int(meta, &k("attention.indexer.key_length"))?),
+            );
+            c.insert(
+                "index_n_heads",
+                json!(int(meta, &k("attention.indexer.head_count"))?),
+            );
+            c.insert(
+                "index_topk",
+                json!(int(meta, &k("attention.indexer.top_k"))?),
+            );
             c.insert("indexer_types", Json::Array(idx_types));
-            c.insert("layer_types", json!(vec!["indexed_attention"; n_layer as usize]));
+            c.insert(
+                "layer_types",
+                json!(vec!["indexed_attention"; n_layer as usize]),
+            );
             let mut mlp = vec!["dense"; n_dense as usize];
             mlp.extend(vec!["sparse"; (n_layer - n_dense) as usize]);
             c.insert("mlp_layer_types", json!(mlp));
-            c.insert("moe_intermediate_size", json!(int(meta, &k("expert_feed_forward_length"))?));
+            c.insert(
+                "moe_intermediate_size",
+                json!(int(meta, &k("expert_feed_forward_length"))?),
+            );
             c.insert("n_routed_experts", json!(int(meta, &k("expert_count"))?));
-            c.insert("n_shared_experts", json!(int(meta, &k("expert_shared_count"))?));
-            c.insert("num_experts_per_tok", json!(int(meta, &k("expert_used_count"))?));
+            c.insert(
+                "n_shared_experts",
+                json!(int(meta, &k("expert_shared_count"))?),
+            );
+            c.insert(
+                "num_experts_per_tok",
+                json!(int(meta, &k("expert_used_count"))?),
+            );
             c.insert("n_group", json!(int_or(meta, &k("expert_group_count"), 1)?));
-            c.insert("topk_group", json!(int_or(meta, &k("expert_group_used_count"), 1)?));
+            c.insert(
+                "topk_group",
+                json!(int_or(meta, &k("expert_group_used_count"), 1)?),
+            );
             c.insert(
                 "norm_topk_prob",
-                json!(meta.get(&k("expert_weights_norm")).and_then(Value::as_bool).unwrap_or(false)),
+                json!(meta
+                    .get(&k("expert_weights_norm"))
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false)),
             );
             c.insert(
                 "routed_scaling_factor",
@@ -169,20 +238,32 @@ pub fn config_json(meta: &Metadata, arch: &str, tied: bool, dtype: &str) -> Resu
             }
             if meta.contains(&k("expert_count")) {
                 c.insert("num_local_experts", json!(int(meta, &k("expert_count"))?));
-                c.insert("num_experts_per_tok", json!(int_or(meta, &k("expert_used_count"), 0)?));
+                c.insert(
+                    "num_experts_per_tok",
+                    json!(int_or(meta, &k("expert_used_count"), 0)?),
+                );
             }
-            if let Some(w) = meta.get(&k("attention.sliding_window")).and_then(Value::as_u64) {
+            if let Some(w) = meta
+                .get(&k("attention.sliding_window"))
+                .and_then(Value::as_u64)
+            {
                 c.insert("sliding_window", json!(w));
             }
         }
     }
-    Ok(Json::Object(c.into_iter().map(|(k, v)| (k.to_string(), v)).collect()))
+    Ok(Json::Object(
+        c.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+    ))
 }
 
 /// End-of-generation ids as HF lists them: eos, then eot and eom when distinct.
 fn eos_list(meta: &Metadata) -> Json {
     let mut ids: Vec<u64> = vec![];
-    for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+    for key in [
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ] {
         if let Some(i) = tok_id(meta, key) {
             if !ids.contains(&i) {
                 ids.push(i);
@@ -243,14 +324,24 @@ const TOKEN_USER_DEFINED: i64 = 4;
 
 /// `tokenizer.json` and `tokenizer_config.json` for a byte-level BPE vocabulary
 /// (`tokenizer.ggml.model == "gpt2"`). `Ok(None)` with a reason for vocabularies it cannot rebuild.
-pub fn tokenizer_files(meta: &Metadata, arch: &str) -> Result<Result<(Json, Json), String>, MappingError> {
+pub fn tokenizer_files(
+    meta: &Metadata,
+    arch: &str,
+) -> Result<Result<(Json, Json), String>, MappingError> {
     let model = meta.get("tokenizer.ggml.model").and_then(Value::as_str);
     if model != Some("gpt2") {
-        return Ok(Err(format!("tokenizer model {model:?} is not byte-level BPE (gpt2)")));
+        return Ok(Err(format!(
+            "tokenizer model {model:?} is not byte-level BPE (gpt2)"
+        )));
     }
-    let pre_name = meta.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+    let pre_name = meta
+        .get("tokenizer.ggml.pre")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
     let Some((regex, ignore_merges)) = pre_tokenizer(pre_name) else {
-        return Ok(Err(format!("pre-tokenizer {pre_name:?} has no known tokenizer.json form")));
+        return Ok(Err(format!(
+            "pre-tokenizer {pre_name:?} has no known tokenizer.json form"
+        )));
     };
     let tokens = meta
         .get_str_array("tokenizer.ggml.tokens")
@@ -301,9 +392,7 @@ pub fn tokenizer_files(meta: &Metadata, arch: &str) -> Result<Result<(Json, Json
             None => Err(merr(meta, format!("merge {m:?} is not two tokens"))),
         })
         .collect::<Result<_, _>>()?;
-    let byte_level = |prefix: bool, use_regex: bool| {
-        json!({"type": "ByteLevel", "add_prefix_space": prefix, "trim_offsets": !use_regex || prefix, "use_regex": use_regex})
-    };
+    let byte_level = |prefix: bool, use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": prefix, "trim_offsets": !use_regex || prefix, "use_regex": use_regex});
     let pre_tok = match regex {
         Some(r) => json!({"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": false},
@@ -312,8 +401,14 @@ pub fn tokenizer_files(meta: &Metadata, arch: &str) -> Result<Result<(Json, Json
         None => byte_level(false, true),
     };
     let bos = tok_id(meta, "tokenizer.ggml.bos_token_id");
-    let add_bos = meta.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(false);
-    let name_of = |id: Option<u64>| id.and_then(|i| tokens.get(i as usize)).map(|s| s.to_string());
+    let add_bos = meta
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let name_of = |id: Option<u64>| {
+        id.and_then(|i| tokens.get(i as usize))
+            .map(|s| s.to_string())
+    };
     let (single, pair, specials) = match (add_bos, name_of(bos)) {
         (true, Some(b)) => (
             json!([{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}]),

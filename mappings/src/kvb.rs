@@ -44,12 +44,20 @@ impl MlaDims {
 
     /// Elements of attn_k_b.
     pub fn k_b_len(&self) -> Result<usize, MappingError> {
-        mul(mul(self.qk_nope, self.kv_lora, "attn_k_b")?, self.n_head, "attn_k_b")
+        mul(
+            mul(self.qk_nope, self.kv_lora, "attn_k_b")?,
+            self.n_head,
+            "attn_k_b",
+        )
     }
 
     /// Elements of attn_v_b.
     pub fn v_b_len(&self) -> Result<usize, MappingError> {
-        mul(mul(self.kv_lora, self.v_head, "attn_v_b")?, self.n_head, "attn_v_b")
+        mul(
+            mul(self.kv_lora, self.v_head, "attn_v_b")?,
+            self.n_head,
+            "attn_v_b",
+        )
     }
 
     /// Elements of kv_b_proj.
@@ -58,7 +66,11 @@ impl MlaDims {
             .qk_nope
             .checked_add(self.v_head)
             .ok_or_else(|| shape_err("kv_b_proj", "qk_nope + v_head overflows".into()))?;
-        mul(mul(self.n_head, rows, "kv_b_proj")?, self.kv_lora, "kv_b_proj")
+        mul(
+            mul(self.n_head, rows, "kv_b_proj")?,
+            self.kv_lora,
+            "kv_b_proj",
+        )
     }
 
     /// HF shape `[n_head * (qk_nope + v_head), kv_lora]`.
@@ -68,7 +80,8 @@ impl MlaDims {
 
     /// Dimensions from the ggml `ne` of attn_k_b and attn_v_b, checking they agree.
     pub fn from_ne(k_ne: &[u64], v_ne: &[u64]) -> Result<MlaDims, MappingError> {
-        let us = |x: u64| usize::try_from(x).map_err(|_| shape_err("kv_b", format!("{x} too large")));
+        let us =
+            |x: u64| usize::try_from(x).map_err(|_| shape_err("kv_b", format!("{x} too large")));
         if k_ne.len() != 3 || v_ne.len() != 3 {
             return Err(shape_err(
                 "kv_b",
@@ -108,7 +121,10 @@ impl MlaDims {
 /// The heads tensor-parallel rank `rank` of `tp` owns: `rank*H/tp .. (rank+1)*H/tp`.
 pub fn tp_heads(n_head: usize, tp: usize, rank: usize) -> Result<Range<usize>, MappingError> {
     if tp == 0 || rank >= tp {
-        return Err(shape_err("tp", format!("rank {rank} of {tp} ranks is not a valid rank")));
+        return Err(shape_err(
+            "tp",
+            format!("rank {rank} of {tp} ranks is not a valid rank"),
+        ));
     }
     if n_head % tp != 0 {
         return Err(shape_err(
@@ -132,7 +148,10 @@ pub fn reassemble_heads<T: Copy>(
     d.check("attn_k_b", k_b.len(), d.k_b_len()?)?;
     d.check("attn_v_b", v_b.len(), d.v_b_len()?)?;
     if heads.start > heads.end || heads.end > d.n_head {
-        return Err(shape_err("kv_b", format!("heads {heads:?} outside 0..{}", d.n_head)));
+        return Err(shape_err(
+            "kv_b",
+            format!("heads {heads:?} outside 0..{}", d.n_head),
+        ));
     }
     let (nope, v, lora) = (d.qk_nope, d.v_head, d.kv_lora);
     let mut w = Vec::with_capacity(heads.len() * d.head_rows() * lora);
@@ -192,7 +211,10 @@ pub fn colwise_slice<T: Copy>(
     rank: usize,
 ) -> Result<Vec<T>, MappingError> {
     if w.len() != mul(rows, cols, "colwise")? {
-        return Err(shape_err("colwise", format!("{} elements for [{rows}, {cols}]", w.len())));
+        return Err(shape_err(
+            "colwise",
+            format!("{} elements for [{rows}, {cols}]", w.len()),
+        ));
     }
     let r = tp_heads(rows, tp, rank)?;
     Ok(w[r.start * cols..r.end * cols].to_vec())
@@ -208,7 +230,10 @@ pub fn rowwise_slice<T: Copy>(
     rank: usize,
 ) -> Result<Vec<T>, MappingError> {
     if w.len() != mul(rows, cols, "rowwise")? {
-        return Err(shape_err("rowwise", format!("{} elements for [{rows}, {cols}]", w.len())));
+        return Err(shape_err(
+            "rowwise",
+            format!("{} elements for [{rows}, {cols}]", w.len()),
+        ));
     }
     let c = tp_heads(cols, tp, rank)?;
     let mut out = Vec::with_capacity(rows * c.len());
@@ -268,6 +293,9 @@ mod tests {
         assert!(MlaDims::from_ne(&[u64::MAX, 7, 4], &[7, 5, 4]).is_err());
         assert_eq!(MlaDims::from_ne(&[3, 7, 4], &[7, 5, 4]).unwrap(), d);
         let m: Vec<u8> = (0..12).collect();
-        assert_eq!(rowwise_slice(&m, 3, 4, 2, 1).unwrap(), vec![2, 3, 6, 7, 10, 11]);
+        assert_eq!(
+            rowwise_slice(&m, 3, 4, 2, 1).unwrap(),
+            vec![2, 3, 6, 7, 10, 11]
+        );
     }
 }

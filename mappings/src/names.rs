@@ -194,7 +194,10 @@ pub fn map_gguf_names(table: &Table, tensors: &[GgufName<'_>], n_expert: Option<
                 rows[*row].gguf = parts.iter().flatten().cloned().collect();
             }
             Kind::Experts => {
-                let n = t.dims.and_then(|d| (d.len() == 3).then(|| d[2])).or(n_expert);
+                let n = t
+                    .dims
+                    .and_then(|d| (d.len() == 3).then(|| d[2]))
+                    .or(n_expert);
                 let hf = match n {
                     Some(n) => (0..n).filter_map(|x| e.hf_name(bid, Some(x))).collect(),
                     None => {

@@ -431,7 +431,11 @@ impl Table {
                 (None, None, Some(e)) if v.or_len.is_none() && default.is_none() => {
                     VarDef::Derived(pexpr(e)?)
                 }
-                _ => return Err(bad(format!("var {name}: needs exactly one of key/len/expr"))),
+                _ => {
+                    return Err(bad(format!(
+                        "var {name}: needs exactly one of key/len/expr"
+                    )))
+                }
             };
             vars.insert(name.clone(), def);
         }
@@ -474,15 +478,14 @@ impl Table {
 
         let mut entries = Vec::new();
         for (i, r) in raw.tensors.iter().enumerate() {
-            let label = r
-                .hf
-                .clone()
-                .or_else(|| match &r.gguf {
-                    Some(OneOrMany::One(s)) => Some(s.clone()),
-                    Some(OneOrMany::Many(v)) => v.first().cloned(),
-                    None => None,
-                })
-                .unwrap_or_else(|| format!("#{i}"));
+            let label =
+                r.hf.clone()
+                    .or_else(|| match &r.gguf {
+                        Some(OneOrMany::One(s)) => Some(s.clone()),
+                        Some(OneOrMany::Many(v)) => v.first().cloned(),
+                        None => None,
+                    })
+                    .unwrap_or_else(|| format!("#{i}"));
             let ebad = |m: String| bad(format!("tensor {label}: {m}"));
             let kind = r.kind.unwrap_or(Kind::Plain);
             let gguf_src: Vec<String> = match &r.gguf {
@@ -494,11 +497,10 @@ impl Table {
                 .iter()
                 .map(|s| Pattern::compile(s).map_err(&ebad))
                 .collect::<Result<Vec<_>, _>>()?;
-            let hf = r
-                .hf
-                .as_deref()
-                .map(|s| Pattern::compile(s).map_err(&ebad))
-                .transpose()?;
+            let hf =
+                r.hf.as_deref()
+                    .map(|s| Pattern::compile(s).map_err(&ebad))
+                    .transpose()?;
             let (n_gguf, need_hf) = match kind {
                 Kind::Plain | Kind::Experts => (1, true),
                 Kind::KvB => (2, true),
@@ -529,10 +531,14 @@ impl Table {
                     p.has_xid == (kind == Kind::Experts) && (!p.has_any || kind == Kind::HfOnly)
                 });
             if !xid_ok {
-                return Err(ebad("{xid} only in experts HF patterns, {any} only in hf_only".into()));
+                return Err(ebad(
+                    "{xid} only in experts HF patterns, {any} only in hf_only".into(),
+                ));
             }
             if has_bid != r.layers.is_some() {
-                return Err(ebad("block entries need `layers`, global ones must not have it".into()));
+                return Err(ebad(
+                    "block entries need `layers`, global ones must not have it".into(),
+                ));
             }
             if let Some(l) = &r.layers {
                 if !layers.contains_key(l) {
@@ -602,8 +608,12 @@ impl Table {
         };
         for (name, def) in &self.vars {
             match def {
-                VarDef::Key { default: Some(e), .. }
-                | VarDef::Len { default: Some(e), .. }
+                VarDef::Key {
+                    default: Some(e), ..
+                }
+                | VarDef::Len {
+                    default: Some(e), ..
+                }
                 | VarDef::Derived(e) => check(e, false, &format!("var {name}"))?,
                 _ => {}
             }
@@ -627,8 +637,14 @@ impl Table {
                 check(h, bid_ok, &what)?;
             }
             if let Some(t) = &e.tied_to {
-                if !self.entries.iter().any(|o| o.gguf.iter().any(|p| &p.template == t)) {
-                    return Err(format!("{what}: tied_to {t} is not a GGUF name of this table"));
+                if !self
+                    .entries
+                    .iter()
+                    .any(|o| o.gguf.iter().any(|p| &p.template == t))
+                {
+                    return Err(format!(
+                        "{what}: tied_to {t} is not a GGUF name of this table"
+                    ));
                 }
             }
         }
@@ -838,7 +854,10 @@ impl<'a> Env<'a> {
             return v.clone();
         }
         if self.busy.borrow().iter().any(|b| b == name) {
-            return Err(ExprError::Unavailable(name.into(), "defined in terms of itself".into()));
+            return Err(ExprError::Unavailable(
+                name.into(),
+                "defined in terms of itself".into(),
+            ));
         }
         let def = self
             .table
@@ -871,7 +890,10 @@ impl<'a> Env<'a> {
                     Some(d) => self.eval(d, None),
                     None => {
                         self.issue(k.clone(), "missing".into());
-                        Err(ExprError::Unavailable(name.into(), format!("metadata key {k} is missing")))
+                        Err(ExprError::Unavailable(
+                            name.into(),
+                            format!("metadata key {k} is missing"),
+                        ))
                     }
                 }
             }
@@ -884,7 +906,10 @@ impl<'a> Env<'a> {
                     Some(d) => self.eval(d, None),
                     None => {
                         self.issue(k.clone(), "missing".into());
-                        Err(ExprError::Unavailable(name.into(), format!("metadata key {k} is missing")))
+                        Err(ExprError::Unavailable(
+                            name.into(),
+                            format!("metadata key {k} is missing"),
+                        ))
                     }
                 }
             }

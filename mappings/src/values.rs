@@ -29,7 +29,8 @@ pub fn fits_bf16(v: &[f32]) -> bool {
 
 /// Whether every value survives f32 -> f16 -> f32 bit for bit.
 pub fn fits_f16(v: &[f32]) -> bool {
-    v.iter().all(|x| f16::from_f32(*x).to_f32().to_bits() == x.to_bits())
+    v.iter()
+        .all(|x| f16::from_f32(*x).to_f32().to_bits() == x.to_bits())
 }
 
 /// f32 values as little-endian bf16 bytes; callers check [`fits_bf16`] first, so this truncation
@@ -42,7 +43,9 @@ pub fn f32_to_bf16_bytes(v: &[f32]) -> Vec<u8> {
 
 /// f32 values as little-endian f16 bytes.
 pub fn f32_to_f16_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes()).collect()
+    v.iter()
+        .flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes())
+        .collect()
 }
 
 /// f32 values as little-endian bytes.
@@ -52,7 +55,9 @@ pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
 
 /// Little-endian u16 words of a byte buffer (raw bf16/f16 elements).
 pub fn u16_words(raw: &[u8]) -> Vec<u16> {
-    raw.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
+    raw.chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect()
 }
 
 /// u16 words back to little-endian bytes.

@@ -37,17 +37,26 @@ fn gguf_sha(stats: &Value, name: &str) -> String {
         .iter()
         .find(|f| f["file"] == "tiny-glm5-BF16.gguf")
         .unwrap();
-    let t = f["tensors"].as_array().unwrap().iter().find(|t| t["name"] == name).unwrap();
+    let t = f["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == name)
+        .unwrap();
     t["sha256_raw"].as_str().unwrap().to_string()
 }
 
 #[test]
 fn split_of_hf_kv_b_is_the_converters_attn_k_b_and_attn_v_b() {
-    let Some(stats) = find("stats-tiny-glm5.json") else { return };
+    let Some(stats) = find("stats-tiny-glm5.json") else {
+        return;
+    };
     let stats: Value = serde_json::from_str(&std::fs::read_to_string(stats).unwrap()).unwrap();
     let mut checked = 0;
     for shard in 1..=4 {
-        let Some(p) = find(&format!("hf/model-0000{shard}-of-00004.safetensors")) else { return };
+        let Some(p) = find(&format!("hf/model-0000{shard}-of-00004.safetensors")) else {
+            return;
+        };
         let bytes = std::fs::read(p).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         for (name, view) in st.tensors() {
@@ -62,8 +71,16 @@ fn split_of_hf_kv_b_is_the_converters_attn_k_b_and_attn_v_b() {
             let w = values::u16_words(view.data());
             let (k, v) = kvb::split(&w, D).unwrap();
             let sha = |x: &[u16]| format!("{:x}", Sha256::digest(values::u16_bytes(x)));
-            assert_eq!(sha(&k), gguf_sha(&stats, &format!("blk.{layer}.attn_k_b.weight")), "{name}");
-            assert_eq!(sha(&v), gguf_sha(&stats, &format!("blk.{layer}.attn_v_b.weight")), "{name}");
+            assert_eq!(
+                sha(&k),
+                gguf_sha(&stats, &format!("blk.{layer}.attn_k_b.weight")),
+                "{name}"
+            );
+            assert_eq!(
+                sha(&v),
+                gguf_sha(&stats, &format!("blk.{layer}.attn_v_b.weight")),
+                "{name}"
+            );
             // and back, bit for bit
             assert_eq!(kvb::reassemble(&k, &v, D).unwrap(), w);
             // TP=2 and TP=4: each rank's slice equals slicing the full tensor, and the ranks

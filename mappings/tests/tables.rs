@@ -12,71 +12,185 @@ const KINDS: &[(&str, &[&str])] = &[
     (
         "glm-dsa",
         &[
-            "token_embd", "output_norm", "output", "blk.attn_norm", "blk.attn_q_a",
-            "blk.attn_q_a_norm", "blk.attn_q_b", "blk.attn_kv_a_mqa", "blk.attn_kv_a_norm",
-            "blk.attn_k_b", "blk.attn_v_b", "blk.attn_output", "blk.ffn_norm",
-            "blk.indexer.k_norm", "blk.indexer.proj", "blk.indexer.attn_k", "blk.indexer.attn_q_b",
-            "blk.ffn_gate", "blk.ffn_up", "blk.ffn_down", "blk.ffn_gate_inp", "blk.exp_probs_b",
-            "blk.ffn_gate_exps", "blk.ffn_up_exps", "blk.ffn_down_exps", "blk.ffn_gate_shexp",
-            "blk.ffn_up_shexp", "blk.ffn_down_shexp", "blk.nextn.eh_proj", "blk.nextn.enorm",
-            "blk.nextn.hnorm", "blk.nextn.shared_head_norm", "blk.nextn.embed_tokens",
+            "token_embd",
+            "output_norm",
+            "output",
+            "blk.attn_norm",
+            "blk.attn_q_a",
+            "blk.attn_q_a_norm",
+            "blk.attn_q_b",
+            "blk.attn_kv_a_mqa",
+            "blk.attn_kv_a_norm",
+            "blk.attn_k_b",
+            "blk.attn_v_b",
+            "blk.attn_output",
+            "blk.ffn_norm",
+            "blk.indexer.k_norm",
+            "blk.indexer.proj",
+            "blk.indexer.attn_k",
+            "blk.indexer.attn_q_b",
+            "blk.ffn_gate",
+            "blk.ffn_up",
+            "blk.ffn_down",
+            "blk.ffn_gate_inp",
+            "blk.exp_probs_b",
+            "blk.ffn_gate_exps",
+            "blk.ffn_up_exps",
+            "blk.ffn_down_exps",
+            "blk.ffn_gate_shexp",
+            "blk.ffn_up_shexp",
+            "blk.ffn_down_shexp",
+            "blk.nextn.eh_proj",
+            "blk.nextn.enorm",
+            "blk.nextn.hnorm",
+            "blk.nextn.shared_head_norm",
+            "blk.nextn.embed_tokens",
             "blk.nextn.shared_head_head",
         ],
     ),
     (
         "deepseek2",
         &[
-            "token_embd", "output_norm", "output", "rope_freqs", "blk.attn_norm", "blk.attn_q",
-            "blk.attn_q_a", "blk.attn_q_b", "blk.attn_kv_a_mqa", "blk.attn_kv_b", "blk.attn_k_b",
-            "blk.attn_v_b", "blk.attn_q_a_norm", "blk.attn_kv_a_norm", "blk.attn_output",
-            "blk.ffn_gate_inp", "blk.ffn_norm", "blk.ffn_gate", "blk.ffn_down", "blk.ffn_up",
-            "blk.ffn_gate_exps", "blk.ffn_down_exps", "blk.ffn_up_exps", "blk.ffn_gate_shexp",
-            "blk.ffn_down_shexp", "blk.ffn_up_shexp", "blk.exp_probs_b",
+            "token_embd",
+            "output_norm",
+            "output",
+            "rope_freqs",
+            "blk.attn_norm",
+            "blk.attn_q",
+            "blk.attn_q_a",
+            "blk.attn_q_b",
+            "blk.attn_kv_a_mqa",
+            "blk.attn_kv_b",
+            "blk.attn_k_b",
+            "blk.attn_v_b",
+            "blk.attn_q_a_norm",
+            "blk.attn_kv_a_norm",
+            "blk.attn_output",
+            "blk.ffn_gate_inp",
+            "blk.ffn_norm",
+            "blk.ffn_gate",
+            "blk.ffn_down",
+            "blk.ffn_up",
+            "blk.ffn_gate_exps",
+            "blk.ffn_down_exps",
+            "blk.ffn_up_exps",
+            "blk.ffn_gate_shexp",
+            "blk.ffn_down_shexp",
+            "blk.ffn_up_shexp",
+            "blk.exp_probs_b",
         ],
     ),
     (
         "glm4moe",
         &[
-            "token_embd", "output_norm", "output", "blk.attn_norm", "blk.post_attention_norm",
-            "blk.attn_q", "blk.attn_k", "blk.attn_v", "blk.attn_output", "blk.attn_q_norm",
-            "blk.attn_k_norm", "blk.ffn_gate", "blk.ffn_down", "blk.ffn_up", "blk.ffn_gate_inp",
-            "blk.ffn_gate_exps", "blk.ffn_down_exps", "blk.ffn_up_exps", "blk.ffn_gate_shexp",
-            "blk.ffn_down_shexp", "blk.ffn_up_shexp", "blk.exp_probs_b", "blk.nextn.eh_proj",
-            "blk.nextn.embed_tokens", "blk.nextn.enorm", "blk.nextn.hnorm",
-            "blk.nextn.shared_head_head", "blk.nextn.shared_head_norm",
+            "token_embd",
+            "output_norm",
+            "output",
+            "blk.attn_norm",
+            "blk.post_attention_norm",
+            "blk.attn_q",
+            "blk.attn_k",
+            "blk.attn_v",
+            "blk.attn_output",
+            "blk.attn_q_norm",
+            "blk.attn_k_norm",
+            "blk.ffn_gate",
+            "blk.ffn_down",
+            "blk.ffn_up",
+            "blk.ffn_gate_inp",
+            "blk.ffn_gate_exps",
+            "blk.ffn_down_exps",
+            "blk.ffn_up_exps",
+            "blk.ffn_gate_shexp",
+            "blk.ffn_down_shexp",
+            "blk.ffn_up_shexp",
+            "blk.exp_probs_b",
+            "blk.nextn.eh_proj",
+            "blk.nextn.embed_tokens",
+            "blk.nextn.enorm",
+            "blk.nextn.hnorm",
+            "blk.nextn.shared_head_head",
+            "blk.nextn.shared_head_norm",
         ],
     ),
     (
         "llama",
         &[
-            "token_embd", "output_norm", "output", "rope_freqs", "blk.attn_norm", "blk.attn_q",
-            "blk.attn_k", "blk.attn_v", "blk.attn_output", "blk.ffn_gate_inp", "blk.ffn_norm",
-            "blk.ffn_gate", "blk.ffn_down", "blk.ffn_up", "blk.ffn_gate_exps", "blk.ffn_down_exps",
+            "token_embd",
+            "output_norm",
+            "output",
+            "rope_freqs",
+            "blk.attn_norm",
+            "blk.attn_q",
+            "blk.attn_k",
+            "blk.attn_v",
+            "blk.attn_output",
+            "blk.ffn_gate_inp",
+            "blk.ffn_norm",
+            "blk.ffn_gate",
+            "blk.ffn_down",
+            "blk.ffn_up",
+            "blk.ffn_gate_exps",
+            "blk.ffn_down_exps",
             "blk.ffn_up_exps",
         ],
     ),
     (
         "qwen2",
         &[
-            "token_embd", "output_norm", "output", "rope_freqs", "blk.attn_norm", "blk.attn_q",
-            "blk.attn_k", "blk.attn_v", "blk.attn_output", "blk.ffn_norm", "blk.ffn_gate",
-            "blk.ffn_down", "blk.ffn_up",
+            "token_embd",
+            "output_norm",
+            "output",
+            "rope_freqs",
+            "blk.attn_norm",
+            "blk.attn_q",
+            "blk.attn_k",
+            "blk.attn_v",
+            "blk.attn_output",
+            "blk.ffn_norm",
+            "blk.ffn_gate",
+            "blk.ffn_down",
+            "blk.ffn_up",
         ],
     ),
     (
         "qwen3",
         &[
-            "token_embd", "output_norm", "output", "rope_freqs", "blk.attn_norm", "blk.attn_q",
-            "blk.attn_q_norm", "blk.attn_k", "blk.attn_k_norm", "blk.attn_v", "blk.attn_output",
-            "blk.ffn_norm", "blk.ffn_gate", "blk.ffn_down", "blk.ffn_up",
+            "token_embd",
+            "output_norm",
+            "output",
+            "rope_freqs",
+            "blk.attn_norm",
+            "blk.attn_q",
+            "blk.attn_q_norm",
+            "blk.attn_k",
+            "blk.attn_k_norm",
+            "blk.attn_v",
+            "blk.attn_output",
+            "blk.ffn_norm",
+            "blk.ffn_gate",
+            "blk.ffn_down",
+            "blk.ffn_up",
         ],
     ),
     (
         "gemma3",
         &[
-            "token_embd", "output", "output_norm", "blk.attn_q", "blk.attn_q_norm", "blk.attn_k",
-            "blk.attn_k_norm", "blk.attn_v", "blk.attn_output", "blk.ffn_gate", "blk.ffn_down",
-            "blk.ffn_up", "blk.attn_norm", "blk.post_attention_norm", "blk.ffn_norm",
+            "token_embd",
+            "output",
+            "output_norm",
+            "blk.attn_q",
+            "blk.attn_q_norm",
+            "blk.attn_k",
+            "blk.attn_k_norm",
+            "blk.attn_v",
+            "blk.attn_output",
+            "blk.ffn_gate",
+            "blk.ffn_down",
+            "blk.ffn_up",
+            "blk.attn_norm",
+            "blk.post_attention_norm",
+            "blk.ffn_norm",
             "blk.post_ffw_norm",
         ],
     ),
@@ -104,15 +218,24 @@ fn tables_cover_every_gguf_tensor_kind() {
             .map(|p| {
                 // "blk.{bid}.attn_q.weight" -> "blk.attn_q"
                 let s = p.template.replace("{bid}.", "");
-                let s = s.strip_suffix(".weight").or(s.strip_suffix(".bias")).unwrap_or(&s);
+                let s = s
+                    .strip_suffix(".weight")
+                    .or(s.strip_suffix(".bias"))
+                    .unwrap_or(&s);
                 s.to_string()
             })
             .collect();
         for k in *kinds {
-            assert!(stems.iter().any(|s| s == k), "{arch}: no entry for GGUF kind {k}");
+            assert!(
+                stems.iter().any(|s| s == k),
+                "{arch}: no entry for GGUF kind {k}"
+            );
         }
         for s in &stems {
-            assert!(kinds.contains(&s.as_str()), "{arch}: entry {s} is not a gguf-py kind");
+            assert!(
+                kinds.contains(&s.as_str()),
+                "{arch}: entry {s} is not a gguf-py kind"
+            );
         }
     }
 }
@@ -134,7 +257,11 @@ fn each_table_is_a_bijection_on_its_entries() {
                     .collect();
                 assert_eq!(hits.len(), 1, "{arch}: {g} matches {} entries", hits.len());
                 let h = t.match_gguf(g).unwrap();
-                assert_eq!((h.entry_index, h.part, h.idx.bid), (ei, part, bid), "{arch}: {g}");
+                assert_eq!(
+                    (h.entry_index, h.part, h.idx.bid),
+                    (ei, part, bid),
+                    "{arch}: {g}"
+                );
             }
             if e.reverse_only {
                 continue;
@@ -162,7 +289,10 @@ fn each_table_is_a_bijection_on_its_entries() {
             // and GGUF -> HF gives back the HF name
             if let Some(g) = gguf.first() {
                 let back = t.match_gguf(g).unwrap();
-                assert_eq!(back.entry.hf_name(back.idx.bid, xid).as_deref(), Some(hf.as_str()));
+                assert_eq!(
+                    back.entry.hf_name(back.idx.bid, xid).as_deref(),
+                    Some(hf.as_str())
+                );
             }
         }
     }
@@ -172,8 +302,12 @@ fn each_table_is_a_bijection_on_its_entries() {
 fn indices_have_one_spelling() {
     let t = table("glm-dsa").unwrap();
     assert!(t.match_gguf("blk.01.attn_norm.weight").is_none());
-    assert!(t.match_hf("model.layers.3.mlp.experts.007.gate_proj.weight").is_none());
-    assert!(t.match_gguf("blk.99999999999999999999999.attn_norm.weight").is_none());
+    assert!(t
+        .match_hf("model.layers.3.mlp.experts.007.gate_proj.weight")
+        .is_none());
+    assert!(t
+        .match_gguf("blk.99999999999999999999999.attn_norm.weight")
+        .is_none());
     assert!(t.match_gguf("blk.3.attn_norm.weightx").is_none());
 }
 

@@ -48,6 +48,13 @@ fn hf_prompts() -> Vec<Value> {
 }
 
 #[test]
+fn tokenizer_is_shareable_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Tokenizer>();
+    send_sync::<runtime::chat::ChatTemplate>();
+}
+
+#[test]
 fn encodes_every_hf_prompt_to_the_hf_ids() {
     let tok = glm();
     let prompts = hf_prompts();

@@ -2,7 +2,9 @@
 //! (sharded safetensors + index, config.json, generation_config.json, tokenizer files), streamed
 //! tensor by tensor; OUT_DIR appears only when complete.
 
-use crate::util::{check_interrupted, count_progress, human_bytes, install_interrupt_handler, parse_size};
+use crate::util::{
+    check_interrupted, count_progress, human_bytes, install_interrupt_handler, parse_size,
+};
 use anyhow::{Context, Result};
 use mappings::export::{export_safetensors, ExportOptions, OutDtype, Progress};
 use std::path::PathBuf;
@@ -86,7 +88,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    let summary = summary.with_context(|| format!("converting {} failed; nothing was written", args.model.display()))?;
+    let summary = summary.with_context(|| {
+        format!(
+            "converting {} failed; nothing was written",
+            args.model.display()
+        )
+    })?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
@@ -97,10 +104,17 @@ pub fn run(args: Args) -> Result<ExitCode> {
             summary.shards,
             summary.out_dir.display()
         );
-        let dtypes: Vec<String> = summary.dtypes.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        let dtypes: Vec<String> = summary
+            .dtypes
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
         println!("dtypes: {}", dtypes.join(", "));
         if !summary.kept_wide.is_empty() {
-            println!("kept wider than requested (narrowing would change values): {}", summary.kept_wide.join(", "));
+            println!(
+                "kept wider than requested (narrowing would change values): {}",
+                summary.kept_wide.join(", ")
+            );
         }
         for n in &summary.notes {
             println!("note: {n}");

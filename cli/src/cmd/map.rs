@@ -7,7 +7,8 @@ use anyhow::{bail, Context, Result};
 use mappings::hf::HfDir;
 use mappings::{map_gguf_names, map_hf_names, Direction, GgufName, Kind, NameMap, Table};
 use serde_json::json;
-use std::io::{BufRead, Read};
+use std::fmt::Write as _;
+use std::io::{BufRead, Read, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -65,7 +66,10 @@ fn is_gguf(path: &Path) -> bool {
 fn pick_table(arch: Option<&str>, fallback: Option<&str>) -> Result<&'static Table> {
     match arch.or(fallback) {
         Some(a) => Ok(mappings::table(a)?),
-        None => bail!("cannot tell the architecture: pass --arch ({})", mappings::architectures().join(", ")),
+        None => bail!(
+            "cannot tell the architecture: pass --arch ({})",
+            mappings::architectures().join(", ")
+        ),
     }
 }
 
@@ -74,7 +78,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         return run_kv_b(&args);
     }
     let (map, source) = if args.input.as_os_str() == "-" {
-        let dir = args.direction.context("names on stdin need --direction (which scheme they are in)")?;
+        let dir = args
+            .direction
+            .context("names on stdin need --direction (which scheme they are in)")?;
         let mut names = Vec::new();
         for line in std::io::stdin().lock().lines() {
             let line = line.context("reading stdin")?;
@@ -87,7 +93,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
         let run_one = |t: &Table| match dir {
             Dir::HfToGguf => map_hf_names(t, &refs),
             Dir::GgufToHf => {
-                let g: Vec<GgufName> = refs.iter().map(|n| GgufName { name: n, dims: None }).collect();
+                let g: Vec<GgufName> = refs
+                    .iter()
+                    .map(|n| GgufName {
+                        name: n,
+                        dims: None,
+                    })
+                    .collect();
                 map_gguf_names(t, &g, args.n_expert)
             }
         };
@@ -116,13 +128,19 @@ pub fn run(args: Args) -> Result<ExitCode> {
             .metadata()
             .get(&format!("{}.expert_count", t.arch))
             .and_then(gguf::Value::as_u64);
-        (map_gguf_names(t, &tensors, n_expert), args.input.display().to_string())
+        (
+            map_gguf_names(t, &tensors, n_expert),
+            args.input.display().to_string(),
+        )
     } else {
         let hf = HfDir::open(&args.input)?;
         let t = match (&args.arch, hf.model_type()) {
             (Some(a), _) => mappings::table(a)?,
             (None, Some(mt)) => mappings::table_for_model_type(mt)?,
-            (None, None) => bail!("no config.json model_type in {}: pass --arch", args.input.display()),
+            (None, None) => bail!(
+                "no config.json model_type in {}: pass --arch",
+                args.input.display()
+            ),
         };
         let names: Vec<&str> = hf.tensors.iter().map(|t| t.name.as_str()).collect();
         (map_hf_names(t, &names), args.input.display().to_string())
@@ -143,7 +161,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn print_map(map: &NameMap, orient: Direction, source: &str, as_json: bool, as_yaml: bool) -> Result<()> {
+fn print_map(
+    map: &NameMap,
+    orient: Direction,
+    source: &str,
+    as_json: bool,
+    as_yaml: bool,
+) -> Result<()> {
     let doc = json!({
         "schema": "gguftool.map/1",
         "source": source,
@@ -155,14 +179,20 @@ fn print_map(map: &NameMap, orient: Direction, source: &str, as_json: bool, as_y
         "notes": map.notes,
     });
     if as_json {
-        println!("{}", serde_json::to_string_pretty(&doc)?);
-        return Ok(());
+        return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
     }
     if as_yaml {
-        print!("{}", serde_yaml::to_string(&doc)?);
-        return Ok(());
+        return emit(&serde_yaml::to_string(&doc)?);
     }
-    println!("# {} ({}), {} rows, {} unmapped", map.arch, orient.as_str(), map.rows.len(), map.unmapped.len());
+    let mut out = String::new();
+    writeln!(
+        out,
+        "# {} ({}), {} rows, {} unmapped",
+        map.arch,
+        orient.as_str(),
+        map.rows.len(),
+        map.unmapped.len()
+    )?;
     for r in &map.rows {
         let (from, to) = match orient {
             Direction::GgufToHf => (&r.gguf, &r.hf),
@@ -173,31 +203,51 @@ fn print_map(map: &NameMap, orient: Direction, source: &str, as_json: bool, as_y
             (k, Some(n)) => format!("  [{}: {n}]", k.as_str()),
             (k, None) => format!("  [{}]", k.as_str()),
         };
-        let left = if from.is_empty() { "-".to_string() } else { from.join(" + ") };
+        let left = if from.is_empty() {
+            "-".to_string()
+        } else {
+            from.join(" + ")
+        };
         if to.len() > 1 {
-            println!("{left} ->{tag}");
+            writeln!(out, "{left} ->{tag}")?;
             for n in to {
-                println!("    {n}");
+                writeln!(out, "    {n}")?;
             }
         } else {
-            println!("{left} -> {}{tag}", to.first().map_or("-", String::as_str));
+            writeln!(
+                out,
+                "{left} -> {}{tag}",
+                to.first().map_or("-", String::as_str)
+            )?;
         }
     }
     for n in &map.notes {
-        println!("note: {n}");
+        writeln!(out, "note: {n}")?;
     }
     if !map.unmapped.is_empty() {
-        println!("unmapped:");
+        writeln!(out, "unmapped:")?;
         for n in &map.unmapped {
-            println!("    {n}");
+            writeln!(out, "    {n}")?;
         }
     }
-    Ok(())
+    emit(&out)
+}
+
+/// Writes to stdout; a closed pipe (`| head`) ends the output quietly instead of panicking.
+fn emit(s: &str) -> Result<()> {
+    let mut o = std::io::stdout().lock();
+    match o.write_all(s.as_bytes()).and_then(|_| o.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => Ok(r?),
+    }
 }
 
 fn run_kv_b(args: &Args) -> Result<ExitCode> {
     if !is_gguf(&args.input) {
-        bail!("--kv-b needs a GGUF model, {} is not one", args.input.display());
+        bail!(
+            "--kv-b needs a GGUF model, {} is not one",
+            args.input.display()
+        );
     }
     let model = gguf::Model::open(&args.input)
         .with_context(|| format!("cannot open {}", args.input.display()))?;
@@ -221,10 +271,13 @@ fn run_kv_b(args: &Args) -> Result<ExitCode> {
     let mut rows = Vec::new();
     for bid in blocks {
         let (name, shape, w) = mappings::export::kv_b_f32(&model, bid, tp)?;
-        let types: Vec<&str> = [format!("blk.{bid}.attn_k_b.weight"), format!("blk.{bid}.attn_v_b.weight")]
-            .iter()
-            .filter_map(|n| model.tensor(n).map(|t| t.info.ty.name()))
-            .collect();
+        let types: Vec<&str> = [
+            format!("blk.{bid}.attn_k_b.weight"),
+            format!("blk.{bid}.attn_v_b.weight"),
+        ]
+        .iter()
+        .filter_map(|n| model.tensor(n).map(|t| t.info.ty.name()))
+        .collect();
         let mut row = json!({"block": bid, "hf_name": name, "shape": shape, "source_types": types});
         if let Some(hf) = &reference {
             let t = hf
@@ -232,14 +285,26 @@ fn run_kv_b(args: &Args) -> Result<ExitCode> {
                 .with_context(|| format!("{name} not in the reference checkpoint"))?;
             let mut want = hf.read_f32(t)?;
             if let Some((n, r)) = tp {
-                want = mappings::kvb::colwise_slice(&want, t.shape.first().copied().unwrap_or(0) as usize,
-                    shape[1], n, r)?;
+                want = mappings::kvb::colwise_slice(
+                    &want,
+                    t.shape.first().copied().unwrap_or(0) as usize,
+                    shape[1],
+                    n,
+                    r,
+                )?;
             }
             if want.len() != w.len() {
-                bail!("{name}: reference has {} elements, rebuilt {}", want.len(), w.len());
+                bail!(
+                    "{name}: reference has {} elements, rebuilt {}",
+                    want.len(),
+                    w.len()
+                );
             }
             let exact = want.iter().zip(&w).all(|(a, b)| a.to_bits() == b.to_bits());
-            let max_err = want.iter().zip(&w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            let max_err = want
+                .iter()
+                .zip(&w)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
             row["bit_identical"] = json!(exact);
             row["max_abs_error"] = json!(max_err);
         }
@@ -252,17 +317,25 @@ fn run_kv_b(args: &Args) -> Result<ExitCode> {
         "layers": rows,
     });
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?))?;
     } else if args.yaml {
-        print!("{}", serde_yaml::to_string(&doc)?);
+        emit(&serde_yaml::to_string(&doc)?)?;
     } else {
+        let mut out = String::new();
         for r in doc["layers"].as_array().into_iter().flatten() {
             let cmp = match (r.get("bit_identical"), r.get("max_abs_error")) {
                 (Some(e), Some(m)) => format!("  bit-identical {e}, max |err| {m}"),
                 _ => String::new(),
             };
-            println!("{} {} from {}{cmp}", r["hf_name"].as_str().unwrap_or(""), r["shape"], r["source_types"]);
+            writeln!(
+                out,
+                "{} {} from {}{cmp}",
+                r["hf_name"].as_str().unwrap_or(""),
+                r["shape"],
+                r["source_types"]
+            )?;
         }
+        emit(&out)?;
     }
     Ok(ExitCode::SUCCESS)
 }

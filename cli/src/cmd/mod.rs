@@ -9,5 +9,6 @@ pub mod map;
 pub mod merge;
 pub mod serve;
 pub mod split;
+pub mod synth;
 pub mod verify;
 pub mod verify_gpu;

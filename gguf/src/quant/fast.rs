@@ -13,54 +13,96 @@ use crate::GgmlType;
 
 /// Dequantize whole blocks of `ty` (lengths already checked) on this thread.
 pub(crate) fn dequantize_row(ty: GgmlType, data: &[u8], out: &mut [f32], t: &Tables) {
+    with_kernel!(ty, row_dispatch(ty, data, out, t));
+}
+
+fn row_dispatch<K: Kernel>(ty: GgmlType, data: &[u8], out: &mut [f32], t: &Tables) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the running CPU supports AVX2, checked just above.
-        unsafe { dequantize_row_avx2(ty, data, out, t) };
+        unsafe { row_avx2::<K>(ty, data, out, t) };
         return;
     }
-    dequantize_row_generic(ty, data, out, t);
+    K::row(ty, data, out, t);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn dequantize_row_avx2(ty: GgmlType, data: &[u8], out: &mut [f32], t: &Tables) {
-    dequantize_row_generic(ty, data, out, t);
+fn row_avx2<K: Kernel>(ty: GgmlType, data: &[u8], out: &mut [f32], t: &Tables) {
+    K::row(ty, data, out, t);
 }
 
-/// The row loop for every type; inlined into each target-feature build.
-#[inline(always)]
-pub(crate) fn dequantize_row_generic(ty: GgmlType, data: &[u8], out: &mut [f32], t: &Tables) {
-    use GgmlType::*;
-    match ty {
-        F32 => plain::<4, 8>(data, out, f32::from_le_bytes),
-        F16 => plain::<2, 16>(data, out, |b| f16_to_f32_fast(u16::from_le_bytes(b))),
-        BF16 => plain::<2, 16>(data, out, |b| bf16_to_f32(u16::from_le_bytes(b))),
-        Q4_0 => blocks::<18, 32>(data, out, q4_0),
-        Q5_0 => blocks::<22, 32>(data, out, q5_0),
-        Q8_0 => blocks::<34, 32>(data, out, q8_0),
-        Q2_K => blocks::<84, 256>(data, out, q2_k),
-        Q3_K => blocks::<110, 256>(data, out, q3_k),
-        Q4_K => blocks::<144, 256>(data, out, q4_k),
-        Q5_K => blocks::<176, 256>(data, out, q5_k),
-        Q6_K => blocks::<210, 256>(data, out, q6_k),
-        IQ4_NL => blocks::<18, 32>(data, out, |b, y| iq4_nl(b, y, &t.kvalues_iq4nl)),
-        IQ4_XS => blocks::<136, 256>(data, out, |b, y| iq4_xs(b, y, &t.kvalues_iq4nl)),
-        MXFP4 => blocks::<17, 32>(data, out, |b, y| mxfp4(b, y, &t.kvalues_mxfp4)),
-        _ => reference::dequantize_blocks(ty, data, out, t),
-    }
+/// One type's row dequantizer as a type, so that every caller (plain and AVX2 row loops, the
+/// fused statistics) gets a small monomorphised copy the optimiser inlines whole — one big
+/// function over all types would exceed the inliner's budget and stay scalar.
+pub(crate) trait Kernel {
+    fn row(ty: GgmlType, data: &[u8], out: &mut [f32], t: &Tables);
 }
 
-#[inline(always)]
-fn blocks<const N: usize, const QK: usize>(
-    data: &[u8],
-    out: &mut [f32],
-    f: impl Fn(&[u8; N], &mut [f32; QK]),
-) {
-    for (b, y) in array_chunks::<N>(data).zip(array_chunks_mut::<QK>(out)) {
-        f(b, y);
-    }
+macro_rules! kernel {
+    ($name:ident, |$ty:pat_param, $data:ident, $out:ident, $t:pat_param| $body:expr) => {
+        pub(crate) struct $name;
+        impl Kernel for $name {
+            #[inline(always)]
+            fn row($ty: GgmlType, $data: &[u8], $out: &mut [f32], $t: &Tables) {
+                $body
+            }
+        }
+    };
 }
+
+/// Loop over `N`-byte blocks and their `QK` output values, calling the block function directly
+/// (a function passed as a value may not be inlined).
+macro_rules! each_block {
+    ($data:expr, $out:expr, $n:literal, $qk:literal, |$b:ident, $y:ident| $body:expr) => {
+        for ($b, $y) in array_chunks::<$n>($data).zip(array_chunks_mut::<$qk>($out)) {
+            $body;
+        }
+    };
+}
+
+kernel!(KF32, |_, d, o, _| plain::<4, 8>(d, o, f32::from_le_bytes));
+kernel!(KF16, |_, d, o, _| plain::<2, 16>(d, o, |b| f16_to_f32_fast(u16::from_le_bytes(b))));
+kernel!(KBf16, |_, d, o, _| plain::<2, 16>(d, o, |b| bf16_to_f32(u16::from_le_bytes(b))));
+kernel!(KQ4_0, |_, d, o, _| each_block!(d, o, 18, 32, |b, y| q4_0(b, y)));
+kernel!(KQ5_0, |_, d, o, _| each_block!(d, o, 22, 32, |b, y| q5_0(b, y)));
+kernel!(KQ8_0, |_, d, o, _| each_block!(d, o, 34, 32, |b, y| q8_0(b, y)));
+kernel!(KQ2K, |_, d, o, _| each_block!(d, o, 84, 256, |b, y| q2_k(b, y)));
+kernel!(KQ3K, |_, d, o, _| each_block!(d, o, 110, 256, |b, y| q3_k(b, y)));
+kernel!(KQ4K, |_, d, o, _| each_block!(d, o, 144, 256, |b, y| q4_k(b, y)));
+kernel!(KQ5K, |_, d, o, _| each_block!(d, o, 176, 256, |b, y| q5_k(b, y)));
+kernel!(KQ6K, |_, d, o, _| each_block!(d, o, 210, 256, |b, y| q6_k(b, y)));
+kernel!(KIq4Nl, |_, d, o, t| each_block!(d, o, 18, 32, |b, y| iq4_nl(b, y, &t.kvalues_iq4nl)));
+kernel!(KIq4Xs, |_, d, o, t| each_block!(d, o, 136, 256, |b, y| iq4_xs(b, y, &t.kvalues_iq4nl)));
+kernel!(KMxfp4, |_, d, o, t| each_block!(d, o, 17, 32, |b, y| mxfp4(b, y, &t.kvalues_mxfp4)));
+// Types without a tuned loop: the reference block code.
+kernel!(KRef, |ty, d, o, t| reference::dequantize_blocks(ty, d, o, t));
+
+/// `with_kernel!(ty, f(args..))` calls `f::<K>(args..)` with the [`Kernel`] of `ty`.
+macro_rules! with_kernel {
+    ($ty:expr, $f:ident ( $($arg:expr),* $(,)? )) => {{
+        use $crate::quant::fast::*;
+        use $crate::GgmlType as T;
+        match $ty {
+            T::F32 => $f::<KF32>($($arg),*),
+            T::F16 => $f::<KF16>($($arg),*),
+            T::BF16 => $f::<KBf16>($($arg),*),
+            T::Q4_0 => $f::<KQ4_0>($($arg),*),
+            T::Q5_0 => $f::<KQ5_0>($($arg),*),
+            T::Q8_0 => $f::<KQ8_0>($($arg),*),
+            T::Q2_K => $f::<KQ2K>($($arg),*),
+            T::Q3_K => $f::<KQ3K>($($arg),*),
+            T::Q4_K => $f::<KQ4K>($($arg),*),
+            T::Q5_K => $f::<KQ5K>($($arg),*),
+            T::Q6_K => $f::<KQ6K>($($arg),*),
+            T::IQ4_NL => $f::<KIq4Nl>($($arg),*),
+            T::IQ4_XS => $f::<KIq4Xs>($($arg),*),
+            T::MXFP4 => $f::<KMxfp4>($($arg),*),
+            _ => $f::<KRef>($($arg),*),
+        }
+    }};
+}
+pub(crate) use with_kernel;
 
 /// Element-wise types, `W` elements of `S` bytes per step so the loop body is fixed-width.
 #[inline(always)]

@@ -172,6 +172,23 @@ const FIM_EOG_TEXTS: &[&[&str]] = &[
     &["<|file_sep|>"],
 ];
 
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.kind {
+            Kind::Bpe { .. } => "byte-level BPE",
+            Kind::Spm { .. } => "SentencePiece BPE",
+        };
+        f.debug_struct("Tokenizer")
+            .field("kind", &kind)
+            .field("vocab_size", &self.tokens.len())
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .field("eog", &self.eog)
+            .field("add_bos", &self.add_bos)
+            .finish_non_exhaustive()
+    }
+}
+
 fn tok_err(msg: impl Into<String>) -> RuntimeError {
     RuntimeError::Tokenizer(msg.into())
 }
@@ -264,10 +281,7 @@ impl Tokenizer {
         by_text.extend(eot_by_text);
         by_text.extend(eom_by_text);
         for &id in &by_text {
-            let t = &mut types[id as usize];
-            if !matches!(t, TokenType::Control) {
-                *t = TokenType::Control;
-            }
+            types[id as usize] = TokenType::Control;
         }
         let mut eog = by_text;
         eog.extend([eos, eot, eom].into_iter().flatten());

@@ -8,7 +8,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 fn gguf_fixture(rel: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gguf").join(rel);
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/gguf")
+        .join(rel);
     if p.exists() {
         Some(p)
     } else {
@@ -41,9 +43,14 @@ fn parts() -> Option<(BTreeMap<String, MetaVal>, Vec<(String, Vec<u64>)>)> {
     let meta = m
         .metadata()
         .iter()
-        .filter_map(|(k, _)| mappings::table::MetaSource::meta(m.metadata(), k).map(|v| (k.to_string(), v)))
+        .filter_map(|(k, _)| {
+            mappings::table::MetaSource::meta(m.metadata(), k).map(|v| (k.to_string(), v))
+        })
         .collect();
-    let t = m.tensors().map(|r| (r.info.name.clone(), r.info.dims.clone())).collect();
+    let t = m
+        .tensors()
+        .map(|r| (r.info.name.clone(), r.info.dims.clone()))
+        .collect();
     Some((meta, t))
 }
 
@@ -54,16 +61,25 @@ fn run(meta: &BTreeMap<String, MetaVal>, t: &[(String, Vec<u64>)]) -> mappings::
 
 #[test]
 fn broken_variants_are_reported() {
-    let Some((meta, tensors)) = parts() else { return };
+    let Some((meta, tensors)) = parts() else {
+        return;
+    };
     assert!(run(&meta, &tensors).is_ok());
 
     // a missing tensor
-    let t: Vec<_> = tensors.iter().filter(|(n, _)| n != "blk.2.attn_v_b.weight").cloned().collect();
+    let t: Vec<_> = tensors
+        .iter()
+        .filter(|(n, _)| n != "blk.2.attn_v_b.weight")
+        .cloned()
+        .collect();
     assert_eq!(run(&meta, &t).missing_tensors, ["blk.2.attn_v_b.weight"]);
 
     // a wrong shape
     let mut t = tensors.clone();
-    let i = t.iter().position(|(n, _)| n == "blk.1.ffn_up_exps.weight").unwrap();
+    let i = t
+        .iter()
+        .position(|(n, _)| n == "blk.1.ffn_up_exps.weight")
+        .unwrap();
     t[i].1 = vec![256, 256, 5];
     let r = run(&meta, &t);
     assert_eq!(r.wrong_shapes.len(), 1);
@@ -75,19 +91,41 @@ fn broken_variants_are_reported() {
     t.push(("blk.1.mystery.weight".into(), vec![4]));
     t.push(("blk.4.attn_norm.weight".into(), vec![256]));
     let r = run(&meta, &t);
-    let names: Vec<&str> = r.unexpected_tensors.iter().map(|u| u.name.as_str()).collect();
-    assert_eq!(names, ["blk.0.ffn_gate_exps.weight", "blk.1.mystery.weight", "blk.4.attn_norm.weight"]);
+    let names: Vec<&str> = r
+        .unexpected_tensors
+        .iter()
+        .map(|u| u.name.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "blk.0.ffn_gate_exps.weight",
+            "blk.1.mystery.weight",
+            "blk.4.attn_norm.weight"
+        ]
+    );
 
     // missing and inconsistent metadata
     let mut m = meta.clone();
     m.remove("glm-dsa.attention.kv_lora_rank");
     m.insert("glm-dsa.attention.head_count_kv".into(), MetaVal::Int(4));
-    m.insert("glm-dsa.attention.layer_norm_rms_epsilon".into(), MetaVal::Str);
+    m.insert(
+        "glm-dsa.attention.layer_norm_rms_epsilon".into(),
+        MetaVal::Str,
+    );
     let r = run(&m, &tensors);
     let keys: Vec<&str> = r.metadata_issues.iter().map(|i| i.key.as_str()).collect();
     assert!(keys.contains(&"glm-dsa.attention.kv_lora_rank"), "{r:#?}");
-    assert!(keys.contains(&"glm-dsa.attention.layer_norm_rms_epsilon"), "{r:#?}");
-    assert!(r.inconsistent_metadata.iter().any(|s| s.contains("head_count_kv")), "{r:#?}");
+    assert!(
+        keys.contains(&"glm-dsa.attention.layer_norm_rms_epsilon"),
+        "{r:#?}"
+    );
+    assert!(
+        r.inconsistent_metadata
+            .iter()
+            .any(|s| s.contains("head_count_kv")),
+        "{r:#?}"
+    );
     // shapes that need kv_lora are not guessed at
     assert!(r.wrong_shapes.is_empty(), "{r:#?}");
 }
@@ -122,9 +160,14 @@ fn glm5_full_size_shapes() {
         ("attention.indexer.key_length", 128),
         ("attention.indexer.top_k", 2048),
     ];
-    let mut meta: BTreeMap<String, MetaVal> =
-        ints.iter().map(|(k, v)| (format!("glm-dsa.{k}"), MetaVal::Int(*v))).collect();
-    meta.insert("glm-dsa.attention.layer_norm_rms_epsilon".into(), MetaVal::Float(1e-5));
+    let mut meta: BTreeMap<String, MetaVal> = ints
+        .iter()
+        .map(|(k, v)| (format!("glm-dsa.{k}"), MetaVal::Int(*v)))
+        .collect();
+    meta.insert(
+        "glm-dsa.attention.layer_norm_rms_epsilon".into(),
+        MetaVal::Float(1e-5),
+    );
     let t = table("glm-dsa").unwrap();
     let env = Env::new(t, &meta);
     let shape = |name: &str| {
@@ -143,8 +186,16 @@ fn glm5_full_size_shapes() {
     assert_eq!(shape("token_embd.weight"), [6144, 154880]);
     // spec §2.3 tensor count: 3 + 3*18 + 75*23 + 27 = 1809 required tensors
     let mut names = vec![];
-    for e in t.entries.iter().filter(|e| !e.optional && !e.gguf.is_empty() && !e.reverse_only) {
-        let bids: Vec<Option<u64>> = if e.layers.is_some() { (0..79).map(Some).collect() } else { vec![None] };
+    for e in t
+        .entries
+        .iter()
+        .filter(|e| !e.optional && !e.gguf.is_empty() && !e.reverse_only)
+    {
+        let bids: Vec<Option<u64>> = if e.layers.is_some() {
+            (0..79).map(Some).collect()
+        } else {
+            vec![None]
+        };
         for b in bids {
             if env.entry_applies(e, b).unwrap() {
                 names.extend(e.gguf_names(b));

@@ -7,17 +7,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 fn find(rel: &str) -> Option<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let p = [
-        root.join("../tests/fixtures").join(rel),
-        root.join("../../shared/fixtures/tiny-glm5").join(rel),
-    ]
-    .into_iter()
-    .find(|p| p.exists());
-    if p.is_none() {
-        println!("skipped: fixture {rel} not found");
-    }
-    p
+    gguftool_tests::fixture_or_skip(rel, "convert_safetensors")
 }
 
 /// name -> (dtype, shape, f32 values)
@@ -44,7 +34,10 @@ fn json(p: &Path) -> Value {
 
 #[test]
 fn bf16_gguf_exports_the_original_checkpoint_bit_for_bit() {
-    let (Some(gguf), Some(hf_dir)) = (find("gguf/tiny-glm5-BF16.gguf"), find("hf/model-00001-of-00004.safetensors")) else {
+    let (Some(gguf), Some(hf_dir)) = (
+        find("gguf/tiny-glm5-BF16.gguf"),
+        find("hf/model-00001-of-00004.safetensors"),
+    ) else {
         return;
     };
     let hf_dir = hf_dir.parent().unwrap().to_path_buf();
@@ -59,7 +52,8 @@ fn bf16_gguf_exports_the_original_checkpoint_bit_for_bit() {
     let s = export_safetensors(&model, &out, &opts, &mut |_| {
         events += 1;
         true
-    }).unwrap();
+    })
+    .unwrap();
     assert!(!mappings::export::partial_path(&out).exists());
     assert_eq!(s.tensors, 135);
     assert!(s.shards > 1, "4 MiB shards force a sharded checkpoint");
@@ -71,7 +65,10 @@ fn bf16_gguf_exports_the_original_checkpoint_bit_for_bit() {
     for (name, (dt, shape, vals)) in &want {
         let (gdt, gshape, gvals) = got.get(name).unwrap_or_else(|| panic!("{name} missing"));
         assert_eq!(gshape, shape, "{name}");
-        let same = vals.iter().zip(gvals).all(|(a, b)| a.to_bits() == b.to_bits());
+        let same = vals
+            .iter()
+            .zip(gvals)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same && vals.len() == gvals.len(), "{name}: values differ");
         // --dtype bf16 narrows only where exact: the original's BF16 tensors come back BF16, and
         // the MTP router and indexer weights (F32 in the original, not bf16-representable) stay F32
@@ -90,8 +87,12 @@ fn bf16_gguf_exports_the_original_checkpoint_bit_for_bit() {
     let tok_cfg = json(&hf_dir.join("tokenizer_config.json"));
     assert_eq!(json(&out.join("tokenizer_config.json")), tok_cfg);
     assert_eq!(
-        std::fs::read_to_string(out.join("chat_template.jinja")).unwrap().trim_end(),
-        std::fs::read_to_string(hf_dir.join("chat_template.jinja")).unwrap().trim_end()
+        std::fs::read_to_string(out.join("chat_template.jinja"))
+            .unwrap()
+            .trim_end(),
+        std::fs::read_to_string(hf_dir.join("chat_template.jinja"))
+            .unwrap()
+            .trim_end()
     );
     let gen = json(&out.join("generation_config.json"));
     let want_gen = json(&hf_dir.join("generation_config.json"));
@@ -101,20 +102,33 @@ fn bf16_gguf_exports_the_original_checkpoint_bit_for_bit() {
 
 #[test]
 fn tokenizer_json_is_the_original() {
-    let (Some(gguf), Some(orig)) = (find("gguf/tiny-glm5-Q8_0.gguf"), find("hf/tokenizer.json")) else {
+    let (Some(gguf), Some(orig)) = (find("gguf/tiny-glm5-Q8_0.gguf"), find("hf/tokenizer.json"))
+    else {
         return;
     };
     let model = gguf::Model::open(&gguf).unwrap();
-    let (tok, _) = mappings::hfconfig::tokenizer_files(model.metadata(), "glm-dsa").unwrap().unwrap();
+    let (tok, _) = mappings::hfconfig::tokenizer_files(model.metadata(), "glm-dsa")
+        .unwrap()
+        .unwrap();
     let want = json(&orig);
-    for key in ["added_tokens", "normalizer", "pre_tokenizer", "post_processor", "decoder", "model"] {
+    for key in [
+        "added_tokens",
+        "normalizer",
+        "pre_tokenizer",
+        "post_processor",
+        "decoder",
+        "model",
+    ] {
         assert_eq!(tok[key], want[key], "{key}");
     }
 }
 
 #[test]
 fn quantized_exports_are_close_and_f32_is_exact_widening() {
-    let (Some(q), Some(bf)) = (find("gguf/tiny-glm5-Q8_0.gguf"), find("gguf/tiny-glm5-BF16.gguf")) else {
+    let (Some(q), Some(bf)) = (
+        find("gguf/tiny-glm5-Q8_0.gguf"),
+        find("gguf/tiny-glm5-BF16.gguf"),
+    ) else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
@@ -131,7 +145,12 @@ fn quantized_exports_are_close_and_f32_is_exact_widening() {
     let (a, b) = (load_dir(&o32), load_dir(&ob));
     for (n, (dt, _, v)) in &a {
         assert_eq!(*dt, safetensors::Dtype::F32);
-        assert!(v.iter().zip(&b[n].2).all(|(x, y)| x.to_bits() == y.to_bits()), "{n}");
+        assert!(
+            v.iter()
+                .zip(&b[n].2)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{n}"
+        );
     }
     // Q8_0: per-block scale d (f16) times int8, so |error| <= d/2 <= max|w|/254 per block;
     // 1/100 of the tensor's max magnitude bounds it with margin
@@ -145,13 +164,18 @@ fn quantized_exports_are_close_and_f32_is_exact_widening() {
         assert_eq!(gs, shape, "{n}");
         let max = v.iter().fold(0f32, |m, x| m.max(x.abs()));
         let err = v.iter().zip(g).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-        assert!(err <= max / 100.0 + 1e-6, "{n}: max abs error {err} vs max {max}");
+        assert!(
+            err <= max / 100.0 + 1e-6,
+            "{n}: max abs error {err} vs max {max}"
+        );
     }
 }
 
 #[test]
 fn failure_leaves_nothing_behind() {
-    let Some(gguf) = find("gguf/tiny-glm5-BF16.gguf") else { return };
+    let Some(gguf) = find("gguf/tiny-glm5-BF16.gguf") else {
+        return;
+    };
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("x");
     let m = gguf::Model::open(&gguf).unwrap();
@@ -169,7 +193,10 @@ fn failure_leaves_nothing_behind() {
         n += 1;
         n < 40
     });
-    assert!(matches!(r, Err(mappings::MappingError::Interrupted)), "{r:?}");
+    assert!(
+        matches!(r, Err(mappings::MappingError::Interrupted)),
+        "{r:?}"
+    );
     assert!(!out.exists());
     assert!(!mappings::export::partial_path(&out).exists());
     // an existing output is not replaced without `overwrite`

@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 fn fixture(rel: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(rel);
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(rel);
     if p.exists() {
         Some(p)
     } else {
@@ -33,7 +35,11 @@ fn recorded(nt: &Value) -> BTreeMap<String, Vec<(String, Vec<u64>)>> {
                 .unwrap()
                 .iter()
                 .map(|g| {
-                    let ne = g["ne"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap());
+                    let ne = g["ne"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.as_u64().unwrap());
                     (g["name"].as_str().unwrap().to_string(), ne.collect())
                 })
                 .collect();
@@ -44,7 +50,9 @@ fn recorded(nt: &Value) -> BTreeMap<String, Vec<(String, Vec<u64>)>> {
 
 #[test]
 fn hf_to_gguf_equals_the_converter_per_name() {
-    let Some(nt) = load("nametable-tiny-glm5.json") else { return };
+    let Some(nt) = load("nametable-tiny-glm5.json") else {
+        return;
+    };
     let t = table("glm-dsa").unwrap();
     let rec = recorded(&nt);
     assert_eq!(rec.len(), 135);
@@ -57,7 +65,9 @@ fn hf_to_gguf_equals_the_converter_per_name() {
 
 #[test]
 fn gguf_to_hf_equals_the_converter_per_name() {
-    let Some(nt) = load("nametable-tiny-glm5.json") else { return };
+    let Some(nt) = load("nametable-tiny-glm5.json") else {
+        return;
+    };
     let t = table("glm-dsa").unwrap();
     let rec = nt["gguf_to_hf"].as_object().unwrap();
     assert_eq!(rec.len(), 94);
@@ -74,7 +84,12 @@ fn gguf_to_hf_equals_the_converter_per_name() {
     assert!(map.unmapped.is_empty(), "{:?}", map.unmapped);
     assert!(map.notes.is_empty(), "{:?}", map.notes);
     for (g, hf) in rec {
-        let want: Vec<&str> = hf.as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+        let want: Vec<&str> = hf
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
         let row = map
             .rows
             .iter()
@@ -86,8 +101,12 @@ fn gguf_to_hf_equals_the_converter_per_name() {
 
 #[test]
 fn both_directions_give_the_same_rows_as_the_converter() {
-    let Some(nt) = load("nametable-tiny-glm5.json") else { return };
-    let Some(index) = load("hf/model.safetensors.index.json") else { return };
+    let Some(nt) = load("nametable-tiny-glm5.json") else {
+        return;
+    };
+    let Some(index) = load("hf/model.safetensors.index.json") else {
+        return;
+    };
     let t = table("glm-dsa").unwrap();
     let rec = recorded(&nt);
     // converter rows: GGUF name tuple -> HF names
@@ -102,7 +121,12 @@ fn both_directions_give_the_same_rows_as_the_converter() {
     }
 
     // HF side: exactly the names in the checkpoint index (what `map` reads from an HF directory)
-    let names: Vec<&str> = index["weight_map"].as_object().unwrap().keys().map(String::as_str).collect();
+    let names: Vec<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
     assert_eq!(names.len(), 135);
     let h2g = map_hf_names(t, &names);
     assert!(h2g.unmapped.is_empty(), "{:?}", h2g.unmapped);
@@ -123,7 +147,11 @@ fn both_directions_give_the_same_rows_as_the_converter() {
         for r in &map.rows {
             let mut hf = r.hf.clone();
             hf.sort();
-            assert!(got.insert(r.gguf.clone(), hf).is_none(), "duplicate row {:?}", r.gguf);
+            assert!(
+                got.insert(r.gguf.clone(), hf).is_none(),
+                "duplicate row {:?}",
+                r.gguf
+            );
         }
         assert_eq!(got, want, "{:?}", map.direction);
     }
