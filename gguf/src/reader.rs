@@ -511,7 +511,9 @@ impl Header {
             let start = self.data_offset.checked_add(t.offset);
             let end = start.and_then(|s| s.checked_add(t.n_bytes()));
             match end {
-                Some(end) if end <= file_size => spans.push((t.offset, t.offset + t.n_bytes(), &t.name)),
+                Some(end) if end <= file_size => {
+                    spans.push((t.offset, t.offset + t.n_bytes(), &t.name))
+                }
                 _ => {
                     return Err(Error::TensorOutOfBounds {
                         at: Location {
@@ -565,7 +567,9 @@ impl Header {
                     got: t.offset,
                 });
             }
-            expected = t.offset.saturating_add(align_up(t.n_bytes(), self.alignment));
+            expected = t
+                .offset
+                .saturating_add(align_up(t.n_bytes(), self.alignment));
         }
         out
     }

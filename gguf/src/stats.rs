@@ -53,14 +53,30 @@ pub fn tensor_stats(ty: GgmlType, data: &[u8]) -> Result<TensorStats, QuantError
 pub fn f32_stats(values: &[f32]) -> TensorStats {
     let partials: Vec<Partial> = values
         .par_chunks(crate::quant::TASK_ELEMS)
-        .map(|chunk| {
-            chunk
-                .chunks(SUB)
-                .map(chunk_stats)
-                .fold(Partial::EMPTY, merge)
-        })
+        .map(f32_task)
         .collect();
     partials.into_iter().fold(Partial::EMPTY, merge).finish()
+}
+
+fn f32_task(values: &[f32]) -> Partial {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the running CPU supports AVX2, checked just above.
+        return unsafe { f32_task_avx2(values) };
+    }
+    values
+        .chunks(SUB)
+        .map(chunk_stats::<false>)
+        .fold(Partial::EMPTY, merge)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn f32_task_avx2(values: &[f32]) -> Partial {
+    values
+        .chunks(SUB)
+        .map(chunk_stats::<true>)
+        .fold(Partial::EMPTY, merge)
 }
 
 /// Values dequantized and reduced at a time: small enough to stay in L1 between the two steps.
@@ -168,17 +184,18 @@ fn task<K: Kernel>(ty: GgmlType, data: &[u8], t: &Tables) -> Partial {
         // SAFETY: the running CPU supports AVX2, checked just above.
         return unsafe { task_avx2::<K>(ty, data, t) };
     }
-    task_generic::<K>(ty, data, t)
+    task_generic::<K, false>(ty, data, t)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn task_avx2<K: Kernel>(ty: GgmlType, data: &[u8], t: &Tables) -> Partial {
-    task_generic::<K>(ty, data, t)
+    task_generic::<K, true>(ty, data, t)
 }
 
+/// `AVX2` is true only when inlined into [`task_avx2`], i.e. after the CPU check.
 #[inline(always)]
-fn task_generic<K: Kernel>(ty: GgmlType, data: &[u8], t: &Tables) -> Partial {
+fn task_generic<K: Kernel, const AVX2: bool>(ty: GgmlType, data: &[u8], t: &Tables) -> Partial {
     let blocks = (SUB / ty.block_size()).max(1);
     let mut buf = [0.0f32; SUB];
     let mut acc = Partial::EMPTY;
@@ -188,61 +205,138 @@ fn task_generic<K: Kernel>(ty: GgmlType, data: &[u8], t: &Tables) -> Partial {
             break; // unreachable: block sizes divide SUB
         };
         K::row(ty, chunk, values, t);
-        acc = merge(acc, chunk_stats(values));
+        acc = merge(acc, chunk_stats::<AVX2>(values));
     }
     acc
 }
 
-/// Lanes of independent accumulators: breaks the add dependency chains and lets the loop
-/// vectorise; the lane layout is fixed, so every build sums in the same order.
+/// Lanes of independent accumulators: element i of every LANES-wide step goes to lane i. This
+/// breaks the add dependency chains, maps one-to-one onto AVX2 registers, and fixes the
+/// summation order, so the portable and the AVX2 loop give identical bits.
 const LANES: usize = 8;
+
+/// Per-lane partial sums of one buffer's whole LANES-wide steps.
+struct Lanes {
+    s1: [f64; LANES],
+    s2: [f64; LANES],
+    min: [f32; LANES],
+    max: [f32; LANES],
+    zeros: [u32; LANES],
+}
+
+impl Lanes {
+    const EMPTY: Lanes = Lanes {
+        s1: [0.0; LANES],
+        s2: [0.0; LANES],
+        min: [f32::INFINITY; LANES],
+        max: [f32::NEG_INFINITY; LANES],
+        zeros: [0; LANES],
+    };
+
+    /// Adds one value to lane `i`: the definition the AVX2 loop reproduces.
+    #[inline(always)]
+    fn add(&mut self, i: usize, v: f32, k: f64) {
+        let d = f64::from(v) - k;
+        self.s1[i] += d;
+        self.s2[i] += d * d;
+        // `v < min ? v : min` (NaN never replaces), which is exactly what vminps computes.
+        self.min[i] = if v < self.min[i] { v } else { self.min[i] };
+        self.max[i] = if v > self.max[i] { v } else { self.max[i] };
+        self.zeros[i] += u32::from(v == 0.0);
+    }
+}
+
+#[inline(always)]
+fn lanes_portable(steps: &[f32], k: f64) -> Lanes {
+    let mut l = Lanes::EMPTY;
+    for c in steps.chunks_exact(LANES) {
+        for (i, &v) in c.iter().enumerate() {
+            l.add(i, v, k);
+        }
+    }
+    l
+}
+
+/// [`lanes_portable`] with AVX2 intrinsics (the compiler does not vectorise the lane loop on
+/// its own): same lanes, same IEEE operations, no FMA, so the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn lanes_avx2(steps: &[f32], k: f64) -> Lanes {
+    use std::arch::x86_64::*;
+    let mut l = Lanes::EMPTY;
+    let kv = _mm256_set1_pd(k);
+    let zero = _mm256_setzero_ps();
+    let mut s1_lo = _mm256_setzero_pd();
+    let mut s1_hi = _mm256_setzero_pd();
+    let mut s2_lo = _mm256_setzero_pd();
+    let mut s2_hi = _mm256_setzero_pd();
+    let mut min = _mm256_set1_ps(f32::INFINITY);
+    let mut max = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut zeros = _mm256_setzero_si256();
+    for c in steps.chunks_exact(LANES) {
+        // SAFETY: `c` is exactly LANES = 8 f32s; loadu has no alignment requirement.
+        let v = unsafe { _mm256_loadu_ps(c.as_ptr()) };
+        let lo = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), kv);
+        let hi = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v)), kv);
+        s1_lo = _mm256_add_pd(s1_lo, lo);
+        s1_hi = _mm256_add_pd(s1_hi, hi);
+        s2_lo = _mm256_add_pd(s2_lo, _mm256_mul_pd(lo, lo));
+        s2_hi = _mm256_add_pd(s2_hi, _mm256_mul_pd(hi, hi));
+        min = _mm256_min_ps(v, min);
+        max = _mm256_max_ps(v, max);
+        // The all-ones mask is -1: subtracting it counts.
+        zeros = _mm256_sub_epi32(
+            zeros,
+            _mm256_castps_si256(_mm256_cmp_ps::<_CMP_EQ_OQ>(v, zero)),
+        );
+    }
+    // SAFETY: each destination is an array of exactly the stored width (4 f64, 8 f32, 8 i32).
+    unsafe {
+        _mm256_storeu_pd(l.s1.as_mut_ptr(), s1_lo);
+        _mm256_storeu_pd(l.s1.as_mut_ptr().add(4), s1_hi);
+        _mm256_storeu_pd(l.s2.as_mut_ptr(), s2_lo);
+        _mm256_storeu_pd(l.s2.as_mut_ptr().add(4), s2_hi);
+        _mm256_storeu_ps(l.min.as_mut_ptr(), min);
+        _mm256_storeu_ps(l.max.as_mut_ptr(), max);
+        _mm256_storeu_si256(l.zeros.as_mut_ptr().cast(), zeros);
+    }
+    l
+}
 
 /// Statistics of one buffer. Sums are taken of `x - k` with `k` the first finite value, so the
 /// squared deviations come out as `S2 - S1^2/n` without the cancellation of `sum(x^2) - n*mean^2`
 /// when the mean is large against the spread (norm weights near 1).
 #[inline(always)]
-fn chunk_stats(x: &[f32]) -> Partial {
+fn chunk_stats<const AVX2: bool>(x: &[f32]) -> Partial {
     if x.is_empty() {
         return Partial::EMPTY;
     }
     let k = f64::from(x.iter().copied().find(|v| v.is_finite()).unwrap_or(0.0));
-    let mut s1 = [0.0f64; LANES];
-    let mut s2 = [0.0f64; LANES];
-    let mut min = [f32::INFINITY; LANES];
-    let mut max = [f32::NEG_INFINITY; LANES];
-    let mut zeros = [0u32; LANES];
-    let mut nonfinite = [0u32; LANES];
-    let mut lanes = x.chunks_exact(LANES);
-    for c in &mut lanes {
-        for i in 0..LANES {
-            let v = c[i];
-            let d = f64::from(v) - k;
-            s1[i] += d;
-            s2[i] += d * d;
-            min[i] = if v < min[i] { v } else { min[i] };
-            max[i] = if v > max[i] { v } else { max[i] };
-            zeros[i] += u32::from(v == 0.0);
-            nonfinite[i] += u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000);
-        }
-    }
-    for &v in lanes.remainder() {
-        let d = f64::from(v) - k;
-        s1[0] += d;
-        s2[0] += d * d;
-        min[0] = if v < min[0] { v } else { min[0] };
-        max[0] = if v > max[0] { v } else { max[0] };
-        zeros[0] += u32::from(v == 0.0);
-        nonfinite[0] += u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000);
+    let whole = x.len() / LANES * LANES;
+    let (steps, rest) = x.split_at(whole);
+    #[cfg(target_arch = "x86_64")]
+    let mut l = if AVX2 {
+        // SAFETY: AVX2 is only true inside `task_avx2`, which runs after the CPU check.
+        unsafe { lanes_avx2(steps, k) }
+    } else {
+        lanes_portable(steps, k)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let mut l = lanes_portable(steps, k);
+    for &v in rest {
+        l.add(0, v, k);
     }
     let n = x.len() as f64;
-    let s1: f64 = s1.iter().sum();
-    let s2: f64 = s2.iter().sum();
-    let nonfinite: u64 = nonfinite.iter().map(|&c| u64::from(c)).sum();
-    // Rare: only then tell NaNs from infinities.
-    let n_nan = if nonfinite == 0 {
-        0
+    let s1: f64 = l.s1.iter().sum();
+    let s2: f64 = l.s2.iter().sum();
+    // A NaN or infinity makes the sums non-finite (finite f32 squares cannot overflow f64), so
+    // only then are the values scanned again to count them.
+    let (n_nan, n_inf) = if s1.is_finite() && s2.is_finite() {
+        (0, 0)
     } else {
-        x.iter().filter(|v| v.is_nan()).count() as u64
+        let nan = x.iter().filter(|v| v.is_nan()).count() as u64;
+        let inf = x.iter().filter(|v| v.is_infinite()).count() as u64;
+        (nan, inf)
     };
     let m2 = s2 - s1 * s1 / n;
     Partial {
@@ -250,17 +344,19 @@ fn chunk_stats(x: &[f32]) -> Partial {
         mean: k + s1 / n,
         m2: if m2 < 0.0 { 0.0 } else { m2 },
         sum_sq: s2 + 2.0 * k * s1 + n * k * k,
-        min: min
+        min: l
+            .min
             .iter()
             .copied()
             .fold(f32::INFINITY, |a, b| if b < a { b } else { a }),
-        max: max
+        max: l
+            .max
             .iter()
             .copied()
             .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a }),
-        n_zero: zeros.iter().map(|&c| u64::from(c)).sum(),
+        n_zero: l.zeros.iter().map(|&c| u64::from(c)).sum(),
         n_nan,
-        n_inf: nonfinite - n_nan,
+        n_inf,
     }
 }
 
@@ -339,6 +435,44 @@ mod tests {
             s.std,
             exact_var.sqrt()
         );
+    }
+
+    #[test]
+    fn avx2_lanes_give_the_portable_bits() {
+        let mut state = 0x1234_5678_9abc_def0u64;
+        let mut values: Vec<f32> = (0..SUB - 3) // one chunk, with a remainder
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                f32::from_bits((state >> 32) as u32) // every class: NaN, inf, subnormal, zero
+            })
+            .collect();
+        let finite: Vec<f32> = values
+            .iter()
+            .map(|v| if v.is_finite() { *v } else { 0.5 })
+            .collect();
+        values[7] = 0.0;
+        for x in [&values[..], &finite[..], &finite[..13], &[-0.0f32, 0.0][..]] {
+            let a = chunk_stats::<false>(x);
+            let b = f32_task(x);
+            // NaN payloads depend on operand order, which the compiler may swap (fadd commutes).
+            let bits = |v: f64| if v.is_nan() { u64::MAX } else { v.to_bits() };
+            let key = |p: &Partial| {
+                (
+                    p.n,
+                    bits(p.mean),
+                    bits(p.m2),
+                    bits(p.sum_sq),
+                    p.min.to_bits(),
+                )
+            };
+            assert_eq!(key(&a), key(&b));
+            assert_eq!(
+                (a.max.to_bits(), a.n_zero, a.n_nan, a.n_inf),
+                (b.max.to_bits(), b.n_zero, b.n_nan, b.n_inf)
+            );
+        }
     }
 
     #[test]

@@ -146,7 +146,11 @@ impl Layout {
     }
 
     /// Lay out a header keeping the tensors' offsets as they are (byte-exact rewrite).
-    pub fn with_offsets(version: u32, metadata: &Metadata, tensors: Vec<TensorInfo>) -> Result<Layout> {
+    pub fn with_offsets(
+        version: u32,
+        metadata: &Metadata,
+        tensors: Vec<TensorInfo>,
+    ) -> Result<Layout> {
         let alignment = alignment_of(metadata)?;
         let header = header_bytes(version, metadata, &tensors)?;
         let data_offset = align_up(header.len() as u64, alignment);

@@ -1365,10 +1365,9 @@ fn tensors_and_data_read_back() {
 // ---------------------------------------------------------------------------------------------
 // Truncation anywhere.
 
-#[test]
-fn truncated_at_every_byte() {
-    // The last tensor's size is a multiple of the alignment, so the valid file has no trailing
-    // padding and every strict prefix is missing something.
+/// A small valid file touching most field kinds. The last tensor's size is a multiple of the
+/// alignment, so the file has no trailing padding and every strict prefix is missing something.
+fn small_file() -> Vec<u8> {
     let mut w = W::header(3, 2, 6);
     w.key("general.architecture", T_STRING).str(b"glm-dsa");
     w.key("general.alignment", T_U32).u32(32);
@@ -1383,12 +1382,15 @@ fn truncated_at_every_byte() {
     w.info("a", &[32], Q8_0.0, 0)
         .info("b", &[8, 2], F32.0, 64)
         .pad(32);
-    let infos_end_max = w.pos();
     w.raw(&pattern(34, 1)).pad(32).raw(&pattern(64, 2));
-    let bytes = w.bytes();
+    w.bytes()
+}
+
+#[test]
+fn truncated_at_every_byte() {
+    let bytes = small_file();
     let (_t, full) = open_ok(&bytes);
     let infos_end = full.header().infos_end;
-    assert!(infos_end <= infos_end_max);
 
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("truncated.gguf");
@@ -1459,6 +1461,134 @@ fn arbitrary_garbage_never_panics() {
                     );
                 }
             }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fuzz target's body (fuzz/src/lib.rs) on stable: seeds and bounded random mutations. The
+// real fuzzer (cargo +nightly fuzz run parse) explores far more; this keeps the properties
+// checked in every test run.
+
+#[path = "../../fuzz/src/lib.rs"]
+mod fuzz_body;
+
+/// xorshift64*: a fixed seed keeps the run reproducible.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// Values at the edges of the checks: caps, int64 and u32 limits, small counts.
+const INTERESTING: [u64; 16] = [
+    0,
+    1,
+    2,
+    3,
+    4,
+    13,
+    32,
+    63,
+    64,
+    255,
+    1 << 30,
+    (1 << 30) + 1,
+    1 << 31,
+    1 << 32,
+    1 << 63,
+    u64::MAX,
+];
+
+fn mutate(rng: &mut Rng, input: &[u8]) -> Vec<u8> {
+    let mut m = input.to_vec();
+    for _ in 0..1 + rng.below(3) {
+        let len = m.len();
+        let at = rng.below(len);
+        match rng.below(6) {
+            0 if len > 0 => m[at] ^= 1 << rng.below(8),
+            1 if len > 0 => m[at] = INTERESTING[rng.below(16)] as u8,
+            2 => {
+                let width = if rng.below(2) == 0 { 4 } else { 8 };
+                let v = INTERESTING[rng.below(16)].to_le_bytes();
+                for (i, b) in v[..width].iter().enumerate() {
+                    if let Some(x) = m.get_mut(at + i) {
+                        *x = *b;
+                    }
+                }
+            }
+            3 => m.truncate(at),
+            4 => {
+                let end = (at + 1 + rng.below(16)).min(len);
+                m.drain(at..end);
+            }
+            _ => {
+                let end = (at + 1 + rng.below(32)).min(len);
+                let chunk = m[at..end].to_vec();
+                let to = rng.below(len + 1);
+                m.splice(to..to, chunk);
+            }
+        }
+    }
+    m
+}
+
+#[test]
+fn fuzz_body_over_seeds_and_mutations() {
+    let mut seeds = vec![
+        small_file(),
+        canonical_file(32).0,
+        canonical_file(64).0,
+        canonical_file(1).0,
+        W::header(3, 0, 0).bytes(),
+    ];
+    // Headers written by llama.cpp (gguf-split shards of the fixture model): the whole file
+    // once, then its header (with one tensor's worth of data) as a mutation seed.
+    let split = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gguf/split");
+    for name in [
+        "tiny-glm5-Q4_K_M-00002-of-00003.gguf",
+        "tiny-glm5-Q4_K_M-00003-of-00003.gguf",
+    ] {
+        let bytes = std::fs::read(split.join(name)).unwrap();
+        fuzz_body::check(&bytes);
+        let h = Header::parse_slice(&bytes, name).unwrap();
+        let end = (h.data_offset + h.tensors[0].n_bytes()) as usize;
+        seeds.push(bytes[..end.min(bytes.len())].to_vec());
+    }
+    // Whatever a developer's fuzzing left in the (untracked) corpus.
+    let corpus = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/parse");
+    if let Ok(dir) = std::fs::read_dir(corpus) {
+        for e in dir.flatten().take(500) {
+            if let Ok(b) = std::fs::read(e.path()) {
+                if b.len() <= 1 << 16 {
+                    seeds.push(b);
+                }
+            }
+        }
+    }
+    for s in &seeds {
+        fuzz_body::check(s);
+    }
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for i in 0..20_000 {
+        let seed = &seeds[rng.below(seeds.len())];
+        let m = mutate(&mut rng, seed);
+        let r = std::panic::catch_unwind(|| fuzz_body::check(&m));
+        if r.is_err() {
+            let path = std::env::temp_dir().join(format!("gguf-fuzz-smoke-{i}.gguf"));
+            std::fs::write(&path, &m).unwrap();
+            panic!(
+                "mutation {i} broke a property; input saved to {}",
+                path.display()
+            );
         }
     }
 }

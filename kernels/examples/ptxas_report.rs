@@ -17,15 +17,20 @@ fn main() {
         let t = std::time::Instant::now();
         match kernels::nvrtc::compile(op, arch, true) {
             Ok(c) => {
-                println!("== {} {arch}: {:.2} s, {} B cubin", op.name(), t.elapsed().as_secs_f64(), c.cubin.len());
+                println!(
+                    "== {} {arch}: {:.2} s, {} B cubin",
+                    op.name(),
+                    t.elapsed().as_secs_f64(),
+                    c.cubin.len()
+                );
                 let mut func = String::new();
                 for line in c.log.lines() {
                     if let Some(rest) = line.split("Function properties for ").nth(1) {
                         func = rest.trim().to_string();
-                    } else if line.contains("Used") || line.contains("spill") {
-                        if filter.is_empty() || func.contains(&filter) {
-                            println!("  {func}: {}", line.trim());
-                        }
+                    } else if (line.contains("Used") || line.contains("spill"))
+                        && (filter.is_empty() || func.contains(&filter))
+                    {
+                        println!("  {func}: {}", line.trim());
                     }
                 }
             }

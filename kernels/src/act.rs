@@ -57,7 +57,13 @@ impl Gpu {
         let (gs, us, os) = (l.a_stride as i64, l.b_stride as i64, l.out_stride as i64);
         let n = to_i32(OP, "n", l.n)?;
         let mut b = s.launch_builder(&f);
-        b.arg(&gp).arg(&gs).arg(&up_).arg(&us).arg(&op).arg(&os).arg(&n);
+        b.arg(&gp)
+            .arg(&gs)
+            .arg(&up_)
+            .arg(&us)
+            .arg(&op)
+            .arg(&os)
+            .arg(&n);
         // SAFETY: extents checked above.
         self.launched(OP, unsafe { b.launch(cfg) })
     }
@@ -158,7 +164,11 @@ impl Gpu {
         need_len(OP, "src", dlen(src), span(rows, src_stride, n))?;
         need_len(OP, "dst", dlen(dst), span(rows, dst_stride, n))?;
         let f = self.func(Op::Elementwise, "copy_rows_f32")?;
-        let cfg = self.cfg(OP, ((n as u64).div_ceil(BLOCK as u64), rows as u64, 1), BLOCK)?;
+        let cfg = self.cfg(
+            OP,
+            ((n as u64).div_ceil(BLOCK as u64), rows as u64, 1),
+            BLOCK,
+        )?;
         let s = self.stream();
         let (sp, _gs) = src.device_ptr(s);
         let (dp, _gd) = dst.device_ptr_mut(s);

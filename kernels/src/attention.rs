@@ -55,10 +55,18 @@ impl Gpu {
         if m.tokens == 0 || m.heads == 0 || m.kv_len == 0 {
             return Err(shape_err(OP, format!("empty shape {m:?}")));
         }
-        if m.d_qk == 0 || !m.d_qk.is_multiple_of(32) || m.d_qk > 1024 || m.d_v == 0 || m.d_v > m.d_qk {
+        if m.d_qk == 0
+            || !m.d_qk.is_multiple_of(32)
+            || m.d_qk > 1024
+            || m.d_v == 0
+            || m.d_v > m.d_qk
+        {
             return Err(shape_err(
                 OP,
-                format!("d_qk {} must be a multiple of 32 <= 1024 and d_v {} <= d_qk", m.d_qk, m.d_v),
+                format!(
+                    "d_qk {} must be a multiple of 32 <= 1024 and d_v {} <= d_qk",
+                    m.d_qk, m.d_v
+                ),
             ));
         }
         if m.kv_stride < m.d_qk {
@@ -100,7 +108,11 @@ impl Gpu {
         let h = to_i32(OP, "heads", m.heads)?;
         let nk = to_i32(OP, "n_keys", n_keys)?;
         let t = to_i32(OP, "kv_len", m.kv_len)?;
-        let (kvs, qts, qhs) = (m.kv_stride as i64, m.q_tok_stride as i64, m.q_head_stride as i64);
+        let (kvs, qts, qhs) = (
+            m.kv_stride as i64,
+            m.q_tok_stride as i64,
+            m.q_head_stride as i64,
+        );
         let (ots, ohs) = (m.o_tok_stride as i64, m.o_head_stride as i64);
         let mut s0 = 0usize;
         while s0 < m.tokens {
@@ -108,12 +120,28 @@ impl Gpu {
             // Per-chunk base pointers (element offsets to bytes); pos and idx shift by s0 rows.
             let qp_c = qp + (s0 * m.q_tok_stride * 4) as u64;
             let pp_c = pp + (s0 * 4) as u64;
-            let ip_c = if ip == 0 { 0 } else { ip + (s0 as u64) * (istride as u64) * 4 };
+            let ip_c = if ip == 0 {
+                0
+            } else {
+                ip + (s0 as u64) * (istride as u64) * 4
+            };
             let op_c = op + (s0 * m.o_tok_stride * 4) as u64;
             let cfg1 = self.cfg(OP, ((n_keys as u64).div_ceil(8), cs as u64, 1), 256)?;
             let mut b1 = s.launch_builder(&f_scores);
-            b1.arg(&qp_c).arg(&qts).arg(&qhs).arg(&kp).arg(&kvs).arg(&d).arg(&h);
-            b1.arg(&pp_c).arg(&ip_c).arg(&istride).arg(&nk).arg(&t).arg(&m.scale).arg(&sp);
+            b1.arg(&qp_c)
+                .arg(&qts)
+                .arg(&qhs)
+                .arg(&kp)
+                .arg(&kvs)
+                .arg(&d)
+                .arg(&h);
+            b1.arg(&pp_c)
+                .arg(&ip_c)
+                .arg(&istride)
+                .arg(&nk)
+                .arg(&t)
+                .arg(&m.scale)
+                .arg(&sp);
             // SAFETY: q/kv/pos/idx extents checked above for all tokens; scores holds chunk rows.
             self.launched(OP, unsafe { b1.launch(cfg1) })?;
             let cfg2 = self.cfg(OP, (m.heads as u64, cs as u64, 1), 256)?;

@@ -135,7 +135,10 @@ impl Gpu {
         if nrows * row_bytes != dlen(src) {
             return Err(KernelError::BadShape {
                 op: OP,
-                msg: format!("{} bytes is not a whole number of {row_bytes}-byte rows", dlen(src)),
+                msg: format!(
+                    "{} bytes is not a whole number of {row_bytes}-byte rows",
+                    dlen(src)
+                ),
             });
         }
         let nids = dlen(ids);
@@ -156,7 +159,13 @@ impl Gpu {
         let nr = nrows as i64;
         let k32 = to_i32(OP, "k", k)?;
         let mut b = self.stream().launch_builder(&f);
-        b.arg(&sp).arg(&rb).arg(&nr).arg(&ip).arg(&dp).arg(&k32).arg(&tables);
+        b.arg(&sp)
+            .arg(&rb)
+            .arg(&nr)
+            .arg(&ip)
+            .arg(&dp)
+            .arg(&k32)
+            .arg(&tables);
         // SAFETY: every id is bounds-checked in the kernel; dst holds nids * k floats.
         self.launched(OP, unsafe { b.launch(cfg) })
     }

@@ -26,7 +26,9 @@ pub fn device_count() -> usize {
     if !driver_available() {
         return 0;
     }
-    CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0)
+    CudaContext::device_count()
+        .map(|n| n.max(0) as usize)
+        .unwrap_or(0)
 }
 
 /// What we know about the device, read once at open.
@@ -90,17 +92,21 @@ impl Gpu {
         if ordinal >= count {
             return Err(KernelError::NoDevice { ordinal, count });
         }
-        let ctx = CudaContext::new(ordinal).map_err(KernelError::driver("cuDevicePrimaryCtxRetain"))?;
+        let ctx =
+            CudaContext::new(ordinal).map_err(KernelError::driver("cuDevicePrimaryCtxRetain"))?;
         // One stream per device and strictly ordered work: cudarc's per-slice event tracking
         // would only add an event record/wait to every launch.
         // SAFETY: no CudaSlice exists yet in this context, and all use is on `stream`.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream().map_err(KernelError::driver("cuStreamCreate"))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(KernelError::driver("cuStreamCreate"))?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(KernelError::driver("cuDeviceGetAttribute"))?;
         let attr = |a: sys::CUdevice_attribute| -> Result<i32, KernelError> {
-            ctx.attribute(a).map_err(KernelError::driver("cuDeviceGetAttribute"))
+            ctx.attribute(a)
+                .map_err(KernelError::driver("cuDeviceGetAttribute"))
         };
         use sys::CUdevice_attribute as A;
         let info = DeviceInfo {
@@ -115,7 +121,9 @@ impl Gpu {
                 attr(A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z)?.max(0) as u32,
             ),
             l2_bytes: attr(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?.max(0) as u64,
-            total_mem: ctx.total_mem().map_err(KernelError::driver("cuDeviceTotalMem"))? as u64,
+            total_mem: ctx
+                .total_mem()
+                .map_err(KernelError::driver("cuDeviceTotalMem"))? as u64,
         };
         let sync_each = std::env::var("GGUFTOOL_CUDA_SYNC").is_ok_and(|v| v == "1");
         Ok(Gpu {
@@ -149,10 +157,12 @@ impl Gpu {
 
     /// Wait for all queued work; a kernel fault surfaces here.
     pub fn synchronize(&self) -> Result<(), KernelError> {
-        self.stream.synchronize().map_err(|source| KernelError::Launch {
-            op: "synchronize",
-            source,
-        })
+        self.stream
+            .synchronize()
+            .map_err(|source| KernelError::Launch {
+                op: "synchronize",
+                source,
+            })
     }
 
     /// Registers and local memory of every kernel loaded so far.
@@ -290,6 +300,48 @@ impl Gpu {
             }
         })?;
         Ok(self.blas.get_or_init(|| b))
+    }
+
+    /// Device time of the work `f` queues, in milliseconds, measured with CUDA events on the
+    /// stream (waits for it to finish).
+    pub fn time_ms(
+        &self,
+        mut f: impl FnMut() -> Result<(), KernelError>,
+    ) -> Result<f32, KernelError> {
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self
+            .ctx
+            .new_event(flags)
+            .map_err(KernelError::driver("cuEventCreate"))?;
+        let end = self
+            .ctx
+            .new_event(flags)
+            .map_err(KernelError::driver("cuEventCreate"))?;
+        start
+            .record(&self.stream)
+            .map_err(KernelError::driver("cuEventRecord"))?;
+        f()?;
+        end.record(&self.stream)
+            .map_err(KernelError::driver("cuEventRecord"))?;
+        end.synchronize().map_err(|source| KernelError::Launch {
+            op: "timed work",
+            source,
+        })?;
+        start
+            .elapsed_ms(&end)
+            .map_err(KernelError::driver("cuEventElapsedTime"))
+    }
+
+    /// Device-to-device copy of `n` elements (for bandwidth baselines and buffer moves).
+    pub fn copy<T>(
+        &self,
+        src: &impl cudarc::driver::DevicePtr<T>,
+        dst: &mut impl cudarc::driver::DevicePtrMut<T>,
+    ) -> Result<(), KernelError> {
+        need_len("copy", "dst", dst.len(), src.len())?;
+        self.stream
+            .memcpy_dtod(src, dst)
+            .map_err(|source| KernelError::Launch { op: "copy", source })
     }
 
     // ---- buffers -------------------------------------------------------------------------

@@ -33,10 +33,22 @@ impl Gpu {
             return Err(shape_err(OP, format!("{shape:?} x {tokens} tokens")));
         }
         if !k.is_multiple_of(32) || !k.is_multiple_of(ty.block_size()) {
-            return Err(shape_err(OP, format!("row length {k} is not a multiple of 32 and of the {ty} block")));
+            return Err(shape_err(
+                OP,
+                format!("row length {k} is not a multiple of 32 and of the {ty} block"),
+            ));
         }
-        let row_bytes = shape.row_bytes().ok_or_else(|| shape_err(OP, "row size overflows"))?;
-        need_len(OP, "w", dlen(w), shape.bytes().ok_or_else(|| shape_err(OP, "size overflows"))?)?;
+        let row_bytes = shape
+            .row_bytes()
+            .ok_or_else(|| shape_err(OP, "row size overflows"))?;
+        need_len(
+            OP,
+            "w",
+            dlen(w),
+            shape
+                .bytes()
+                .ok_or_else(|| shape_err(OP, "size overflows"))?,
+        )?;
         need_len(OP, "x", dlen(x), tokens * k)?;
         need_len(OP, "y", dlen(y), tokens * rows)?;
         // Any row starts on a block boundary with the block alignment of the tensor base.
@@ -48,7 +60,11 @@ impl Gpu {
         let (xp, _g2) = x.device_ptr(s);
         let (yp, _g3) = y.device_ptr_mut(s);
         let (sp, _g4) = scratch.device_ptr_mut(s);
-        let (n_tok, k32, ldc) = (to_i32(OP, "tokens", tokens)?, to_i32(OP, "k", k)?, to_i32(OP, "rows", rows)?);
+        let (n_tok, k32, ldc) = (
+            to_i32(OP, "tokens", tokens)?,
+            to_i32(OP, "k", k)?,
+            to_i32(OP, "rows", rows)?,
+        );
         let (alpha, beta) = (1.0f32, 0.0f32);
         let mut r0 = 0usize;
         while r0 < rows {
@@ -77,7 +93,10 @@ impl Gpu {
                     ldc,
                 )
             }
-            .map_err(|source| KernelError::Cublas { what: "cublasSgemm", source })?;
+            .map_err(|source| KernelError::Cublas {
+                what: "cublasSgemm",
+                source,
+            })?;
             self.launched(OP, Ok::<(), cudarc::driver::DriverError>(()))?;
             r0 += rt;
         }

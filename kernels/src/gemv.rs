@@ -106,7 +106,10 @@ impl Gpu {
         let MatShape { ty, rows, k, slabs } = shape;
         let bad = |msg: String| KernelError::BadShape { op: OP, msg };
         if rows == 0 || k == 0 || slabs == 0 || ch.count == 0 {
-            return Err(bad(format!("empty shape {shape:?} x {} channels", ch.count)));
+            return Err(bad(format!(
+                "empty shape {shape:?} x {} channels",
+                ch.count
+            )));
         }
         if !k.is_multiple_of(32) || !k.is_multiple_of(ty.block_size()) {
             return Err(bad(format!(
@@ -150,11 +153,7 @@ impl Gpu {
         }
         let f = self.func(Op::Gemv, type_kernels(ty).gemv)?;
         let tables = self.tables()?.params;
-        let grid = (
-            rows.div_ceil(ROWS_PER_BLOCK) as u64,
-            ch.count as u64,
-            1u64,
-        );
+        let grid = (rows.div_ceil(ROWS_PER_BLOCK) as u64, ch.count as u64, 1u64);
         let cfg = self.cfg(OP, grid, (32 * ROWS_PER_BLOCK) as u32)?;
         let stream = self.stream();
         let (wp, _gw) = w.device_ptr(stream);

@@ -43,18 +43,35 @@ impl Gpu {
             return Err(shape_err(OP, format!("empty shape {sh:?}")));
         }
         if sh.dim == 0 || !sh.dim.is_multiple_of(32) || sh.dim > 256 {
-            return Err(shape_err(OP, format!("head width {} must be a multiple of 32, <= 256", sh.dim)));
+            return Err(shape_err(
+                OP,
+                format!("head width {} must be a multiple of 32, <= 256", sh.dim),
+            ));
         }
         if sh.q_stride < sh.heads * sh.dim || sh.out_stride < sh.kv_len || sh.k_stride < sh.dim {
             return Err(shape_err(OP, format!("strides too small for {sh:?}")));
         }
-        need_len(OP, "q", dlen(q), span(sh.tokens, sh.q_stride, sh.heads * sh.dim))?;
+        need_len(
+            OP,
+            "q",
+            dlen(q),
+            span(sh.tokens, sh.q_stride, sh.heads * sh.dim),
+        )?;
         need_len(OP, "k", dlen(k), span(sh.kv_len, sh.k_stride, sh.dim))?;
         need_len(OP, "w", dlen(w), span(sh.tokens, sh.w_stride, sh.heads))?;
         need_len(OP, "pos", dlen(pos), sh.tokens)?;
-        need_len(OP, "out", dlen(out), span(sh.tokens, sh.out_stride, sh.kv_len))?;
+        need_len(
+            OP,
+            "out",
+            dlen(out),
+            span(sh.tokens, sh.out_stride, sh.kv_len),
+        )?;
         let f = self.func(Op::IndexerScores, "indexer_scores_f32")?;
-        let cfg = self.cfg(OP, ((sh.kv_len as u64).div_ceil(8), sh.tokens as u64, 1), 256)?;
+        let cfg = self.cfg(
+            OP,
+            ((sh.kv_len as u64).div_ceil(8), sh.tokens as u64, 1),
+            256,
+        )?;
         let s = self.stream();
         let (qp, _g1) = q.device_ptr(s);
         let (kp, _g2) = k.device_ptr(s);
@@ -69,7 +86,14 @@ impl Gpu {
         let t = to_i32(OP, "kv_len", sh.kv_len)?;
         let os = sh.out_stride as i64;
         let mut b = s.launch_builder(&f);
-        b.arg(&qp).arg(&qs).arg(&h).arg(&d).arg(&kp).arg(&ks).arg(&wp).arg(&ws);
+        b.arg(&qp)
+            .arg(&qs)
+            .arg(&h)
+            .arg(&d)
+            .arg(&kp)
+            .arg(&ks)
+            .arg(&wp)
+            .arg(&ws);
         b.arg(&pp).arg(&t).arg(&sh.scale).arg(&op).arg(&os);
         // SAFETY: extents checked above.
         self.launched(OP, unsafe { b.launch(cfg) })
@@ -116,7 +140,13 @@ impl Gpu {
         let k32 = to_i32(OP, "k", k)?;
         let os = k as i64;
         let mut b = s.launch_builder(&f);
-        b.arg(&sp).arg(&st).arg(&n32).arg(&k32).arg(&op).arg(&os).arg(&cp);
+        b.arg(&sp)
+            .arg(&st)
+            .arg(&n32)
+            .arg(&k32)
+            .arg(&op)
+            .arg(&os)
+            .arg(&cp);
         // SAFETY: extents checked above.
         self.launched(OP, unsafe { b.launch(cfg) })
     }

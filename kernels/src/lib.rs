@@ -24,17 +24,17 @@ mod quant;
 pub mod rope;
 pub mod verify;
 
-pub use device::{device_count, driver_available, DeviceInfo, Gpu, KernelResources};
-pub use error::KernelError;
 pub use act::Rows3;
 pub use attention::{KeyLists, MlaShape};
+pub use device::{device_count, driver_available, DeviceInfo, Gpu, KernelResources};
+pub use error::KernelError;
 pub use gemv::{Channels, MatShape};
 pub use indexer::IndexerShape;
 pub use moe::RouterConfig;
 pub use norm::Rows;
+pub use ops::Op;
 pub use rope::{rope_inv_freq, RopeLayout};
 pub use verify::{compare_tensor, GpuDiff};
-pub use ops::Op;
 
 /// Re-exported so callers can name buffer types without depending on cudarc themselves.
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};

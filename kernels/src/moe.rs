@@ -40,16 +40,28 @@ impl Gpu {
         const OP: &str = "moe_router";
         let e = cfg.n_experts;
         if tokens == 0 || e == 0 || e > 1024 {
-            return Err(shape_err(OP, format!("{tokens} tokens, {e} experts (1..=1024)")));
+            return Err(shape_err(
+                OP,
+                format!("{tokens} tokens, {e} experts (1..=1024)"),
+            ));
         }
         if cfg.top_k == 0 || cfg.top_k > e || cfg.top_k > 64 {
-            return Err(shape_err(OP, format!("top_k {} must be 1..=min(64, experts)", cfg.top_k)));
+            return Err(shape_err(
+                OP,
+                format!("top_k {} must be 1..=min(64, experts)", cfg.top_k),
+            ));
         }
         if cfg.n_group == 0 || cfg.n_group > 64 || !e.is_multiple_of(cfg.n_group) {
-            return Err(shape_err(OP, format!("n_group {} must divide {e} and be <= 64", cfg.n_group)));
+            return Err(shape_err(
+                OP,
+                format!("n_group {} must divide {e} and be <= 64", cfg.n_group),
+            ));
         }
         if cfg.topk_group == 0 || cfg.topk_group > cfg.n_group {
-            return Err(shape_err(OP, format!("topk_group {} must be 1..=n_group", cfg.topk_group)));
+            return Err(shape_err(
+                OP,
+                format!("topk_group {} must be 1..=n_group", cfg.topk_group),
+            ));
         }
         need_len(OP, "logits", dlen(logits), span(tokens, stride, e))?;
         need_len(OP, "ids", dlen(ids), tokens * cfg.top_k)?;
@@ -69,7 +81,13 @@ impl Gpu {
         let tk = to_i32(OP, "top_k", cfg.top_k)?;
         let norm = i32::from(cfg.norm);
         let mut b = s.launch_builder(&f);
-        b.arg(&lp).arg(&st).arg(&e32).arg(&bp).arg(&ng).arg(&tg).arg(&tk);
+        b.arg(&lp)
+            .arg(&st)
+            .arg(&e32)
+            .arg(&bp)
+            .arg(&ng)
+            .arg(&tg)
+            .arg(&tk);
         b.arg(&norm).arg(&cfg.scale).arg(&ip).arg(&wp);
         // SAFETY: extents checked above.
         self.launched(OP, unsafe { b.launch(lc) })
@@ -109,7 +127,14 @@ impl Gpu {
         let os = out_stride as i64;
         let acc = i32::from(accumulate);
         let mut b = s.launch_builder(&f);
-        b.arg(&yp).arg(&ys).arg(&wp).arg(&k32).arg(&d32).arg(&op).arg(&os).arg(&acc);
+        b.arg(&yp)
+            .arg(&ys)
+            .arg(&wp)
+            .arg(&k32)
+            .arg(&d32)
+            .arg(&op)
+            .arg(&os)
+            .arg(&acc);
         // SAFETY: extents checked above.
         self.launched(OP, unsafe { b.launch(lc) })
     }

@@ -130,7 +130,14 @@ impl Gpu {
         let (xs, ys) = (l.x_stride as i64, l.y_stride as i64);
         let n = to_i32(OP, "n", l.n)?;
         let mut b = s.launch_builder(&f);
-        b.arg(&xp).arg(&xs).arg(&wp).arg(&bp).arg(&yp).arg(&ys).arg(&n).arg(&eps);
+        b.arg(&xp)
+            .arg(&xs)
+            .arg(&wp)
+            .arg(&bp)
+            .arg(&yp)
+            .arg(&ys)
+            .arg(&n)
+            .arg(&eps);
         // SAFETY: extents checked above.
         self.launched(OP, unsafe { b.launch(cfg) })
     }

@@ -65,6 +65,8 @@ pub struct Compiled {
     pub arch: String,
     /// Device code ready for `cuModuleLoadData`.
     pub cubin: Vec<u8>,
+    /// The PTX of the same compilation (for inspection: entry names, instructions).
+    pub ptx: String,
     /// NVRTC's log (warnings; with `verbose`, ptxas' register/spill report).
     pub log: String,
 }
@@ -112,7 +114,8 @@ pub fn compile(op: Op, arch: &str, verbose: bool) -> Result<Compiled, KernelErro
         log: "kernel source contains a NUL byte".to_string(),
     })?;
     let name = CString::new(op.file_name()).unwrap_or_default();
-    let prog = result::create_program(&src, Some(&name)).map_err(nvrtc_err("nvrtcCreateProgram"))?;
+    let prog =
+        result::create_program(&src, Some(&name)).map_err(nvrtc_err("nvrtcCreateProgram"))?;
     let guard = ProgramGuard(prog);
     let opts = options(op, arch, verbose);
     // SAFETY: `prog` is a live program (dropped by `guard` after the last use below).
@@ -139,10 +142,14 @@ pub fn compile(op: Op, arch: &str, verbose: bool) -> Result<Compiled, KernelErro
     unsafe { sys::nvrtcGetCUBIN(guard.0, cubin.as_mut_ptr() as *mut c_char) }
         .result()
         .map_err(nvrtc_err("nvrtcGetCUBIN"))?;
+    // SAFETY: compiled program.
+    let ptx = unsafe { result::get_ptx(guard.0) }.map_err(nvrtc_err("nvrtcGetPTX"))?;
+    let ptx: Vec<u8> = ptx.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
     Ok(Compiled {
         op,
         arch: arch.to_string(),
         cubin,
+        ptx: String::from_utf8_lossy(&ptx).into_owned(),
         log,
     })
 }

@@ -110,6 +110,44 @@ impl Op {
         v
     }
 
+    /// Every kernel entry point the Rust wrappers launch from this op's module.
+    pub fn kernel_names(self) -> Vec<String> {
+        let per_type = |prefixes: &[&str]| {
+            gguf::GgmlType::ALL
+                .iter()
+                .flat_map(|&ty| {
+                    let k = crate::quant::type_kernels(ty);
+                    prefixes
+                        .iter()
+                        .map(|p| match *p {
+                            "dequant" => k.dequant,
+                            "dequant_bf16" => k.dequant_bf16,
+                            "get_rows" => k.get_rows,
+                            _ => k.gemv,
+                        })
+                        .map(str::to_string)
+                        .collect::<Vec<_>>()
+                })
+                .collect::<Vec<_>>()
+        };
+        let names: &[&str] = match self {
+            Op::Dequant => return per_type(&["dequant", "dequant_bf16", "get_rows"]),
+            Op::Gemv => return per_type(&["gemv"]),
+            Op::RmsNorm => &["rmsnorm_f32"],
+            Op::LayerNorm => &["layernorm_f32"],
+            Op::Rope => &["rope_f32"],
+            Op::MlaAttention => &["mla_scores_f32", "mla_softmax_av_f32"],
+            Op::IndexerScores => &["indexer_scores_f32"],
+            Op::TopK => &["topk_f32"],
+            Op::MoeRouter => &["moe_router_f32"],
+            Op::MoeCombine => &["moe_combine_f32"],
+            Op::SiluMul => &["silu_mul_f32"],
+            Op::Elementwise => &["add_f32", "scale_f32", "copy_rows_f32", "f32_to_bf16"],
+            Op::Argmax => &["argmax_f32"],
+        };
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
     /// Whether NVRTC may contract `a*b+c` into FMAs. Off for the dequantizer, whose products must
     /// round exactly like the CPU oracle's (`verify --gpu` checks them to a few ulps).
     pub(crate) fn allow_fma(self) -> bool {

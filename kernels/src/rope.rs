@@ -43,9 +43,13 @@ impl Gpu {
             return Err(shape_err(OP, format!("empty layout {l:?}")));
         }
         if l.n_rot == 0 || !l.n_rot.is_multiple_of(2) || l.n_rot > 2048 {
-            return Err(shape_err(OP, format!("n_rot {} must be even, 2..=2048", l.n_rot)));
+            return Err(shape_err(
+                OP,
+                format!("n_rot {} must be even, 2..=2048", l.n_rot),
+            ));
         }
-        let need = (l.tokens - 1) * l.tok_stride + (l.heads - 1) * l.head_stride + l.offset + l.n_rot;
+        let need =
+            (l.tokens - 1) * l.tok_stride + (l.heads - 1) * l.head_stride + l.offset + l.n_rot;
         need_len(OP, "x", dlen(x), need)?;
         need_len(OP, "pos", dlen(pos), l.tokens)?;
         need_len(OP, "inv_freq", dlen(inv_freq), l.n_rot / 2)?;
@@ -61,7 +65,14 @@ impl Gpu {
         let nr = to_i32(OP, "n_rot", l.n_rot)?;
         let de = i32::from(deinterleave);
         let mut b = s.launch_builder(&f);
-        b.arg(&xp).arg(&ts).arg(&hs).arg(&off).arg(&nr).arg(&pp).arg(&fp).arg(&de);
+        b.arg(&xp)
+            .arg(&ts)
+            .arg(&hs)
+            .arg(&off)
+            .arg(&nr)
+            .arg(&pp)
+            .arg(&fp)
+            .arg(&de);
         // SAFETY: the furthest element touched is within x (checked above).
         self.launched(OP, unsafe { b.launch(cfg) })
     }

@@ -99,7 +99,11 @@ pub fn compare_tensor(
         }
         start += len;
     }
-    d.max_rel = if d.max_ref > 0.0 { d.max_abs / d.max_ref } else { 0.0 };
+    d.max_rel = if d.max_ref > 0.0 {
+        d.max_abs / d.max_ref
+    } else {
+        0.0
+    };
     d.tolerance = if ty.is_quantized() {
         4.0 * f64::from(f32::EPSILON) * d.max_ref
     } else {

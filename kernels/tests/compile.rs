@@ -35,7 +35,9 @@ fn spills(log: &str) -> Vec<(String, u64)> {
 #[test]
 fn every_kernel_compiles_for_sm90_and_sm120() {
     if !nvrtc::available() {
-        say("skipped: no NVRTC library (every_kernel_compiles_for_sm90_and_sm120; see docs/GPU.md)");
+        say(
+            "skipped: no NVRTC library (every_kernel_compiles_for_sm90_and_sm120; see docs/GPU.md)",
+        );
         return;
     }
     let (major, minor) = nvrtc::version().expect("nvrtcVersion");
@@ -47,9 +49,25 @@ fn every_kernel_compiles_for_sm90_and_sm120() {
             match nvrtc::compile(op, arch, true) {
                 Ok(c) => {
                     assert!(!c.cubin.is_empty(), "{} {arch}: empty CUBIN", op.name());
+                    // Every entry point a launch wrapper names must exist (a typo would only
+                    // show up as a load error on the device otherwise).
+                    for name in op.kernel_names() {
+                        if !c.ptx.contains(&format!(".entry {name}(")) {
+                            failures.push(format!("{arch} {}: no kernel `{name}`", op.name()));
+                        }
+                    }
                     // The decode GEMV of the main weight types must not spill to local memory.
                     for (func, n) in spills(&c.log) {
-                        let hot = ["gemv_q4_k", "gemv_q5_k", "gemv_q6_k", "gemv_q8_0", "gemv_bf16", "gemv_f16", "gemv_f32", "gemv_iq4_xs"];
+                        let hot = [
+                            "gemv_q4_k",
+                            "gemv_q5_k",
+                            "gemv_q6_k",
+                            "gemv_q8_0",
+                            "gemv_bf16",
+                            "gemv_f16",
+                            "gemv_f32",
+                            "gemv_iq4_xs",
+                        ];
                         if n > 0 && hot.contains(&func.as_str()) {
                             failures.push(format!("{arch} {func}: {n} bytes spill stores"));
                         }
@@ -59,5 +77,9 @@ fn every_kernel_compiles_for_sm90_and_sm120() {
             }
         }
     }
-    assert!(failures.is_empty(), "kernel compile failures:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "kernel compile failures:\n{}",
+        failures.join("\n")
+    );
 }

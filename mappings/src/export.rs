@@ -199,6 +199,7 @@ fn plan(
     let mut items = Vec::new();
     let mut unmapped = Vec::new();
     let mut kv_seen: BTreeMap<(usize, Option<u64>), ()> = BTreeMap::new();
+    let mut add_one = 0;
     for r in model.tensors() {
         let name = r.info.name.as_str();
         let Some(hit) = t.match_gguf(name) else {
@@ -302,12 +303,16 @@ fn plan(
                     dtype: safetensors::Dtype::F32,
                 });
                 if matches!(e.transform, Some(Transform::AddOne)) {
-                    notes.push(format!(
-                        "{name}: stored as w + 1 by the converter; exported as (w + 1) - 1 in f32"
-                    ));
+                    add_one += 1;
                 }
             }
         }
+    }
+    if add_one > 0 {
+        notes.push(format!(
+            "{add_one} norm tensors are stored as w + 1 by the converter; exported as (w + 1) - 1 in f32 \
+             (exact only where that rounds back to w)"
+        ));
     }
     if !unmapped.is_empty() {
         return Err(MappingError::Tensor {
@@ -379,7 +384,7 @@ fn materialize(model: &Model, item: &Item) -> Result<Buf, MappingError> {
                     let s = (*x as usize) * ne1;
                     (
                         Cow::Owned(
-                            pick_rows(data, row_bytes, s..s + ne1).map_err(|m| bad(m.into()))?,
+                            pick_rows(data, row_bytes, s..s + ne1).map_err(bad)?,
                         ),
                         ne1,
                     )
@@ -388,7 +393,7 @@ fn materialize(model: &Model, item: &Item) -> Result<Buf, MappingError> {
             };
             if let Some(h) = unpermute {
                 // converter: gguf = hf.reshape(h, 2, R/h/2, C).swapaxes(1, 2); invert per HF row
-                if *h == 0 || rows % (2 * h) != 0 {
+                if *h == 0 || !rows.is_multiple_of(2 * h) {
                     return Err(bad(format!("{rows} rows do not split into {h} rope heads")));
                 }
                 let half = rows / h / 2;
@@ -397,13 +402,13 @@ fn materialize(model: &Model, item: &Item) -> Result<Buf, MappingError> {
                     let (s, j) = (rest / half, rest % half);
                     head * 2 * half + j * 2 + s
                 });
-                bytes = Cow::Owned(pick_rows(&bytes, row_bytes, order).map_err(|m| bad(m.into()))?);
+                bytes = Cow::Owned(pick_rows(&bytes, row_bytes, order).map_err(bad)?);
             }
             let mut elem_tp = None;
             if let Some((p, n, rank)) = *tp {
                 if p == Tp::Colwise && dims.len() >= 2 {
                     let r = kvb::tp_heads(rows, n, rank)?;
-                    bytes = Cow::Owned(pick_rows(&bytes, row_bytes, r).map_err(|m| bad(m.into()))?);
+                    bytes = Cow::Owned(pick_rows(&bytes, row_bytes, r).map_err(bad)?);
                 } else {
                     elem_tp = Some((p, n, rank));
                 }

@@ -126,7 +126,7 @@ pub fn tp_heads(n_head: usize, tp: usize, rank: usize) -> Result<Range<usize>, M
             format!("rank {rank} of {tp} ranks is not a valid rank"),
         ));
     }
-    if n_head % tp != 0 {
+    if !n_head.is_multiple_of(tp) {
         return Err(shape_err(
             "tp",
             format!("{n_head} heads do not split evenly over {tp} ranks"),

@@ -169,7 +169,9 @@ fn tied_note_hf(table: &Table, names: &[&str], rows: &mut Vec<MapRow>) {
 /// known, else from `n_expert`; without either, the HF names keep an `{xid}` placeholder.
 pub fn map_gguf_names(table: &Table, tensors: &[GgufName<'_>], n_expert: Option<u64>) -> NameMap {
     let mut rows: Vec<MapRow> = Vec::new();
-    let mut kvb: BTreeMap<(usize, Option<u64>), (usize, Vec<Option<String>>)> = BTreeMap::new();
+    // (entry, block) -> (row index, the parts seen so far: attn_k_b, attn_v_b)
+    type Parts = (usize, Vec<Option<String>>);
+    let mut kvb: BTreeMap<(usize, Option<u64>), Parts> = BTreeMap::new();
     let mut unmapped = Vec::new();
     let mut notes = Vec::new();
     for t in tensors {

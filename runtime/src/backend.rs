@@ -93,8 +93,12 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     // --- data movement ---
     fn upload(&self, w: HostWeight) -> Result<Self::Weight, RuntimeError>;
-    fn from_host(&self, rows: usize, cols: usize, data: &[f32])
-        -> Result<Self::Tensor, RuntimeError>;
+    fn new_tensor(
+        &self,
+        rows: usize,
+        cols: usize,
+        data: &[f32],
+    ) -> Result<Self::Tensor, RuntimeError>;
     fn to_host(&self, t: &Self::Tensor) -> Result<Vec<f32>, RuntimeError>;
     fn index_to_host(&self, i: &Self::Index) -> Result<(usize, usize, Vec<i64>), RuntimeError>;
     /// `(rows, cols)`.
@@ -104,14 +108,22 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn append_rows(&self, dst: &mut Self::Tensor, src: &Self::Tensor) -> Result<(), RuntimeError>;
     /// Keep the first `rows` rows (rolls a cache back after a failed step).
     fn truncate_rows(&self, t: &mut Self::Tensor, rows: usize) -> Result<(), RuntimeError>;
-    fn slice_rows(&self, x: &Self::Tensor, start: usize, n: usize)
-        -> Result<Self::Tensor, RuntimeError>;
+    fn slice_rows(
+        &self,
+        x: &Self::Tensor,
+        start: usize,
+        n: usize,
+    ) -> Result<Self::Tensor, RuntimeError>;
     /// Rows `rows[i]` of `x`, in that order.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor, RuntimeError>;
     fn concat_rows(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor, RuntimeError>;
     /// Columns `start .. start + n` of every row.
-    fn slice_cols(&self, x: &Self::Tensor, start: usize, n: usize)
-        -> Result<Self::Tensor, RuntimeError>;
+    fn slice_cols(
+        &self,
+        x: &Self::Tensor,
+        start: usize,
+        n: usize,
+    ) -> Result<Self::Tensor, RuntimeError>;
     /// Row-wise concatenation of equally tall tensors.
     fn concat_cols(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor, RuntimeError>;
     /// Columns `start .. start + n` of each of the `n_head` groups of `head_dim` columns:
@@ -125,25 +137,33 @@ pub trait Backend: Clone + Send + Sync + 'static {
         n: usize,
     ) -> Result<Self::Tensor, RuntimeError>;
     /// Per head `h`: `cat(a_h, b_h)`. `a` is `[rows, n_head * a_dim]`; `b` is
-    /// `[rows, n_head * b_dim]`, or `[rows, b_dim]` shared by every head.
+    /// `[rows, n_head * b_dim]`, or with `b_shared` one `[rows, b_dim]` block for every head.
     fn head_concat(
         &self,
         a: &Self::Tensor,
         b: &Self::Tensor,
         n_head: usize,
+        b_shared: bool,
     ) -> Result<Self::Tensor, RuntimeError>;
 
     // --- dense math ---
     /// `[rows, k]` by a weight of ggml dims `{k, m}` -> `[rows, m]` (`x . W^T` in torch terms).
     fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor, RuntimeError>;
     /// Per-head matmul by a 3-D weight `{k, m, n_head}`: `[rows, n_head * k]` -> `[rows, n_head * m]`.
-    fn matmul_heads(&self, x: &Self::Tensor, w: &Self::Weight)
-        -> Result<Self::Tensor, RuntimeError>;
+    fn matmul_heads(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+    ) -> Result<Self::Tensor, RuntimeError>;
     /// Token embedding rows of a `{d, vocab}` table.
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor, RuntimeError>;
     /// RMSNorm over every group of `len(w)` columns (f32 statistics), then times `w`.
-    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Weight, eps: f32)
-        -> Result<Self::Tensor, RuntimeError>;
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+    ) -> Result<Self::Tensor, RuntimeError>;
     /// LayerNorm (biased variance) over each row, times `w` plus `b`.
     fn layer_norm(
         &self,
@@ -157,8 +177,11 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn add_bias(&self, x: &Self::Tensor, b: &Self::Weight) -> Result<Self::Tensor, RuntimeError>;
     fn scale(&self, x: &Self::Tensor, s: f32) -> Result<Self::Tensor, RuntimeError>;
     /// `silu(gate) * up`.
-    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor)
-        -> Result<Self::Tensor, RuntimeError>;
+    fn silu_mul(
+        &self,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+    ) -> Result<Self::Tensor, RuntimeError>;
     /// RoPE in place; `positions[r]` is row `r`'s position.
     fn rope(
         &self,

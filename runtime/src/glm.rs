@@ -195,7 +195,9 @@ impl<B: Backend> Loader<'_, B> {
         self.backend.upload(self.host(name)?)
     }
     fn opt(&self, name: &str) -> Result<Option<B::Weight>, RuntimeError> {
-        (self.get)(name)?.map(|w| self.backend.upload(w)).transpose()
+        (self.get)(name)?
+            .map(|w| self.backend.upload(w))
+            .transpose()
     }
 }
 
@@ -266,12 +268,19 @@ impl<B: Backend> GlmModel<B> {
         })
     }
 
-    fn load_layer(ld: &Loader<'_, B>, spec: &ModelSpec, ls: &LayerSpec) -> Result<Layer<B>, RuntimeError> {
+    fn load_layer(
+        ld: &Loader<'_, B>,
+        spec: &ModelSpec,
+        ls: &LayerSpec,
+    ) -> Result<Layer<B>, RuntimeError> {
         let b = |s: &str| format!("blk.{}.{s}", ls.index);
         let attn = match &spec.attention {
             AttentionSpec::Mla(m) => {
                 let q_a = match m.q_lora_rank {
-                    Some(_) => Some((ld.req(&b("attn_q_a.weight"))?, ld.req(&b("attn_q_a_norm.weight"))?)),
+                    Some(_) => Some((
+                        ld.req(&b("attn_q_a.weight"))?,
+                        ld.req(&b("attn_q_a_norm.weight"))?,
+                    )),
                     None => None,
                 };
                 let q_b = if q_a.is_some() {
@@ -295,7 +304,10 @@ impl<B: Backend> GlmModel<B> {
                         )?,
                     )
                 } else {
-                    (ld.host(&b("attn_k_b.weight"))?, ld.host(&b("attn_v_b.weight"))?)
+                    (
+                        ld.host(&b("attn_k_b.weight"))?,
+                        ld.host(&b("attn_v_b.weight"))?,
+                    )
                 };
                 let k_b = ld.backend.upload(k_b_host.clone())?;
                 let v_b = ld.backend.upload(v_b_host.clone())?;
@@ -326,7 +338,10 @@ impl<B: Backend> GlmModel<B> {
                     None
                 },
                 qk_norm: if g.qk_norm {
-                    Some([ld.req(&b("attn_q_norm.weight"))?, ld.req(&b("attn_k_norm.weight"))?])
+                    Some([
+                        ld.req(&b("attn_q_norm.weight"))?,
+                        ld.req(&b("attn_k_norm.weight"))?,
+                    ])
                 } else {
                     None
                 },
@@ -420,11 +435,15 @@ impl<B: Backend> GlmModel<B> {
                 AttentionSpec::Mla(m) => (
                     m.cache_width(),
                     None,
-                    l.indexer.as_ref().and(self.spec.indexer.map(|i| i.head_dim)),
+                    l.indexer
+                        .as_ref()
+                        .and(self.spec.indexer.map(|i| i.head_dim)),
                 ),
-                AttentionSpec::Gqa(g) => {
-                    (g.n_head_kv * g.head_dim, Some(g.n_head_kv * g.head_dim), None)
-                }
+                AttentionSpec::Gqa(g) => (
+                    g.n_head_kv * g.head_dim,
+                    Some(g.n_head_kv * g.head_dim),
+                    None,
+                ),
             })
             .collect();
         KvCache::new(&self.backend, &widths)
@@ -458,7 +477,11 @@ impl<B: Backend> GlmModel<B> {
                     max: self.spec.n_ctx_train,
                 });
             }
-            if let Some(&bad) = step.tokens.iter().find(|&&t| t as usize >= self.spec.n_vocab) {
+            if let Some(&bad) = step
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.spec.n_vocab)
+            {
                 return Err(RuntimeError::Backend(format!(
                     "token id {bad} out of range (vocabulary {})",
                     self.spec.n_vocab
@@ -492,19 +515,43 @@ impl<B: Backend> GlmModel<B> {
         }
     }
 
-    fn emit(&self, obs: &mut Option<Observer<'_>>, name: impl FnOnce() -> String, t: &B::Tensor) -> Result<(), RuntimeError> {
+    fn emit(
+        &self,
+        obs: &mut Option<Observer<'_>>,
+        name: impl FnOnce() -> String,
+        t: &B::Tensor,
+    ) -> Result<(), RuntimeError> {
         if let Some(o) = obs.as_mut() {
             let (rows, cols) = self.backend.shape(t);
             let data = self.backend.to_host(t)?;
-            o(&name(), Activation::F32 { rows, cols, data: &data });
+            o(
+                &name(),
+                Activation::F32 {
+                    rows,
+                    cols,
+                    data: &data,
+                },
+            );
         }
         Ok(())
     }
 
-    fn emit_index(&self, obs: &mut Option<Observer<'_>>, name: impl FnOnce() -> String, t: &B::Index) -> Result<(), RuntimeError> {
+    fn emit_index(
+        &self,
+        obs: &mut Option<Observer<'_>>,
+        name: impl FnOnce() -> String,
+        t: &B::Index,
+    ) -> Result<(), RuntimeError> {
         if let Some(o) = obs.as_mut() {
             let (rows, cols, data) = self.backend.index_to_host(t)?;
-            o(&name(), Activation::Index { rows, cols, data: &data });
+            o(
+                &name(),
+                Activation::Index {
+                    rows,
+                    cols,
+                    data: &data,
+                },
+            );
         }
         Ok(())
     }
@@ -530,9 +577,18 @@ impl<B: Backend> GlmModel<B> {
             let x = be.rms_norm(&h, &layer.attn_norm, self.spec.rms_eps)?;
             self.emit(obs, || format!("blk.{li}.attn_norm.out"), &x)?;
             let a = match (&layer.attn, &self.spec.attention) {
-                (Attn::Mla(w), AttentionSpec::Mla(m)) => {
-                    self.mla(li, layer, w, m, &x, &positions, segs, caches, &mut prev_sel, obs)?
-                }
+                (Attn::Mla(w), AttentionSpec::Mla(m)) => self.mla(
+                    li,
+                    layer,
+                    w,
+                    m,
+                    &x,
+                    &positions,
+                    segs,
+                    caches,
+                    &mut prev_sel,
+                    obs,
+                )?,
                 (Attn::Gqa(w), AttentionSpec::Gqa(g)) => {
                     self.gqa(li, w, g, &x, &positions, segs, caches)?
                 }
@@ -641,7 +697,10 @@ impl<B: Backend> GlmModel<B> {
                 be.rope(&mut qi, positions, &rope_p(ix.n_head, ix.head_dim))?;
                 // transformers: weights_proj(x) * n_heads^-0.5 (the softmax scale is applied to
                 // the dot products, as there).
-                let wts = be.scale(&be.matmul(x, &iw.proj)?, (ix.n_head as f32).powf(-0.5))?;
+                let wts = be.scale(
+                    &be.matmul(x, &iw.proj)?,
+                    (ix.n_head as f64).powf(-0.5) as f32,
+                )?;
                 self.emit(obs, || format!("blk.{li}.indexer.q.out"), &qi)?;
                 self.emit(obs, || format!("blk.{li}.indexer.weights.out"), &wts)?;
                 ix_q = Some((qi, wts));
@@ -651,12 +710,12 @@ impl<B: Backend> GlmModel<B> {
         let q_abs = match self.mode {
             AttnMode::Absorbed => {
                 let qa = be.matmul_heads(&q_nope, &w.k_b)?;
-                Some(be.head_concat(&qa, &q_rot, h_n)?)
+                Some(be.head_concat(&qa, &q_rot, h_n, false)?)
             }
             AttnMode::Naive => None,
         };
         let q_full = match self.mode {
-            AttnMode::Naive => Some(be.head_concat(&q_nope, &q_rot, h_n)?),
+            AttnMode::Naive => Some(be.head_concat(&q_nope, &q_rot, h_n, false)?),
             AttnMode::Absorbed => None,
         };
         let mut outs = Vec::with_capacity(segs.len());
@@ -677,7 +736,7 @@ impl<B: Backend> GlmModel<B> {
                         &IndexerParams {
                             n_head: ix.n_head,
                             head_dim: ix.head_dim,
-                            scale: (ix.head_dim as f32).powf(-0.5),
+                            scale: (ix.head_dim as f64).powf(-0.5) as f32,
                             top_k: ix.top_k,
                             pos0: s.pos0,
                         },
@@ -718,7 +777,7 @@ impl<B: Backend> GlmModel<B> {
                     let e = be.matmul(&latent, kv_b)?;
                     let kn = be.head_slice(&e, h_n, m.qk_nope + m.v_head, 0, m.qk_nope)?;
                     let vv = be.head_slice(&e, h_n, m.qk_nope + m.v_head, m.qk_nope, m.v_head)?;
-                    let kk = be.head_concat(&kn, &kr, h_n)?;
+                    let kk = be.head_concat(&kn, &kr, h_n, true)?;
                     let qs = be.slice_rows(qf, s.row0, s.n)?;
                     let p = AttnParams {
                         n_kv_head: h_n,
@@ -744,7 +803,14 @@ impl<B: Backend> GlmModel<B> {
                         data.extend(std::iter::repeat_n(-1, cols - c));
                     }
                 }
-                o(&format!("blk.{li}.indexer.topk_indices"), Activation::Index { rows, cols, data: &data });
+                o(
+                    &format!("blk.{li}.indexer.topk_indices"),
+                    Activation::Index {
+                        rows,
+                        cols,
+                        data: &data,
+                    },
+                );
             }
         }
         let refs: Vec<&B::Tensor> = outs.iter().collect();
@@ -920,4 +986,9 @@ impl SequenceState for NoCache {
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }
+}
+
+/// Open a GGUF model of a supported architecture on the CPU backend.
+pub fn load_cpu(model: Arc<gguf::Model>) -> Result<GlmModel<crate::cpu::CpuBackend>, RuntimeError> {
+    GlmModel::load(crate::cpu::CpuBackend, model)
 }

@@ -185,7 +185,10 @@ impl Hp<'_> {
         // Sizes beyond this are not a model any machine runs: treat them as corrupt metadata
         // before they turn into allocations.
         if v > (1 << 31) {
-            return Err(model_err(format!("{}: {v} is implausibly large", self.key(k))));
+            return Err(model_err(format!(
+                "{}: {v} is implausibly large",
+                self.key(k)
+            )));
         }
         Ok(v)
     }
@@ -305,8 +308,11 @@ impl ModelSpec {
         }
         let theta = hp.f32_or("rope.freq_base", 10000.0)?;
         let n_rot = hp.usize("rope.dimension_count")?;
-        if n_rot == 0 || n_rot % 2 != 0 {
-            return Err(model_err(format!("{}: {n_rot} is not even", hp.key("rope.dimension_count"))));
+        if n_rot == 0 || !n_rot.is_multiple_of(2) {
+            return Err(model_err(format!(
+                "{}: {n_rot} is not even",
+                hp.key("rope.dimension_count")
+            )));
         }
 
         let attention = match arch {
@@ -335,14 +341,15 @@ impl ModelSpec {
                     qk_nope: qk_head - n_rot,
                     qk_rope: n_rot,
                     v_head,
-                    scale: 1.0 / (qk_head as f32).sqrt(),
+                    // transformers: qk_head_dim ** -0.5 in Python floats, rounded to f32 once.
+                    scale: (qk_head as f64).powf(-0.5) as f32,
                     lora_norm_eps: 1e-6,
                 })
             }
             Arch::Glm4Moe => {
                 let n_head_kv = hp.positive("attention.head_count_kv")?;
                 let head_dim = hp.positive("attention.key_length")?;
-                if n_head % n_head_kv != 0 || n_rot > head_dim {
+                if !n_head.is_multiple_of(n_head_kv) || n_rot > head_dim {
                     return Err(model_err(format!(
                         "attention: {n_head} heads / {n_head_kv} kv heads, head {head_dim}, rope {n_rot}"
                     )));
@@ -353,7 +360,7 @@ impl ModelSpec {
                     head_dim,
                     bias: true,
                     qk_norm: false,
-                    scale: 1.0 / (head_dim as f32).sqrt(),
+                    scale: (head_dim as f64).powf(-0.5) as f32,
                 })
             }
         };
@@ -384,7 +391,10 @@ impl ModelSpec {
         let own_indexer: Vec<bool> = match md.get(&hp.key("attention.indexer.types")) {
             Some(v) if indexer.is_some() => {
                 let t = bool_array(v).ok_or_else(|| {
-                    model_err(format!("{} is not a BOOL array", hp.key("attention.indexer.types")))
+                    model_err(format!(
+                        "{} is not a BOOL array",
+                        hp.key("attention.indexer.types")
+                    ))
                 })?;
                 if t.len() < n_layer || !t[0] {
                     return Err(model_err(format!(
@@ -417,7 +427,8 @@ impl ModelSpec {
                         )))
                     }
                 };
-                if n_used > n_expert || n_expert % n_group != 0 || n_group_used > n_group {
+                if n_used > n_expert || !n_expert.is_multiple_of(n_group) || n_group_used > n_group
+                {
                     return Err(model_err(format!(
                         "experts: {n_used} of {n_expert} in {n_group} groups ({n_group_used} used)"
                     )));
@@ -442,12 +453,19 @@ impl ModelSpec {
             n_block
         };
         if n_dense > 0 && n_ff == 0 {
-            return Err(model_err(format!("{} is missing", hp.key("feed_forward_length"))));
+            return Err(model_err(format!(
+                "{} is missing",
+                hp.key("feed_forward_length")
+            )));
         }
         let layers = (0..n_block)
             .map(|i| LayerSpec {
                 index: i,
-                ffn: if i < n_dense { FfnKind::Dense } else { FfnKind::Moe },
+                ffn: if i < n_dense {
+                    FfnKind::Dense
+                } else {
+                    FfnKind::Moe
+                },
                 own_indexer: indexer.is_some() && own_indexer.get(i).copied().unwrap_or(true),
                 mtp: i >= n_layer,
             })
@@ -488,15 +506,15 @@ impl ModelSpec {
             g.qk_norm = dims_of("blk.0.attn_q_norm.weight").is_some();
             g.bias = dims_of("blk.0.attn_q.bias").is_some();
         }
-        let mtp_present = self
-            .layers
-            .iter()
-            .find(|l| l.mtp)
-            .is_some_and(|l| dims_of(&format!("blk.{}.nextn.eh_proj.weight", l.index)).is_some());
-        for t in self.tensor_specs() {
-            let is_mtp = self.layers.iter().any(|l| {
-                l.mtp && t.name.starts_with(&format!("blk.{}.", l.index))
+        let mtp_present =
+            self.layers.iter().find(|l| l.mtp).is_some_and(|l| {
+                dims_of(&format!("blk.{}.nextn.eh_proj.weight", l.index)).is_some()
             });
+        for t in self.tensor_specs() {
+            let is_mtp = self
+                .layers
+                .iter()
+                .any(|l| l.mtp && t.name.starts_with(&format!("blk.{}.", l.index)));
             let required = t.required && (!is_mtp || mtp_present);
             match dims_of(&t.name) {
                 None if required => {
@@ -539,7 +557,11 @@ impl ModelSpec {
         };
         push("token_embd.weight".into(), vec![d, self.n_vocab], true);
         push("output_norm.weight".into(), vec![d], true);
-        push("output.weight".into(), vec![d, self.n_vocab], !self.tied_output);
+        push(
+            "output.weight".into(),
+            vec![d, self.n_vocab],
+            !self.tied_output,
+        );
         for l in &self.layers {
             let b = |s: &str| format!("blk.{}.{s}", l.index);
             push(b("attn_norm.weight"), vec![d], true);
@@ -564,8 +586,16 @@ impl ModelSpec {
                             true,
                         );
                     } else {
-                        push(b("attn_k_b.weight"), vec![m.qk_nope, m.kv_lora_rank, h], true);
-                        push(b("attn_v_b.weight"), vec![m.kv_lora_rank, m.v_head, h], true);
+                        push(
+                            b("attn_k_b.weight"),
+                            vec![m.qk_nope, m.kv_lora_rank, h],
+                            true,
+                        );
+                        push(
+                            b("attn_v_b.weight"),
+                            vec![m.kv_lora_rank, m.v_head, h],
+                            true,
+                        );
                     }
                     push(b("attn_output.weight"), vec![h * m.v_head, d], true);
                     if let (Some(ix), Some(r)) = (&self.indexer, m.q_lora_rank) {
@@ -621,7 +651,11 @@ impl ModelSpec {
                 push(b("nextn.hnorm.weight"), vec![d], true);
                 push(b("nextn.shared_head_norm.weight"), vec![d], true);
                 push(b("nextn.embed_tokens.weight"), vec![d, self.n_vocab], false);
-                push(b("nextn.shared_head_head.weight"), vec![d, self.n_vocab], false);
+                push(
+                    b("nextn.shared_head_head.weight"),
+                    vec![d, self.n_vocab],
+                    false,
+                );
             }
         }
         out

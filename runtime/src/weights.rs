@@ -10,7 +10,10 @@ use std::sync::Arc;
 enum Bytes {
     Owned(Arc<Vec<u8>>),
     /// A tensor of an open model; the `Arc` keeps the mmap alive while the weight exists.
-    Gguf { model: Arc<gguf::Model>, name: Arc<str> },
+    Gguf {
+        model: Arc<gguf::Model>,
+        name: Arc<str>,
+    },
 }
 
 /// One weight tensor in its GGUF type. Cloning is cheap (the bytes are shared).
@@ -164,7 +167,11 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Str
         .row_bytes(out.len() as u64)
         .ok_or_else(|| format!("{} values are not whole {ty} blocks", out.len()))?;
     if bytes.len() as u64 != need {
-        return Err(format!("{} bytes for {} {ty} values", bytes.len(), out.len()));
+        return Err(format!(
+            "{} bytes for {} {ty} values",
+            bytes.len(),
+            out.len()
+        ));
     }
     match ty {
         GgmlType::F32 => {

@@ -4,8 +4,8 @@
 mod server_support;
 
 use runtime::engine::{
-    Engine, EngineConfig, Event, FinishReason, Generation, GenerationRequest, Metrics,
-    SubmitError, Usage,
+    Engine, EngineConfig, Event, FinishReason, Generation, GenerationRequest, Metrics, SubmitError,
+    Usage,
 };
 use runtime::sampler::SamplingParams;
 use runtime::LanguageModel;
@@ -167,7 +167,10 @@ fn limits_are_checked_at_submit() {
     r.prompt = vec![999];
     assert_eq!(
         e.submit(r).unwrap_err(),
-        SubmitError::TokenOutOfRange { id: 999, vocab: 260 }
+        SubmitError::TokenOutOfRange {
+            id: 999,
+            vocab: 260
+        }
     );
     let mut r = req("a", 1);
     r.logit_bias = vec![(5000, 1.0)];
@@ -175,7 +178,9 @@ fn limits_are_checked_at_submit() {
         e.submit(r).unwrap_err(),
         SubmitError::TokenOutOfRange { id: 5000, .. }
     ));
-    assert!(m.render().contains("gguftool_requests_rejected_total{reason=\"context_exceeded\"} 1"));
+    assert!(m
+        .render()
+        .contains("gguftool_requests_rejected_total{reason=\"context_exceeded\"} 1"));
 }
 
 #[test]
@@ -188,7 +193,10 @@ fn concurrent_requests_share_forward_passes() {
         m.requests_running.load(Ordering::SeqCst) == 1
     });
     let prompts = ["b", "c", "d", "e", "f", "g", "h"];
-    let rest: Vec<_> = prompts.iter().map(|p| e.submit(req(p, 4)).unwrap()).collect();
+    let rest: Vec<_> = prompts
+        .iter()
+        .map(|p| e.submit(req(p, 4)).unwrap())
+        .collect();
     wait_until("7 waiting requests", || {
         m.requests_waiting.load(Ordering::SeqCst) == 7
     });
@@ -251,19 +259,31 @@ fn dropping_the_receiver_cancels() {
     let steps = model.forwards.load(Ordering::SeqCst);
     assert!(steps <= 3, "{steps} forward passes after the client left");
     // The engine still serves.
-    assert_eq!(tokens_and_end(&drain(e.submit(req("a", 2)).unwrap())).0, "bc");
+    assert_eq!(
+        tokens_and_end(&drain(e.submit(req("a", 2)).unwrap())).0,
+        "bc"
+    );
 }
 
 #[test]
 fn backend_errors_and_panics_fail_only_their_batch() {
     let model = MockModel::new(512);
     let (e, m) = engine(&model, |_| {});
-    let events = drain(e.submit(GenerationRequest::new(vec![1], 3, SamplingParams::greedy())).unwrap());
+    let events = drain(
+        e.submit(GenerationRequest::new(vec![1], 3, SamplingParams::greedy()))
+            .unwrap(),
+    );
     assert!(matches!(&events[..], [Event::Failed(msg)] if msg.contains("mock failure")));
-    let events = drain(e.submit(GenerationRequest::new(vec![2], 3, SamplingParams::greedy())).unwrap());
+    let events = drain(
+        e.submit(GenerationRequest::new(vec![2], 3, SamplingParams::greedy()))
+            .unwrap(),
+    );
     assert!(matches!(&events[..], [Event::Failed(msg)] if msg.contains("panicked")));
     assert_eq!(m.finished_count("error"), 2);
-    assert_eq!(tokens_and_end(&drain(e.submit(req("a", 2)).unwrap())).0, "bc");
+    assert_eq!(
+        tokens_and_end(&drain(e.submit(req("a", 2)).unwrap())).0,
+        "bc"
+    );
 }
 
 #[test]

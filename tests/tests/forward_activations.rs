@@ -92,7 +92,10 @@ fn run(rel: &str, test: &str) {
                     .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
                 println!("{name}: max abs diff {max:.3e} (max |ref| {scale:.3})");
                 if max > REL_TOL * scale {
-                    failures.push(format!("{name}: max abs diff {max:.3e} > {:.3e}", REL_TOL * scale));
+                    failures.push(format!(
+                        "{name}: max abs diff {max:.3e} > {:.3e}",
+                        REL_TOL * scale
+                    ));
                 }
             }
             Some(Got::Idx(r, c, d)) => {
@@ -103,9 +106,13 @@ fn run(rel: &str, test: &str) {
                 for i in 0..*r {
                     // Entries past the query's own position are causally masked anyway (README).
                     let keep = |j: &&i64| **j >= 0 && (!is_indexer || **j <= i as i64);
-                    let a: BTreeSet<i64> =
-                        want[i * shape[1]..(i + 1) * shape[1]].iter().filter(keep).copied().collect();
-                    let b: BTreeSet<i64> = d[i * c..(i + 1) * c].iter().filter(keep).copied().collect();
+                    let a: BTreeSet<i64> = want[i * shape[1]..(i + 1) * shape[1]]
+                        .iter()
+                        .filter(keep)
+                        .copied()
+                        .collect();
+                    let b: BTreeSet<i64> =
+                        d[i * c..(i + 1) * c].iter().filter(keep).copied().collect();
                     if a == b {
                         continue;
                     }
@@ -127,7 +134,9 @@ fn run(rel: &str, test: &str) {
                         (0..hn)
                             .map(|h| {
                                 let dot: f64 = (0..hd)
-                                    .map(|e| q[i * hn * hd + h * hd + e] as f64 * k[t * hd + e] as f64)
+                                    .map(|e| {
+                                        q[i * hn * hd + h * hd + e] as f64 * k[t * hd + e] as f64
+                                    })
                                     .sum();
                                 (dot / (hd as f64).sqrt()).max(0.0) * w[i * hn + h] as f64
                             })

@@ -53,7 +53,10 @@ fn incremental_decoding_equals_full_recomputation() {
     assert_eq!(seq.len(), prompt.len());
     assert!(seq.cache_bytes() > 0);
     let d = max_diff(&got, &full);
-    println!("incremental vs full: max abs logit diff {d:.2e} over {} positions", full.len() / v);
+    println!(
+        "incremental vs full: max abs logit diff {d:.2e} over {} positions",
+        full.len() / v
+    );
     assert!(d <= SAME_MATH, "{d}");
 }
 
@@ -71,9 +74,21 @@ fn batched_sequences_equal_single_runs() {
     let mut s = [m.new_sequence(), m.new_sequence(), m.new_sequence()];
     let [s0, s1, s2] = &mut s;
     let mut batch = [
-        SeqStep { seq: s0.as_mut(), tokens: a, all_logits: true },
-        SeqStep { seq: s1.as_mut(), tokens: b, all_logits: true },
-        SeqStep { seq: s2.as_mut(), tokens: c, all_logits: false },
+        SeqStep {
+            seq: s0.as_mut(),
+            tokens: a,
+            all_logits: true,
+        },
+        SeqStep {
+            seq: s1.as_mut(),
+            tokens: b,
+            all_logits: true,
+        },
+        SeqStep {
+            seq: s2.as_mut(),
+            tokens: c,
+            all_logits: false,
+        },
     ];
     let out = m.forward(&mut batch).unwrap();
     assert!(max_diff(&out[0], &single[0]) <= SAME_MATH);
@@ -82,12 +97,28 @@ fn batched_sequences_equal_single_runs() {
     // Then one decode step for all three at once, continuing each sequence.
     let next = [prompt[70], prompt[45], prompt[6]];
     let mut batch = [
-        SeqStep { seq: s0.as_mut(), tokens: &next[0..1], all_logits: false },
-        SeqStep { seq: s1.as_mut(), tokens: &next[1..2], all_logits: false },
-        SeqStep { seq: s2.as_mut(), tokens: &next[2..3], all_logits: false },
+        SeqStep {
+            seq: s0.as_mut(),
+            tokens: &next[0..1],
+            all_logits: false,
+        },
+        SeqStep {
+            seq: s1.as_mut(),
+            tokens: &next[1..2],
+            all_logits: false,
+        },
+        SeqStep {
+            seq: s2.as_mut(),
+            tokens: &next[2..3],
+            all_logits: false,
+        },
     ];
     let out = m.forward(&mut batch).unwrap();
-    for (i, (p, o)) in [&prompt[..71], &prompt[30..46], &prompt[5..7]].iter().zip(&out).enumerate() {
+    for (i, (p, o)) in [&prompt[..71], &prompt[30..46], &prompt[5..7]]
+        .iter()
+        .zip(&out)
+        .enumerate()
+    {
         let full = prefill_all(&m, p);
         let d = max_diff(o, &full[full.len() - v..]);
         assert!(d <= SAME_MATH, "sequence {i}: {d}");
@@ -129,10 +160,18 @@ fn context_and_bad_tokens_are_errors() {
     let m = load(&path);
     let mut seq = m.new_sequence();
     let bad = [m.vocab_size() as u32];
-    let mut b = [SeqStep { seq: seq.as_mut(), tokens: &bad, all_logits: false }];
+    let mut b = [SeqStep {
+        seq: seq.as_mut(),
+        tokens: &bad,
+        all_logits: false,
+    }];
     assert!(m.forward(&mut b).is_err());
     let long = vec![prompt[0]; m.context_length() + 1];
-    let mut b = [SeqStep { seq: seq.as_mut(), tokens: &long, all_logits: false }];
+    let mut b = [SeqStep {
+        seq: seq.as_mut(),
+        tokens: &long,
+        all_logits: false,
+    }];
     assert!(matches!(
         m.forward(&mut b),
         Err(runtime::RuntimeError::ContextExceeded { .. })

@@ -22,7 +22,12 @@ fn logprob_entries(v: &Value) -> Vec<(u32, f64)> {
     v.as_array()
         .unwrap()
         .iter()
-        .map(|e| (e["id"].as_u64().unwrap() as u32, e["logprob"].as_f64().unwrap()))
+        .map(|e| {
+            (
+                e["id"].as_u64().unwrap() as u32,
+                e["logprob"].as_f64().unwrap(),
+            )
+        })
         .collect()
 }
 
@@ -74,7 +79,10 @@ fn check_file(rel: &str, test: &str) -> usize {
             }
             let ours = forward_util::argmax(&logits[j * vocab..(j + 1) * vocab]);
             if top[0].1 - top[1].1 > TIE_GAP && ours != top[0].0 {
-                failures.push(format!("{id} pos {j}: top-1 {ours}, transformers {}", top[0].0));
+                failures.push(format!(
+                    "{id} pos {j}: top-1 {ours}, transformers {}",
+                    top[0].0
+                ));
             }
         }
 
@@ -85,7 +93,9 @@ fn check_file(rel: &str, test: &str) -> usize {
         if let Some(k) = got.iter().zip(&want).position(|(a, b)| a != b) {
             let top = logprob_entries(&steps[k]);
             if top[0].1 - top[1].1 > TIE_GAP {
-                failures.push(format!("{id}: greedy diverges at step {k}: {got:?} vs {want:?}"));
+                failures.push(format!(
+                    "{id}: greedy diverges at step {k}: {got:?} vs {want:?}"
+                ));
             } else {
                 println!("{id}: greedy reaches a tie at step {k} (gap below {TIE_GAP})");
             }
@@ -98,7 +108,10 @@ fn check_file(rel: &str, test: &str) -> usize {
 
 #[test]
 fn bf16_matches_transformers_on_short_prompts() {
-    check_file("refs/hf-tiny-glm5.json", "bf16_matches_transformers_on_short_prompts");
+    check_file(
+        "refs/hf-tiny-glm5.json",
+        "bf16_matches_transformers_on_short_prompts",
+    );
 }
 
 #[test]
@@ -137,19 +150,29 @@ fn long_prompts_are_far_from_dense_attention() {
         let prompt = ids(&p["token_ids"]);
         let logits = prefill_all(&model, &prompt);
         let lp = log_softmax(&logits[(prompt.len() - 1) * vocab..]);
-        let sparse = logprob_entries(&p["positions"].as_array().unwrap().last().unwrap()["next_token_top20"]);
+        let sparse = logprob_entries(
+            &p["positions"].as_array().unwrap().last().unwrap()["next_token_top20"],
+        );
         let dense = logprob_entries(&p["dense_attention_variant"]["last_top20"]);
         // Margin between the two references on tokens both list.
         let margin = dense
             .iter()
-            .filter_map(|(t, d)| sparse.iter().find(|(s, _)| s == t).map(|(_, s)| (d - s).abs()))
+            .filter_map(|(t, d)| {
+                sparse
+                    .iter()
+                    .find(|(s, _)| s == t)
+                    .map(|(_, s)| (d - s).abs())
+            })
             .fold(0f64, f64::max);
         let ours = dense
             .iter()
             .map(|(t, d)| (lp[*t as usize] - d).abs())
             .fold(0f64, f64::max);
         println!("{id}: dense vs sparse reference {margin:.3}, ours vs dense {ours:.3}");
-        assert!(margin > 0.1, "{id}: the references do not separate dense from sparse");
+        assert!(
+            margin > 0.1,
+            "{id}: the references do not separate dense from sparse"
+        );
         assert!(
             ours >= margin - LOGIT_TOL - JSON_ROUNDING,
             "{id}: our log-probs are {ours:.3} from the dense variant (sparse reference: {margin:.3})"

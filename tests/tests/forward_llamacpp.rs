@@ -40,7 +40,11 @@ fn check(file: &str, gguf_rel: &str) {
         let mut compared = 0;
         for (k, step) in steps.iter().enumerate().take(want.len()) {
             if got[k] != want[k] {
-                failures.push(format!("{file} {id}: step {k}: {:?} vs llama.cpp {:?}", &got[..=k], &want[..=k]));
+                failures.push(format!(
+                    "{file} {id}: step {k}: {:?} vs llama.cpp {:?}",
+                    &got[..=k],
+                    &want[..=k]
+                ));
                 break;
             }
             compared += 1;
@@ -48,7 +52,10 @@ fn check(file: &str, gguf_rel: &str) {
                 break;
             }
         }
-        println!("{file} {id}: {compared} of {} steps equal llama.cpp", want.len());
+        println!(
+            "{file} {id}: {compared} of {} steps equal llama.cpp",
+            want.len()
+        );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

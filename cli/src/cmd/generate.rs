@@ -1,10 +1,254 @@
-//! `gguftool generate`.
+//! `gguftool generate`: load a model on the CPU backend and continue a prompt, streaming the
+//! text as it is produced (or one JSON object for scripts).
 
+use anyhow::{bail, Context, Result};
+use runtime::chat::{ChatMessage, ChatTemplate};
+use runtime::sampler::{top_logprobs, Sampler, SamplingParams};
+use runtime::tokenizer::{Detokenizer, Tokenizer};
+use runtime::{LanguageModel, SeqStep};
+use serde_json::json;
+use std::io::Write;
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The bundled demo model (tiny-glm5, Q4_K_M): `generate` and `serve` use it when no `-m` is
+/// given, so the tool can be tried without downloading anything.
+pub static DEMO_MODEL: &[u8] = include_bytes!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../tests/fixtures/gguf/tiny-glm5-Q4_K_M.gguf"
+));
+
+/// Name under which the demo model is reported.
+pub const DEMO_MODEL_NAME: &str = "tiny-glm5-Q4_K_M.gguf (bundled demo)";
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// GGUF model (any shard of a split model). Without it, the bundled tiny demo model.
+    #[arg(short = 'm', long)]
+    model: Option<PathBuf>,
+    /// Prompt. Special tokens written in it (`[gMASK]`, `<|user|>`) are parsed as such.
+    #[arg(short = 'p', long)]
+    prompt: String,
+    /// Send the prompt as a user message through the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// System message for --chat.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// Tokens to generate.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
+    n_predict: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long = "temp", default_value_t = 0.8)]
+    temperature: f32,
+    /// Nucleus sampling mass (1 disables).
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    /// Keep the K most likely tokens (0 disables).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    /// Drop tokens below this fraction of the best token's probability (0 disables).
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    /// Random seed (reproducible sampling).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Keep generating past end-of-generation tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Print each generated token's K most likely alternatives with their log-probabilities.
+    #[arg(long, value_name = "K")]
+    logprobs: Option<usize>,
+    /// Print special tokens (`<|user|>`, ...) in the text instead of dropping them.
+    #[arg(long)]
+    special: bool,
+    /// One JSON object {prompt_ids, ids, text, logprobs, ...} instead of streamed text.
+    #[arg(long)]
+    json: bool,
+    /// Worker threads (default: all cores).
+    #[arg(short = 't', long)]
+    threads: Option<usize>,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("`generate` is not implemented yet")
+struct Step {
+    id: u32,
+    logprob: f32,
+    top: Vec<(u32, f32)>,
+}
+
+pub fn run(args: Args) -> Result<ExitCode> {
+    if let Some(n) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build_global()
+            .context("setting up worker threads")?;
+    }
+    let load_start = Instant::now();
+    let model = match &args.model {
+        Some(p) => gguf::Model::open(p).with_context(|| format!("opening {}", p.display()))?,
+        None => gguf::Model::from_static(DEMO_MODEL, DEMO_MODEL_NAME)
+            .context("opening the bundled demo model")?,
+    };
+    let model = Arc::new(model);
+    let tok = Tokenizer::from_gguf(model.metadata()).context("loading the tokenizer")?;
+    let lm = runtime::glm::load_cpu(Arc::clone(&model)).context("loading the model")?;
+    let load_s = load_start.elapsed().as_secs_f64();
+
+    let text = if args.chat {
+        let tmpl =
+            ChatTemplate::from_gguf(model.metadata()).context("loading the chat template")?;
+        let mut msgs = Vec::new();
+        if let Some(s) = &args.system {
+            msgs.push(ChatMessage::new("system", s.as_str()));
+        }
+        msgs.push(ChatMessage::new("user", args.prompt.as_str()));
+        tmpl.render(&msgs, true)
+            .context("rendering the chat template")?
+    } else {
+        args.prompt.clone()
+    };
+    let prompt = tok.encode(&text, true).context("tokenizing the prompt")?;
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    if prompt.len() >= lm.context_length() {
+        bail!(
+            "the prompt has {} tokens; the model's context is {}",
+            prompt.len(),
+            lm.context_length()
+        );
+    }
+    let n_predict = args.n_predict.min(lm.context_length() - prompt.len());
+
+    let mut sampler = Sampler::new(SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        seed: args.seed,
+    });
+    let mut detok = Detokenizer::new(!args.special);
+    let mut out = std::io::stdout().lock();
+    let mut seq = lm.new_sequence();
+    let mut steps: Vec<Step> = Vec::new();
+    let mut text_out = String::new();
+    let mut finish = "length";
+
+    let t0 = Instant::now();
+    let mut logits = forward(&lm, seq.as_mut(), &prompt)?;
+    let prompt_s = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    for i in 0..n_predict {
+        let id = sampler.sample(&logits);
+        let k = args.logprobs.unwrap_or(0);
+        let top = top_logprobs(&logits, k);
+        let logprob = runtime::sampler::logprob(&logits, id);
+        steps.push(Step { id, logprob, top });
+        if !args.ignore_eos && tok.is_eog(id) {
+            finish = "stop";
+            break;
+        }
+        let piece = detok.push(&tok, id)?;
+        text_out.push_str(&piece);
+        if !args.json {
+            out.write_all(piece.as_bytes())?;
+            out.flush()?;
+        }
+        if i + 1 < n_predict {
+            logits = forward(&lm, seq.as_mut(), &[id])?;
+        }
+    }
+    let tail = detok.finish();
+    text_out.push_str(&tail);
+    let decode_s = t1.elapsed().as_secs_f64();
+    // The last sampled token needs no forward pass: decode rate counts the forwards run.
+    let n_gen = steps.len();
+    let n_decode_forwards = n_gen.saturating_sub(1);
+    let ids: Vec<u32> = steps
+        .iter()
+        .take(if finish == "stop" { n_gen - 1 } else { n_gen })
+        .map(|s| s.id)
+        .collect();
+    let piece = |id: u32| tok.decode(&[id], false).unwrap_or_default();
+
+    if args.json {
+        let logprobs: Vec<_> = steps
+            .iter()
+            .map(|s| {
+                json!({
+                    "id": s.id,
+                    "token": piece(s.id),
+                    "logprob": s.logprob,
+                    "top_logprobs": s.top.iter().map(|&(id, lp)| json!({"id": id, "token": piece(id), "logprob": lp})).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        let obj = json!({
+            "model": args.model.as_ref().map_or(DEMO_MODEL_NAME.to_string(), |p| p.display().to_string()),
+            "prompt_ids": prompt,
+            "ids": ids,
+            "text": text_out,
+            "finish_reason": finish,
+            "logprobs": if args.logprobs.is_some() { json!(logprobs) } else { json!([]) },
+            "timings": {
+                "load_s": load_s,
+                "prompt_tokens": prompt.len(),
+                "prompt_s": prompt_s,
+                "generated_tokens": n_gen,
+                "decode_s": decode_s,
+            },
+        });
+        writeln!(out, "{}", serde_json::to_string(&obj)?)?;
+    } else {
+        out.write_all(tail.as_bytes())?;
+        writeln!(out)?;
+        if let Some(k) = args.logprobs {
+            writeln!(out)?;
+            for (i, s) in steps.iter().enumerate() {
+                write!(
+                    out,
+                    "{i:>4} {:>6} {:<16} {:>9.4}",
+                    s.id,
+                    format!("{:?}", piece(s.id)),
+                    s.logprob
+                )?;
+                if k > 0 {
+                    let alts: Vec<String> = s
+                        .top
+                        .iter()
+                        .map(|&(id, lp)| format!("{:?}={lp:.4}", piece(id)))
+                        .collect();
+                    write!(out, "  | {}", alts.join(" "))?;
+                }
+                writeln!(out)?;
+            }
+        }
+        out.flush()?;
+        eprintln!(
+            "prompt: {} tokens in {:.1} ms ({:.1} tok/s); generated {} tokens in {:.1} ms ({:.1} tok/s); finish: {finish}",
+            prompt.len(),
+            prompt_s * 1e3,
+            prompt.len() as f64 / prompt_s.max(1e-9),
+            n_gen,
+            decode_s * 1e3,
+            n_decode_forwards as f64 / decode_s.max(1e-9),
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn forward(
+    lm: &dyn LanguageModel,
+    seq: &mut dyn runtime::SequenceState,
+    tokens: &[u32],
+) -> Result<Vec<f32>> {
+    let mut b = [SeqStep {
+        seq,
+        tokens,
+        all_logits: false,
+    }];
+    let mut out = lm.forward(&mut b).context("forward pass")?;
+    out.pop().context("the model returned no logits")
 }

@@ -1,10 +1,186 @@
-//! `gguftool serve`.
+//! `gguftool serve`: the OpenAI-compatible HTTP server. The socket is bound first, so `/health`
+//! answers 503 while the model loads and 200 once it is ready.
 
+use anyhow::{bail, Context, Result};
+use runtime::engine::Metrics;
+use runtime::server::{self, AppState, ServerConfig};
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Device {
+    Cpu,
+    Cuda,
+}
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// GGUF model (any shard of a split model). Without it, the bundled tiny demo model.
+    #[arg(short = 'm', long)]
+    model: Option<PathBuf>,
+    /// Address to listen on. The default keeps the server private to this machine; use 0.0.0.0
+    /// (with --api-key) to expose it.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on every route except /health.
+    #[arg(long, value_name = "KEY")]
+    api_key: Option<String>,
+    /// Requests allowed to wait for a free slot; beyond that new requests get 429.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    max_queue: u64,
+    /// Sequences decoded together (continuous batching slots).
+    #[arg(long, short = 'P', default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    parallel: u64,
+    /// Context length per sequence (prompt + generated); default and maximum: the model's.
+    #[arg(short = 'c', long, value_parser = clap::value_parser!(u64).range(1..))]
+    ctx_size: Option<u64>,
+    /// Compute device.
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: Device,
+    /// Model name reported by /v1/models and in responses.
+    #[arg(long)]
+    alias: Option<String>,
+    /// Largest request body accepted, in bytes.
+    #[arg(long, default_value_t = 8 << 20, value_parser = clap::value_parser!(u64).range(1024..=(1 << 30)))]
+    max_body_bytes: u64,
+    /// Worker threads of the forward pass (default: all cores).
+    #[arg(short = 't', long)]
+    threads: Option<usize>,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("`serve` is not implemented yet")
+pub fn run(args: Args) -> Result<ExitCode> {
+    if args.device == Device::Cuda {
+        bail!(
+            "--device cuda: the CUDA backend is not available in this build yet; use --device cpu"
+        );
+    }
+    if let Some(n) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build_global()
+            .context("setting up worker threads")?;
+    }
+    // The HTTP side is light (parsing, tokenizing, streaming); the model runs on the engine
+    // thread and rayon's pool.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(serve(args))
+}
+
+async fn serve(args: Args) -> Result<ExitCode> {
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+    let addr = listener.local_addr().context("reading the bound address")?;
+    let metrics = Arc::new(Metrics::default());
+    let state = AppState::new(
+        ServerConfig {
+            api_key: args.api_key.clone(),
+            max_body_bytes: args.max_body_bytes as usize,
+        },
+        metrics.clone(),
+    );
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(server::serve(listener, state.clone(), async {
+        let _ = stop_rx.await;
+    }));
+    println!("gguftool serve: listening on http://{addr} (loading the model; /health is 503 until it is ready)");
+    if !addr.ip().is_loopback() && args.api_key.is_none() {
+        eprintln!("warning: listening on {addr} without --api-key: anyone who can reach this address can use the model");
+    }
+
+    let (name, model) = (args.alias.clone(), args.model.clone());
+    let (max_queue, parallel, ctx) = (args.max_queue, args.parallel, args.ctx_size);
+    let load_metrics = metrics.clone();
+    let loading = tokio::task::spawn_blocking(move || -> Result<server::Backend> {
+        let (gguf, default_name) = match &model {
+            Some(p) => (
+                gguf::Model::open(p).with_context(|| format!("opening {}", p.display()))?,
+                p.file_name().map_or_else(
+                    || p.display().to_string(),
+                    |f| f.to_string_lossy().into_owned(),
+                ),
+            ),
+            None => (
+                gguf::Model::from_static(
+                    super::generate::DEMO_MODEL,
+                    super::generate::DEMO_MODEL_NAME,
+                )
+                .context("opening the bundled demo model")?,
+                super::generate::DEMO_MODEL_NAME.to_string(),
+            ),
+        };
+        let name = name.unwrap_or(default_name);
+        let backend = server::cpu_backend(Arc::new(gguf), &name, load_metrics, |c| {
+            c.max_queue = max_queue as usize;
+            c.max_running = parallel as usize;
+            if let Some(n) = ctx {
+                if n as usize > c.context_length {
+                    eprintln!(
+                        "warning: --ctx-size {n} is larger than the model's context {}; using {}",
+                        c.context_length, c.context_length
+                    );
+                }
+                c.context_length = c.context_length.min(n as usize);
+            }
+        })
+        .context("loading the model")?;
+        Ok(backend)
+    });
+
+    let backend = tokio::select! {
+        r = loading => r.context("the loading task failed")??,
+        _ = shutdown_signal() => {
+            let _ = stop_tx.send(());
+            return Ok(ExitCode::SUCCESS);
+        }
+    };
+    println!(
+        "gguftool serve: model {:?} ready (context {} tokens, {} slots, queue {}); try:\n  curl http://{addr}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"1 2 3 4 5\", \"max_tokens\": 8, \"temperature\": 0}}'",
+        backend.model_name,
+        backend.engine.context_length(),
+        backend.engine.config().max_running,
+        backend.engine.config().max_queue,
+    );
+    state.set_ready(backend);
+
+    tokio::select! {
+        r = server => {
+            r.context("the server task failed")?.context("serving")?;
+        }
+        _ = shutdown_signal() => {
+            eprintln!("gguftool serve: shutting down");
+            let _ = stop_tx.send(());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
 }

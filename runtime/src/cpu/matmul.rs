@@ -49,7 +49,10 @@ pub fn matmul_rows(
     if x.len() != n * k {
         return Err(backend_err(
             w,
-            format!("activation has {} values, expected {n} rows of {k}", x.len()),
+            format!(
+                "activation has {} values, expected {n} rows of {k}",
+                x.len()
+            ),
         ));
     }
     if row0 + m > w.n_rows() {

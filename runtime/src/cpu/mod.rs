@@ -58,7 +58,11 @@ fn check_same(op: &str, a: &CpuTensor, b: &CpuTensor) -> Result<(), RuntimeError
 /// Norm weights are small vectors; the op reads them as f32 each call.
 fn vector(w: &HostWeight) -> Result<Vec<f32>, RuntimeError> {
     if w.dims().len() != 1 {
-        return Err(err(format!("{}: expected a vector, got {:?}", w.name(), w.dims())));
+        return Err(err(format!(
+            "{}: expected a vector, got {:?}",
+            w.name(),
+            w.dims()
+        )));
     }
     w.to_f32()
 }
@@ -104,10 +108,15 @@ impl Backend for CpuBackend {
         Ok(w)
     }
 
-    fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CpuTensor, RuntimeError> {
+    fn new_tensor(
+        &self,
+        rows: usize,
+        cols: usize,
+        data: &[f32],
+    ) -> Result<CpuTensor, RuntimeError> {
         if data.len() != rows * cols {
             return Err(err(format!(
-                "from_host: {} values for [{rows}, {cols}]",
+                "new_tensor: {} values for [{rows}, {cols}]",
                 data.len()
             )));
         }
@@ -235,16 +244,20 @@ impl Backend for CpuBackend {
         a: &CpuTensor,
         b: &CpuTensor,
         n_head: usize,
+        b_shared: bool,
     ) -> Result<CpuTensor, RuntimeError> {
-        if a.rows != b.rows || n_head == 0 || a.cols % n_head != 0 {
-            return Err(err("head_concat: shapes do not fit"));
+        if a.rows != b.rows
+            || n_head == 0
+            || !a.cols.is_multiple_of(n_head)
+            || (!b_shared && !b.cols.is_multiple_of(n_head))
+        {
+            return Err(err(format!(
+                "head_concat: [{}, {}] and [{}, {}] over {n_head} heads",
+                a.rows, a.cols, b.rows, b.cols
+            )));
         }
         let ad = a.cols / n_head;
-        let (bd, b_shared) = if b.cols % n_head == 0 && b.cols / n_head > 0 && n_head > 1 {
-            (b.cols / n_head, false)
-        } else {
-            (b.cols, true)
-        };
+        let bd = if b_shared { b.cols } else { b.cols / n_head };
         let mut data = Vec::with_capacity(a.rows * n_head * (ad + bd));
         for r in 0..a.rows {
             let (ar, br) = (a.row(r), b.row(r));
@@ -320,7 +333,7 @@ impl Backend for CpuBackend {
     fn rms_norm(&self, x: &CpuTensor, w: &HostWeight, eps: f32) -> Result<CpuTensor, RuntimeError> {
         let wv = vector(w)?;
         let g = wv.len();
-        if g == 0 || x.cols % g != 0 {
+        if g == 0 || !x.cols.is_multiple_of(g) {
             return Err(err(format!(
                 "rms_norm: {} columns by {} of {g}",
                 x.cols,
@@ -348,7 +361,11 @@ impl Backend for CpuBackend {
     ) -> Result<CpuTensor, RuntimeError> {
         let (wv, bv) = (vector(w)?, vector(b)?);
         if wv.len() != x.cols || bv.len() != x.cols {
-            return Err(err(format!("layer_norm: {} columns by {}", x.cols, w.name())));
+            return Err(err(format!(
+                "layer_norm: {} columns by {}",
+                x.cols,
+                w.name()
+            )));
         }
         let mut out = x.data.clone();
         let n = x.cols.max(1);
@@ -379,7 +396,11 @@ impl Backend for CpuBackend {
     fn add_bias(&self, x: &CpuTensor, b: &HostWeight) -> Result<CpuTensor, RuntimeError> {
         let bv = vector(b)?;
         if bv.len() != x.cols {
-            return Err(err(format!("add_bias: {} columns, bias {}", x.cols, b.name())));
+            return Err(err(format!(
+                "add_bias: {} columns, bias {}",
+                x.cols,
+                b.name()
+            )));
         }
         let mut out = x.data.clone();
         for row in out.chunks_mut(x.cols.max(1)) {
@@ -409,11 +430,16 @@ impl Backend for CpuBackend {
         Ok(CpuTensor::new(gate.rows, gate.cols, data))
     }
 
-    fn rope(&self, x: &mut CpuTensor, positions: &[u32], p: &RopeParams) -> Result<(), RuntimeError> {
+    fn rope(
+        &self,
+        x: &mut CpuTensor,
+        positions: &[u32],
+        p: &RopeParams,
+    ) -> Result<(), RuntimeError> {
         if positions.len() != x.rows
             || p.n_groups * p.group_dim != x.cols
             || p.offset + p.n_rot > p.group_dim
-            || p.n_rot % 2 != 0
+            || !p.n_rot.is_multiple_of(2)
         {
             return Err(err(format!(
                 "rope: [{}, {}] with {} positions, {p:?}",
@@ -463,7 +489,7 @@ impl Backend for CpuBackend {
         let n = q.rows;
         let t = k.rows;
         if p.n_kv_head == 0
-            || p.n_head % p.n_kv_head != 0
+            || !p.n_head.is_multiple_of(p.n_kv_head)
             || q.cols != p.n_head * p.k_dim
             || k.cols != p.n_kv_head * p.k_dim
             || v.rows != t
@@ -580,7 +606,7 @@ impl Backend for CpuBackend {
             || p.n_used == 0
             || p.n_used > e
             || p.n_group == 0
-            || e % p.n_group != 0
+            || !e.is_multiple_of(p.n_group)
             || p.n_group_used == 0
             || p.n_group_used > p.n_group
         {
@@ -697,7 +723,10 @@ impl Backend for CpuBackend {
                 .collect();
             let y = matmul_rows(&a, rows.len(), down, e * d, d)?;
             for (j, (&r, &wv)) in rows.iter().zip(&ws).enumerate() {
-                for (o, yv) in out[r * d..(r + 1) * d].iter_mut().zip(&y[j * d..(j + 1) * d]) {
+                for (o, yv) in out[r * d..(r + 1) * d]
+                    .iter_mut()
+                    .zip(&y[j * d..(j + 1) * d])
+                {
                     *o += yv * wv;
                 }
             }

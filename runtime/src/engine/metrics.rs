@@ -73,8 +73,8 @@ const LATENCY_BOUNDS: &[f64] = &[
     20.0, 40.0, 80.0,
 ];
 const REQUEST_BOUNDS: &[f64] = &[
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0,
 ];
 const BATCH_BOUNDS: &[f64] = &[
     1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
@@ -143,7 +143,9 @@ impl Metrics {
 
     /// One HTTP response, by route and status code.
     pub fn record_http(&self, route: &str, status: u16) {
-        *lock(&self.http).entry((route.to_string(), status)).or_default() += 1;
+        *lock(&self.http)
+            .entry((route.to_string(), status))
+            .or_default() += 1;
     }
 
     pub fn record_step(&self, tokens: usize, prefill_only: bool, micros: u64) {
@@ -304,8 +306,16 @@ impl Metrics {
         let mut alias = |name: &str, kind: &str, v: String| {
             let _ = writeln!(o, "# TYPE {name} {kind}\n{name} {v}");
         };
-        alias("llamacpp:prompt_tokens_total", "counter", prompt.to_string());
-        alias("llamacpp:tokens_predicted_total", "counter", gen.to_string());
+        alias(
+            "llamacpp:prompt_tokens_total",
+            "counter",
+            prompt.to_string(),
+        );
+        alias(
+            "llamacpp:tokens_predicted_total",
+            "counter",
+            gen.to_string(),
+        );
         alias(
             "llamacpp:prompt_seconds_total",
             "counter",
@@ -362,9 +372,9 @@ mod tests {
         m.record_finished("stop");
         let s = m.render();
         assert!(s.contains("# TYPE gguftool_prompt_tokens_total counter"));
-        assert!(s.contains(
-            "gguftool_http_requests_total{route=\"/v1/completions\",status=\"200\"} 1"
-        ));
+        assert!(
+            s.contains("gguftool_http_requests_total{route=\"/v1/completions\",status=\"200\"} 1")
+        );
         assert!(s.contains("gguftool_requests_finished_total{reason=\"stop\"} 1"));
         assert!(s.contains("llamacpp:kv_cache_usage_ratio 0"));
     }

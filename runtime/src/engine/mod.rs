@@ -124,7 +124,10 @@ pub enum Event {
         id: u32,
         logprobs: Option<TokenLogprobs>,
     },
-    Finished { reason: FinishReason, usage: Usage },
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+    },
     /// The backend failed; the request is over.
     Failed(String),
 }
@@ -215,7 +218,9 @@ impl Engine {
         mut config: EngineConfig,
         metrics: Arc<Metrics>,
     ) -> std::io::Result<Engine> {
-        config.context_length = config.context_length.clamp(1, model.context_length().max(1));
+        config.context_length = config
+            .context_length
+            .clamp(1, model.context_length().max(1));
         config.max_running = config.max_running.max(1);
         config.prefill_chunk = config.prefill_chunk.max(1);
         metrics.kv_cache_capacity_tokens.store(
@@ -377,7 +382,10 @@ impl Scheduler {
         }
         // Engine dropped: tell whoever still listens.
         for a in self.running.drain(..) {
-            let _ = a.job.tx.send(Event::Failed("the engine has stopped".into()));
+            let _ = a
+                .job
+                .tx
+                .send(Event::Failed("the engine has stopped".into()));
         }
         for j in lock(&self.shared.queue).drain(..) {
             let _ = j.tx.send(Event::Failed("the engine has stopped".into()));
@@ -437,11 +445,7 @@ impl Scheduler {
             if !self.running.is_empty() {
                 return Some(());
             }
-            q = self
-                .shared
-                .wake
-                .wait(q)
-                .unwrap_or_else(|e| e.into_inner());
+            q = self.shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
         }
     }
 
@@ -487,10 +491,9 @@ impl Scheduler {
                 state, job, next, ..
             } = a;
             let (tokens, all_logits): (&[u32], bool) = match w {
-                Work::Prefill { from, to } => (
-                    &job.req.prompt[from..to],
-                    job.req.prompt_logprobs.is_some(),
-                ),
+                Work::Prefill { from, to } => {
+                    (&job.req.prompt[from..to], job.req.prompt_logprobs.is_some())
+                }
                 Work::Decode => {
                     prefill_only = false;
                     (&next[..], false)
@@ -505,13 +508,7 @@ impl Scheduler {
         }
         let expected: Vec<usize> = steps
             .iter()
-            .map(|s| {
-                if s.all_logits {
-                    s.tokens.len()
-                } else {
-                    1
-                }
-            })
+            .map(|s| if s.all_logits { s.tokens.len() } else { 1 })
             .collect();
 
         let t0 = Instant::now();
@@ -524,7 +521,10 @@ impl Scheduler {
         let outputs = match result {
             Ok(Ok(out))
                 if out.len() == expected.len()
-                    && out.iter().zip(&expected).all(|(o, &e)| o.len() == e * vocab) =>
+                    && out
+                        .iter()
+                        .zip(&expected)
+                        .all(|(o, &e)| o.len() == e * vocab) =>
             {
                 out
             }

@@ -8,11 +8,13 @@
 //! ([`ApiError`]), including axum's own rejections (bad JSON, unknown route, wrong method).
 
 pub mod error;
+pub mod gguf_text;
 mod openai;
 pub mod params;
 pub mod text;
 
-use crate::engine::{Engine, Metrics};
+use crate::engine::{Engine, EngineConfig, Metrics};
+pub use gguf_text::GgufText;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
@@ -68,6 +70,26 @@ impl Backend {
     }
 }
 
+/// Load a GGUF model on the CPU backend with its tokenizer and chat template, and start the
+/// engine over it. `configure` adjusts the engine limits (queue, slots, context).
+pub fn cpu_backend(
+    model: Arc<gguf::Model>,
+    name: &str,
+    metrics: Arc<Metrics>,
+    configure: impl FnOnce(&mut EngineConfig),
+) -> Result<Backend, crate::RuntimeError> {
+    let codec = GgufText::from_gguf(model.metadata())?;
+    if let Some(e) = codec.template_error() {
+        tracing::warn!("chat completions disabled: {e}");
+    }
+    let lm: Arc<dyn crate::LanguageModel> = Arc::new(crate::glm::load_cpu(model)?);
+    let mut cfg = EngineConfig::for_model(lm.as_ref());
+    configure(&mut cfg);
+    let engine = Engine::start(lm, cfg, metrics)
+        .map_err(|e| crate::RuntimeError::Backend(format!("cannot start the engine thread: {e}")))?;
+    Ok(Backend::new(engine, Arc::new(codec), name))
+}
+
 /// Shared state of all handlers. The model may still be loading (`/health` answers 503 then).
 pub struct AppState {
     pub config: ServerConfig,
@@ -117,14 +139,20 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/metrics", get(metrics))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
     Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
         .merge(api)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(middleware::from_fn_with_state(state.clone(), count_requests))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
         .with_state(state)
 }
 
@@ -154,7 +182,11 @@ async fn method_not_allowed(req: Request) -> ApiError {
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         "invalid_request_error",
-        format!("method {} is not allowed on {}", req.method(), req.uri().path()),
+        format!(
+            "method {} is not allowed on {}",
+            req.method(),
+            req.uri().path()
+        ),
     )
 }
 
@@ -192,7 +224,11 @@ async fn count_requests(State(s): State<Arc<AppState>>, req: Request, next: Next
         "/v1/health",
     ];
     let path = req.uri().path();
-    let route = ROUTES.iter().find(|&&r| r == path).copied().unwrap_or("other");
+    let route = ROUTES
+        .iter()
+        .find(|&&r| r == path)
+        .copied()
+        .unwrap_or("other");
     let resp = next.run(req).await;
     s.metrics.record_http(route, resp.status().as_u16());
     resp
@@ -287,10 +323,7 @@ async fn tokenize(State(s): State<Arc<AppState>>, req: Request) -> Result<Json<V
 }
 
 /// llama-server's `/detokenize`: `{"tokens": [ids]}` -> `{"content"}`.
-async fn detokenize(
-    State(s): State<Arc<AppState>>,
-    req: Request,
-) -> Result<Json<Value>, ApiError> {
+async fn detokenize(State(s): State<Arc<AppState>>, req: Request) -> Result<Json<Value>, ApiError> {
     let b = s.backend()?;
     let body = read_json(&s, req).await?;
     let f = params::Fields::of(&body)?;

@@ -49,9 +49,11 @@ async fn encode(b: &Backend, text: String) -> Result<Vec<u32>, ApiError> {
 
 fn submit_error(e: SubmitError) -> ApiError {
     match e {
-        SubmitError::QueueFull { .. } => {
-            ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", e.to_string())
-        }
+        SubmitError::QueueFull { .. } => ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            e.to_string(),
+        ),
         SubmitError::Stopped => ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "unavailable_error",
@@ -76,7 +78,11 @@ fn generation_request(
         prompt,
         max_tokens,
         sampling: c.sampling,
-        stop_tokens: if c.ignore_eos { Vec::new() } else { b.eog.clone() },
+        stop_tokens: if c.ignore_eos {
+            Vec::new()
+        } else {
+            b.eog.clone()
+        },
         logprobs,
         prompt_logprobs: if prompt_logprobs { logprobs } else { None },
         logit_bias: c.logit_bias.clone(),
@@ -125,7 +131,10 @@ async fn completions_inner(s: Arc<AppState>, req: Request) -> Result<Response, A
             // Ids are checked against the vocabulary before decoding (and again by the engine).
             let vocab = b.engine.vocab_size();
             if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-                return Err(submit_error(SubmitError::TokenOutOfRange { id: bad, vocab }));
+                return Err(submit_error(SubmitError::TokenOutOfRange {
+                    id: bad,
+                    vocab,
+                }));
             }
             let t = b.codec.decode(&ids, false);
             (ids, t)
@@ -171,10 +180,13 @@ async fn completions_inner(s: Arc<AppState>, req: Request) -> Result<Response, A
         done: false,
     };
     if r.common.stream {
-        Ok(sse_response(futures::stream::unfold(st, |mut st| async move {
-            let bytes = st.next_event().await?;
-            Some((Ok(bytes), st))
-        })))
+        Ok(sse_response(futures::stream::unfold(
+            st,
+            |mut st| async move {
+                let bytes = st.next_event().await?;
+                Some((Ok(bytes), st))
+            },
+        )))
     } else {
         st.collect().await
     }
@@ -431,10 +443,13 @@ async fn chat_inner(s: Arc<AppState>, req: Request) -> Result<Response, ApiError
         done: false,
     };
     if r.common.stream {
-        Ok(sse_response(futures::stream::unfold(st, |mut st| async move {
-            let bytes = st.next_event().await?;
-            Some((Ok(bytes), st))
-        })))
+        Ok(sse_response(futures::stream::unfold(
+            st,
+            |mut st| async move {
+                let bytes = st.next_event().await?;
+                Some((Ok(bytes), st))
+            },
+        )))
     } else {
         st.collect().await
     }

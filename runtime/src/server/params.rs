@@ -97,7 +97,10 @@ impl<'a> Fields<'a> {
             return Ok(None);
         };
         let x = integer_value(v).ok_or_else(|| {
-            ApiError::invalid(name, format!("'{name}' must be an integer, got {}", kind(v)))
+            ApiError::invalid(
+                name,
+                format!("'{name}' must be an integer, got {}", kind(v)),
+            )
         })?;
         if x < min as i128 || x > max as i128 {
             return Err(ApiError::invalid(
@@ -252,21 +255,28 @@ fn parse_stop(f: &Fields<'_>) -> Result<Vec<String>, ApiError> {
         Some(v) => {
             return Err(ApiError::invalid(
                 "stop",
-                format!("'stop' must be a string or an array of strings, got {}", kind(v)),
+                format!(
+                    "'stop' must be a string or an array of strings, got {}",
+                    kind(v)
+                ),
             ))
         }
     };
     if list.len() > MAX_STOP {
         return Err(ApiError::invalid(
             "stop",
-            format!("at most {MAX_STOP} stop sequences are allowed, got {}", list.len()),
+            format!(
+                "at most {MAX_STOP} stop sequences are allowed, got {}",
+                list.len()
+            ),
         ));
     }
     list.into_iter()
         .map(|v| match v {
-            Value::String(s) if s.is_empty() => {
-                Err(ApiError::invalid("stop", "stop sequences must not be empty"))
-            }
+            Value::String(s) if s.is_empty() => Err(ApiError::invalid(
+                "stop",
+                "stop sequences must not be empty",
+            )),
             Value::String(s) if s.len() > MAX_STOP_LEN => Err(ApiError::invalid(
                 "stop",
                 format!("stop sequences are limited to {MAX_STOP_LEN} bytes"),
@@ -287,7 +297,10 @@ fn parse_logit_bias(f: &Fields<'_>) -> Result<Vec<(u32, f32)>, ApiError> {
         Some(v) => {
             return Err(ApiError::invalid(
                 "logit_bias",
-                format!("'logit_bias' must be an object mapping token ids to numbers, got {}", kind(v)),
+                format!(
+                    "'logit_bias' must be an object mapping token ids to numbers, got {}",
+                    kind(v)
+                ),
             ))
         }
     };
@@ -300,7 +313,10 @@ fn parse_logit_bias(f: &Fields<'_>) -> Result<Vec<(u32, f32)>, ApiError> {
     m.iter()
         .map(|(k, v)| {
             let id: u32 = k.parse().map_err(|_| {
-                ApiError::invalid("logit_bias", format!("logit_bias key {k:?} is not a token id"))
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("logit_bias key {k:?} is not a token id"),
+                )
             })?;
             let b = v
                 .as_f64()
@@ -308,11 +324,17 @@ fn parse_logit_bias(f: &Fields<'_>) -> Result<Vec<(u32, f32)>, ApiError> {
                 .ok_or_else(|| {
                     ApiError::invalid(
                         "logit_bias",
-                        format!("logit_bias values must be numbers between -100 and 100 (token {k})"),
+                        format!(
+                            "logit_bias values must be numbers between -100 and 100 (token {k})"
+                        ),
                     )
                 })?;
             // OpenAI: -100 effectively bans the token.
-            let b = if b <= -100.0 { f32::NEG_INFINITY } else { b as f32 };
+            let b = if b <= -100.0 {
+                f32::NEG_INFINITY
+            } else {
+                b as f32
+            };
             Ok((id, b))
         })
         .collect()
@@ -322,7 +344,10 @@ fn parse_logit_bias(f: &Fields<'_>) -> Result<Vec<(u32, f32)>, ApiError> {
 fn refuse_unsupported(f: &Fields<'_>) -> Result<(), ApiError> {
     if let Some(n) = f.integer("best_of", 1, 128)? {
         if n != 1 {
-            return Err(ApiError::invalid("best_of", "only best_of = 1 is supported"));
+            return Err(ApiError::invalid(
+                "best_of",
+                "only best_of = 1 is supported",
+            ));
         }
     }
     if f.string("suffix")?.is_some_and(|s| !s.is_empty()) {
@@ -411,7 +436,10 @@ pub fn parse_chat(body: &Value) -> Result<ChatRequest, ApiError> {
         }
     };
     if messages.is_empty() {
-        return Err(ApiError::invalid("messages", "'messages' must not be empty"));
+        return Err(ApiError::invalid(
+            "messages",
+            "'messages' must not be empty",
+        ));
     }
     if messages.len() > MAX_MESSAGES {
         return Err(ApiError::invalid(
@@ -496,7 +524,10 @@ fn parse_message(i: usize, m: &Value) -> Result<Message, ApiError> {
         Some(v) => {
             return Err(ApiError::invalid(
                 &p("content"),
-                format!("messages[{i}].content must be a string or an array of text parts, got {}", kind(v)),
+                format!(
+                    "messages[{i}].content must be a string or an array of text parts, got {}",
+                    kind(v)
+                ),
             ))
         }
     };
@@ -544,15 +575,21 @@ mod tests {
             (json!({"prompt": "x", "min_p": 2}), "min_p"),
             (json!({"prompt": "x", "n": 1000000}), "n"),
             (json!({"prompt": "x", "n": 2}), "n"),
-            (json!({"prompt": "x", "stop": ["a"; 17]}), "stop"),
+            (json!({"prompt": "x", "stop": vec!["a"; 17]}), "stop"),
             (json!({"prompt": "x", "stop": [""]}), "stop"),
             (json!({"prompt": "x", "stop": 3}), "stop"),
             (json!({"prompt": "x", "logprobs": 21}), "logprobs"),
             (json!({"prompt": "x", "stream": "yes"}), "stream"),
             (json!({"prompt": "x", "logit_bias": {"a": 1}}), "logit_bias"),
-            (json!({"prompt": "x", "logit_bias": {"1": 500}}), "logit_bias"),
+            (
+                json!({"prompt": "x", "logit_bias": {"1": 500}}),
+                "logit_bias",
+            ),
             (json!({"prompt": "x", "seed": "1"}), "seed"),
-            (json!({"prompt": "x", "presence_penalty": 3}), "presence_penalty"),
+            (
+                json!({"prompt": "x", "presence_penalty": 3}),
+                "presence_penalty",
+            ),
             (json!({"prompt": "x", "best_of": 3}), "best_of"),
             (json!({"prompt": [-1]}), "prompt"),
             (json!({"prompt": ["a", "b"]}), "prompt"),

@@ -27,8 +27,11 @@ pub trait TextCodec: Send + Sync {
     /// The id of a token by its exact text, if the vocabulary has it.
     fn token_id(&self, piece: &str) -> Option<u32>;
     /// Render a conversation with the model's chat template.
-    fn render_chat(&self, messages: &[Message], add_generation_prompt: bool)
-        -> Result<String, String>;
+    fn render_chat(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String, String>;
 
     /// Text of a token sequence; `skip_special` leaves control tokens out.
     fn decode(&self, ids: &[u32], skip_special: bool) -> String {
@@ -179,7 +182,10 @@ pub enum Piece {
         text: String,
         tokens: Vec<TokenInfo>,
     },
-    Finish { reason: FinishReason, usage: Usage },
+    Finish {
+        reason: FinishReason,
+        usage: Usage,
+    },
     Error(String),
 }
 

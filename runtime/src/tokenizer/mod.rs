@@ -7,13 +7,14 @@
 //! Why hand-written instead of the `tokenizers` crate: GGUF semantics are llama.cpp's, not a
 //! `tokenizer.json` pipeline. Special-token splitting (longest first, user-defined tokens always,
 //! control tokens only with `parse_special`), token types (control / unused / byte), the
-//! end-of-generation set and SentencePiece merging by score all have to be reproduced around the
-//! crate anyway, and the crate cannot express the score-ordered SPM merge from GGUF scores at all
-//! (mistral.rs substitutes a Unigram model there). The BPE core is ~100 lines; the rest is that
-//! glue. It also keeps the build small on 2-core CI: the only new dependency is `aho-corasick`,
-//! already compiled for `regex`, versus ~40 crates (proc-macro `derive_builder`/`darling`,
-//! `monostate`, `esaxx`, ...) for `tokenizers`. Token ids are checked against the HF tokenizer's
-//! and `llama-tokenize`'s on the fixtures (`tests/tokenizer_fixture.rs`).
+//! end-of-generation set and the space prefix after special tokens would all have to be rebuilt
+//! around the crate anyway, and a SentencePiece vocabulary in GGUF carries scores, not merges, so
+//! the crate's BPE model would need merges synthesised from them. The merge loops are ~100 lines
+//! each; the rest is that glue. It also keeps the build small on 2-core CI: the only new
+//! dependency is `aho-corasick`, already compiled for `regex`, where `tokenizers` brings a few
+//! dozen crates (proc-macro `derive_builder`/`darling`, `monostate`, `esaxx`, ...). Token ids are
+//! checked against HF `tokenizers`, `llama-tokenize` and the `sentencepiece` library in
+//! `tests/tokenizer_fixture.rs`.
 //!
 //! Decoding returns the raw concatenation of token bytes (HF `clean_up_tokenization_spaces =
 //! false`); llama.cpp's optional space clean-up is not applied since it breaks round trips.

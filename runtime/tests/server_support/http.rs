@@ -43,13 +43,7 @@ fn connect(addr: SocketAddr) -> TcpStream {
     s
 }
 
-fn send_head(
-    s: &mut TcpStream,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &[u8],
-) {
+fn send_head(s: &mut TcpStream, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) {
     let mut req = format!(
         "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {}\r\n",
         body.len()

@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 pub fn load(path: &Path) -> GlmModel<CpuBackend> {
     let m = gguf::Model::open(path).unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
-    GlmModel::load(CpuBackend, Arc::new(m)).unwrap_or_else(|e| panic!("load {}: {e}", path.display()))
+    GlmModel::load(CpuBackend, Arc::new(m))
+        .unwrap_or_else(|e| panic!("load {}: {e}", path.display()))
 }
 
 pub fn json(path: &Path) -> Value {
@@ -33,7 +34,12 @@ pub fn prefill_all(m: &GlmModel<CpuBackend>, prompt: &[u32]) -> Vec<f32> {
     step(m, seq.as_mut(), prompt, true)
 }
 
-pub fn step(m: &GlmModel<CpuBackend>, seq: &mut dyn SequenceState, tokens: &[u32], all: bool) -> Vec<f32> {
+pub fn step(
+    m: &GlmModel<CpuBackend>,
+    seq: &mut dyn SequenceState,
+    tokens: &[u32],
+    all: bool,
+) -> Vec<f32> {
     let mut b = [SeqStep {
         seq,
         tokens,

@@ -1,0 +1,1426 @@
+//! GPU correctness tests: every kernel against a CPU computation (f64 unless stated), with the
+//! tolerance derived next to each check. Without a CUDA device every test prints
+//! "skipped: no CUDA device" and passes; on the GPU machine run them as docs/GPU.md says.
+//!
+//! Inputs are random and fresh per run (the seed is printed; `GGUFTOOL_TEST_SEED` replays one),
+//! outputs are poisoned with NaN before each launch so unwritten elements fail.
+
+// The oracles index several arrays by the same loop counters, written as in the math.
+#![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+
+use std::io::Write;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use gguf::quant::reference;
+use gguf::GgmlType;
+use kernels::{
+    Channels, Gpu, IndexerShape, KeyLists, MatShape, MlaShape, RopeLayout, RouterConfig, Rows,
+    Rows3,
+};
+
+// ---------------------------------------------------------------------------------------------
+// harness
+
+fn say(msg: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{msg}");
+}
+
+/// One correctness line per check, printed as a table row (collected for the benchmark notes).
+fn row(op: &str, shape: &str, err: f64, tol: f64, ok: bool) {
+    say(&format!(
+        "| {op} | {shape} | {err:.3e} | {tol:.3e} | {} |",
+        if ok { "ok" } else { "FAIL" }
+    ));
+}
+
+fn gpu(test: &str) -> Option<Arc<Gpu>> {
+    if kernels::device_count() == 0 {
+        say(&format!("skipped: no CUDA device ({test})"));
+        return None;
+    }
+    match Gpu::get(0) {
+        Ok(g) => Some(g),
+        Err(e) => panic!("CUDA device present but unusable: {e}"),
+    }
+}
+
+/// Tests share one device and one stream; serialize them so a fault is attributed clearly.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: OnceLock<Mutex<()>> = OnceLock::new();
+    LOCK.get_or_init(|| Mutex::new(()))
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+/// xorshift64*: fast, seedable, good enough for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn new(test: &str) -> Self {
+        let seed = std::env::var("GGUFTOOL_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(1)
+            });
+        say(&format!("{test}: seed {seed}"));
+        Rng(seed | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn byte(&mut self) -> u8 {
+        (self.next() >> 56) as u8
+    }
+    /// Uniform in [0, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    /// Uniform in [-a, a).
+    fn sym(&mut self, a: f32) -> f32 {
+        (2.0 * self.unit() - 1.0) * a
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn vec(&mut self, n: usize, a: f32) -> Vec<f32> {
+        (0..n).map(|_| self.sym(a)).collect()
+    }
+}
+
+fn f16_bits(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// `n_blocks` blocks of `ty` with random payload but finite, realistic scales, so dot products
+/// are finite. (Raw random bytes, NaN scales included, are used for the bit-exact dequant test.)
+fn sane_blocks(ty: GgmlType, n_elems: usize, r: &mut Rng) -> Vec<u8> {
+    use GgmlType::*;
+    let bs = ty.block_size();
+    let ts = ty.type_size();
+    let nb = n_elems / bs;
+    match ty {
+        F32 => {
+            return r
+                .vec(n_elems, 1.0)
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect()
+        }
+        F16 => {
+            return r
+                .vec(n_elems, 1.0)
+                .iter()
+                .flat_map(|&v| f16_bits(v))
+                .collect()
+        }
+        BF16 => {
+            return r
+                .vec(n_elems, 1.0)
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+                .collect()
+        }
+        F64 => {
+            return r
+                .vec(n_elems, 1.0)
+                .iter()
+                .flat_map(|&v| f64::from(v).to_le_bytes())
+                .collect()
+        }
+        _ => {}
+    }
+    let mut out: Vec<u8> = (0..nb * ts).map(|_| r.byte()).collect();
+    for b in out.chunks_exact_mut(ts) {
+        let mut put = |off: usize, v: f32| b[off..off + 2].copy_from_slice(&f16_bits(v));
+        let d = 0.002 + 0.01 * r.unit();
+        let m = 0.002 + 0.01 * r.unit();
+        match ty {
+            Q4_0 | Q5_0 | Q8_0 | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ1_S | IQ4_NL | IQ3_S | IQ2_S
+            | IQ4_XS | Q1_0 => put(0, d),
+            Q4_1 | Q5_1 | Q8_1 | Q4_K | Q5_K => {
+                put(0, d);
+                put(2, m);
+            }
+            Q2_K => {
+                put(80, d);
+                put(82, m);
+            }
+            Q3_K => put(108, d),
+            Q6_K => put(208, d),
+            TQ1_0 => put(52, d),
+            TQ2_0 => put(64, d),
+            Q8_K => b[0..4].copy_from_slice(&d.to_le_bytes()),
+            MXFP4 => b[0] = 118 + (r.byte() % 12),
+            IQ1_M => {
+                let bits = half::f16::from_f32(d).to_bits();
+                for i in 0..4 {
+                    let nib = ((bits >> (4 * i)) & 0xF) as u8;
+                    b[49 + 2 * i] = (b[49 + 2 * i] & 0x0F) | (nib << 4);
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+fn dequant_cpu(ty: GgmlType, bytes: &[u8]) -> Vec<f32> {
+    let n = gguf::quant::n_elements(ty, bytes.len()).expect("whole blocks");
+    let mut out = vec![0f32; n];
+    reference::dequantize(ty, bytes, &mut out).expect("reference dequantize");
+    out
+}
+
+fn nan_buf(g: &Gpu, n: usize) -> kernels::CudaSlice<f32> {
+    g.upload(&vec![f32::NAN; n]).expect("upload")
+}
+
+fn max_abs(v: &[f64]) -> f64 {
+    v.iter().fold(0.0, |m, x| m.max(x.abs()))
+}
+
+const U32: f64 = 1.0 / (1u64 << 24) as f64; // f32 unit roundoff 2^-24
+
+// ---------------------------------------------------------------------------------------------
+// dequantization
+
+#[test]
+fn dequant_every_type_bit_exact() {
+    let Some(g) = gpu("dequant_every_type_bit_exact") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("dequant_every_type_bit_exact");
+    let mut bad = Vec::new();
+    for ty in GgmlType::ALL {
+        // Raw random bytes: NaN/inf/subnormal scales included. Plain types end in a partial
+        // 32-value chunk to exercise the element-wise tail.
+        let n_bytes = if ty.block_size() == 1 {
+            (32 * 50 + 7) * ty.type_size()
+        } else {
+            997 * ty.type_size()
+        };
+        let bytes: Vec<u8> = (0..n_bytes).map(|_| r.byte()).collect();
+        let cpu = dequant_cpu(ty, &bytes);
+        let d = kernels::compare_tensor(&g, ty, &bytes, &cpu).expect("compare");
+        // Same operations in the same order without FMA contraction: expect bit equality.
+        let ok = d.ok() && d.differing == 0;
+        row(
+            &format!("dequant {ty}"),
+            &format!("{} values", d.n),
+            d.max_abs,
+            d.tolerance,
+            ok,
+        );
+        if !ok {
+            bad.push(format!("{ty}: {d:?}"));
+        }
+    }
+    // bf16 output: round-to-nearest-even of the same f32 values.
+    for ty in [GgmlType::Q4_K, GgmlType::F32, GgmlType::IQ4_XS] {
+        let bytes = sane_blocks(ty, 256 * 40, &mut r);
+        let cpu = dequant_cpu(ty, &bytes);
+        let src = g.upload(&bytes).expect("upload");
+        let mut dst = g.upload(&vec![0xFFFFu16; cpu.len()]).expect("upload");
+        g.dequantize_bf16(ty, &src, &mut dst).expect("dequant bf16");
+        let got = g.download(&dst).expect("download");
+        let diff = got
+            .iter()
+            .zip(&cpu)
+            .filter(|(a, c)| **a != half::bf16::from_f32(**c).to_bits())
+            .count();
+        row(
+            &format!("dequant_bf16 {ty}"),
+            &format!("{} values", cpu.len()),
+            diff as f64,
+            0.0,
+            diff == 0,
+        );
+        if diff != 0 {
+            bad.push(format!("bf16 {ty}: {diff} values differ"));
+        }
+    }
+    assert!(bad.is_empty(), "{bad:#?}");
+}
+
+#[test]
+fn get_rows_gathers_and_poisons_bad_ids() {
+    let Some(g) = gpu("get_rows_gathers_and_poisons_bad_ids") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("get_rows");
+    let (rows, k) = (37usize, 512usize);
+    for ty in [
+        GgmlType::Q6_K,
+        GgmlType::Q4_K,
+        GgmlType::BF16,
+        GgmlType::F32,
+        GgmlType::Q8_0,
+    ] {
+        let bytes = sane_blocks(ty, rows * k, &mut r);
+        let cpu = dequant_cpu(ty, &bytes);
+        let ids: Vec<i32> = vec![3, 0, 36, 37, -1, 5];
+        let src = g.upload(&bytes).unwrap();
+        let dids = g.upload(&ids).unwrap();
+        let mut dst = g.zeros::<f32>(ids.len() * k).unwrap();
+        g.get_rows(ty, &src, k, &dids, &mut dst).unwrap();
+        let got = g.download(&dst).unwrap();
+        let mut ok = true;
+        for (i, &id) in ids.iter().enumerate() {
+            let out = &got[i * k..(i + 1) * k];
+            if (0..rows as i32).contains(&id) {
+                let want = &cpu[id as usize * k..(id as usize + 1) * k];
+                ok &= out
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+            } else {
+                ok &= out.iter().all(|v| v.is_nan());
+            }
+        }
+        row(
+            &format!("get_rows {ty}"),
+            &format!("{rows}x{k}, 6 ids (2 invalid)"),
+            0.0,
+            0.0,
+            ok,
+        );
+        assert!(ok, "get_rows {ty}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMV / matmul
+
+/// f64 oracle `W x` and the per-row bound `gamma * sum |w_i x_i|`: each lane sums k/32 products
+/// sequentially (k/32 roundings), the warp tree adds 5, the dequantized weight may be one
+/// rounding off when its `d*q - m` is contracted into an FMA (+2): gamma = (k/32 + 8) * 2^-24.
+fn gemv_oracle(w: &[f32], x: &[f32], rows: usize, k: usize) -> (Vec<f64>, Vec<f64>) {
+    let gamma = (k as f64 / 32.0 + 8.0) * U32;
+    (0..rows)
+        .map(|r| {
+            let wr = &w[r * k..(r + 1) * k];
+            let dot: f64 = wr
+                .iter()
+                .zip(x)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum();
+            let mag: f64 = wr
+                .iter()
+                .zip(x)
+                .map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs())
+                .sum();
+            (dot, gamma * mag + 1e-30)
+        })
+        .unzip()
+}
+
+#[test]
+fn gemv_every_type_matches_f64() {
+    let Some(g) = gpu("gemv_every_type_matches_f64") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("gemv");
+    // 129 rows: not a multiple of the 4 rows per block; k = 768 = 3 superblocks.
+    let (rows, k) = (129usize, 768usize);
+    let mut bad = Vec::new();
+    for ty in GgmlType::ALL {
+        let bytes = sane_blocks(ty, rows * k, &mut r);
+        let w = dequant_cpu(ty, &bytes);
+        let x = r.vec(k, 1.0);
+        let (want, tol) = gemv_oracle(&w, &x, rows, k);
+        let dw = g.upload(&bytes).unwrap();
+        let dx = g.upload(&x).unwrap();
+        let mut dy = nan_buf(&g, rows);
+        g.gemv(MatShape::new(ty, rows, k), &dw, &dx, &mut dy)
+            .unwrap();
+        let y = g.download(&dy).unwrap();
+        let mut worst = 0f64;
+        let mut ok = true;
+        for i in 0..rows {
+            let e = (f64::from(y[i]) - want[i]).abs();
+            ok &= y[i].is_finite() && e <= tol[i];
+            worst = worst.max(e / tol[i]);
+        }
+        row(
+            &format!("gemv {ty}"),
+            &format!("{rows}x{k}"),
+            worst,
+            1.0,
+            ok,
+        );
+        if !ok {
+            bad.push(ty);
+        }
+    }
+    assert!(bad.is_empty(), "gemv failed for {bad:?}");
+}
+
+#[test]
+fn gemv_glm5_shapes() {
+    let Some(g) = gpu("gemv_glm5_shapes") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("gemv_glm5_shapes");
+    // q_a (Q4_K 2048x6144), kv_a_mqa (576x6144), attn_output (Q4_K 6144x16384 cut to 512 rows),
+    // indexer.proj (F32 32x6144), attn_k_b head (Q8_0 512x192), down expert (Q6_K 6144x2048 cut).
+    let cases = [
+        (GgmlType::Q4_K, 2048usize, 6144usize),
+        (GgmlType::Q5_K, 576, 6144),
+        (GgmlType::Q4_K, 512, 16384),
+        (GgmlType::F32, 32, 6144),
+        (GgmlType::Q8_0, 512, 192),
+        (GgmlType::Q6_K, 512, 2048),
+        (GgmlType::IQ4_XS, 256, 6144),
+        (GgmlType::BF16, 256, 6144),
+    ];
+    for (ty, rows, k) in cases {
+        let bytes = sane_blocks(ty, rows * k, &mut r);
+        let w = dequant_cpu(ty, &bytes);
+        let x = r.vec(k, 1.0);
+        let (want, tol) = gemv_oracle(&w, &x, rows, k);
+        let dw = g.upload(&bytes).unwrap();
+        let dx = g.upload(&x).unwrap();
+        let mut dy = nan_buf(&g, rows);
+        g.gemv(MatShape::new(ty, rows, k), &dw, &dx, &mut dy)
+            .unwrap();
+        let y = g.download(&dy).unwrap();
+        let worst = (0..rows)
+            .map(|i| (f64::from(y[i]) - want[i]).abs() / tol[i])
+            .fold(0f64, f64::max);
+        let ok = y.iter().all(|v| v.is_finite()) && worst <= 1.0;
+        row(
+            &format!("gemv {ty}"),
+            &format!("{rows}x{k}"),
+            worst,
+            1.0,
+            ok,
+        );
+        assert!(ok, "gemv {ty} {rows}x{k}");
+    }
+}
+
+#[test]
+fn gemv_batched_experts_and_heads() {
+    let Some(g) = gpu("gemv_batched_experts_and_heads") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("gemv_batched");
+    // MoE: 6 experts of 64x256 Q4_K; 3 tokens x top-2 slots; slot inputs shared per token.
+    let (ne, rows, k, tokens, top_k) = (6usize, 64usize, 256usize, 3usize, 2usize);
+    let ty = GgmlType::Q4_K;
+    let bytes = sane_blocks(ty, ne * rows * k, &mut r);
+    let w = dequant_cpu(ty, &bytes);
+    let x = r.vec(tokens * k, 1.0);
+    let ids: Vec<i32> = vec![5, 0, 2, 2, 1, 7]; // 7 is out of range -> NaN row
+    let dw = g.upload(&bytes).unwrap();
+    let dx = g.upload(&x).unwrap();
+    let dids = g.upload(&ids).unwrap();
+    let dids_v = dids.as_view();
+    let mut dy = nan_buf(&g, ids.len() * rows);
+    let shape = MatShape {
+        ty,
+        rows,
+        k,
+        slabs: ne,
+    };
+    let ch = Channels {
+        count: ids.len(),
+        ids: Some(&dids_v),
+        x_stride: k,
+        x_div: top_k,
+        y_stride: rows,
+    };
+    g.gemv_batched(shape, &dw, ch, &dx, &mut dy).unwrap();
+    let y = g.download(&dy).unwrap();
+    let mut worst = 0f64;
+    let mut ok = true;
+    for (c, &e) in ids.iter().enumerate() {
+        let out = &y[c * rows..(c + 1) * rows];
+        if e as usize >= ne {
+            ok &= out.iter().all(|v| v.is_nan());
+            continue;
+        }
+        let slab = &w[e as usize * rows * k..(e as usize + 1) * rows * k];
+        let xt = &x[(c / top_k) * k..(c / top_k + 1) * k];
+        let (want, tol) = gemv_oracle(slab, xt, rows, k);
+        for i in 0..rows {
+            let err = (f64::from(out[i]) - want[i]).abs();
+            ok &= err <= tol[i];
+            worst = worst.max(err / tol[i]);
+        }
+    }
+    row(
+        "gemv ids (MoE)",
+        "6 experts 64x256 Q4_K, 6 slots",
+        worst,
+        1.0,
+        ok,
+    );
+    assert!(ok, "batched expert gemv");
+
+    // Absorption: 4 heads of 128x64 Q8_0 (attn_k_b-like rows of 64), one input per head.
+    let (heads, rows, k) = (4usize, 128usize, 64usize);
+    let ty = GgmlType::Q8_0;
+    let bytes = sane_blocks(ty, heads * rows * k, &mut r);
+    let w = dequant_cpu(ty, &bytes);
+    let x = r.vec(heads * k, 1.0);
+    let dw = g.upload(&bytes).unwrap();
+    let dx = g.upload(&x).unwrap();
+    let mut dy = nan_buf(&g, heads * rows);
+    let shape = MatShape {
+        ty,
+        rows,
+        k,
+        slabs: heads,
+    };
+    let ch = Channels {
+        count: heads,
+        ids: None,
+        x_stride: k,
+        x_div: 1,
+        y_stride: rows,
+    };
+    g.gemv_batched(shape, &dw, ch, &dx, &mut dy).unwrap();
+    let y = g.download(&dy).unwrap();
+    let mut worst = 0f64;
+    let mut ok = true;
+    for h in 0..heads {
+        let (want, tol) = gemv_oracle(
+            &w[h * rows * k..(h + 1) * rows * k],
+            &x[h * k..(h + 1) * k],
+            rows,
+            k,
+        );
+        for i in 0..rows {
+            let err = (f64::from(y[h * rows + i]) - want[i]).abs();
+            ok &= err <= tol[i];
+            worst = worst.max(err / tol[i]);
+        }
+    }
+    row("gemv per head", "4 heads 128x64 Q8_0", worst, 1.0, ok);
+    assert!(ok, "per-head gemv");
+}
+
+#[test]
+fn matmul_dequant_cublas_matches_f64() {
+    let Some(g) = gpu("matmul_dequant_cublas_matches_f64") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("matmul");
+    let (rows, k, tokens) = (300usize, 512usize, 17usize);
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::BF16,
+        GgmlType::Q5_0,
+    ] {
+        let bytes = sane_blocks(ty, rows * k, &mut r);
+        let w = dequant_cpu(ty, &bytes);
+        let x = r.vec(tokens * k, 1.0);
+        let dw = g.upload(&bytes).unwrap();
+        let dx = g.upload(&x).unwrap();
+        let mut dy = nan_buf(&g, tokens * rows);
+        g.matmul(MatShape::new(ty, rows, k), &dw, &dx, tokens, &mut dy)
+            .unwrap();
+        let y = g.download(&dy).unwrap();
+        // cuBLAS' summation order is unspecified: the general bound gamma_k = k * 2^-24.
+        let mut worst = 0f64;
+        let mut ok = true;
+        for t in 0..tokens {
+            for i in 0..rows {
+                let wr = &w[i * k..(i + 1) * k];
+                let xt = &x[t * k..(t + 1) * k];
+                let dot: f64 = wr
+                    .iter()
+                    .zip(xt)
+                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                    .sum();
+                let mag: f64 = wr
+                    .iter()
+                    .zip(xt)
+                    .map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs())
+                    .sum();
+                let tol = (k as f64 + 2.0) * U32 * mag + 1e-30;
+                let e = (f64::from(y[t * rows + i]) - dot).abs();
+                ok &= e <= tol;
+                worst = worst.max(e / tol);
+            }
+        }
+        row(
+            &format!("matmul {ty}"),
+            &format!("{tokens}x{k} * ({rows}x{k})^T"),
+            worst,
+            1.0,
+            ok,
+        );
+        assert!(ok, "matmul {ty}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// norms, RoPE, element-wise, sampling
+
+#[test]
+fn rms_norm_and_layer_norm_match_f64() {
+    let Some(g) = gpu("rms_norm_and_layer_norm_match_f64") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("norms");
+    for n in [64usize, 256, 576, 6144] {
+        let rows = 5;
+        let x = r.vec(rows * n, 2.0);
+        let res = r.vec(rows * n, 1.0);
+        let w = r.vec(n, 1.5);
+        let b = r.vec(n, 0.5);
+        let eps = 1e-5f32;
+        let dx = g.upload(&x).unwrap();
+        let dw = g.upload(&w).unwrap();
+        let db = g.upload(&b).unwrap();
+        let dwv = dw.as_view();
+        let dbv = db.as_view();
+        // The mean of n squares in f32 (per-thread partial sums + tree): error <= (n/64 + 16)
+        // roundings relative; 1/sqrt and two products add 4; the bound is taken normwise.
+        let tol_rel = (n as f64 / 64.0 + 24.0) * U32;
+
+        let mut dy = nan_buf(&g, rows * n);
+        g.rms_norm(&dx, Some(&dwv), &mut dy, Rows::dense(rows, n), eps)
+            .unwrap();
+        let y = g.download(&dy).unwrap();
+        let mut worst = 0f64;
+        for rr in 0..rows {
+            let xr = &x[rr * n..(rr + 1) * n];
+            let ms: f64 = xr.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / n as f64;
+            let inv = 1.0 / (ms + f64::from(eps)).sqrt();
+            let want: Vec<f64> = xr
+                .iter()
+                .zip(&w)
+                .map(|(a, ww)| f64::from(*a) * inv * f64::from(*ww))
+                .collect();
+            let scale = max_abs(&want);
+            for i in 0..n {
+                worst = worst.max((f64::from(y[rr * n + i]) - want[i]).abs() / scale);
+            }
+        }
+        let ok = worst <= tol_rel;
+        row("rms_norm", &format!("{rows}x{n}"), worst, tol_rel, ok);
+        assert!(ok, "rms_norm n={n}");
+
+        // Fused residual add: res <- x + res (exact f32 add), y = rms_norm(res).
+        let mut dres = g.upload(&res).unwrap();
+        let mut dy = nan_buf(&g, rows * n);
+        g.add_rms_norm(
+            &dx,
+            &mut dres,
+            Some(&dwv),
+            &mut dy,
+            Rows::dense(rows, n),
+            eps,
+        )
+        .unwrap();
+        let h = g.download(&dres).unwrap();
+        let y = g.download(&dy).unwrap();
+        let exact = h
+            .iter()
+            .zip(x.iter().zip(&res))
+            .all(|(a, (p, q))| a.to_bits() == (p + q).to_bits());
+        let mut worst = 0f64;
+        for rr in 0..rows {
+            let hr: Vec<f32> = (0..n).map(|i| x[rr * n + i] + res[rr * n + i]).collect();
+            let ms: f64 = hr.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / n as f64;
+            let inv = 1.0 / (ms + f64::from(eps)).sqrt();
+            let want: Vec<f64> = hr
+                .iter()
+                .zip(&w)
+                .map(|(a, ww)| f64::from(*a) * inv * f64::from(*ww))
+                .collect();
+            let scale = max_abs(&want);
+            for i in 0..n {
+                worst = worst.max((f64::from(y[rr * n + i]) - want[i]).abs() / scale);
+            }
+        }
+        let ok = exact && worst <= tol_rel;
+        row("add_rms_norm", &format!("{rows}x{n}"), worst, tol_rel, ok);
+        assert!(ok, "add_rms_norm n={n} (residual exact: {exact})");
+
+        // LayerNorm: two-pass mean/variance, same error budget.
+        let mut dy = nan_buf(&g, rows * n);
+        g.layer_norm(
+            &dx,
+            Some(&dwv),
+            Some(&dbv),
+            &mut dy,
+            Rows::dense(rows, n),
+            1e-6,
+        )
+        .unwrap();
+        let y = g.download(&dy).unwrap();
+        let mut worst = 0f64;
+        for rr in 0..rows {
+            let xr: Vec<f64> = x[rr * n..(rr + 1) * n]
+                .iter()
+                .map(|v| f64::from(*v))
+                .collect();
+            let mean = xr.iter().sum::<f64>() / n as f64;
+            let var = xr.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n as f64;
+            let inv = 1.0 / (var + 1e-6).sqrt();
+            let want: Vec<f64> = (0..n)
+                .map(|i| (xr[i] - mean) * inv * f64::from(w[i]) + f64::from(b[i]))
+                .collect();
+            let scale = max_abs(&want);
+            for i in 0..n {
+                worst = worst.max((f64::from(y[rr * n + i]) - want[i]).abs() / scale);
+            }
+        }
+        let ok = worst <= tol_rel;
+        row("layer_norm", &format!("{rows}x{n}"), worst, tol_rel, ok);
+        assert!(ok, "layer_norm n={n}");
+    }
+}
+
+#[test]
+fn rope_interleaved_matches_f64() {
+    let Some(g) = gpu("rope_interleaved_matches_f64") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("rope");
+    // GLM-5 q layout: 256 per head, rope dims 192..256; and the indexer: 128 per head, rope first.
+    for (head, off, n_rot, theta) in [
+        (256usize, 192usize, 64usize, 1e6f32),
+        (128, 0, 64, 1e6),
+        (96, 64, 32, 1e4),
+    ] {
+        let pos: Vec<i32> = vec![0, 1, 5, 100, 1000, 4095, 65535, 131071];
+        let (tokens, heads) = (pos.len(), 3usize);
+        let x = r.vec(tokens * heads * head, 1.0);
+        let inv = kernels::rope_inv_freq(theta, n_rot);
+        let dpos = g.upload(&pos).unwrap();
+        let dinv = g.upload(&inv).unwrap();
+        let layout = RopeLayout {
+            tokens,
+            heads,
+            tok_stride: heads * head,
+            head_stride: head,
+            offset: off,
+            n_rot,
+        };
+        for deint in [false, true] {
+            let mut dx = g.upload(&x).unwrap();
+            g.rope(&mut dx, layout, &dpos, &dinv, deint).unwrap();
+            let y = g.download(&dx).unwrap();
+            // Oracle: the f32 angle pos * inv_freq (as HF and the kernel form it), then f64
+            // sin/cos. sincosf is within 2 ulps; two products and a sum add 3 roundings.
+            let mut worst = 0f64;
+            let mut untouched = true;
+            for s in 0..tokens {
+                for h in 0..heads {
+                    let base = s * heads * head + h * head;
+                    for j in 0..n_rot / 2 {
+                        let ang = f64::from(pos[s] as f32 * inv[j]);
+                        let (sn, cs) = ang.sin_cos();
+                        let x1 = f64::from(x[base + off + 2 * j]);
+                        let x2 = f64::from(x[base + off + 2 * j + 1]);
+                        let (o1, o2) = (x1 * cs - x2 * sn, x2 * cs + x1 * sn);
+                        let (g1, g2) = if deint {
+                            (y[base + off + j], y[base + off + n_rot / 2 + j])
+                        } else {
+                            (y[base + off + 2 * j], y[base + off + 2 * j + 1])
+                        };
+                        worst = worst
+                            .max((f64::from(g1) - o1).abs())
+                            .max((f64::from(g2) - o2).abs());
+                    }
+                    for i in (0..head).filter(|i| *i < off || *i >= off + n_rot) {
+                        untouched &= y[base + i].to_bits() == x[base + i].to_bits();
+                    }
+                }
+            }
+            let tol = 8.0 * U32 * 2.0; // |x| <= 1: 5 roundings + 2 ulps of sin/cos, doubled
+            let ok = untouched && worst <= tol;
+            row(
+                &format!("rope{}", if deint { " (HF order)" } else { "" }),
+                &format!("{tokens} tok x {heads} heads, {n_rot} of {head} at {off}"),
+                worst,
+                tol,
+                ok,
+            );
+            assert!(ok, "rope head={head} deint={deint} untouched={untouched}");
+        }
+    }
+}
+
+#[test]
+fn elementwise_ops_match_f64() {
+    let Some(g) = gpu("elementwise_ops_match_f64") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("elementwise");
+    let (rows, n) = (3usize, 2048usize);
+    let gate = r.vec(rows * n, 8.0);
+    let up = r.vec(rows * n, 2.0);
+    let dg = g.upload(&gate).unwrap();
+    let du = g.upload(&up).unwrap();
+    let mut dout = nan_buf(&g, rows * n);
+    g.silu_mul(&dg, &du, &mut dout, Rows3::dense(rows, n))
+        .unwrap();
+    let out = g.download(&dout).unwrap();
+    // expf (<= 2 ulps), one add, one division, one product: relative 6 ulps.
+    let tol = 6.0 * U32;
+    let worst = (0..rows * n)
+        .map(|i| {
+            let gv = f64::from(gate[i]);
+            let want = gv / (1.0 + (-gv).exp()) * f64::from(up[i]);
+            (f64::from(out[i]) - want).abs() / want.abs().max(1e-30)
+        })
+        .fold(0f64, f64::max);
+    row("silu_mul", &format!("{rows}x{n}"), worst, tol, worst <= tol);
+    assert!(worst <= tol);
+
+    // add / add_assign / scale are single IEEE operations: bit-exact with the CPU.
+    let a = r.vec(5000, 3.0);
+    let b = r.vec(5000, 3.0);
+    let da = g.upload(&a).unwrap();
+    let db = g.upload(&b).unwrap();
+    let mut dy = nan_buf(&g, 5000);
+    g.add(&da, &db, &mut dy, 5000).unwrap();
+    let y = g.download(&dy).unwrap();
+    let ok_add = y
+        .iter()
+        .zip(a.iter().zip(&b))
+        .all(|(v, (p, q))| v.to_bits() == (p + q).to_bits());
+    let mut dacc = g.upload(&a).unwrap();
+    g.add_assign(&mut dacc, &db, 5000).unwrap();
+    let acc = g.download(&dacc).unwrap();
+    let ok_acc = acc
+        .iter()
+        .zip(a.iter().zip(&b))
+        .all(|(v, (p, q))| v.to_bits() == (p + q).to_bits());
+    g.scale(&da, 0.37, &mut dy, 5000).unwrap();
+    let y = g.download(&dy).unwrap();
+    let ok_scale = y
+        .iter()
+        .zip(&a)
+        .all(|(v, p)| v.to_bits() == (p * 0.37).to_bits());
+    let mut dc = nan_buf(&g, 4 * 10);
+    g.copy_rows(&da, 100, &mut dc, 10, 4, 10).unwrap();
+    let c = g.download(&dc).unwrap();
+    let ok_copy =
+        (0..4).all(|rr| (0..10).all(|i| c[rr * 10 + i].to_bits() == a[rr * 100 + i].to_bits()));
+    let mut dbf = g.upload(&vec![0u16; 5000]).unwrap();
+    g.to_bf16(&da, &mut dbf, 5000).unwrap();
+    let bf = g.download(&dbf).unwrap();
+    let ok_bf = bf
+        .iter()
+        .zip(&a)
+        .all(|(v, p)| *v == half::bf16::from_f32(*p).to_bits());
+    let ok = ok_add && ok_acc && ok_scale && ok_copy && ok_bf;
+    row(
+        "add/add_assign/scale/copy_rows/to_bf16",
+        "5000",
+        0.0,
+        0.0,
+        ok,
+    );
+    assert!(
+        ok,
+        "add {ok_add} add_assign {ok_acc} scale {ok_scale} copy {ok_copy} bf16 {ok_bf}"
+    );
+}
+
+#[test]
+fn argmax_ties_nan_and_vocab_size() {
+    let Some(g) = gpu("argmax_ties_nan_and_vocab_size") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("argmax");
+    let n = 154_880usize; // GLM-5 vocabulary
+    let rows = 4;
+    let mut x = r.vec(rows * n, 10.0);
+    // row 0: a tie at 70000 and 12: the lower index wins.
+    x[12] = 50.0;
+    x[70000] = 50.0;
+    // row 1: NaNs everywhere but one finite maximum; NaN never wins.
+    for i in 0..n {
+        if i % 3 != 0 {
+            x[n + i] = f32::NAN;
+        }
+    }
+    x[n + 99_999] = 100.0;
+    // row 2: all -inf -> index 0.
+    for v in &mut x[2 * n..3 * n] {
+        *v = f32::NEG_INFINITY;
+    }
+    let dx = g.upload(&x).unwrap();
+    let mut dout = g.upload(&vec![-7i32; rows]).unwrap();
+    g.argmax(&dx, rows, n, n, &mut dout).unwrap();
+    let got = g.download(&dout).unwrap();
+    let mut want = vec![12, 99_999, 0, 0];
+    let r3 = &x[3 * n..4 * n];
+    want[3] = (0..n).fold(0, |b, i| if r3[i] > r3[b] { i } else { b }) as i32;
+    let ok = got == want;
+    row(
+        "argmax",
+        &format!("{rows}x{n} (ties, NaN, -inf)"),
+        0.0,
+        0.0,
+        ok,
+    );
+    assert_eq!(got, want);
+}
+
+// ---------------------------------------------------------------------------------------------
+// MoE routing and combination
+
+/// The router as HF computes it (spec §1.10), in f32; returns (ids, weights) per token.
+fn route_cpu(logits: &[f32], bias: &[f32], c: RouterConfig) -> (Vec<i32>, Vec<f32>, Vec<f32>) {
+    let e = c.n_experts;
+    let s: Vec<f32> = logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect();
+    let mut choice: Vec<f32> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
+    let choice_unmasked = choice.clone();
+    if c.n_group > 1 && c.topk_group < c.n_group {
+        let gs = e / c.n_group;
+        let gscore: Vec<f32> = (0..c.n_group)
+            .map(|gi| {
+                let mut v: Vec<f32> = choice[gi * gs..(gi + 1) * gs].to_vec();
+                v.sort_by(|a, b| b.total_cmp(a));
+                if gs >= 2 {
+                    v[0] + v[1]
+                } else {
+                    v[0]
+                }
+            })
+            .collect();
+        let mut keep = vec![false; c.n_group];
+        for _ in 0..c.topk_group {
+            let best =
+                (0..c.n_group)
+                    .filter(|gi| !keep[*gi])
+                    .fold(None::<usize>, |b, gi| match b {
+                        Some(bi) if gscore[bi] >= gscore[gi] => Some(bi),
+                        _ => Some(gi),
+                    });
+            if let Some(bi) = best {
+                keep[bi] = true;
+            }
+        }
+        for (i, v) in choice.iter_mut().enumerate() {
+            if !keep[i / gs] {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+    }
+    let mut taken = vec![false; e];
+    let mut ids = Vec::new();
+    for _ in 0..c.top_k {
+        let mut best: Option<usize> = None;
+        for i in 0..e {
+            if taken[i] {
+                continue;
+            }
+            best = match best {
+                Some(b) if choice[b] >= choice[i] => Some(b),
+                _ => Some(i),
+            };
+        }
+        let b = best.unwrap_or(0);
+        taken[b] = true;
+        ids.push(b as i32);
+    }
+    let sum: f32 = ids.iter().map(|&i| s[i as usize]).sum();
+    let w = ids
+        .iter()
+        .map(|&i| {
+            let v = s[i as usize];
+            (if c.norm { v / (sum + 1e-20) } else { v }) * c.scale
+        })
+        .collect();
+    (ids, w, choice_unmasked)
+}
+
+#[test]
+fn moe_router_matches_cpu() {
+    let Some(g) = gpu("moe_router_matches_cpu") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("moe_router");
+    let configs = [
+        // GLM-5: 256 experts, 8 per token, no group limit (n_group = topk_group = 1).
+        RouterConfig {
+            n_experts: 256,
+            n_group: 1,
+            topk_group: 1,
+            top_k: 8,
+            norm: true,
+            scale: 2.5,
+        },
+        // DeepSeek-V3 style group limit.
+        RouterConfig {
+            n_experts: 256,
+            n_group: 8,
+            topk_group: 4,
+            top_k: 8,
+            norm: true,
+            scale: 2.5,
+        },
+        // tiny-glm5 fixture: 6 experts, 2 groups, top-1 group, top-2 experts.
+        RouterConfig {
+            n_experts: 6,
+            n_group: 2,
+            topk_group: 1,
+            top_k: 2,
+            norm: true,
+            scale: 2.5,
+        },
+    ];
+    for c in configs {
+        let tokens = 64;
+        let e = c.n_experts;
+        let mut logits = r.vec(tokens * e, 4.0);
+        let bias = r.vec(e, 0.05);
+        // Planted exact ties: expert e-1 copies expert 0's logit and bias-free score, so their
+        // biased scores tie only when the biases do; make bias equal too on token 0.
+        let mut bias_t = bias.clone();
+        bias_t[e - 1] = bias_t[0];
+        logits[e - 1] = logits[0];
+        let dl = g.upload(&logits).unwrap();
+        let db = g.upload(&bias_t).unwrap();
+        let dbv = db.as_view();
+        let mut dids = g.upload(&vec![-1i32; tokens * c.top_k]).unwrap();
+        let mut dw = nan_buf(&g, tokens * c.top_k);
+        g.moe_route(&dl, tokens, e, Some(&dbv), c, &mut dids, &mut dw)
+            .unwrap();
+        let ids = g.download(&dids).unwrap();
+        let w = g.download(&dw).unwrap();
+        let mut ok = true;
+        let mut worst = 0f64;
+        for t in 0..tokens {
+            let (cid, cw, choice) = route_cpu(&logits[t * e..(t + 1) * e], &bias_t, c);
+            let gid = &ids[t * c.top_k..(t + 1) * c.top_k];
+            if gid != cid.as_slice() {
+                // Accept only a swap between candidates whose biased scores are within 2 ulps
+                // (expf may differ from the CPU's exp by an ulp).
+                let near = gid.iter().zip(&cid).all(|(a, b)| {
+                    a == b
+                        || (choice[*a as usize] - choice[*b as usize]).abs()
+                            <= 2.0 * f32::EPSILON * choice[*b as usize].abs()
+                });
+                ok &= near;
+                continue;
+            }
+            for k in 0..c.top_k {
+                // sigmoid (expf 2 ulps + add + div), sum of top_k, division, scale: ~12 ulps.
+                let rel = (f64::from(w[t * c.top_k + k]) - f64::from(cw[k])).abs()
+                    / f64::from(cw[k]).abs().max(1e-30);
+                worst = worst.max(rel);
+            }
+        }
+        let tol = 12.0 * U32 * 2.0;
+        ok &= worst <= tol;
+        row(
+            "moe_router",
+            &format!(
+                "{} experts, groups {}/{}, top-{}",
+                e, c.topk_group, c.n_group, c.top_k
+            ),
+            worst,
+            tol,
+            ok,
+        );
+        assert!(ok, "router {c:?}");
+    }
+}
+
+#[test]
+fn moe_combine_matches_f64() {
+    let Some(g) = gpu("moe_combine_matches_f64") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("moe_combine");
+    let (tokens, top_k, d) = (5usize, 8usize, 700usize);
+    let y = r.vec(tokens * top_k * d, 1.0);
+    let w = r.vec(tokens * top_k, 1.0);
+    let base = r.vec(tokens * d, 1.0);
+    let dy = g.upload(&y).unwrap();
+    let dw = g.upload(&w).unwrap();
+    let mut dout = g.upload(&base).unwrap();
+    g.moe_combine(&dy, d, &dw, tokens, top_k, d, &mut dout, d, true)
+        .unwrap();
+    let out = g.download(&dout).unwrap();
+    let mut worst = 0f64;
+    for t in 0..tokens {
+        for i in 0..d {
+            let mut mag = f64::from(base[t * d + i]).abs();
+            let mut want = f64::from(base[t * d + i]);
+            for k in 0..top_k {
+                let p = f64::from(w[t * top_k + k]) * f64::from(y[(t * top_k + k) * d + i]);
+                want += p;
+                mag += p.abs();
+            }
+            worst = worst.max((f64::from(out[t * d + i]) - want).abs() / (mag * U32));
+        }
+    }
+    // top_k FMAs plus the final add: (top_k + 2) roundings of the magnitude sum.
+    let tol = top_k as f64 + 2.0;
+    row(
+        "moe_combine",
+        &format!("{tokens} tok x top-{top_k} x {d}"),
+        worst,
+        tol,
+        worst <= tol,
+    );
+    assert!(worst <= tol);
+}
+
+// ---------------------------------------------------------------------------------------------
+// MLA attention, DSA indexer, top-k
+
+/// f64 absorbed attention for one (token, head): softmax over the allowed keys.
+fn mla_cpu(
+    q: &[f32],
+    kv: &[f32],
+    kv_stride: usize,
+    d_qk: usize,
+    d_v: usize,
+    keys: &[usize],
+    scale: f32,
+) -> Vec<f64> {
+    if keys.is_empty() {
+        return vec![0.0; d_v];
+    }
+    let scores: Vec<f64> = keys
+        .iter()
+        .map(|&t| {
+            let kr = &kv[t * kv_stride..t * kv_stride + d_qk];
+            q.iter()
+                .zip(kr)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum::<f64>()
+                * f64::from(scale)
+        })
+        .collect();
+    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let p: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+    let z: f64 = p.iter().sum();
+    let mut o = vec![0f64; d_v];
+    for (pi, &t) in p.iter().zip(keys) {
+        for (d, ov) in o.iter_mut().enumerate() {
+            *ov += pi / z * f64::from(kv[t * kv_stride + d]);
+        }
+    }
+    o
+}
+
+#[test]
+fn mla_attention_dense_and_sparse() {
+    let Some(g) = gpu("mla_attention_dense_and_sparse") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("mla_attention");
+    // (heads, d_qk, d_v, T): the tiny fixture (4 heads, 256+32), and GLM-5 (64 heads, 512+64).
+    for (heads, d_qk, d_v, t_len) in [(4usize, 288usize, 256usize, 70usize), (64, 576, 512, 300)] {
+        let kv_stride = d_qk;
+        let kv = r.vec(t_len * kv_stride, 1.0);
+        let scale = 1.0 / (d_qk as f32).sqrt();
+        // prefill-like: every position; decode: the last position only.
+        let pos_all: Vec<i32> = (0..t_len as i32).collect();
+        for (label, pos) in [
+            ("prefill", pos_all.clone()),
+            ("decode", vec![t_len as i32 - 1]),
+        ] {
+            let s_len = pos.len();
+            let q = r.vec(s_len * heads * d_qk, 1.0);
+            let dq = g.upload(&q).unwrap();
+            let dkv = g.upload(&kv).unwrap();
+            let dpos = g.upload(&pos).unwrap();
+            let shape = MlaShape {
+                tokens: s_len,
+                heads,
+                d_qk,
+                d_v,
+                q_tok_stride: heads * d_qk,
+                q_head_stride: d_qk,
+                kv_stride,
+                kv_len: t_len,
+                o_tok_stride: heads * d_v,
+                o_head_stride: d_v,
+                scale,
+            };
+            // Sparse lists: 32 slots per query, some -1, some in the future (must stay masked),
+            // some duplicates are avoided so the CPU set matches the list.
+            let n_keys = 32usize;
+            let mut idx = vec![-1i32; s_len * n_keys];
+            let mut allowed: Vec<Vec<usize>> = Vec::new();
+            for s in 0..s_len {
+                let mut chosen: Vec<usize> = Vec::new();
+                for j in 0..n_keys {
+                    let cand = r.below(t_len);
+                    if j % 7 == 3 || chosen.contains(&cand) {
+                        continue; // leave -1
+                    }
+                    idx[s * n_keys + j] = cand as i32;
+                    chosen.push(cand);
+                }
+                allowed.push(chosen.into_iter().filter(|&t| t as i32 <= pos[s]).collect());
+            }
+            let didx = g.upload(&idx).unwrap();
+            let didx_v = didx.as_view();
+            for sparse in [false, true] {
+                let mut dout = nan_buf(&g, s_len * heads * d_v);
+                let keys = sparse.then_some(KeyLists {
+                    idx: &didx_v,
+                    n_keys,
+                    stride: n_keys,
+                });
+                g.mla_attention(&dq, &dkv, &dpos, keys, &mut dout, shape)
+                    .unwrap();
+                let out = g.download(&dout).unwrap();
+                let mut worst = 0f64;
+                for s in 0..s_len {
+                    let keys_cpu: Vec<usize> = if sparse {
+                        allowed[s].clone()
+                    } else {
+                        (0..=pos[s] as usize).collect()
+                    };
+                    for h in 0..heads {
+                        let qh = &q[(s * heads + h) * d_qk..(s * heads + h + 1) * d_qk];
+                        let want = mla_cpu(qh, &kv, kv_stride, d_qk, d_v, &keys_cpu, scale);
+                        let got = &out[(s * heads + h) * d_v..(s * heads + h + 1) * d_v];
+                        let sc = max_abs(&want).max(1e-30);
+                        for d in 0..d_v {
+                            worst = worst.max((f64::from(got[d]) - want[d]).abs() / sc);
+                        }
+                    }
+                }
+                // Scores: d_qk/32 sequential products per lane + 5 tree adds; |score| <= ~3 with
+                // these inputs, so exp() amplifies an absolute score error e by (1+e); softmax
+                // and the weighted sum add T roundings: ~(d_qk/32 + T + 16) * 2^-24 * 8, normwise.
+                let tol = (d_qk as f64 / 32.0 + t_len as f64 + 16.0) * U32 * 8.0;
+                let ok = out.iter().all(|v| v.is_finite()) && worst <= tol;
+                row(
+                    &format!(
+                        "mla_attention {label}{}",
+                        if sparse { " sparse" } else { "" }
+                    ),
+                    &format!("{heads} heads, d {d_qk}/{d_v}, T {t_len}, S {s_len}"),
+                    worst,
+                    tol,
+                    ok,
+                );
+                assert!(ok, "mla {label} sparse={sparse} heads={heads}");
+            }
+        }
+    }
+}
+
+fn indexer_cpu(
+    q: &[f32],
+    k: &[f32],
+    w: &[f32],
+    heads: usize,
+    dim: usize,
+    t_len: usize,
+    pos: i32,
+    scale: f32,
+) -> Vec<f64> {
+    (0..t_len)
+        .map(|t| {
+            if t as i32 > pos {
+                return f64::NEG_INFINITY;
+            }
+            (0..heads)
+                .map(|h| {
+                    let dot: f64 = (0..dim)
+                        .map(|i| f64::from(q[h * dim + i]) * f64::from(k[t * dim + i]))
+                        .sum();
+                    f64::from(w[h]) * (dot * f64::from(scale)).max(0.0)
+                })
+                .sum()
+        })
+        .collect()
+}
+
+/// Reference selection: the k largest (ties to the lower index), ascending index order.
+fn topk_cpu(x: &[f32], k: usize) -> Vec<i32> {
+    let mut cand: Vec<usize> = (0..x.len())
+        .filter(|&i| !x[i].is_nan() && x[i] != f32::NEG_INFINITY)
+        .collect();
+    if cand.len() > k {
+        cand.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+        cand.truncate(k);
+        cand.sort();
+    }
+    let mut out: Vec<i32> = cand.into_iter().map(|i| i as i32).collect();
+    out.resize(k, -1);
+    out
+}
+
+#[test]
+fn indexer_scores_and_topk() {
+    let Some(g) = gpu("indexer_scores_and_topk") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("indexer");
+    // (heads, dim, T, top-k, query positions): the fixture (4 x 64, top-32) and GLM-5 (32 x 128,
+    // top-2048) with contexts crossing 2048 and 4096.
+    for (heads, dim, t_len, k, pos) in [
+        (4usize, 64usize, 121usize, 32usize, vec![120i32, 31, 10]),
+        (32, 128, 5000, 2048, vec![4999, 4096, 2048, 2047, 1000]),
+    ] {
+        let s_len = pos.len();
+        let q = r.vec(s_len * heads * dim, 1.0);
+        let kc = r.vec(t_len * dim, 1.0);
+        let w: Vec<f32> = r
+            .vec(s_len * heads, 1.0)
+            .iter()
+            .map(|v| v / (heads as f32).sqrt())
+            .collect();
+        let scale = 1.0 / (dim as f32).sqrt();
+        let dq = g.upload(&q).unwrap();
+        let dk = g.upload(&kc).unwrap();
+        let dw = g.upload(&w).unwrap();
+        let dpos = g.upload(&pos).unwrap();
+        let mut dsc = nan_buf(&g, s_len * t_len);
+        let sh = IndexerShape {
+            tokens: s_len,
+            heads,
+            dim,
+            q_stride: heads * dim,
+            k_stride: dim,
+            kv_len: t_len,
+            w_stride: heads,
+            out_stride: t_len,
+            scale,
+        };
+        g.indexer_scores(&dq, &dk, &dw, &dpos, &mut dsc, sh)
+            .unwrap();
+        let sc = g.download(&dsc).unwrap();
+        let mut worst = 0f64;
+        let mut masks_ok = true;
+        let mut cpu_scores = Vec::new();
+        for s in 0..s_len {
+            let want = indexer_cpu(
+                &q[s * heads * dim..],
+                &kc,
+                &w[s * heads..],
+                heads,
+                dim,
+                t_len,
+                pos[s],
+                scale,
+            );
+            let finite: Vec<f64> = want.iter().cloned().filter(|v| v.is_finite()).collect();
+            let mag = max_abs(&finite).max(1e-30);
+            for t in 0..t_len {
+                let gv = sc[s * t_len + t];
+                if want[t].is_finite() {
+                    worst = worst.max((f64::from(gv) - want[t]).abs() / mag);
+                } else {
+                    masks_ok &= gv == f32::NEG_INFINITY;
+                }
+            }
+            cpu_scores.push((want, mag));
+        }
+        // Per head: dim/32 products per lane + 5 tree adds, then H weighted terms summed in
+        // order: (dim/32 + heads + 8) roundings of the magnitude, taken normwise (x4 margin for
+        // the head sum's magnitude exceeding the result's).
+        let tol = (dim as f64 / 32.0 + heads as f64 + 8.0) * U32 * 4.0;
+        let ok = masks_ok && worst <= tol;
+        row(
+            "indexer_scores",
+            &format!("{heads}x{dim}, T {t_len}, S {s_len}"),
+            worst,
+            tol,
+            ok,
+        );
+        assert!(ok, "indexer scores (masks ok: {masks_ok})");
+
+        // Top-k on the GPU's own scores must equal the reference selection exactly.
+        let mut dsel = g.upload(&vec![-7i32; s_len * k]).unwrap();
+        let mut dcnt = g.upload(&vec![-7i32; s_len]).unwrap();
+        let mut dcnt_v = dcnt.as_view_mut();
+        g.topk(&dsc, s_len, t_len, t_len, k, &mut dsel, Some(&mut dcnt_v))
+            .unwrap();
+        let sel = g.download(&dsel).unwrap();
+        let cnt = g.download(&dcnt).unwrap();
+        let mut ok = true;
+        let mut near_tie_diffs = 0usize;
+        for s in 0..s_len {
+            let want = topk_cpu(&sc[s * t_len..(s + 1) * t_len], k);
+            let got = &sel[s * k..(s + 1) * k];
+            ok &= got == want.as_slice();
+            ok &= cnt[s] as usize == want.iter().filter(|v| **v >= 0).count();
+            // Against the f64 scores: the sets may differ only where a score is within the
+            // scoring tolerance of the k-th largest.
+            let (cpu, mag) = &cpu_scores[s];
+            let cpu32: Vec<f32> = cpu.iter().map(|v| *v as f32).collect();
+            let want64 = topk_cpu(&cpu32, k);
+            let mut vals: Vec<f64> = cpu.iter().cloned().filter(|v| v.is_finite()).collect();
+            vals.sort_by(|a, b| b.total_cmp(a));
+            let kth = vals
+                .get(k.saturating_sub(1))
+                .cloned()
+                .unwrap_or(f64::NEG_INFINITY);
+            for i in got.iter().chain(&want64) {
+                if *i >= 0 && (got.contains(i) != want64.contains(i)) {
+                    near_tie_diffs += 1;
+                    ok &= (cpu[*i as usize] - kth).abs() <= tol * mag;
+                }
+            }
+        }
+        row(
+            "topk",
+            &format!("T {t_len}, k {k}, S {s_len} ({near_tie_diffs} near-tie swaps)"),
+            0.0,
+            0.0,
+            ok,
+        );
+        assert!(ok, "topk");
+    }
+
+    // Heavy ties: values from a set of 5, n crossing 4096, k = 2048: ties go to lower indices.
+    let n = 4103usize;
+    let rows = 3usize;
+    let mut x: Vec<f32> = (0..rows * n).map(|_| (r.below(5) as f32) - 2.0).collect();
+    for i in 0..n {
+        if i % 11 == 0 {
+            x[n + i] = f32::NEG_INFINITY;
+        }
+        if i % 13 == 0 {
+            x[2 * n + i] = f32::NAN;
+        }
+    }
+    let dx = g.upload(&x).unwrap();
+    let mut dsel = g.upload(&vec![-7i32; rows * 2048]).unwrap();
+    g.topk(&dx, rows, n, n, 2048, &mut dsel, None).unwrap();
+    let sel = g.download(&dsel).unwrap();
+    let ok = (0..rows)
+        .all(|s| sel[s * 2048..(s + 1) * 2048] == topk_cpu(&x[s * n..(s + 1) * n], 2048)[..]);
+    row(
+        "topk ties",
+        &format!("{rows}x{n}, k 2048, 5 distinct values, -inf/NaN"),
+        0.0,
+        0.0,
+        ok,
+    );
+    assert!(ok, "topk with ties");
+}
