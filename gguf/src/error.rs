@@ -60,6 +60,8 @@ pub enum Error {
     ArrayTooDeep { at: Location, key: String, max: usize },
     #[error("{at}: key {key:?}: unknown value type id {id}")]
     UnknownValueType { at: Location, key: String, id: u32 },
+    #[error("{at}: key {key:?}: decoded metadata would exceed {max} bytes of memory")]
+    MetadataTooLarge { at: Location, key: String, max: u64 },
     #[error("{at}: empty metadata key")]
     EmptyKey { at: Location },
     #[error("{at}: duplicate metadata key {key:?}")]

@@ -19,6 +19,9 @@ pub const MAX_ARRAY_ELEMENTS: u64 = 1 << 30;
 /// a hostile file cannot recurse without bound.
 pub const MAX_ARRAY_DEPTH: usize = 4;
 pub const MAX_DIMS: u32 = 4;
+/// Cap on the heap the decoded metadata of one file may take (GLM-5's 154,880-token vocabulary
+/// and merges take ~20 MiB).
+pub const MAX_METADATA_HEAP: u64 = 1 << 30;
 /// `GGML_MAX_NAME` is 64 including the NUL terminator.
 pub const MAX_TENSOR_NAME: usize = 63;
 /// Fewest bytes a key/value pair (key length, empty key, type, 1-byte value) or a tensor info
@@ -257,7 +260,24 @@ fn check_count<I: Input>(
     Ok(())
 }
 
-fn read_value<I: Input>(i: &mut I, key: &str, ty: ValueType, depth: usize) -> Result<Value> {
+fn read_value<I: Input>(
+    i: &mut I,
+    key: &str,
+    ty: ValueType,
+    depth: usize,
+    budget: &mut u64,
+) -> Result<Value> {
+    // Each decoded value costs a `Value` (plus its string bytes) on the heap: a file of 1 GiB of
+    // U8 array elements would otherwise cost ~32 GiB. Real models need tens of MiB.
+    let cost = std::mem::size_of::<Value>() as u64;
+    if *budget < cost {
+        return Err(Error::MetadataTooLarge {
+            at: i.loc(),
+            key: key.to_string(),
+            max: MAX_METADATA_HEAP,
+        });
+    }
+    *budget -= cost;
     let what = format!("value of {key:?}");
     Ok(match ty {
         ValueType::U8 => Value::U8(i.take(1, &what)?[0]),
@@ -278,7 +298,11 @@ fn read_value<I: Input>(i: &mut I, key: &str, ty: ValueType, depth: usize) -> Re
         ValueType::U64 => Value::U64(u64_at(i, &what)?),
         ValueType::I64 => Value::I64(u64_at(i, &what)? as i64),
         ValueType::F64 => Value::F64(f64::from_bits(u64_at(i, &what)?)),
-        ValueType::String => Value::String(read_string(i, &what)?),
+        ValueType::String => {
+            let s = read_string(i, &what)?;
+            *budget = budget.saturating_sub(s.len() as u64);
+            Value::String(s)
+        }
         ValueType::Array => {
             let at = i.loc();
             if depth >= MAX_ARRAY_DEPTH {
@@ -307,7 +331,7 @@ fn read_value<I: Input>(i: &mut I, key: &str, ty: ValueType, depth: usize) -> Re
             check_count(i, &count_at, "array element", count, elem_type.min_size())?;
             let mut values = Vec::with_capacity((count as usize).min(1 << 16));
             for _ in 0..count {
-                values.push(read_value(i, key, elem_type, depth + 1)?);
+                values.push(read_value(i, key, elem_type, depth + 1, budget)?);
             }
             Value::Array(Array { elem_type, values })
         }
@@ -354,6 +378,7 @@ fn parse<I: Input>(i: &mut I) -> Result<Header> {
     let mut entries: Vec<(String, Value)> = Vec::with_capacity((n_kv as usize).min(1 << 12));
     let mut keys = HashSet::new();
     let mut alignment = DEFAULT_ALIGNMENT;
+    let mut budget = MAX_METADATA_HEAP;
     for _ in 0..n_kv {
         let at = i.loc();
         let key = read_string(i, "metadata key")?;
@@ -370,7 +395,7 @@ fn parse<I: Input>(i: &mut I) -> Result<Header> {
             key: key.clone(),
             id: tid,
         })?;
-        let value = read_value(i, &key, ty, 0)?;
+        let value = read_value(i, &key, ty, 0, &mut budget)?;
         if key == "general.alignment" {
             match value {
                 Value::U32(a) if a != 0 && a.is_power_of_two() => alignment = a as u64,

@@ -53,7 +53,7 @@ pub fn plan(sizes: &[u64], max_tensors: Option<usize>, max_bytes: Option<u64>) -
     let mut cur = 0u64;
     for (i, &sz) in sizes.iter().enumerate() {
         let padded = sz.div_ceil(32) * 32;
-        let by_count = max_tensors.is_some_and(|n| n > 0 && i > start && (i - start) % n == 0);
+        let by_count = max_tensors.is_some_and(|n| n > 0 && i > start && (i - start).is_multiple_of(n));
         let by_size = max_bytes.is_some_and(|m| i > start && cur + padded > m);
         if by_count || by_size {
             out.push(start..i);

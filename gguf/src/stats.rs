@@ -204,7 +204,7 @@ fn task_generic<K: Kernel, const AVX2: bool>(ty: GgmlType, data: &[u8], t: &Tabl
         let Some(values) = buf.get_mut(..n) else {
             break; // unreachable: block sizes divide SUB
         };
-        K::row(ty, chunk, values, t);
+        K::row::<AVX2>(ty, chunk, values, t);
         acc = merge(acc, chunk_stats::<AVX2>(values));
     }
     acc

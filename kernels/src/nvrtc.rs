@@ -144,7 +144,11 @@ pub fn compile(op: Op, arch: &str, verbose: bool) -> Result<Compiled, KernelErro
         .map_err(nvrtc_err("nvrtcGetCUBIN"))?;
     // SAFETY: compiled program.
     let ptx = unsafe { result::get_ptx(guard.0) }.map_err(nvrtc_err("nvrtcGetPTX"))?;
-    let ptx: Vec<u8> = ptx.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    let ptx: Vec<u8> = ptx
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
     Ok(Compiled {
         op,
         arch: arch.to_string(),

@@ -383,9 +383,7 @@ fn materialize(model: &Model, item: &Item) -> Result<Buf, MappingError> {
                     let ne1 = dims[1];
                     let s = (*x as usize) * ne1;
                     (
-                        Cow::Owned(
-                            pick_rows(data, row_bytes, s..s + ne1).map_err(bad)?,
-                        ),
+                        Cow::Owned(pick_rows(data, row_bytes, s..s + ne1).map_err(bad)?),
                         ne1,
                     )
                 }
@@ -588,7 +586,7 @@ pub fn export_safetensors(
     progress: &mut dyn FnMut(Progress) -> bool,
 ) -> Result<ExportSummary, MappingError> {
     if out.exists() && !opts.overwrite {
-        return Err(io(out, "already exists (pass overwrite to replace it)"));
+        return Err(io(out, "already exists"));
     }
     let part = partial_path(out);
     if part.exists() {

@@ -230,6 +230,19 @@ fn chat_completion_plain_and_reasoning() {
     let m = &v["choices"][0]["message"];
     assert_eq!(m["reasoning_content"], "qrst");
     assert_eq!(m["content"], "uvwxyz");
+
+    // chat_template_kwargs reach the template: thinking switched off, no reasoning.
+    let r = http::post(
+        s.addr,
+        "/v1/chat/completions",
+        &greedy(json!({"messages": [{"role": "system", "content": "think"},
+                                    {"role": "user", "content": "hi"}],
+                       "chat_template_kwargs": {"enable_thinking": false}})),
+    );
+    let v = r.json();
+    let m = &v["choices"][0]["message"];
+    assert!(m.get("reasoning_content").is_none(), "{v}");
+    assert_eq!(m["content"], format!("a{ALPHABET_AFTER_A}"));
 }
 
 #[test]
@@ -323,6 +336,10 @@ fn bad_requests_get_openai_errors() {
         ("/v1/completions", json!({"prompt": "x", "max_tokens": 100})),
         ("/v1/completions", json!([1, 2])),
         ("/v1/chat/completions", json!({"messages": "hi"})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 5}),
+        ),
         (
             "/v1/chat/completions",
             json!({"messages": [{"role": "tool", "content": "x"}]}),

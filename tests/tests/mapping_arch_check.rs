@@ -36,8 +36,11 @@ fn fixture_ggufs_have_the_glm_dsa_layout() {
     }
 }
 
+type Meta = BTreeMap<String, MetaVal>;
+type Tensors = Vec<(String, Vec<u64>)>;
+
 /// The BF16 fixture's metadata and tensor list, for mutation.
-fn parts() -> Option<(BTreeMap<String, MetaVal>, Vec<(String, Vec<u64>)>)> {
+fn parts() -> Option<(Meta, Tensors)> {
     let p = gguf_fixture("tiny-glm5-BF16.gguf")?;
     let m = gguf::Model::open(&p).unwrap();
     let meta = m

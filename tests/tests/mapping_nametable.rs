@@ -159,3 +159,44 @@ fn both_directions_give_the_same_rows_as_the_converter() {
     assert_eq!(kinds(Kind::KvB), 4);
     assert_eq!(kinds(Kind::Experts), 9);
 }
+
+#[test]
+fn every_fixture_gguf_maps_to_the_converters_rows() {
+    let Some(nt) = load("nametable-tiny-glm5.json") else {
+        return;
+    };
+    let t = table("glm-dsa").unwrap();
+    let mut want: BTreeMap<Vec<String>, Vec<String>> = BTreeMap::new();
+    for (hf, g) in recorded(&nt) {
+        want.entry(g.into_iter().map(|(n, _)| n).collect())
+            .or_default()
+            .push(hf);
+    }
+    for f in [
+        "gguf/tiny-glm5-BF16.gguf",
+        "gguf/tiny-glm5-Q8_0.gguf",
+        "gguf/tiny-glm5-Q6_K.gguf",
+        "gguf/tiny-glm5-Q4_K_M.gguf",
+        "gguf/split/tiny-glm5-Q4_K_M-00003-of-00003.gguf",
+    ] {
+        let Some(p) = gguftool_tests::fixture_or_skip(f, "mapping_nametable") else {
+            continue;
+        };
+        let m = gguf::Model::open(p).unwrap();
+        let g: Vec<GgufName> = m
+            .tensors()
+            .map(|r| GgufName {
+                name: &r.info.name,
+                dims: Some(&r.info.dims),
+            })
+            .collect();
+        let map = map_gguf_names(t, &g, None);
+        assert!(
+            map.unmapped.is_empty() && map.notes.is_empty(),
+            "{f}: {map:?}"
+        );
+        let got: BTreeMap<Vec<String>, Vec<String>> =
+            map.rows.into_iter().map(|r| (r.gguf, r.hf)).collect();
+        assert_eq!(got, want, "{f}");
+    }
+}

@@ -69,6 +69,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
         tp: args.tp.zip(args.rank),
         overwrite: args.force,
     };
+    if args.out_dir.exists() && !args.force {
+        anyhow::bail!(
+            "{} exists (use --force to replace it)",
+            args.out_dir.display()
+        );
+    }
     install_interrupt_handler();
     let mut bar = None;
     let quiet = args.quiet;

@@ -105,12 +105,35 @@ pub fn run(args: Args) -> Result<ExitCode> {
         };
         let map = match &args.arch {
             Some(a) => run_one(mappings::table(a)?),
-            None => mappings::architectures()
-                .into_iter()
-                .filter_map(|a| mappings::table(a).ok())
-                .map(run_one)
-                .min_by_key(|m| m.unmapped.len())
-                .context("no mapping tables")?,
+            None => {
+                let all: Vec<NameMap> = mappings::architectures()
+                    .into_iter()
+                    .filter_map(|a| mappings::table(a).ok())
+                    .map(run_one)
+                    .collect();
+                let best = all
+                    .iter()
+                    .map(|m| m.unmapped.len())
+                    .min()
+                    .context("no mapping tables")?;
+                let ties: Vec<String> = all
+                    .iter()
+                    .filter(|m| m.unmapped.len() == best)
+                    .map(|m| m.arch.clone())
+                    .collect();
+                let note = format!(
+                    "architecture guessed from the names ({} fit equally well); pass --arch to choose",
+                    ties.join(", ")
+                );
+                let mut m = all
+                    .into_iter()
+                    .find(|m| m.unmapped.len() == best)
+                    .context("no mapping tables")?;
+                if ties.len() > 1 {
+                    m.notes.push(note);
+                }
+                m
+            }
         };
         (map, "-".to_string())
     } else if is_gguf(&args.input) {

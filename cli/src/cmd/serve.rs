@@ -58,6 +58,14 @@ pub fn run(args: Args) -> Result<ExitCode> {
             "--device cuda: the CUDA backend is not available in this build yet; use --device cpu"
         );
     }
+    // Engine and request errors go to stderr; RUST_LOG=info (or debug) shows more.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
     if let Some(n) = args.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n.max(1))

@@ -266,7 +266,7 @@ fn glm_tensors(d: &Dims, layers: u32) -> Vec<TensorInfo> {
     for l in 0..layers {
         let b = |s: &str| format!("blk.{l}.{s}");
         // attn_k_b rows are qk_nope long: 192 is no multiple of 256, so Q8_0 as llama-quantize does.
-        let kb_ty = if d.nope % 256 == 0 { Q4_K } else { Q8_0 };
+        let kb_ty = if d.nope.is_multiple_of(256) { Q4_K } else { Q8_0 };
         t(b("attn_k_b.weight"), &[d.nope, d.kv_lora, d.heads], kb_ty);
         t(b("attn_kv_a_mqa.weight"), &[d.hidden, d.kv_lora + d.rope], Q4_K);
         t(b("attn_kv_a_norm.weight"), &[d.kv_lora], F32);

@@ -23,32 +23,34 @@ fn row_dispatch<K: Kernel>(ty: GgmlType, data: &[u8], out: &mut [f32], t: &Table
         unsafe { row_avx2::<K>(ty, data, out, t) };
         return;
     }
-    K::row(ty, data, out, t);
+    K::row::<false>(ty, data, out, t);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn row_avx2<K: Kernel>(ty: GgmlType, data: &[u8], out: &mut [f32], t: &Tables) {
-    K::row(ty, data, out, t);
+    K::row::<true>(ty, data, out, t);
 }
 
 /// One type's row dequantizer as a type, so that every caller (plain and AVX2 row loops, the
 /// fused statistics) gets a small monomorphised copy the optimiser inlines whole — one big
 /// function over all types would exceed the inliner's budget and stay scalar.
 pub(crate) trait Kernel {
-    fn row(ty: GgmlType, data: &[u8], out: &mut [f32], t: &Tables);
+    /// `AVX2` may only be true in code that runs after the CPU was checked for AVX2: it enables
+    /// the few loops written with intrinsics because the compiler does not vectorise them.
+    fn row<const AVX2: bool>(ty: GgmlType, data: &[u8], out: &mut [f32], t: &Tables);
 }
 
-macro_rules! kernel {
-    ($name:ident, |$ty:pat_param, $data:ident, $out:ident, $t:pat_param| $body:expr) => {
+macro_rules! kernels {
+    ($($name:ident: |$ty:pat_param, $data:ident, $out:ident, $t:pat_param| $body:expr;)*) => {$(
         pub(crate) struct $name;
         impl Kernel for $name {
             #[inline(always)]
-            fn row($ty: GgmlType, $data: &[u8], $out: &mut [f32], $t: &Tables) {
+            fn row<const AVX2: bool>($ty: GgmlType, $data: &[u8], $out: &mut [f32], $t: &Tables) {
                 $body
             }
         }
-    };
+    )*};
 }
 
 /// Loop over `N`-byte blocks and their `QK` output values, calling the block function directly
@@ -61,22 +63,24 @@ macro_rules! each_block {
     };
 }
 
-kernel!(KF32, |_, d, o, _| plain::<4, 8>(d, o, f32::from_le_bytes));
-kernel!(KF16, |_, d, o, _| plain::<2, 16>(d, o, |b| f16_to_f32_fast(u16::from_le_bytes(b))));
-kernel!(KBf16, |_, d, o, _| plain::<2, 16>(d, o, |b| bf16_to_f32(u16::from_le_bytes(b))));
-kernel!(KQ4_0, |_, d, o, _| each_block!(d, o, 18, 32, |b, y| q4_0(b, y)));
-kernel!(KQ5_0, |_, d, o, _| each_block!(d, o, 22, 32, |b, y| q5_0(b, y)));
-kernel!(KQ8_0, |_, d, o, _| each_block!(d, o, 34, 32, |b, y| q8_0(b, y)));
-kernel!(KQ2K, |_, d, o, _| each_block!(d, o, 84, 256, |b, y| q2_k(b, y)));
-kernel!(KQ3K, |_, d, o, _| each_block!(d, o, 110, 256, |b, y| q3_k(b, y)));
-kernel!(KQ4K, |_, d, o, _| each_block!(d, o, 144, 256, |b, y| q4_k(b, y)));
-kernel!(KQ5K, |_, d, o, _| each_block!(d, o, 176, 256, |b, y| q5_k(b, y)));
-kernel!(KQ6K, |_, d, o, _| each_block!(d, o, 210, 256, |b, y| q6_k(b, y)));
-kernel!(KIq4Nl, |_, d, o, t| each_block!(d, o, 18, 32, |b, y| iq4_nl(b, y, &t.kvalues_iq4nl)));
-kernel!(KIq4Xs, |_, d, o, t| each_block!(d, o, 136, 256, |b, y| iq4_xs(b, y, &t.kvalues_iq4nl)));
-kernel!(KMxfp4, |_, d, o, t| each_block!(d, o, 17, 32, |b, y| mxfp4(b, y, &t.kvalues_mxfp4)));
-// Types without a tuned loop: the reference block code.
-kernel!(KRef, |ty, d, o, t| reference::dequantize_blocks(ty, d, o, t));
+kernels! {
+    KF32: |_, d, o, _| plain::<4, 8>(d, o, f32::from_le_bytes);
+    KF16: |_, d, o, _| plain::<2, 16>(d, o, |b| f16_to_f32_fast(u16::from_le_bytes(b)));
+    KBf16: |_, d, o, _| plain::<2, 16>(d, o, |b| bf16_to_f32(u16::from_le_bytes(b)));
+    KQ4_0: |_, d, o, _| each_block!(d, o, 18, 32, |b, y| q4_0(b, y));
+    KQ5_0: |_, d, o, _| each_block!(d, o, 22, 32, |b, y| q5_0(b, y));
+    KQ8_0: |_, d, o, _| each_block!(d, o, 34, 32, |b, y| q8_0(b, y));
+    KQ2K: |_, d, o, _| each_block!(d, o, 84, 256, |b, y| q2_k(b, y));
+    KQ3K: |_, d, o, _| each_block!(d, o, 110, 256, |b, y| q3_k(b, y));
+    KQ4K: |_, d, o, _| each_block!(d, o, 144, 256, |b, y| q4_k(b, y));
+    KQ5K: |_, d, o, _| each_block!(d, o, 176, 256, |b, y| q5_k(b, y));
+    KQ6K: |_, d, o, _| each_block!(d, o, 210, 256, |b, y| q6_k(b, y));
+    KIq4Nl: |_, d, o, t| each_block!(d, o, 18, 32, |b, y| iq4_nl::<AVX2>(b, y, &t.kvalues_iq4nl));
+    KIq4Xs: |_, d, o, t| each_block!(d, o, 136, 256, |b, y| iq4_xs::<AVX2>(b, y, &t.kvalues_iq4nl));
+    KMxfp4: |_, d, o, t| each_block!(d, o, 17, 32, |b, y| mxfp4::<AVX2>(b, y, &t.kvalues_mxfp4));
+    // Types without a tuned loop: the reference block code.
+    KRef: |ty, d, o, t| reference::dequantize_blocks(ty, d, o, t);
+}
 
 /// `with_kernel!(ty, f(args..))` calls `f::<K>(args..)` with the [`Kernel`] of `ty`.
 macro_rules! with_kernel {
@@ -278,9 +282,18 @@ fn q6_k(b: &[u8; 210], y: &mut [f32; 256]) {
     }
 }
 
-/// 32 values from 16 bytes of nibble indices into a 16-entry table (Q4_0 nibble order).
+/// `y[e] = d * kv[q_e]` for 32 nibble indices in Q4_0 order (low nibbles are elements 0..16).
 #[inline(always)]
-fn lookup32(qs: &[u8], table: &[f32; 16], y: &mut [f32]) {
+fn lookup32<const AVX2: bool>(qs: &[u8; 16], d: f32, kv: &[i8; 16], y: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if AVX2 {
+        if let Some(y) = y.first_chunk_mut::<32>() {
+            // SAFETY: AVX2 is only true after the CPU check (see `Kernel::row`).
+            unsafe { lookup32_avx2(qs, d, kv, y) };
+            return;
+        }
+    }
+    let table: [f32; 16] = std::array::from_fn(|i| d * f32::from(kv[i]));
     let (lo, hi) = y.split_at_mut(16);
     for l in 0..16 {
         lo[l] = table[usize::from(qs[l] & 0xf)];
@@ -288,33 +301,52 @@ fn lookup32(qs: &[u8], table: &[f32; 16], y: &mut [f32]) {
     }
 }
 
-#[inline(always)]
-fn scaled(d: f32, kv: &[i8; 16]) -> [f32; 16] {
-    std::array::from_fn(|i| d * f32::from(kv[i]))
+/// [`lookup32`]'s table lookup as one byte shuffle per 16 values; then the same `d * kv` in f32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn lookup32_avx2(qs: &[u8; 16], d: f32, kv: &[i8; 16], y: &mut [f32; 32]) {
+    use std::arch::x86_64::*;
+    // SAFETY: 16-byte unaligned loads from 16-byte arrays, 32-byte stores into 8-f32 chunks of a
+    // 32-f32 array.
+    unsafe {
+        let table = _mm_loadu_si128(kv.as_ptr().cast());
+        let q = _mm_loadu_si128(qs.as_ptr().cast());
+        let mask = _mm_set1_epi8(0x0f);
+        let lo = _mm_shuffle_epi8(table, _mm_and_si128(q, mask));
+        let hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(q), mask));
+        let dv = _mm256_set1_ps(d);
+        let f = |v: __m128i| _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+        let p = y.as_mut_ptr();
+        _mm256_storeu_ps(p, f(lo));
+        _mm256_storeu_ps(p.add(8), f(_mm_srli_si128::<8>(lo)));
+        _mm256_storeu_ps(p.add(16), f(hi));
+        _mm256_storeu_ps(p.add(24), f(_mm_srli_si128::<8>(hi)));
+    }
 }
 
 #[inline(always)]
-fn iq4_nl(b: &[u8; 18], y: &mut [f32; 32], kv: &[i8; 16]) {
-    lookup32(&b[2..18], &scaled(f16_le(b, 0), kv), y);
+fn iq4_nl<const AVX2: bool>(b: &[u8; 18], y: &mut [f32; 32], kv: &[i8; 16]) {
+    if let Some(qs) = b.last_chunk::<16>() {
+        lookup32::<AVX2>(qs, f16_le(b, 0), kv, y);
+    }
 }
 
 #[inline(always)]
-fn mxfp4(b: &[u8; 17], y: &mut [f32; 32], kv: &[i8; 16]) {
-    lookup32(&b[1..17], &scaled(e8m0_to_f32_half(b[0]), kv), y);
+fn mxfp4<const AVX2: bool>(b: &[u8; 17], y: &mut [f32; 32], kv: &[i8; 16]) {
+    if let Some(qs) = b.last_chunk::<16>() {
+        lookup32::<AVX2>(qs, e8m0_to_f32_half(b[0]), kv, y);
+    }
 }
 
 #[inline(always)]
-fn iq4_xs(b: &[u8; 136], y: &mut [f32; 256], kv: &[i8; 16]) {
+fn iq4_xs<const AVX2: bool>(b: &[u8; 136], y: &mut [f32; 256], kv: &[i8; 16]) {
     let d = f16_le(b, 0);
     let scales_h = u16::from_le_bytes([b[2], b[3]]);
-    for j in 0..8 {
+    let subs = array_chunks::<16>(&b[8..]).zip(y.chunks_exact_mut(32));
+    for (j, (qs, y)) in subs.enumerate() {
         let low = (b[4 + j / 2] >> (4 * (j % 2))) & 0xf;
         let ls = low | (((scales_h >> (2 * j)) & 3) as u8) << 4;
         let dl = d * (i32::from(ls) - 32) as f32;
-        lookup32(
-            &b[8 + 16 * j..24 + 16 * j],
-            &scaled(dl, kv),
-            &mut y[32 * j..32 * j + 32],
-        );
+        lookup32::<AVX2>(qs, dl, kv, y);
     }
 }

@@ -6,9 +6,11 @@ use crate::weights::{dequantize, HostWeight};
 use crate::RuntimeError;
 use rayon::prelude::*;
 
-/// Weight rows handled per rayon task: large enough to amortise scheduling, small enough to
-/// spread a 256-row matrix over a few cores.
-const ROWS_PER_TASK: usize = 16;
+/// Multiply-adds per rayon task at least: below this, scheduling costs more than the work
+/// (a decode step of a small model would otherwise spend its time waking threads).
+const MIN_TASK_WORK: usize = 1 << 16;
+/// Weight rows per task at most, so that large matrices spread over every core.
+const MAX_ROWS_PER_TASK: usize = 16;
 
 /// f32 dot product with 8 independent accumulators (vectorizes; summation order differs from
 /// a sequential sum by normal f32 rounding only).
@@ -65,14 +67,15 @@ pub fn matmul_rows(
     let bytes = w.bytes();
     let ty = w.ty();
     // out_t is [m, n]: each task owns whole weight rows.
+    let rows_per_task = MAX_ROWS_PER_TASK.max(MIN_TASK_WORK / (k * n).max(1));
     let mut out_t = vec![0f32; m * n];
     out_t
-        .par_chunks_mut(ROWS_PER_TASK * n.max(1))
+        .par_chunks_mut(rows_per_task * n.max(1))
         .enumerate()
         .try_for_each_init(
             || vec![0f32; k],
             |buf, (c, chunk)| -> Result<(), RuntimeError> {
-                let first = row0 + c * ROWS_PER_TASK;
+                let first = row0 + c * rows_per_task;
                 for (r, out_row) in chunk.chunks_mut(n.max(1)).enumerate() {
                     let row = first + r;
                     let src = &bytes[row * rb..(row + 1) * rb];

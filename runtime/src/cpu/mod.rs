@@ -341,7 +341,7 @@ impl Backend for CpuBackend {
             )));
         }
         let mut out = x.data.clone();
-        out.par_chunks_mut(g).for_each(|grp| {
+        out.par_chunks_mut(g).with_min_len(64).for_each(|grp| {
             let ss: f64 = grp.iter().map(|&v| (v as f64) * (v as f64)).sum();
             let var = (ss / g as f64) as f32;
             let r = 1.0f32 / (var + eps).sqrt();
@@ -369,7 +369,7 @@ impl Backend for CpuBackend {
         }
         let mut out = x.data.clone();
         let n = x.cols.max(1);
-        out.par_chunks_mut(n).for_each(|row| {
+        out.par_chunks_mut(n).with_min_len(64).for_each(|row| {
             let mean = (row.iter().map(|&v| v as f64).sum::<f64>() / n as f64) as f32;
             let var = (row
                 .iter()
@@ -454,6 +454,7 @@ impl Backend for CpuBackend {
         x.data
             .par_chunks_mut(cols)
             .zip(positions.par_iter())
+            .with_min_len(16)
             .for_each(|(row, &pos)| {
                 let cs: Vec<(f32, f32)> = inv
                     .iter()
@@ -504,8 +505,11 @@ impl Backend for CpuBackend {
         }
         let group = p.n_head / p.n_kv_head;
         let mut out = vec![0f32; n * p.n_head * p.v_dim];
+        // At least ~64k multiply-adds per task (scores and weighted values over t keys).
+        let per_job = (t * (p.k_dim + p.v_dim)).max(1);
         out.par_chunks_mut(p.v_dim.max(1))
             .enumerate()
+            .with_min_len((1 << 16) / per_job)
             .for_each(|(job, o)| {
                 let (i, h) = (job / p.n_head, job % p.n_head);
                 let g = h / group;
@@ -560,32 +564,36 @@ impl Backend for CpuBackend {
         }
         let kk = p.top_k;
         let mut data = vec![-1i32; n * kk];
-        data.par_chunks_mut(kk).enumerate().for_each(|(i, sel)| {
-            let valid = p.pos0 + i + 1;
-            let chosen: Vec<usize> = if valid <= kk {
-                (0..valid).collect()
-            } else {
-                let qi = q.row(i);
-                let wi = weights.row(i);
-                let scores: Vec<f32> = (0..valid)
-                    .map(|j| {
-                        let kj = keys.row(j);
-                        let mut acc = 0f32;
-                        for h in 0..p.n_head {
-                            let s = dot(&qi[h * p.head_dim..(h + 1) * p.head_dim], kj) * p.scale;
-                            acc += s.max(0.0) * wi[h];
-                        }
-                        acc
-                    })
-                    .collect();
-                let mut c = top_k(&scores, kk);
-                c.sort_unstable();
-                c
-            };
-            for (s, c) in sel.iter_mut().zip(chosen) {
-                *s = c as i32;
-            }
-        });
+        data.par_chunks_mut(kk)
+            .enumerate()
+            .with_min_len(4)
+            .for_each(|(i, sel)| {
+                let valid = p.pos0 + i + 1;
+                let chosen: Vec<usize> = if valid <= kk {
+                    (0..valid).collect()
+                } else {
+                    let qi = q.row(i);
+                    let wi = weights.row(i);
+                    let scores: Vec<f32> = (0..valid)
+                        .map(|j| {
+                            let kj = keys.row(j);
+                            let mut acc = 0f32;
+                            for h in 0..p.n_head {
+                                let s =
+                                    dot(&qi[h * p.head_dim..(h + 1) * p.head_dim], kj) * p.scale;
+                                acc += s.max(0.0) * wi[h];
+                            }
+                            acc
+                        })
+                        .collect();
+                    let mut c = top_k(&scores, kk);
+                    c.sort_unstable();
+                    c
+                };
+                for (s, c) in sel.iter_mut().zip(chosen) {
+                    *s = c as i32;
+                }
+            });
         Ok(CpuIndex {
             rows: n,
             cols: kk,

@@ -61,6 +61,7 @@ impl TextCodec for GgufText {
         &self,
         messages: &[Message],
         add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, String> {
         let Some(t) = &self.template else {
             return Err(format!(
@@ -72,7 +73,8 @@ impl TextCodec for GgufText {
             .iter()
             .map(|m| ChatMessage::new(m.role.as_str(), m.content.as_str()))
             .collect();
-        t.render(&msgs, add_generation_prompt)
+        let msgs = serde_json::to_value(msgs).map_err(|e| e.to_string())?;
+        t.render_json(&msgs, add_generation_prompt, kwargs)
             .map_err(|e| e.to_string())
     }
     fn decode(&self, ids: &[u32], skip_special: bool) -> String {

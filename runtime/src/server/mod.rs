@@ -14,7 +14,6 @@ pub mod params;
 pub mod text;
 
 use crate::engine::{Engine, EngineConfig, Metrics};
-pub use gguf_text::GgufText;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
@@ -23,6 +22,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 pub use error::ApiError;
+pub use gguf_text::GgufText;
 use serde_json::{json, Value};
 use std::sync::{Arc, OnceLock};
 pub use text::{Message, TextCodec};
@@ -85,8 +85,9 @@ pub fn cpu_backend(
     let lm: Arc<dyn crate::LanguageModel> = Arc::new(crate::glm::load_cpu(model)?);
     let mut cfg = EngineConfig::for_model(lm.as_ref());
     configure(&mut cfg);
-    let engine = Engine::start(lm, cfg, metrics)
-        .map_err(|e| crate::RuntimeError::Backend(format!("cannot start the engine thread: {e}")))?;
+    let engine = Engine::start(lm, cfg, metrics).map_err(|e| {
+        crate::RuntimeError::Backend(format!("cannot start the engine thread: {e}"))
+    })?;
     Ok(Backend::new(engine, Arc::new(codec), name))
 }
 
@@ -165,6 +166,59 @@ pub async fn serve(
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// A server on its own thread with its own async runtime, for tests and for embedding in
+/// synchronous programs. Dropping it stops the server and closes open connections.
+pub struct RunningServer {
+    addr: std::net::SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl RunningServer {
+    /// Bind `addr` (port 0 picks a free port) and serve `state` until dropped.
+    pub fn start(addr: std::net::SocketAddr, state: Arc<AppState>) -> std::io::Result<Self> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let listener = rt.block_on(tokio::net::TcpListener::bind(addr))?;
+        let addr = listener.local_addr()?;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("http".into())
+            .spawn(move || {
+                rt.block_on(async move {
+                    tokio::select! {
+                        _ = axum::serve(listener, router(state)) => {}
+                        _ = rx => {}
+                    }
+                });
+                // Connections still open (streams) are cut here.
+                rt.shutdown_timeout(std::time::Duration::from_secs(1));
+            })?;
+        Ok(RunningServer {
+            addr,
+            stop: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for RunningServer {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 async fn health(State(s): State<Arc<AppState>>) -> Response {

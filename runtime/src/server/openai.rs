@@ -398,10 +398,12 @@ async fn chat_inner(s: Arc<AppState>, req: Request) -> Result<Response, ApiError
     let r = params::parse_chat(&body)?;
     let codec = b.codec.clone();
     let (messages, add_gen) = (r.messages.clone(), r.add_generation_prompt);
-    let prompt = tokio::task::spawn_blocking(move || codec.render_chat(&messages, add_gen))
-        .await
-        .map_err(|_| ApiError::internal("chat template task failed"))?
-        .map_err(|e| ApiError::invalid("messages", format!("chat template: {e}")))?;
+    let kwargs = r.template_kwargs.clone();
+    let prompt =
+        tokio::task::spawn_blocking(move || codec.render_chat(&messages, add_gen, &kwargs))
+            .await
+            .map_err(|_| ApiError::internal("chat template task failed"))?
+            .map_err(|e| ApiError::invalid("messages", format!("chat template: {e}")))?;
     let ids = encode(&b, prompt).await?;
     let ctx = b.engine.context_length();
     // Without a limit a chat answer may use the rest of the context (OpenAI has no default).

@@ -17,6 +17,7 @@ pub const MAX_STOP_LEN: usize = 1024;
 pub const MAX_TOP_LOGPROBS: usize = 20;
 pub const MAX_LOGIT_BIAS: usize = 1024;
 pub const MAX_MESSAGES: usize = 65536;
+pub const MAX_TEMPLATE_KWARGS: usize = 64;
 
 /// Fields shared by `/v1/completions` and `/v1/chat/completions`.
 #[derive(Debug, Clone)]
@@ -56,6 +57,8 @@ pub struct ChatRequest {
     /// `logprobs: true` with `top_logprobs: N` alternatives.
     pub logprobs: Option<usize>,
     pub add_generation_prompt: bool,
+    /// Extra chat template variables (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`).
+    pub template_kwargs: Map<String, Value>,
 }
 
 /// Typed access to a JSON object's optional fields; `null` counts as absent.
@@ -464,11 +467,33 @@ pub fn parse_chat(body: &Value) -> Result<ChatRequest, ApiError> {
         (false, None) => None,
     };
     let add_generation_prompt = f.boolean("add_generation_prompt")?.unwrap_or(true);
+    let template_kwargs = match f.get("chat_template_kwargs") {
+        None => Map::new(),
+        Some(Value::Object(m)) if m.len() <= MAX_TEMPLATE_KWARGS => {
+            // The template's own variables cannot be replaced this way.
+            for k in ["messages", "add_generation_prompt"] {
+                if m.contains_key(k) {
+                    return Err(ApiError::invalid(
+                        "chat_template_kwargs",
+                        format!("chat_template_kwargs must not set '{k}'"),
+                    ));
+                }
+            }
+            m.clone()
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "chat_template_kwargs",
+                format!("'chat_template_kwargs' must be an object with at most {MAX_TEMPLATE_KWARGS} entries"),
+            ))
+        }
+    };
     Ok(ChatRequest {
         common,
         messages,
         logprobs,
         add_generation_prompt,
+        template_kwargs,
     })
 }
 

@@ -26,11 +26,13 @@ pub trait TextCodec: Send + Sync {
     fn eog_ids(&self) -> Vec<u32>;
     /// The id of a token by its exact text, if the vocabulary has it.
     fn token_id(&self, piece: &str) -> Option<u32>;
-    /// Render a conversation with the model's chat template.
+    /// Render a conversation with the model's chat template; `kwargs` are extra template
+    /// variables (`enable_thinking`, ...).
     fn render_chat(
         &self,
         messages: &[Message],
         add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, String>;
 
     /// Text of a token sequence; `skip_special` leaves control tokens out.

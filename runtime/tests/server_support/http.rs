@@ -1,5 +1,6 @@
 //! A minimal blocking HTTP/1.1 client for tests (loopback only): whole responses, or SSE events
 //! one at a time so that a test can disconnect in the middle of a stream.
+#![allow(dead_code)]
 
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};

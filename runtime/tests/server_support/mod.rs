@@ -6,7 +6,7 @@
 pub mod http;
 
 use runtime::engine::{Engine, EngineConfig, Metrics};
-use runtime::server::{AppState, Backend, Message, ServerConfig, TextCodec};
+use runtime::server::{AppState, Backend, Message, RunningServer, ServerConfig, TextCodec};
 use runtime::{LanguageModel, RuntimeError, SeqStep, SequenceState};
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -252,7 +252,12 @@ impl TextCodec for MockCodec {
     fn token_id(&self, piece: &str) -> Option<u32> {
         SPECIALS.iter().find(|s| s.0 == piece).map(|s| s.1)
     }
-    fn render_chat(&self, messages: &[Message], add_gen: bool) -> Result<String, String> {
+    fn render_chat(
+        &self,
+        messages: &[Message],
+        add_gen: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, String> {
         let mut s = String::new();
         for m in messages {
             if m.role == "tool" {
@@ -262,10 +267,10 @@ impl TextCodec for MockCodec {
         }
         if add_gen {
             s += "[assistant]";
-            if messages
+            let think = messages
                 .iter()
-                .any(|m| m.role == "system" && m.content == "think")
-            {
+                .any(|m| m.role == "system" && m.content == "think");
+            if think && kwargs.get("enable_thinking") != Some(&serde_json::Value::Bool(false)) {
                 s += "<think>";
             }
         }
@@ -278,19 +283,7 @@ pub struct TestServer {
     pub state: Arc<AppState>,
     pub model: Arc<MockModel>,
     pub metrics: Arc<Metrics>,
-    rt: Option<tokio::runtime::Runtime>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl Drop for TestServer {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(rt) = self.rt.take() {
-            rt.shutdown_timeout(std::time::Duration::from_secs(5));
-        }
-    }
+    _server: RunningServer,
 }
 
 pub struct Options {
@@ -314,36 +307,19 @@ impl Default for Options {
 
 /// Serve the mock model on 127.0.0.1 with an OS-chosen port.
 pub fn start(opts: Options) -> TestServer {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
     let model = MockModel::new(opts.ctx);
     let metrics = Arc::new(Metrics::default());
     let state = AppState::new(opts.server, metrics.clone());
     if opts.ready {
         make_ready(&state, &model, &metrics, opts.engine);
     }
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let st = state.clone();
-    rt.spawn(async move {
-        let _ = runtime::server::serve(listener, st, async {
-            let _ = rx.await;
-        })
-        .await;
-    });
+    let server = RunningServer::start("127.0.0.1:0".parse().unwrap(), state.clone()).unwrap();
     TestServer {
-        addr,
+        addr: server.addr(),
         state,
         model,
         metrics,
-        rt: Some(rt),
-        stop: Some(tx),
+        _server: server,
     }
 }
 
