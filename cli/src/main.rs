@@ -9,7 +9,11 @@ use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "gguftool", version, about = "Verifiable tooling and a runtime for GGUF models")]
+#[command(
+    name = "gguftool",
+    version,
+    about = "Verifiable tooling and a runtime for GGUF models"
+)]
 struct Cli {
     /// Print the full error chain on failure.
     #[arg(long, global = true)]

@@ -288,7 +288,10 @@ pub fn value_json(v: &gguf::Value, max_items: Option<usize>) -> serde_json::Valu
                 .collect::<Vec<_>>()
                 .into(),
         },
-        other => other.as_i64().map(Into::into).unwrap_or(serde_json::Value::Null),
+        other => other
+            .as_i64()
+            .map(Into::into)
+            .unwrap_or(serde_json::Value::Null),
     }
 }
 

@@ -9,11 +9,15 @@ fn bin() -> Command {
 }
 
 fn fx(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(rel)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(rel)
 }
 
 fn shard(k: u32) -> PathBuf {
-    fx(&format!("gguf/split/tiny-glm5-Q4_K_M-0000{k}-of-00003.gguf"))
+    fx(&format!(
+        "gguf/split/tiny-glm5-Q4_K_M-0000{k}-of-00003.gguf"
+    ))
 }
 
 fn run(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Output {
@@ -42,7 +46,12 @@ fn shard_copies(dir: &Path) -> Vec<PathBuf> {
 }
 
 fn assert_refused(out: &Output, target: &Path, what: &str) {
-    assert_eq!(out.status.code(), Some(2), "{what}: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(!target.exists(), "{what}: output left behind");
     let partial = target.with_file_name(format!(
         "{}.partial",
@@ -57,7 +66,9 @@ fn merge_gives_back_the_original_bytes() {
     let out = d.path().join("m.gguf");
     let o = run(&[&"merge", &shard(1), &"-o", &out, &"--quiet", &"--verify"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(std::fs::read(&out).unwrap() == std::fs::read(fx("gguf/tiny-glm5-Q4_K_M.gguf")).unwrap());
+    assert!(
+        std::fs::read(&out).unwrap() == std::fs::read(fx("gguf/tiny-glm5-Q4_K_M.gguf")).unwrap()
+    );
 }
 
 #[test]
@@ -65,10 +76,20 @@ fn merge_keep_split_keys_matches_llama_gguf_split() {
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("k.gguf");
     // Given the last shard: siblings are found by name.
-    let o = run(&[&"merge", &shard(3), &"-o", &out, &"--keep-split-keys", &"--quiet"]);
+    let o = run(&[
+        &"merge",
+        &shard(3),
+        &"-o",
+        &out,
+        &"--keep-split-keys",
+        &"--quiet",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     // sha256 of llama-gguf-split --merge on these shards, recorded in shared/fixtures/README.md.
-    assert_eq!(sha256_hex(&out), "9679f315b4b37dd2aa934581b1dc0a494f8a129d2cc709eb230331159dafd211");
+    assert_eq!(
+        sha256_hex(&out),
+        "9679f315b4b37dd2aa934581b1dc0a494f8a129d2cc709eb230331159dafd211"
+    );
     assert_eq!(std::fs::metadata(&out).unwrap().len(), 4881088);
 }
 
@@ -76,40 +97,91 @@ fn merge_keep_split_keys_matches_llama_gguf_split() {
 fn merge_explicit_list_in_any_order() {
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("m.gguf");
-    let o = run(&[&"merge", &shard(2), &shard(3), &shard(1), &"-o", &out, &"--quiet"]);
+    let o = run(&[
+        &"merge",
+        &shard(2),
+        &shard(3),
+        &shard(1),
+        &"-o",
+        &out,
+        &"--quiet",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(std::fs::read(&out).unwrap() == std::fs::read(fx("gguf/tiny-glm5-Q4_K_M.gguf")).unwrap());
+    assert!(
+        std::fs::read(&out).unwrap() == std::fs::read(fx("gguf/tiny-glm5-Q4_K_M.gguf")).unwrap()
+    );
 }
 
 #[test]
 fn split_reproduces_llama_gguf_split_shards_and_merges_back() {
     let d = tempfile::tempdir().unwrap();
     let prefix = d.path().join("tiny-glm5-Q4_K_M");
-    let o = run(&[&"split", &fx("gguf/tiny-glm5-Q4_K_M.gguf"), &"-o", &prefix, &"--max-tensors", &"32", &"--quiet"]);
+    let o = run(&[
+        &"split",
+        &fx("gguf/tiny-glm5-Q4_K_M.gguf"),
+        &"-o",
+        &prefix,
+        &"--max-tensors",
+        &"32",
+        &"--quiet",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     for k in 1..=3 {
         let ours = d.path().join(shard(k).file_name().unwrap());
-        assert!(std::fs::read(&ours).unwrap() == std::fs::read(shard(k)).unwrap(), "shard {k} differs from llama-gguf-split's");
+        assert!(
+            std::fs::read(&ours).unwrap() == std::fs::read(shard(k)).unwrap(),
+            "shard {k} differs from llama-gguf-split's"
+        );
     }
     let out = d.path().join("back.gguf");
-    let o = run(&[&"merge", &d.path().join(shard(1).file_name().unwrap()), &"-o", &out, &"--quiet"]);
+    let o = run(&[
+        &"merge",
+        &d.path().join(shard(1).file_name().unwrap()),
+        &"-o",
+        &out,
+        &"--quiet",
+    ]);
     assert!(o.status.success());
-    assert!(std::fs::read(&out).unwrap() == std::fs::read(fx("gguf/tiny-glm5-Q4_K_M.gguf")).unwrap());
+    assert!(
+        std::fs::read(&out).unwrap() == std::fs::read(fx("gguf/tiny-glm5-Q4_K_M.gguf")).unwrap()
+    );
 }
 
 #[test]
 fn split_by_size_round_trips() {
     let d = tempfile::tempdir().unwrap();
     let prefix = d.path().join("bf16");
-    let o = run(&[&"split", &fx("gguf/tiny-glm5-BF16.gguf"), &"-o", &prefix, &"--max-size", &"4M", &"--quiet"]);
+    let o = run(&[
+        &"split",
+        &fx("gguf/tiny-glm5-BF16.gguf"),
+        &"-o",
+        &prefix,
+        &"--max-size",
+        &"4M",
+        &"--quiet",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let mut shards: Vec<PathBuf> = std::fs::read_dir(d.path()).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut shards: Vec<PathBuf> = std::fs::read_dir(d.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     shards.sort();
-    assert!(shards.len() >= 4, "15.6 MB in shards of <= 4 MB of tensor data: {shards:?}");
+    assert!(
+        shards.len() >= 4,
+        "15.6 MB in shards of <= 4 MB of tensor data: {shards:?}"
+    );
     for p in &shards {
         let f = gguf::GgufFile::open(p).unwrap();
-        let data: u64 = f.tensors().iter().map(|t| t.n_bytes().div_ceil(32) * 32).sum();
-        assert!(data <= 4_000_000 || f.tensors().len() == 1, "{}: {data} bytes", p.display());
+        let data: u64 = f
+            .tensors()
+            .iter()
+            .map(|t| t.n_bytes().div_ceil(32) * 32)
+            .sum();
+        assert!(
+            data <= 4_000_000 || f.tensors().len() == 1,
+            "{}: {data} bytes",
+            p.display()
+        );
     }
     let first = shards[0].clone();
     let out = d.path().join("back.gguf");
@@ -159,7 +231,10 @@ fn patch_u16_key(path: &Path, key: &str, value: u16) {
         n.extend_from_slice(&2u32.to_le_bytes()); // UINT16
         n
     };
-    let pos = bytes.windows(needle.len()).position(|w| w == needle).expect("key present");
+    let pos = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .expect("key present");
     let at = pos + needle.len();
     bytes[at..at + 2].copy_from_slice(&value.to_le_bytes());
     std::fs::write(path, bytes).unwrap();
@@ -170,7 +245,10 @@ fn patch_i32_key(path: &Path, key: &str, value: i32) {
     let mut needle = (key.len() as u64).to_le_bytes().to_vec();
     needle.extend_from_slice(key.as_bytes());
     needle.extend_from_slice(&5u32.to_le_bytes()); // INT32
-    let pos = bytes.windows(needle.len()).position(|w| w == needle).expect("key present");
+    let pos = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .expect("key present");
     let at = pos + needle.len();
     bytes[at..at + 4].copy_from_slice(&value.to_le_bytes());
     std::fs::write(path, bytes).unwrap();
@@ -214,7 +292,15 @@ fn refuses_shard_of_another_model() {
     let s = shard_copies(d.path());
     let other = tempfile::tempdir().unwrap();
     let prefix = other.path().join("x");
-    let o = run(&[&"split", &fx("gguf/tiny-glm5-BF16.gguf"), &"-o", &prefix, &"--max-tensors", &"32", &"--quiet"]);
+    let o = run(&[
+        &"split",
+        &fx("gguf/tiny-glm5-BF16.gguf"),
+        &"-o",
+        &prefix,
+        &"--max-tensors",
+        &"32",
+        &"--quiet",
+    ]);
     assert!(o.status.success());
     std::fs::copy(other.path().join("x-00002-of-00003.gguf"), &s[1]).unwrap();
     let out = d.path().join("m.gguf");
@@ -230,10 +316,18 @@ fn refuses_existing_output_and_output_equal_to_input() {
     std::fs::write(&out, b"keep me").unwrap();
     let o = run(&[&"merge", &s[0], &"-o", &out]);
     assert_eq!(o.status.code(), Some(2));
-    assert_eq!(std::fs::read(&out).unwrap(), b"keep me", "existing output must be untouched");
+    assert_eq!(
+        std::fs::read(&out).unwrap(),
+        b"keep me",
+        "existing output must be untouched"
+    );
     let o = run(&[&"merge", &s[0], &"-o", &s[1], &"--force"]);
     assert_eq!(o.status.code(), Some(2));
-    assert_eq!(std::fs::read(&s[1]).unwrap(), std::fs::read(shard(2)).unwrap(), "input must be untouched");
+    assert_eq!(
+        std::fs::read(&s[1]).unwrap(),
+        std::fs::read(shard(2)).unwrap(),
+        "input must be untouched"
+    );
     // --force replaces an existing output.
     let o = run(&[&"merge", &s[0], &"-o", &out, &"--force", &"--quiet"]);
     assert!(o.status.success());
@@ -261,13 +355,27 @@ fn interrupted_merge_leaves_nothing() {
     .unwrap();
     std::fs::write(&big, bytes).unwrap();
     let prefix = d.path().join("big");
-    let o = run(&[&"split", &big, &"-o", &prefix, &"--max-tensors", &"1", &"--quiet"]);
+    let o = run(&[
+        &"split",
+        &big,
+        &"-o",
+        &prefix,
+        &"--max-tensors",
+        &"1",
+        &"--quiet",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out = d.path().join("m.gguf");
     let partial = d.path().join("m.gguf.partial");
     let first = d.path().join("big-00001-of-00003.gguf");
     let mut child = bin()
-        .args(["merge", first.to_str().unwrap(), "-o", out.to_str().unwrap(), "--quiet"])
+        .args([
+            "merge",
+            first.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--quiet",
+        ])
         .spawn()
         .unwrap();
     let t0 = std::time::Instant::now();
@@ -284,7 +392,10 @@ fn interrupted_merge_leaves_nothing() {
     let status = child.wait().unwrap();
     if status.success() {
         // The merge won the race: then the output must be complete.
-        assert_eq!(std::fs::metadata(&out).unwrap().len(), std::fs::metadata(&big).unwrap().len());
+        assert_eq!(
+            std::fs::metadata(&out).unwrap().len(),
+            std::fs::metadata(&big).unwrap().len()
+        );
     } else {
         assert!(!out.exists(), "interrupted merge left OUT");
     }

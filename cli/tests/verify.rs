@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn fx(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(rel)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(rel)
 }
 
 fn verify(args: &[&str]) -> (i32, serde_json::Value) {
@@ -17,7 +19,11 @@ fn verify(args: &[&str]) -> (i32, serde_json::Value) {
         .output()
         .unwrap();
     let code = o.status.code().unwrap();
-    assert!(code == 0 || code == 1, "exit {code}: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        code == 0 || code == 1,
+        "exit {code}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     (code, serde_json::from_slice(&o.stdout).unwrap())
 }
 
@@ -28,8 +34,14 @@ fn tensors(r: &serde_json::Value) -> Vec<serde_json::Value> {
 #[test]
 fn stats_and_hashes_equal_gguf_py() {
     let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fx("stats-tiny-glm5.json")).unwrap()).unwrap();
-    for file in ["tiny-glm5-BF16.gguf", "tiny-glm5-Q4_K_M.gguf", "tiny-glm5-Q8_0.gguf", "tiny-glm5-Q6_K.gguf"] {
+        serde_json::from_str(&std::fs::read_to_string(fx("stats-tiny-glm5.json")).unwrap())
+            .unwrap();
+    for file in [
+        "tiny-glm5-BF16.gguf",
+        "tiny-glm5-Q4_K_M.gguf",
+        "tiny-glm5-Q8_0.gguf",
+        "tiny-glm5-Q6_K.gguf",
+    ] {
         let path = fx(&format!("gguf/{file}"));
         if !path.exists() {
             println!("skipped: {file} not in tests/fixtures");
@@ -37,7 +49,12 @@ fn stats_and_hashes_equal_gguf_py() {
         }
         let (code, r) = verify(&[path.to_str().unwrap(), "--hash"]);
         assert_eq!(code, 0, "{file}: {:?}", r["findings"]);
-        let rf = reference["files"].as_array().unwrap().iter().find(|f| f["file"] == file).unwrap();
+        let rf = reference["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["file"] == file)
+            .unwrap();
         let ours = tensors(&r);
         for (t, e) in ours.iter().zip(rf["tensors"].as_array().unwrap()) {
             assert_eq!(t["name"], e["name"]);
@@ -47,11 +64,25 @@ fn stats_and_hashes_equal_gguf_py() {
             // min/max are single dequantized values: exact. mean/std are f64 sums of the same f32
             // values in a different order than numpy's pairwise sum: relative 1e-9 covers the
             // reordering error of ~1e6 f64 additions.
-            assert_eq!(s["min"].as_f64(), d["min"].as_f64(), "{file} {} min", t["name"]);
-            assert_eq!(s["max"].as_f64(), d["max"].as_f64(), "{file} {} max", t["name"]);
+            assert_eq!(
+                s["min"].as_f64(),
+                d["min"].as_f64(),
+                "{file} {} min",
+                t["name"]
+            );
+            assert_eq!(
+                s["max"].as_f64(),
+                d["max"].as_f64(),
+                "{file} {} max",
+                t["name"]
+            );
             for k in ["mean", "std"] {
                 let (a, b) = (s[k].as_f64().unwrap(), d[k].as_f64().unwrap());
-                assert!((a - b).abs() <= 1e-9 * b.abs().max(1e-6), "{file} {} {k}: {a} vs {b}", t["name"]);
+                assert!(
+                    (a - b).abs() <= 1e-9 * b.abs().max(1e-6),
+                    "{file} {} {k}: {a} vs {b}",
+                    t["name"]
+                );
             }
         }
     }
@@ -60,11 +91,18 @@ fn stats_and_hashes_equal_gguf_py() {
 #[test]
 fn shards_and_merged_file_have_the_same_digest() {
     let (_, merged) = verify(&[fx("gguf/tiny-glm5-Q4_K_M.gguf").to_str().unwrap(), "--hash"]);
-    let (_, split) = verify(&[fx("gguf/split/tiny-glm5-Q4_K_M-00002-of-00003.gguf").to_str().unwrap(), "--hash"]);
+    let (_, split) = verify(&[
+        fx("gguf/split/tiny-glm5-Q4_K_M-00002-of-00003.gguf")
+            .to_str()
+            .unwrap(),
+        "--hash",
+    ]);
     assert_eq!(merged["digest"], split["digest"]);
     assert!(merged["digest"].as_str().unwrap().len() == 64);
     let (code, r) = verify(&[
-        fx("gguf/split/tiny-glm5-Q4_K_M-00001-of-00003.gguf").to_str().unwrap(),
+        fx("gguf/split/tiny-glm5-Q4_K_M-00001-of-00003.gguf")
+            .to_str()
+            .unwrap(),
         "--against",
         fx("gguf/tiny-glm5-Q4_K_M.gguf").to_str().unwrap(),
     ]);
@@ -79,17 +117,26 @@ fn against_a_different_model_lists_differences() {
         fx("gguf/tiny-glm5-BF16.gguf").to_str().unwrap(),
     ]);
     assert_eq!(code, 1);
-    let diffs: Vec<&serde_json::Value> =
-        r["findings"].as_array().unwrap().iter().filter(|f| f["kind"] == "against").collect();
+    let diffs: Vec<&serde_json::Value> = r["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["kind"] == "against")
+        .collect();
     // Every quantized tensor differs in type; the F32 ones (norms, router) are identical.
     assert!(diffs.iter().any(|f| f["tensor"] == "blk.1.attn_q_a.weight"));
-    assert!(!diffs.iter().any(|f| f["tensor"] == "blk.1.attn_norm.weight"));
+    assert!(!diffs
+        .iter()
+        .any(|f| f["tensor"] == "blk.1.attn_norm.weight"));
 }
 
 fn write_model(path: &Path, tensors: &[(&str, Vec<f32>)]) {
     let mut meta = Metadata::new(path);
     meta.set("general.architecture", Value::String("unknown-arch".into()));
-    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
     let dims: Vec<[u64; 1]> = tensors.iter().map(|(_, v)| [v.len() as u64]).collect();
     let parts: Vec<(&str, &[u64], GgmlType, &[u8])> = tensors
         .iter()
@@ -121,7 +168,11 @@ fn flags_nan_zero_and_outliers() {
     for b in 0..8 {
         let scale = if b == 5 { 2.0 } else { 0.02 };
         ts.push((format!("blk.{b}.ffn_up.weight"), values(1024, scale, b)));
-        let norm = if b == 3 { vec![40.0; 64] } else { vec![1.0 + b as f32 * 0.01; 64] };
+        let norm = if b == 3 {
+            vec![40.0; 64]
+        } else {
+            vec![1.0 + b as f32 * 0.01; 64]
+        };
         ts.push((format!("blk.{b}.attn_norm.weight"), norm));
     }
     let mut nan = values(64, 1.0, 99);
@@ -139,7 +190,10 @@ fn flags_nan_zero_and_outliers() {
     assert!(has("std_outlier", "blk.5.ffn_up.weight"), "{f:?}");
     assert!(has("norm_outlier", "blk.3.attn_norm.weight"), "{f:?}");
     // Siblings inside the normal spread are not flagged.
-    assert!(!f.iter().any(|x| x["tensor"] == "blk.4.ffn_up.weight"), "{f:?}");
+    assert!(
+        !f.iter().any(|x| x["tensor"] == "blk.4.ffn_up.weight"),
+        "{f:?}"
+    );
 }
 
 #[test]
@@ -147,7 +201,12 @@ fn saved_report_round_trips_through_against() {
     let d = tempfile::tempdir().unwrap();
     let model = fx("gguf/tiny-glm5-Q4_K_M.gguf");
     let rep = d.path().join("r.json");
-    let (code, _) = verify(&[model.to_str().unwrap(), "--hash", "--report", rep.to_str().unwrap()]);
+    let (code, _) = verify(&[
+        model.to_str().unwrap(),
+        "--hash",
+        "--report",
+        rep.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0);
     let (code, r) = verify(&[model.to_str().unwrap(), "--against", rep.to_str().unwrap()]);
     assert_eq!(code, 0, "{:?}", r["findings"]);
@@ -155,14 +214,22 @@ fn saved_report_round_trips_through_against() {
     let copy = d.path().join("c.gguf");
     let mut bytes = std::fs::read(&model).unwrap();
     let f = gguf::GgufFile::open(&model).unwrap();
-    let t = f.tensors().iter().find(|t| t.name == "blk.2.ffn_up_exps.weight").unwrap();
+    let t = f
+        .tensors()
+        .iter()
+        .find(|t| t.name == "blk.2.ffn_up_exps.weight")
+        .unwrap();
     let at = (f.data_offset() + t.offset + 100) as usize;
     bytes[at] ^= 0x10;
     std::fs::write(&copy, bytes).unwrap();
     let (code, r) = verify(&[copy.to_str().unwrap(), "--against", rep.to_str().unwrap()]);
     assert_eq!(code, 1);
-    let diffs: Vec<&serde_json::Value> =
-        r["findings"].as_array().unwrap().iter().filter(|f| f["kind"] == "against").collect();
+    let diffs: Vec<&serde_json::Value> = r["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["kind"] == "against")
+        .collect();
     assert_eq!(diffs.len(), 1, "{diffs:?}");
     assert_eq!(diffs[0]["tensor"], "blk.2.ffn_up_exps.weight");
 }
@@ -184,8 +251,18 @@ fn gap_between_tensors_is_reported() {
     let a = vec![1u8; 32];
     let b = vec![2u8; 32];
     let infos = vec![
-        gguf::TensorInfo { name: "a".into(), dims: vec![8], ty: GgmlType::F32, offset: 0 },
-        gguf::TensorInfo { name: "b".into(), dims: vec![8], ty: GgmlType::F32, offset: 96 },
+        gguf::TensorInfo {
+            name: "a".into(),
+            dims: vec![8],
+            ty: GgmlType::F32,
+            offset: 0,
+        },
+        gguf::TensorInfo {
+            name: "b".into(),
+            dims: vec![8],
+            ty: GgmlType::F32,
+            offset: 96,
+        },
     ];
     let layout = gguf::writer::Layout::with_offsets(3, &meta, infos).unwrap();
     let mut out = Vec::new();
@@ -193,5 +270,13 @@ fn gap_between_tensors_is_reported() {
     std::fs::write(&p, out).unwrap();
     let (code, r) = verify(&[p.to_str().unwrap()]);
     assert_eq!(code, 1);
-    assert!(r["findings"].as_array().unwrap().iter().any(|f| f["kind"] == "layout"), "{}", r["findings"]);
+    assert!(
+        r["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["kind"] == "layout"),
+        "{}",
+        r["findings"]
+    );
 }

@@ -71,7 +71,13 @@ impl Copier {
                     Err(e) => return Err(e),
                 }
             } else {
-                self.buffered(src, src_off + done, dst, dst_off + done, step.min(COPY_BUF as u64))?
+                self.buffered(
+                    src,
+                    src_off + done,
+                    dst,
+                    dst_off + done,
+                    step.min(COPY_BUF as u64),
+                )?
             };
             if n == 0 {
                 return Err(io::Error::new(
@@ -91,7 +97,14 @@ impl Copier {
         Ok(())
     }
 
-    fn buffered(&mut self, src: &File, so: u64, dst: &File, doff: u64, len: u64) -> io::Result<u64> {
+    fn buffered(
+        &mut self,
+        src: &File,
+        so: u64,
+        dst: &File,
+        doff: u64,
+        len: u64,
+    ) -> io::Result<u64> {
         if self.buf.len() < COPY_BUF {
             self.buf.resize(COPY_BUF, 0);
         }

@@ -57,7 +57,11 @@ pub enum Error {
         max: u64,
     },
     #[error("{at}: key {key:?}: arrays nested deeper than {max}")]
-    ArrayTooDeep { at: Location, key: String, max: usize },
+    ArrayTooDeep {
+        at: Location,
+        key: String,
+        max: usize,
+    },
     #[error("{at}: key {key:?}: unknown value type id {id}")]
     UnknownValueType { at: Location, key: String, id: u32 },
     #[error("{at}: key {key:?}: decoded metadata would exceed {max} bytes of memory")]
@@ -102,7 +106,9 @@ pub enum Error {
         ne0: u64,
         block: usize,
     },
-    #[error("{at}: tensor {tensor:?}: offset {offset} is not a multiple of the alignment {alignment}")]
+    #[error(
+        "{at}: tensor {tensor:?}: offset {offset} is not a multiple of the alignment {alignment}"
+    )]
     MisalignedOffset {
         at: Location,
         tensor: String,

@@ -274,10 +274,11 @@ impl Model {
 
     /// Every tensor, shard by shard in file order.
     pub fn tensors(&self) -> impl Iterator<Item = TensorRef<'_>> {
-        self.shards
-            .iter()
-            .enumerate()
-            .flat_map(|(shard, f)| f.tensors().iter().map(move |info| TensorRef { info, shard }))
+        self.shards.iter().enumerate().flat_map(|(shard, f)| {
+            f.tensors()
+                .iter()
+                .map(move |info| TensorRef { info, shard })
+        })
     }
 
     pub fn tensor(&self, name: &str) -> Option<TensorRef<'_>> {
@@ -334,7 +335,10 @@ fn check_split_set(shards: Vec<GgufFile>) -> Result<Vec<GgufFile>> {
     if count as usize != shards.len() {
         return Err(Error::Split {
             file: first,
-            message: format!("split.count is {count} but {} shards were given", shards.len()),
+            message: format!(
+                "split.count is {count} but {} shards were given",
+                shards.len()
+            ),
         });
     }
     let mut slots: Vec<Option<GgufFile>> = (0..shards.len()).map(|_| None).collect();
@@ -348,7 +352,11 @@ fn check_split_set(shards: Vec<GgufFile>) -> Result<Vec<GgufFile>> {
         if let Some(other) = slot {
             return Err(Error::Split {
                 file: f.path().to_path_buf(),
-                message: format!("split.no {} is also claimed by {}", si.no, other.path().display()),
+                message: format!(
+                    "split.no {} is also claimed by {}",
+                    si.no,
+                    other.path().display()
+                ),
             });
         }
         *slot = Some(f);

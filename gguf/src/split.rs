@@ -47,13 +47,18 @@ pub fn sibling_paths(path: &Path) -> Option<Vec<PathBuf>> {
 /// Plan a split: the tensor index ranges of each shard. `max_tensors` starts a new shard every
 /// N tensors; `max_bytes` when the running sum of 32-byte-padded tensor sizes would exceed it
 /// (gguf-split's rule; metadata not counted). A shard never ends up empty.
-pub fn plan(sizes: &[u64], max_tensors: Option<usize>, max_bytes: Option<u64>) -> Vec<std::ops::Range<usize>> {
+pub fn plan(
+    sizes: &[u64],
+    max_tensors: Option<usize>,
+    max_bytes: Option<u64>,
+) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let mut start = 0usize;
     let mut cur = 0u64;
     for (i, &sz) in sizes.iter().enumerate() {
         let padded = sz.div_ceil(32) * 32;
-        let by_count = max_tensors.is_some_and(|n| n > 0 && i > start && (i - start).is_multiple_of(n));
+        let by_count =
+            max_tensors.is_some_and(|n| n > 0 && i > start && (i - start).is_multiple_of(n));
         let by_size = max_bytes.is_some_and(|m| i > start && cur + padded > m);
         if by_count || by_size {
             out.push(start..i);

@@ -37,20 +37,36 @@ fn tensor_tables_equal_gguf_py() {
             .find(|f| f["file"] == name)
             .unwrap_or_else(|| panic!("{name} not in stats reference"));
         let f = GgufFile::open(&path).unwrap();
-        assert_eq!(f.version() as u64, r["gguf_version"].as_u64().unwrap(), "{name}");
+        assert_eq!(
+            f.version() as u64,
+            r["gguf_version"].as_u64().unwrap(),
+            "{name}"
+        );
         assert_eq!(f.alignment(), r["alignment"].as_u64().unwrap(), "{name}");
         assert_eq!(f.file_size(), r["size"].as_u64().unwrap(), "{name}");
-        assert_eq!(f.data_offset(), r["tensor_data_offset"].as_u64().unwrap(), "{name}");
+        assert_eq!(
+            f.data_offset(),
+            r["tensor_data_offset"].as_u64().unwrap(),
+            "{name}"
+        );
         let rt = r["tensors"].as_array().unwrap();
         assert_eq!(f.tensors().len(), rt.len(), "{name}");
         for (t, e) in f.tensors().iter().zip(rt) {
             assert_eq!(t.name, e["name"].as_str().unwrap());
             assert_eq!(t.ty.name(), e["type"].as_str().unwrap().to_uppercase());
-            let ne: Vec<u64> = e["ne"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+            let ne: Vec<u64> = e["ne"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap())
+                .collect();
             assert_eq!(t.dims, ne, "{}", t.name);
             assert_eq!(t.n_elements(), e["n_elements"].as_u64().unwrap());
             assert_eq!(t.n_bytes(), e["n_bytes"].as_u64().unwrap());
-            assert_eq!(f.data_offset() + t.offset, e["data_offset"].as_u64().unwrap());
+            assert_eq!(
+                f.data_offset() + t.offset,
+                e["data_offset"].as_u64().unwrap()
+            );
         }
         // Metadata: keys in file order, types and values as gguf-py read them.
         let rmeta = r["metadata"].as_object().unwrap();
@@ -82,9 +98,11 @@ fn streaming_reader_equals_mmap_reader() {
         let f = GgufFile::open(&path).unwrap();
         let file = std::fs::File::open(&path).unwrap();
         let len = file.metadata().unwrap().len();
-        let h = gguf::Header::parse_reader(std::io::BufReader::new(file), Some(len), &path).unwrap();
+        let h =
+            gguf::Header::parse_reader(std::io::BufReader::new(file), Some(len), &path).unwrap();
         assert_eq!(&h, f.header());
-        let h2 = gguf::Header::parse_reader(std::fs::File::open(&path).unwrap(), None, &path).unwrap();
+        let h2 =
+            gguf::Header::parse_reader(std::fs::File::open(&path).unwrap(), None, &path).unwrap();
         assert_eq!(&h2, f.header());
     }
 }
@@ -112,22 +130,37 @@ fn check_value(file: &str, key: &str, v: &gguf::Value, r: &serde_json::Value) {
     let rtype = r["type"].as_str().unwrap();
     match v {
         V::Array(a) => {
-            assert_eq!(rtype, format!("array[{}]", a.elem_type.name()), "{file} {key}");
+            assert_eq!(
+                rtype,
+                format!("array[{}]", a.elem_type.name()),
+                "{file} {key}"
+            );
             let json_items: Vec<serde_json::Value> = a.values.iter().map(to_json).collect();
             if let Some(items) = r["value"].as_array() {
                 assert_eq!(&json_items, items, "{file} {key}");
             } else {
                 let summary = &r["value"];
-                assert_eq!(a.len() as u64, summary["len"].as_u64().unwrap(), "{file} {key}");
+                assert_eq!(
+                    a.len() as u64,
+                    summary["len"].as_u64().unwrap(),
+                    "{file} {key}"
+                );
                 let first = summary["first8"].as_array().unwrap();
                 assert_eq!(&json_items[..first.len()], &first[..], "{file} {key}");
                 // sha256 of Python's json.dumps(array, ensure_ascii=False): ", " separators.
-                let items: Vec<String> = json_items.iter().map(|j| serde_json::to_string(j).unwrap()).collect();
+                let items: Vec<String> = json_items
+                    .iter()
+                    .map(|j| serde_json::to_string(j).unwrap())
+                    .collect();
                 let text = format!("[{}]", items.join(", "));
                 use sha2::Digest;
                 let digest = sha2::Sha256::digest(text.as_bytes());
                 let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-                assert_eq!(hex, summary["sha256_json"].as_str().unwrap(), "{file} {key}");
+                assert_eq!(
+                    hex,
+                    summary["sha256_json"].as_str().unwrap(),
+                    "{file} {key}"
+                );
             }
         }
         other => {

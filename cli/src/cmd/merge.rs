@@ -91,9 +91,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     for (t, src) in layout.tensors.iter().zip(&sources) {
         util::check_interrupted()?;
         let shard = &model.shards()[src.shard];
-        let sf = shard
-            .file()
-            .context("shard has no file handle")?;
+        let sf = shard.file().context("shard has no file handle")?;
         let dst_off = layout.data_offset + t.offset;
         copier
             .copy(
@@ -208,7 +206,10 @@ fn open_set(paths: &[PathBuf]) -> Result<Model> {
 fn check_foreign(model: &Model) -> Result<()> {
     let first = &model.shards()[0];
     let float_file = matches!(
-        first.metadata().get("general.file_type").and_then(Value::as_u64),
+        first
+            .metadata()
+            .get("general.file_type")
+            .and_then(Value::as_u64),
         Some(0 | 1 | 32)
     );
     for f in model.shards() {

@@ -53,7 +53,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if n > u16::MAX as usize {
         bail!("{n} shards: split.count is a u16");
     }
-    let total_tensors = i32::try_from(tensors.len()).context("too many tensors for split.tensors.count (i32)")?;
+    let total_tensors =
+        i32::try_from(tensors.len()).context("too many tensors for split.tensors.count (i32)")?;
 
     let mut base = model.metadata().clone();
     base.retain(|k, _| !k.starts_with("split."));
@@ -74,10 +75,15 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 meta.set("general.alignment", a.clone());
             }
         }
-        let infos: Vec<TensorInfo> = tensors[range.clone()].iter().map(|t| t.info.clone()).collect();
+        let infos: Vec<TensorInfo> = tensors[range.clone()]
+            .iter()
+            .map(|t| t.info.clone())
+            .collect();
         layouts.push(Layout::new(3, &meta, infos)?);
     }
-    let paths: Vec<PathBuf> = (0..n).map(|i| split::shard_path(&args.output, i as u32, n as u32)).collect();
+    let paths: Vec<PathBuf> = (0..n)
+        .map(|i| split::shard_path(&args.output, i as u32, n as u32))
+        .collect();
     let total: u64 = layouts.iter().map(Layout::file_size).sum();
 
     if args.dry_run || args.json {
@@ -87,10 +93,20 @@ pub fn run(args: Args) -> Result<ExitCode> {
             .map(|(p, l)| json!({"path": p, "tensors": l.tensors.len(), "bytes": l.file_size()}))
             .collect();
         if args.json {
-            println!("{}", serde_json::to_string_pretty(&json!({"shards": shards, "bytes": total, "dry_run": args.dry_run}))?);
+            println!(
+                "{}",
+                serde_json::to_string_pretty(
+                    &json!({"shards": shards, "bytes": total, "dry_run": args.dry_run})
+                )?
+            );
         } else {
             for (p, l) in paths.iter().zip(&layouts) {
-                println!("{}  {} tensors  {}", p.display(), l.tensors.len(), human_bytes(l.file_size()));
+                println!(
+                    "{}  {} tensors  {}",
+                    p.display(),
+                    l.tensors.len(),
+                    human_bytes(l.file_size())
+                );
             }
         }
         if args.dry_run {
@@ -106,7 +122,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     if let Some(free) = util::free_space(&paths[0]) {
         if free < total {
-            bail!("not enough free space: need {}, {} available", human_bytes(total), human_bytes(free));
+            bail!(
+                "not enough free space: need {}, {} available",
+                human_bytes(total),
+                human_bytes(free)
+            );
         }
     }
 
@@ -151,7 +171,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
         out.commit()?;
     }
     if !args.quiet && !args.json {
-        eprintln!("wrote {n} shards ({}) with prefix {}", human_bytes(total), args.output);
+        eprintln!(
+            "wrote {n} shards ({}) with prefix {}",
+            human_bytes(total),
+            args.output
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -108,7 +108,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let total = layout.file_size();
     if let Some(free) = util::free_space(&args.output) {
         if free < total {
-            bail!("not enough free space: need {}, {} available", human_bytes(total), human_bytes(free));
+            bail!(
+                "not enough free space: need {}, {} available",
+                human_bytes(total),
+                human_bytes(free)
+            );
         }
     }
     let out = PartialFile::create(&args.output, args.force)?;
@@ -126,11 +130,16 @@ pub fn run(args: Args) -> Result<ExitCode> {
             util::check_interrupted()?;
             let nb = (n_blocks - b0).min(CHUNK_BLOCKS);
             let mut buf = vec![0u8; (nb * bsz) as usize];
-            buf.par_chunks_mut(bsz as usize * 1024).enumerate().for_each(|(ci, c)| {
-                let seed = args.seed ^ ((ti as u64) << 40) ^ (b0 + ci as u64 * 1024).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                fill_blocks(t.ty, c, seed, &t.name);
-            });
-            out.file.write_all_at(&buf, layout.data_offset + t.offset + b0 * bsz)?;
+            buf.par_chunks_mut(bsz as usize * 1024)
+                .enumerate()
+                .for_each(|(ci, c)| {
+                    let seed = args.seed
+                        ^ ((ti as u64) << 40)
+                        ^ (b0 + ci as u64 * 1024).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    fill_blocks(t.ty, c, seed, &t.name);
+                });
+            out.file
+                .write_all_at(&buf, layout.data_offset + t.offset + b0 * bsz)?;
             pb.inc(buf.len() as u64);
             b0 += nb;
         }
@@ -138,7 +147,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
     pb.finish_and_clear();
     out.commit()?;
     if !args.quiet {
-        eprintln!("wrote {} ({}), {} tensors", args.output.display(), human_bytes(total), layout.tensors.len());
+        eprintln!(
+            "wrote {} ({}), {} tensors",
+            args.output.display(),
+            human_bytes(total),
+            layout.tensors.len()
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -172,7 +186,11 @@ fn fill_blocks(ty: GgmlType, buf: &mut [u8], seed: u64, name: &str) {
     match ty {
         GgmlType::F32 => {
             // Norm weights near 1 like trained ones; other F32 tensors small.
-            let (base, a) = if name.contains("norm.weight") { (1.0, 0.1) } else { (0.0, 0.05) };
+            let (base, a) = if name.contains("norm.weight") {
+                (1.0, 0.1)
+            } else {
+                (0.0, 0.05)
+            };
             for c in buf.chunks_exact_mut(4) {
                 c.copy_from_slice(&(base + uniform(&mut s, a)).to_le_bytes());
             }
@@ -210,7 +228,10 @@ fn glm_metadata(d: &Dims, layers: u32, path: &std::path::Path) -> Metadata {
     let u = |v: u64| Value::U32(v as u32);
     m.set("general.architecture", Value::String(a.into()));
     m.set("general.type", Value::String("model".into()));
-    m.set("general.name", Value::String("synthetic GLM-5-shaped (random weights)".into()));
+    m.set(
+        "general.name",
+        Value::String("synthetic GLM-5-shaped (random weights)".into()),
+    );
     let kv: Vec<(&str, Value)> = vec![
         ("block_count", u(layers as u64)),
         ("context_length", u(d.ctx)),
@@ -258,7 +279,12 @@ fn glm_tensors(d: &Dims, layers: u32) -> Vec<TensorInfo> {
     use GgmlType::*;
     let mut v = Vec::new();
     let mut t = |name: String, dims: &[u64], ty: GgmlType| {
-        v.push(TensorInfo { name, dims: dims.to_vec(), ty, offset: 0 })
+        v.push(TensorInfo {
+            name,
+            dims: dims.to_vec(),
+            ty,
+            offset: 0,
+        })
     };
     t("output.weight".into(), &[d.hidden, d.vocab], Q6_K);
     t("output_norm.weight".into(), &[d.hidden], F32);
@@ -266,15 +292,31 @@ fn glm_tensors(d: &Dims, layers: u32) -> Vec<TensorInfo> {
     for l in 0..layers {
         let b = |s: &str| format!("blk.{l}.{s}");
         // attn_k_b rows are qk_nope long: 192 is no multiple of 256, so Q8_0 as llama-quantize does.
-        let kb_ty = if d.nope.is_multiple_of(256) { Q4_K } else { Q8_0 };
+        let kb_ty = if d.nope.is_multiple_of(256) {
+            Q4_K
+        } else {
+            Q8_0
+        };
         t(b("attn_k_b.weight"), &[d.nope, d.kv_lora, d.heads], kb_ty);
-        t(b("attn_kv_a_mqa.weight"), &[d.hidden, d.kv_lora + d.rope], Q4_K);
+        t(
+            b("attn_kv_a_mqa.weight"),
+            &[d.hidden, d.kv_lora + d.rope],
+            Q4_K,
+        );
         t(b("attn_kv_a_norm.weight"), &[d.kv_lora], F32);
         t(b("attn_norm.weight"), &[d.hidden], F32);
-        t(b("attn_output.weight"), &[d.heads * d.v_head, d.hidden], Q4_K);
+        t(
+            b("attn_output.weight"),
+            &[d.heads * d.v_head, d.hidden],
+            Q4_K,
+        );
         t(b("attn_q_a.weight"), &[d.hidden, d.q_lora], Q4_K);
         t(b("attn_q_a_norm.weight"), &[d.q_lora], F32);
-        t(b("attn_q_b.weight"), &[d.q_lora, d.heads * (d.nope + d.rope)], Q4_K);
+        t(
+            b("attn_q_b.weight"),
+            &[d.q_lora, d.heads * (d.nope + d.rope)],
+            Q4_K,
+        );
         t(b("attn_v_b.weight"), &[d.kv_lora, d.v_head, d.heads], Q4_K);
         if l == 0 {
             t(b("ffn_down.weight"), &[d.ffn, d.hidden], Q6_K);
@@ -283,17 +325,33 @@ fn glm_tensors(d: &Dims, layers: u32) -> Vec<TensorInfo> {
             t(b("ffn_up.weight"), &[d.hidden, d.ffn], Q4_K);
         } else {
             t(b("exp_probs_b.bias"), &[d.experts], F32);
-            t(b("ffn_down_exps.weight"), &[d.expert_ffn, d.hidden, d.experts], Q4_K);
+            t(
+                b("ffn_down_exps.weight"),
+                &[d.expert_ffn, d.hidden, d.experts],
+                Q4_K,
+            );
             t(b("ffn_down_shexp.weight"), &[d.expert_ffn, d.hidden], Q6_K);
-            t(b("ffn_gate_exps.weight"), &[d.hidden, d.expert_ffn, d.experts], Q4_K);
+            t(
+                b("ffn_gate_exps.weight"),
+                &[d.hidden, d.expert_ffn, d.experts],
+                Q4_K,
+            );
             t(b("ffn_gate_inp.weight"), &[d.hidden, d.experts], F32);
             t(b("ffn_gate_shexp.weight"), &[d.hidden, d.expert_ffn], Q4_K);
             t(b("ffn_norm.weight"), &[d.hidden], F32);
-            t(b("ffn_up_exps.weight"), &[d.hidden, d.expert_ffn, d.experts], Q4_K);
+            t(
+                b("ffn_up_exps.weight"),
+                &[d.hidden, d.expert_ffn, d.experts],
+                Q4_K,
+            );
             t(b("ffn_up_shexp.weight"), &[d.hidden, d.expert_ffn], Q4_K);
         }
         t(b("indexer.attn_k.weight"), &[d.hidden, d.idx_dim], Q4_K);
-        t(b("indexer.attn_q_b.weight"), &[d.q_lora, d.idx_heads * d.idx_dim], Q4_K);
+        t(
+            b("indexer.attn_q_b.weight"),
+            &[d.q_lora, d.idx_heads * d.idx_dim],
+            Q4_K,
+        );
         t(b("indexer.k_norm.bias"), &[d.idx_dim], F32);
         t(b("indexer.k_norm.weight"), &[d.idx_dim], F32);
         t(b("indexer.proj.weight"), &[d.hidden, d.idx_heads], F32);

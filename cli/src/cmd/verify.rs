@@ -130,14 +130,26 @@ const SCHEMA: &str = "gguftool.verify/1";
 pub fn run(args: Args) -> Result<ExitCode> {
     util::install_interrupt_handler();
     let compare_hash = args.hash || args.against.is_some();
-    let report = build_report(&args.model, compare_hash, args.tensor.as_deref(), args.quiet || args.json || args.yaml, args.gpu)?;
+    let report = build_report(
+        &args.model,
+        compare_hash,
+        args.tensor.as_deref(),
+        args.quiet || args.json || args.yaml,
+        args.gpu,
+    )?;
     let mut report = report;
     if let Some(other) = &args.against {
         let theirs = if other.extension().is_some_and(|e| e == "json") {
-            let text = std::fs::read_to_string(other).with_context(|| format!("reading {}", other.display()))?;
-            let r: Report = serde_json::from_str(&text).with_context(|| format!("{} is not a gguftool verify report", other.display()))?;
+            let text = std::fs::read_to_string(other)
+                .with_context(|| format!("reading {}", other.display()))?;
+            let r: Report = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not a gguftool verify report", other.display()))?;
             if r.schema != SCHEMA {
-                bail!("{}: report schema {:?}, expected {SCHEMA:?}", other.display(), r.schema);
+                bail!(
+                    "{}: report schema {:?}, expected {SCHEMA:?}",
+                    other.display(),
+                    r.schema
+                );
             }
             r
         } else {
@@ -166,7 +178,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
     })
 }
 
-fn build_report(path: &Path, hash: bool, filter: Option<&str>, quiet: bool, gpu: bool) -> Result<Report> {
+fn build_report(
+    path: &Path,
+    hash: bool,
+    filter: Option<&str>,
+    quiet: bool,
+    gpu: bool,
+) -> Result<Report> {
     let t0 = Instant::now();
     let model = Model::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut findings = Vec::new();
@@ -190,7 +208,8 @@ fn build_report(path: &Path, hash: bool, filter: Option<&str>, quiet: bool, gpu:
         .map(|t| {
             util::check_interrupted()?;
             let data = model.data(t);
-            let stats = tensor_stats(t.info.ty, data).with_context(|| format!("tensor {:?}", t.info.name))?;
+            let stats = tensor_stats(t.info.ty, data)
+                .with_context(|| format!("tensor {:?}", t.info.name))?;
             let sha = hash.then(|| gguf::copy::hex(&Sha256::digest(data)));
             pb.inc(t.info.n_bytes());
             Ok((stats, sha))
@@ -218,23 +237,42 @@ fn build_report(path: &Path, hash: bool, filter: Option<&str>, quiet: bool, gpu:
     let arch_check = match mappings::check_architecture(&model) {
         Ok(r) => {
             for m in &r.missing_tensors {
-                findings.push(Finding { kind: "arch.missing".into(), tensor: Some(m.clone()), message: format!("expected tensor {m} is missing") });
+                findings.push(Finding {
+                    kind: "arch.missing".into(),
+                    tensor: Some(m.clone()),
+                    message: format!("expected tensor {m} is missing"),
+                });
             }
             for u in &r.unexpected_tensors {
-                findings.push(Finding { kind: "arch.unexpected".into(), tensor: Some(u.name.clone()), message: u.reason.clone() });
+                findings.push(Finding {
+                    kind: "arch.unexpected".into(),
+                    tensor: Some(u.name.clone()),
+                    message: u.reason.clone(),
+                });
             }
             for w in &r.wrong_shapes {
                 findings.push(Finding {
                     kind: "arch.shape".into(),
                     tensor: Some(w.name.clone()),
-                    message: format!("ne {:?}, expected {:?} from the metadata", w.got, w.expected),
+                    message: format!(
+                        "ne {:?}, expected {:?} from the metadata",
+                        w.got, w.expected
+                    ),
                 });
             }
             for k in &r.metadata_issues {
-                findings.push(Finding { kind: "arch.metadata".into(), tensor: None, message: format!("{k:?}") });
+                findings.push(Finding {
+                    kind: "arch.metadata".into(),
+                    tensor: None,
+                    message: format!("{k:?}"),
+                });
             }
             for m in &r.inconsistent_metadata {
-                findings.push(Finding { kind: "arch.metadata".into(), tensor: None, message: m.clone() });
+                findings.push(Finding {
+                    kind: "arch.metadata".into(),
+                    tensor: None,
+                    message: m.clone(),
+                });
             }
             Some(serde_json::to_value(&r)?)
         }
@@ -251,7 +289,11 @@ fn build_report(path: &Path, hash: bool, filter: Option<&str>, quiet: bool, gpu:
     Ok(Report {
         schema: SCHEMA.into(),
         model: path.to_path_buf(),
-        files: model.shards().iter().map(|f| f.path().to_path_buf()).collect(),
+        files: model
+            .shards()
+            .iter()
+            .map(|f| f.path().to_path_buf())
+            .collect(),
         architecture: model.architecture().map(str::to_string),
         summary: Summary {
             tensors: tensors.len(),
@@ -274,7 +316,13 @@ pub fn model_digest(tensors: &[TensorRecord]) -> String {
     let mut h = Sha256::new();
     for t in tensors {
         let ne: Vec<String> = t.ne.iter().map(u64::to_string).collect();
-        h.update(format!("{}\t{}\t{}\t{}\n", t.name, t.ty, ne.join(","), t.sha256.as_deref().unwrap_or("")));
+        h.update(format!(
+            "{}\t{}\t{}\t{}\n",
+            t.name,
+            t.ty,
+            ne.join(","),
+            t.sha256.as_deref().unwrap_or("")
+        ));
     }
     gguf::copy::hex(&h.finalize())
 }
@@ -299,10 +347,18 @@ fn anomalies(tensors: &[TensorRecord], stats: &[TensorStats]) -> Vec<Finding> {
     let mut out = Vec::new();
     for (t, s) in tensors.iter().zip(stats) {
         if s.n_nan > 0 || s.n_inf > 0 {
-            out.push(Finding { kind: "nan_inf".into(), tensor: Some(t.name.clone()), message: format!("{} NaN and {} Inf values", s.n_nan, s.n_inf) });
+            out.push(Finding {
+                kind: "nan_inf".into(),
+                tensor: Some(t.name.clone()),
+                message: format!("{} NaN and {} Inf values", s.n_nan, s.n_inf),
+            });
         }
         if s.count > 0 && s.n_zero == s.count {
-            out.push(Finding { kind: "all_zero".into(), tensor: Some(t.name.clone()), message: "every value is zero".into() });
+            out.push(Finding {
+                kind: "all_zero".into(),
+                tensor: Some(t.name.clone()),
+                message: "every value is zero".into(),
+            });
         }
     }
     let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
@@ -317,7 +373,10 @@ fn anomalies(tensors: &[TensorRecord], stats: &[TensorStats]) -> Vec<Finding> {
         }
         // Norm weights are judged by their mean (they sit near a learned scale), others by std.
         let is_norm = kind.contains("norm") && tensors[idx[0]].ne.len() == 1;
-        let vals: Vec<f64> = idx.iter().map(|&i| if is_norm { stats[i].mean } else { stats[i].std }).collect();
+        let vals: Vec<f64> = idx
+            .iter()
+            .map(|&i| if is_norm { stats[i].mean } else { stats[i].std })
+            .collect();
         if vals.iter().any(|v| !v.is_finite()) {
             continue;
         }
@@ -329,7 +388,12 @@ fn anomalies(tensors: &[TensorRecord], stats: &[TensorStats]) -> Vec<Finding> {
             let z = (v - med) / sigma;
             if z.abs() > OUTLIER_Z {
                 out.push(Finding {
-                    kind: if is_norm { "norm_outlier" } else { "std_outlier" }.into(),
+                    kind: if is_norm {
+                        "norm_outlier"
+                    } else {
+                        "std_outlier"
+                    }
+                    .into(),
                     tensor: Some(tensors[i].name.clone()),
                     message: format!(
                         "{} {:.6} vs median {:.6} of {} siblings {kind} (robust z {:.1})",
@@ -363,9 +427,15 @@ fn median(v: &[f64]) -> f64 {
 /// a side has no hashes), and the digests.
 fn compare(a: &Report, b: &Report) -> Vec<Finding> {
     let mut out = Vec::new();
-    let mk = |tensor: Option<&str>, message: String| Finding { kind: "against".into(), tensor: tensor.map(str::to_string), message };
-    let bmap: BTreeMap<&str, &TensorRecord> = b.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-    let amap: BTreeMap<&str, &TensorRecord> = a.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let mk = |tensor: Option<&str>, message: String| Finding {
+        kind: "against".into(),
+        tensor: tensor.map(str::to_string),
+        message,
+    };
+    let bmap: BTreeMap<&str, &TensorRecord> =
+        b.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let amap: BTreeMap<&str, &TensorRecord> =
+        a.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     for t in &a.tensors {
         let Some(o) = bmap.get(t.name.as_str()) else {
             out.push(mk(Some(&t.name), format!("only in {}", a.model.display())));
@@ -378,7 +448,9 @@ fn compare(a: &Report, b: &Report) -> Vec<Finding> {
             out.push(mk(Some(&t.name), format!("ne {:?} vs {:?}", t.ne, o.ne)));
         }
         match (&t.sha256, &o.sha256) {
-            (Some(x), Some(y)) if x != y => out.push(mk(Some(&t.name), format!("sha256 {x} vs {y}"))),
+            (Some(x), Some(y)) if x != y => {
+                out.push(mk(Some(&t.name), format!("sha256 {x} vs {y}")))
+            }
             (Some(_), Some(_)) => {}
             _ => {
                 if t.stats != o.stats {
@@ -392,8 +464,18 @@ fn compare(a: &Report, b: &Report) -> Vec<Finding> {
             out.push(mk(Some(&t.name), format!("only in {}", b.model.display())));
         }
     }
-    let order_a: Vec<&str> = a.tensors.iter().map(|t| t.name.as_str()).filter(|n| bmap.contains_key(n)).collect();
-    let order_b: Vec<&str> = b.tensors.iter().map(|t| t.name.as_str()).filter(|n| amap.contains_key(n)).collect();
+    let order_a: Vec<&str> = a
+        .tensors
+        .iter()
+        .map(|t| t.name.as_str())
+        .filter(|n| bmap.contains_key(n))
+        .collect();
+    let order_b: Vec<&str> = b
+        .tensors
+        .iter()
+        .map(|t| t.name.as_str())
+        .filter(|n| amap.contains_key(n))
+        .collect();
     if order_a != order_b {
         out.push(mk(None, "tensor order differs".into()));
     }
@@ -410,10 +492,22 @@ fn fmt_opt(v: Option<f64>) -> String {
 }
 
 fn print_human(r: &Report, hash: bool) {
-    println!("model: {} ({} file(s)), architecture {}", r.model.display(), r.files.len(), r.architecture.as_deref().unwrap_or("?"));
+    println!(
+        "model: {} ({} file(s)), architecture {}",
+        r.model.display(),
+        r.files.len(),
+        r.architecture.as_deref().unwrap_or("?")
+    );
     println!(
         "{:<44} {:<7} {:>11} {:>11} {:>11} {:>11} {:>7} {:>5}{}",
-        "tensor", "type", "mean", "std", "min", "max", "zeros", "nan",
+        "tensor",
+        "type",
+        "mean",
+        "std",
+        "min",
+        "max",
+        "zeros",
+        "nan",
         if hash { "  sha256" } else { "" }
     );
     for t in &r.tensors {
@@ -428,7 +522,10 @@ fn print_human(r: &Report, hash: bool) {
                 fmt_opt(s.max),
                 s.zero_fraction * 100.0,
                 s.n_nan + s.n_inf,
-                t.sha256.as_deref().map(|h| format!("  {}", &h[..16])).unwrap_or_default()
+                t.sha256
+                    .as_deref()
+                    .map(|h| format!("  {}", &h[..16]))
+                    .unwrap_or_default()
             );
         }
     }
@@ -450,7 +547,15 @@ fn print_human(r: &Report, hash: bool) {
     } else {
         println!("{} finding(s):", r.findings.len());
         for f in &r.findings {
-            println!("  [{}] {}{}", f.kind, f.tensor.as_deref().map(|t| format!("{t}: ")).unwrap_or_default(), f.message);
+            println!(
+                "  [{}] {}{}",
+                f.kind,
+                f.tensor
+                    .as_deref()
+                    .map(|t| format!("{t}: "))
+                    .unwrap_or_default(),
+                f.message
+            );
         }
     }
 }
