@@ -11,6 +11,7 @@ bin=$(cargo test --release -p kernels --test gpu --no-run --message-format=json 
 [ -n "$bin" ] || { echo "no test binary" >&2; exit 1; }
 cp "$bin" .device/kernels-gpu-tests
 cp target/release/gguftool .device/gguftool
+strip .device/kernels-gpu-tests .device/gguftool 2>/dev/null || true
 cp kernels/device-run.sh .device/run.sh
 for f in "$@"; do cp "$f" .device/; done
 du -sh .device

@@ -264,7 +264,7 @@ fn build_report(
                 findings.push(Finding {
                     kind: "arch.metadata".into(),
                     tensor: None,
-                    message: format!("{k:?}"),
+                    message: format!("key {}: {}", k.key, k.problem),
                 });
             }
             for m in &r.inconsistent_metadata {

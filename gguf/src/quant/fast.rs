@@ -315,12 +315,14 @@ fn lookup32_avx2(qs: &[u8; 16], d: f32, kv: &[i8; 16], y: &mut [f32; 32]) {
         let lo = _mm_shuffle_epi8(table, _mm_and_si128(q, mask));
         let hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(q), mask));
         let dv = _mm256_set1_ps(d);
-        let f = |v: __m128i| _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
         let p = y.as_mut_ptr();
-        _mm256_storeu_ps(p, f(lo));
-        _mm256_storeu_ps(p.add(8), f(_mm_srli_si128::<8>(lo)));
-        _mm256_storeu_ps(p.add(16), f(hi));
-        _mm256_storeu_ps(p.add(24), f(_mm_srli_si128::<8>(hi)));
+        for (i, v) in [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)]
+            .into_iter()
+            .enumerate()
+        {
+            let x = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+            _mm256_storeu_ps(p.add(8 * i), x);
+        }
     }
 }
 
