@@ -222,36 +222,28 @@ fn refuses_truncated_shard() {
     assert_refused(&o, &out, "truncated shard");
 }
 
-/// Rewrite one metadata value of a shard in place (same size), e.g. split.count.
-fn patch_u16_key(path: &Path, key: &str, value: u16) {
-    let mut bytes = std::fs::read(path).unwrap();
-    let needle = {
-        let mut n = (key.len() as u64).to_le_bytes().to_vec();
-        n.extend_from_slice(key.as_bytes());
-        n.extend_from_slice(&2u32.to_le_bytes()); // UINT16
-        n
-    };
-    let pos = bytes
-        .windows(needle.len())
-        .position(|w| w == needle)
-        .expect("key present");
-    let at = pos + needle.len();
-    bytes[at..at + 2].copy_from_slice(&value.to_le_bytes());
-    std::fs::write(path, bytes).unwrap();
-}
-
-fn patch_i32_key(path: &Path, key: &str, value: i32) {
+/// Rewrite one metadata value of a shard in place (same type and size), e.g. split.count.
+/// `type_id` is the GGUF value type of the key (2 = UINT16, 5 = INT32).
+fn patch_key(path: &Path, key: &str, type_id: u32, value: &[u8]) {
     let mut bytes = std::fs::read(path).unwrap();
     let mut needle = (key.len() as u64).to_le_bytes().to_vec();
     needle.extend_from_slice(key.as_bytes());
-    needle.extend_from_slice(&5u32.to_le_bytes()); // INT32
+    needle.extend_from_slice(&type_id.to_le_bytes());
     let pos = bytes
         .windows(needle.len())
         .position(|w| w == needle)
         .expect("key present");
     let at = pos + needle.len();
-    bytes[at..at + 4].copy_from_slice(&value.to_le_bytes());
+    bytes[at..at + value.len()].copy_from_slice(value);
     std::fs::write(path, bytes).unwrap();
+}
+
+fn patch_u16_key(path: &Path, key: &str, value: u16) {
+    patch_key(path, key, 2, &value.to_le_bytes());
+}
+
+fn patch_i32_key(path: &Path, key: &str, value: i32) {
+    patch_key(path, key, 5, &value.to_le_bytes());
 }
 
 #[test]
