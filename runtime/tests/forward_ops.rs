@@ -367,6 +367,21 @@ fn router_uses_bias_for_choice_and_groups_to_limit_it() {
         &[sig(2.0), sig(1.9)],
         TOL,
     );
+    // Softmax gating (DeepSeek-V2): probabilities over all experts, top-k of them.
+    let p2 = RouteParams {
+        gating: Gating::Softmax,
+        ..p1
+    };
+    let (w, e) = be.moe_route(&logits, None, &p2).unwrap();
+    let z: f64 = logits.data.iter().map(|&l| (l as f64).exp()).sum();
+    let mut pairs: Vec<(i32, f32)> = e.data.iter().copied().zip(w.data.iter().copied()).collect();
+    pairs.sort_by_key(|p| p.0);
+    assert_eq!(pairs.iter().map(|p| p.0).collect::<Vec<_>>(), vec![0, 1]);
+    close(
+        &pairs.iter().map(|p| p.1).collect::<Vec<_>>(),
+        &[2f64.exp() / z, 1.9f64.exp() / z],
+        TOL,
+    );
 }
 
 /// sum_k w_k * down_e(silu(gate_e x) * up_e x) with expert e's rows of the stacked weights.

@@ -474,6 +474,35 @@ fn client_disconnect_cancels_the_stream() {
 }
 
 #[test]
+fn client_disconnect_cancels_a_non_streaming_request() {
+    use std::io::Write;
+    let s = start(Options {
+        ctx: 10_000_000,
+        ..Options::default()
+    });
+    let body = json!({"prompt": "a", "max_tokens": 9_000_000, "ignore_eos": true,
+                      "temperature": 0})
+    .to_string();
+    let mut c = std::net::TcpStream::connect(s.addr).unwrap();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    wait_until("the request to run", || {
+        s.metrics.requests_running.load(Ordering::SeqCst) == 1
+    });
+    drop(c);
+    wait_until("the cancellation", || {
+        s.metrics.finished_count("cancelled") == 1
+    });
+    wait_until("the sequence to be freed", || {
+        s.model.live.load(Ordering::SeqCst) == 0
+    });
+}
+
+#[test]
 fn backend_failure_inside_a_stream_is_a_json_event() {
     let s = start(Options::default());
     // The mock fails on byte 0x01.

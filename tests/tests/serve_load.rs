@@ -30,7 +30,7 @@ fn rss_bytes() -> Option<u64> {
 
 /// One streaming request; `Err` describes what went wrong.
 fn one_client(addr: std::net::SocketAddr, i: usize) -> Result<(), String> {
-    let (path, body) = if i % 2 == 0 {
+    let (path, body) = if i.is_multiple_of(2) {
         (
             "/v1/completions",
             json!({"prompt": format!("{} {} {}", i, i + 1, i + 2), "max_tokens": 12,

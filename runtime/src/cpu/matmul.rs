@@ -65,6 +65,12 @@ pub fn matmul_rows(
     }
     let rb = w.row_bytes();
     let bytes = w.bytes();
+    if bytes.len() < (row0 + m) * rb {
+        return Err(backend_err(
+            w,
+            format!("{} bytes, rows need {}", bytes.len(), (row0 + m) * rb),
+        ));
+    }
     let ty = w.ty();
     // out_t is [m, n]: each task owns whole weight rows.
     let rows_per_task = MAX_ROWS_PER_TASK.max(MIN_TASK_WORK / (k * n).max(1));
@@ -106,7 +112,7 @@ pub fn dequant_rows(w: &HostWeight, rows: &[usize]) -> Result<Vec<f32>, RuntimeE
     let bytes = w.bytes();
     let mut out = vec![0f32; rows.len() * k];
     for (o, &r) in out.chunks_mut(k.max(1)).zip(rows) {
-        if r >= w.n_rows() {
+        if r >= w.n_rows() || bytes.len() < (r + 1) * rb {
             return Err(backend_err(w, format!("row {r} of {}", w.n_rows())));
         }
         dequantize(w.ty(), &bytes[r * rb..(r + 1) * rb], o).map_err(|e| backend_err(w, e))?;
