@@ -25,3 +25,19 @@ extern "C" __global__ void f32_to_bf16(const float* src, uint16_t* dst, long lon
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = f32_to_bf16(src[i]);
 }
+
+// y[r, i] = x[r, i] + b[i] (bias broadcast over rows). Grid (ceil(cols/256), rows).
+extern "C" __global__ void add_bias_f32(const float* x, const float* __restrict__ b, float* y,
+                                        int cols) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const long long r = blockIdx.y;
+    if (i < cols) y[r * cols + i] = x[r * cols + i] + b[i];
+}
+
+// dst[r, :] = src[idx[r], :] for rows of `cols` values; the host checks every index.
+extern "C" __global__ void gather_rows_f32(const float* __restrict__ src, const int* __restrict__ idx,
+                                           float* __restrict__ dst, int cols) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const long long r = blockIdx.y;
+    if (i < cols) dst[r * cols + i] = src[(long long)idx[r] * cols + i];
+}

@@ -7,7 +7,7 @@
 //
 // Channels (grid.y) batch independent GEMVs in one launch: MoE experts (`ids[ch]` picks the
 // expert slab), per-head absorption matrices (slab = channel), or several tokens.
-//   weight of channel ch  = W + e * w_ch_stride,  e = ids ? ids[ch] : ch   (bytes)
+//   weight of channel ch  = W + e * w_ch_stride,  e = ids ? ids[ch] : ch % n_slabs   (bytes)
 //   input of channel ch   = x + (ch / x_ch_div) * x_ch_stride               (floats)
 //   output of channel ch  = y + ch * y_ch_stride                            (floats)
 // An expert id outside [0, n_slabs) writes NaN rows instead of reading out of bounds.
@@ -22,7 +22,7 @@ DEV void gemv_impl(const uint8_t* __restrict__ W, long long row_bytes, int nrows
     const int row = blockIdx.x * (blockDim.x >> 5) + warp;
     const int ch = blockIdx.y;
     if (row >= nrows) return;
-    const long long e = ids ? (long long)ids[ch] : (long long)ch;
+    const long long e = ids ? (long long)ids[ch] : (long long)(ch % n_slabs);
     float* yp = y + (long long)ch * y_ch_stride + row;
     if (e < 0 || e >= n_slabs) {
         if (lane == 0) *yp = __int_as_float(0x7fc00000);
@@ -31,20 +31,43 @@ DEV void gemv_impl(const uint8_t* __restrict__ W, long long row_bytes, int nrows
     const uint8_t* wr = W + e * w_ch_stride + (long long)row * row_bytes;
     const float* xr = x + (long long)(ch / x_ch_div) * x_ch_stride;
     const int nq = K >> 5;
-    float acc = 0.0f;
-    for (int q = lane; q < nq; q += 32) {
-        float w[32];
-        deq32<QT>(wr + (q / NC) * BB, q % NC, t, w);
-        const float4* xp = (const float4*)(xr + q * 32);
+    // Two chunks per step, decoded in one basic block so both chunks' loads are in flight
+    // together; two accumulators keep the FMA chains short. Fixed order: run-to-run identical.
+    float acc0 = 0.0f, acc1 = 0.0f;
+    int q = lane;
+    for (; q + 32 < nq; q += 64) {
+        float w0[32], w1[32];
+        deq32<QT>(wr + (q / NC) * BB, q % NC, t, w0);
+        deq32<QT>(wr + ((q + 32) / NC) * BB, (q + 32) % NC, t, w1);
+        const float4* x0 = (const float4*)(xr + q * 32);
+        const float4* x1 = (const float4*)(xr + (q + 32) * 32);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const float4 v = xp[i];
-            acc += w[4 * i] * v.x;
-            acc += w[4 * i + 1] * v.y;
-            acc += w[4 * i + 2] * v.z;
-            acc += w[4 * i + 3] * v.w;
+            const float4 a = x0[i], b = x1[i];
+            acc0 += w0[4 * i] * a.x;
+            acc1 += w1[4 * i] * b.x;
+            acc0 += w0[4 * i + 1] * a.y;
+            acc1 += w1[4 * i + 1] * b.y;
+            acc0 += w0[4 * i + 2] * a.z;
+            acc1 += w1[4 * i + 2] * b.z;
+            acc0 += w0[4 * i + 3] * a.w;
+            acc1 += w1[4 * i + 3] * b.w;
         }
     }
+    if (q < nq) {
+        float w0[32];
+        deq32<QT>(wr + (q / NC) * BB, q % NC, t, w0);
+        const float4* x0 = (const float4*)(xr + q * 32);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float4 a = x0[i];
+            acc0 += w0[4 * i] * a.x;
+            acc0 += w0[4 * i + 1] * a.y;
+            acc0 += w0[4 * i + 2] * a.z;
+            acc0 += w0[4 * i + 3] * a.w;
+        }
+    }
+    float acc = acc0 + acc1;
     acc = warp_sum(acc);
     if (lane == 0) *yp = acc;
 }

@@ -1,6 +1,6 @@
 // Op `indexer_scores`: the DSA lightning indexer's key scores (spec §1.7), in f32:
 //   I[s,t] = sum_h w[s,h] * relu(scale * q[s,h,:D] . k[t,:D])   for t < T and t <= pos[s], else -inf.
-// w already carries the 1/sqrt(H) factor (weights_proj(x) * H^-0.5); scale = D^-0.5.
+// D <= 256 (8 values per lane). w already carries the 1/sqrt(H) factor (weights_proj(x) * H^-0.5); scale = D^-0.5.
 // One warp per key (the key row is read once for all heads), 8 keys per 256-thread block;
 // heads are summed in ascending order.
 
@@ -18,11 +18,10 @@ extern "C" __global__ void __launch_bounds__(256)
         if (lane == 0) *o = NEG_INF;
         return;
     }
-    const int nm = D >> 5;
     float kk[8];
     const float* kr = k + t * k_stride;
 #pragma unroll
-    for (int m = 0; m < 8; ++m) kk[m] = m < nm ? kr[lane + 32 * m] : 0.0f;
+    for (int m = 0; m < 8; ++m) kk[m] = lane + 32 * m < D ? kr[lane + 32 * m] : 0.0f;
     const float* qs = q + s * q_tok_stride;
     const float* ws = w + s * w_stride;
     float total = 0.0f;
@@ -31,7 +30,7 @@ extern "C" __global__ void __launch_bounds__(256)
         float acc = 0.0f;
 #pragma unroll
         for (int m = 0; m < 8; ++m)
-            if (m < nm) acc += qh[lane + 32 * m] * kk[m];
+            if (lane + 32 * m < D) acc += qh[lane + 32 * m] * kk[m];
         acc = warp_sum(acc);
         total += ws[h] * fmaxf(acc * scale, 0.0f);
     }

@@ -1,6 +1,7 @@
-// Op `moe_router`: GLM-5 / DeepSeek-V3 sigmoid routing (spec §1.10), one block per token,
-// one thread per expert (E <= 1024).
-//   s = sigmoid(logit); c = s + bias (bias only steers the selection);
+// Op `moe_router`: GLM-5 / DeepSeek-V3 routing (spec §1.10), one block per token, one thread per
+// expert (E <= 1024).
+//   s = sigmoid(logit) (gating 0) or softmax over the experts (gating 1);
+//   c = s + bias (bias only steers the selection);
 //   group-limited: keep the topk_group groups with the largest sum of their top-2 c, others -inf;
 //   ids = top_k of c (descending, ties to the lower expert id); w = s[ids];
 //   if norm: w /= (sum(w) + 1e-20); w *= scale.
@@ -8,7 +9,7 @@
 extern "C" __global__ void moe_router_f32(const float* __restrict__ logits, long long stride, int E,
                                           const float* __restrict__ bias, int n_group, int topk_group,
                                           int top_k, int norm, float scale, int* __restrict__ ids,
-                                          float* __restrict__ weights) {
+                                          float* __restrict__ weights, int gating) {
     __shared__ float s_sig[1024];
     __shared__ float s_choice[1024];
     __shared__ float s_group[64];
@@ -19,9 +20,17 @@ extern "C" __global__ void moe_router_f32(const float* __restrict__ logits, long
     const int t = threadIdx.x;
     const long long n = blockIdx.x;
     float c = NEG_INF;
+    const float l = t < E ? logits[n * stride + t] : NEG_INF;
+    float s = 0.0f;
+    if (gating == 1) {
+        const float mx = block_max(l, sv);
+        const float e = t < E ? expf(l - mx) : 0.0f;
+        const float z = block_sum(e, sv);
+        s = e / z;
+    } else {
+        s = 1.0f / (1.0f + expf(-l));
+    }
     if (t < E) {
-        const float l = logits[n * stride + t];
-        const float s = 1.0f / (1.0f + expf(-l));
         s_sig[t] = s;
         c = s + (bias ? bias[t] : 0.0f);
         s_choice[t] = c;

@@ -64,13 +64,27 @@ DEV float block_max(float v, float* scratch) {
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-// Arg-max step: (ov, oi) replaces (v, i) when larger, or equal with a lower index.
-// A NaN candidate never wins.
+// Arg-max step over the total order "NaN below everything, then by value, ties to the lower
+// index": (ov, oi) replaces (v, i) when it ranks higher. A NaN never wins over a number, and a
+// NaN holder is always replaced by a number, so the butterfly reduction is symmetric.
 DEV void argmax_step(float& v, int& i, float ov, int oi) {
-    if (ov > v || (ov == v && oi < i)) {
+    const bool vn = v != v, on = ov != ov;
+    bool take;
+    if (vn || on) take = vn && (!on || oi < i);
+    else take = ov > v || (ov == v && oi < i);
+    if (take) {
         v = ov;
         i = oi;
     }
+}
+
+// Exact float of a small unsigned integer without the quarter-rate I2F conversion:
+// the bits 0x4B000000 | q are the float 2^23 + q, and subtracting 2^23 is exact for q < 2^23.
+DEV float u2f_small(uint32_t q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
+// Same for a signed value given with its offset: q + off must lie in [0, 2^23).
+// (2^23 + q + off) - (2^23 + off) is exact: both operands and the result are representable.
+DEV float i2f_small(int q, int off) {
+    return __uint_as_float(0x4B000000u | (uint32_t)(q + off)) - (8388608.0f + (float)off);
 }
 DEV void warp_argmax(float& v, int& i) {
 #pragma unroll

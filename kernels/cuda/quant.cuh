@@ -111,17 +111,6 @@ DEV uint32_t ld_u32_any(const uint8_t* p) {
 DEV float ld_f16(const uint8_t* p) { return f16_to_f32((uint16_t)ld_u16(p)); }
 DEV float ld_f16_any(const uint8_t* p) { return f16_to_f32((uint16_t)ld_u16_any(p)); }
 
-// 6-bit scale and min of sub-block j of Q4_K/Q5_K (spec §5.2).
-DEV void k_scale_min(const uint8_t* s, int j, uint32_t& sc, uint32_t& m) {
-    if (j < 4) {
-        sc = s[j] & 63;
-        m = s[j + 4] & 63;
-    } else {
-        sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-        m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
 DEV int8_t grid_byte(uint64_t g, int k) { return (int8_t)((g >> (8 * k)) & 0xFF); }
 // Sign pattern of the IQ2/IQ3 "ksigns" table: 7 stored bits plus an even-parity 8th bit.
 DEV uint32_t ksigns(uint32_t i) { return i | ((__popc(i) & 1u) << 7); }
@@ -177,8 +166,8 @@ DEV void deq32<QT_Q4_0>(const uint8_t* __restrict__ b, int, const QTables&, floa
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
             uint32_t q = (w >> (8 * k)) & 0xFF;
-            y[2 * i + k] = (float)((int)(q & 0xF) - 8) * d;
-            y[2 * i + k + 16] = (float)((int)(q >> 4) - 8) * d;
+            y[2 * i + k] = i2f_small((int)(q & 0xF) - 8, 8) * d;
+            y[2 * i + k + 16] = i2f_small((int)(q >> 4) - 8, 8) * d;
         }
     }
 }
@@ -192,8 +181,8 @@ DEV void deq32<QT_Q4_1>(const uint8_t* __restrict__ b, int, const QTables&, floa
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             uint32_t q = (w >> (8 * k)) & 0xFF;
-            y[4 * i + k] = d * (float)(q & 0xF) + m;
-            y[4 * i + k + 16] = d * (float)(q >> 4) + m;
+            y[4 * i + k] = d * u2f_small(q & 0xF) + m;
+            y[4 * i + k + 16] = d * u2f_small(q >> 4) + m;
         }
     }
 }
@@ -211,8 +200,8 @@ DEV void deq32<QT_Q5_0>(const uint8_t* __restrict__ b, int, const QTables&, floa
             uint32_t q = (w >> (8 * k)) & 0xFF;
             uint32_t lo = (q & 0xF) | (((qh >> j) & 1) << 4);
             uint32_t hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4);
-            y[j] = (float)((int)lo - 16) * d;
-            y[j + 16] = (float)((int)hi - 16) * d;
+            y[j] = i2f_small((int)lo - 16, 16) * d;
+            y[j + 16] = i2f_small((int)hi - 16, 16) * d;
         }
     }
 }
@@ -230,8 +219,8 @@ DEV void deq32<QT_Q5_1>(const uint8_t* __restrict__ b, int, const QTables&, floa
             uint32_t q = (w >> (8 * k)) & 0xFF;
             uint32_t lo = (q & 0xF) | (((qh >> j) & 1) << 4);
             uint32_t hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4);
-            y[j] = d * (float)lo + m;
-            y[j + 16] = d * (float)hi + m;
+            y[j] = d * u2f_small(lo) + m;
+            y[j + 16] = d * u2f_small(hi) + m;
         }
     }
 }
@@ -242,8 +231,8 @@ DEV void deq32<QT_Q8_0>(const uint8_t* __restrict__ b, int, const QTables&, floa
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
         uint32_t w = ld_u16(b + 2 + 2 * i);
-        y[2 * i] = (float)(int8_t)(w & 0xFF) * d;
-        y[2 * i + 1] = (float)(int8_t)(w >> 8) * d;
+        y[2 * i] = i2f_small((int)(int8_t)(w & 0xFF), 128) * d;
+        y[2 * i + 1] = i2f_small((int)(int8_t)(w >> 8), 128) * d;
     }
 }
 // Q1_0 (128 per block) {f16 d; u8 qs[16]}: bit e set -> +d, else -d.
@@ -299,13 +288,28 @@ DEV void deq32<QT_Q3_K>(const uint8_t* __restrict__ b, int c, const QTables&, fl
         }
     }
 }
+// Q4_K/Q5_K header (16 bytes, 16-aligned): d, dmin and the 6-bit scale/min of sub-block j,
+// decoded without branches from one vector load. Layout (spec §5.2), s = scales[12]:
+// j < 4: sc = s[j] & 63, m = s[j+4] & 63; j >= 4: sc = (s[j+4] & 0xF) | ((s[j-4] >> 6) << 4),
+// m = (s[j+4] >> 4) | ((s[j] >> 6) << 4). With jj = j & 3 every byte needed is byte jj of one of
+// the three scale words: for j < 4, s[j] in word 0 and s[j+4] in word 1; for j >= 4, s[j-4],
+// s[j] and s[j+4] in words 0, 1 and 2.
+DEV void k_header(const uint8_t* __restrict__ b, int j, float& d1, float& m1) {
+    const uint4 h = *(const uint4*)b;
+    const float d = f16_to_f32((uint16_t)(h.x & 0xFFFF)), dmin = f16_to_f32((uint16_t)(h.x >> 16));
+    const int sh = 8 * (j & 3);
+    const uint32_t ba = (h.y >> sh) & 0xFF, bb = (h.z >> sh) & 0xFF, bc = (h.w >> sh) & 0xFF;
+    const uint32_t sc = j < 4 ? (ba & 63) : ((bc & 0xF) | ((ba >> 6) << 4));
+    const uint32_t m = j < 4 ? (bb & 63) : ((bc >> 4) | ((bb >> 6) << 4));
+    d1 = d * u2f_small(sc);
+    m1 = dmin * u2f_small(m);
+}
+
 // Q4_K {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]} (144 B: blocks stay 16-byte aligned).
 template <>
 DEV void deq32<QT_Q4_K>(const uint8_t* __restrict__ b, int c, const QTables&, float (&y)[32]) {
-    const float d = ld_f16(b), dmin = ld_f16(b + 2);
-    uint32_t sc, m;
-    k_scale_min(b + 4, c, sc, m);
-    const float d1 = d * (float)sc, m1 = dmin * (float)m;
+    float d1, m1;
+    k_header(b, c, d1, m1);
     const uint4* qs = (const uint4*)(b + 16 + 32 * (c >> 1));
     const int sh = 4 * (c & 1);
 #pragma unroll
@@ -315,17 +319,15 @@ DEV void deq32<QT_Q4_K>(const uint8_t* __restrict__ b, int c, const QTables&, fl
 #pragma unroll
         for (int k = 0; k < 16; ++k) {
             uint32_t q = (w[k >> 2] >> (8 * (k & 3) + sh)) & 0xF;
-            y[16 * i + k] = d1 * (float)q - m1;
+            y[16 * i + k] = d1 * u2f_small(q) - m1;
         }
     }
 }
 // Q5_K {f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]} (176 B, 16-byte aligned).
 template <>
 DEV void deq32<QT_Q5_K>(const uint8_t* __restrict__ b, int c, const QTables&, float (&y)[32]) {
-    const float d = ld_f16(b), dmin = ld_f16(b + 2);
-    uint32_t sc, m;
-    k_scale_min(b + 4, c, sc, m);
-    const float d1 = d * (float)sc, m1 = dmin * (float)m;
+    float d1, m1;
+    k_header(b, c, d1, m1);
     const uint4* qs = (const uint4*)(b + 48 + 32 * (c >> 1));
     const uint4* qhp = (const uint4*)(b + 16);
     const int sh = 4 * (c & 1);
@@ -339,7 +341,7 @@ DEV void deq32<QT_Q5_K>(const uint8_t* __restrict__ b, int c, const QTables&, fl
         for (int k = 0; k < 16; ++k) {
             uint32_t q = (w[k >> 2] >> (8 * (k & 3) + sh)) & 0xF;
             q |= ((hw[k >> 2] >> (8 * (k & 3) + c)) & 1) << 4;
-            y[16 * i + k] = d1 * (float)q - m1;
+            y[16 * i + k] = d1 * u2f_small(q) - m1;
         }
     }
 }
@@ -363,7 +365,7 @@ DEV void deq32<QT_Q6_K>(const uint8_t* __restrict__ b, int c, const QTables&, fl
             for (int k = 0; k < 2; ++k) {
                 int lo = (int)((lw >> (8 * k + lsh)) & 0xF);
                 int hi = (int)((hw >> (8 * k + hsh)) & 3);
-                y[l + k] = dl * (float)((lo | (hi << 4)) - 32);
+                y[l + k] = dl * i2f_small((lo | (hi << 4)) - 32, 32);
             }
         }
     }

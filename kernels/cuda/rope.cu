@@ -1,13 +1,13 @@
 // Op `rope`: interleaved (GPT-J / ggml NORM) rotary embedding on the rope dims only (spec §1.4).
 // Pair j = (x[off+2j], x[off+2j+1]) of every head of token s is rotated by pos[s] * inv_freq[j].
-// `deinterleave` = 1 writes the HF layout (all rotated even components, then all odd ones), which
-// gives identical dot products; 0 rotates in place. Layout: token s, head h starts at
+// style 0: interleaved, rotated in place; 1: interleaved, written in the HF layout (all rotated
+// even components, then all odd ones; identical dot products); 2: NeoX pairs (x[j], x[j+n_rot/2]). Layout: token s, head h starts at
 // x + s*tok_stride + h*head_stride. inv_freq comes from the host (same f32 formula as the CPU).
 // One block per (head, token), thread j owns pair j (blockDim >= n_rot/2, checked by the host).
 
 extern "C" __global__ void rope_f32(float* __restrict__ x, long long tok_stride, long long head_stride,
                                     int off, int n_rot, const int* __restrict__ pos,
-                                    const float* __restrict__ inv_freq, int deinterleave) {
+                                    const float* __restrict__ inv_freq, int style) {
     const int half = n_rot >> 1;
     const int j = threadIdx.x;
     const int h = blockIdx.x;
@@ -19,19 +19,21 @@ extern "C" __global__ void rope_f32(float* __restrict__ x, long long tok_stride,
         const float ang = (float)pos[s] * inv_freq[j];
         float sn, cs;
         sincosf(ang, &sn, &cs);
-        const float x1 = p[2 * j], x2 = p[2 * j + 1];
+        const int i1 = style == 2 ? j : 2 * j, i2 = style == 2 ? j + half : 2 * j + 1;
+        const float x1 = p[i1], x2 = p[i2];
         o1 = x1 * cs - x2 * sn;
         o2 = x2 * cs + x1 * sn;
     }
     // Every pair is read before any is overwritten (the de-interleaved write crosses pairs).
     __syncthreads();
     if (active) {
-        if (deinterleave) {
+        if (style == 1) {
             p[j] = o1;
             p[half + j] = o2;
         } else {
-            p[2 * j] = o1;
-            p[2 * j + 1] = o2;
+            const int i1 = style == 2 ? j : 2 * j, i2 = style == 2 ? j + half : 2 * j + 1;
+            p[i1] = o1;
+            p[i2] = o2;
         }
     }
 }

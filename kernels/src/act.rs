@@ -180,6 +180,77 @@ impl Gpu {
         self.launched(OP, unsafe { bl.launch(cfg) })
     }
 
+    /// `y[r, i] = x[r, i] + b[i]` for `rows` dense rows of `cols` (y may be x's buffer).
+    pub fn add_bias(
+        &self,
+        x: &impl DevicePtr<f32>,
+        b: &impl DevicePtr<f32>,
+        y: &mut impl DevicePtrMut<f32>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "add_bias";
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        need_len(OP, "x", dlen(x), rows * cols)?;
+        need_len(OP, "b", dlen(b), cols)?;
+        need_len(OP, "y", dlen(y), rows * cols)?;
+        let f = self.func(Op::Elementwise, "add_bias_f32")?;
+        let cfg = self.cfg(
+            OP,
+            ((cols as u64).div_ceil(BLOCK as u64), rows as u64, 1),
+            BLOCK,
+        )?;
+        let s = self.stream();
+        let (xp, _g1) = x.device_ptr(s);
+        let (bp, _g2) = b.device_ptr(s);
+        let (yp, _g3) = y.device_ptr_mut(s);
+        let c32 = to_i32(OP, "cols", cols)?;
+        let mut bl = s.launch_builder(&f);
+        bl.arg(&xp).arg(&bp).arg(&yp).arg(&c32);
+        // SAFETY: extents checked above.
+        self.launched(OP, unsafe { bl.launch(cfg) })
+    }
+
+    /// `dst[r, :] = src[idx[r], :]` for rows of `cols`; `src_rows` bounds every index (checked on
+    /// the host, where the indices come from).
+    pub fn gather_rows(
+        &self,
+        src: &impl DevicePtr<f32>,
+        src_rows: usize,
+        cols: usize,
+        idx: &[usize],
+        dst: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "gather_rows";
+        if idx.is_empty() || cols == 0 {
+            return Ok(());
+        }
+        if let Some(bad) = idx.iter().find(|&&r| r >= src_rows) {
+            return Err(shape_err(OP, format!("row {bad} of {src_rows}")));
+        }
+        need_len(OP, "src", dlen(src), src_rows * cols)?;
+        need_len(OP, "dst", dlen(dst), idx.len() * cols)?;
+        let ids: Vec<i32> = idx
+            .iter()
+            .map(|&r| to_i32(OP, "row", r))
+            .collect::<Result<_, _>>()?;
+        let dids = self.upload(&ids)?;
+        let f = self.func(Op::Elementwise, "gather_rows_f32")?;
+        let grid = ((cols as u64).div_ceil(BLOCK as u64), idx.len() as u64, 1);
+        let cfg = self.cfg(OP, grid, BLOCK)?;
+        let s = self.stream();
+        let (sp, _g1) = src.device_ptr(s);
+        let (ip, _g2) = dids.device_ptr(s);
+        let (dp, _g3) = dst.device_ptr_mut(s);
+        let c32 = to_i32(OP, "cols", cols)?;
+        let mut bl = s.launch_builder(&f);
+        bl.arg(&sp).arg(&ip).arg(&dp).arg(&c32);
+        // SAFETY: every index checked against src_rows above.
+        self.launched(OP, unsafe { bl.launch(cfg) })
+    }
+
     /// f32 -> bf16 bit patterns (round to nearest even), for bf16 cuBLAS operands.
     pub fn to_bf16(
         &self,

@@ -1,5 +1,6 @@
-//! Absorbed MLA attention over the latent cache (decode and prefill), dense-causal or restricted
-//! to the DSA top-k key lists. See `kernels/cuda/mla_attention.cu` for the math.
+//! Softmax attention over a sequence's cached keys (decode and prefill): absorbed MLA, unabsorbed
+//! MLA and GQA, dense-causal or restricted to the DSA top-k key lists. See
+//! `kernels/cuda/attention.cu` for the math and the launch structure.
 
 use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut, PushKernelArg};
 
@@ -8,27 +9,37 @@ use crate::error::KernelError;
 use crate::launch::shape_err;
 use crate::ops::Op;
 
-/// Score buffer budget per launch pair; longer prompts are processed in query chunks.
-const SCORE_BYTES: usize = 256 << 20;
+/// Budget for the score and partial-sum buffers of one launch group; longer prompts are
+/// processed in query chunks.
+const SCRATCH_BYTES: usize = 256 << 20;
+/// Keys per split of the value pass (flash-decoding): enough blocks for a long decode.
+const MIN_SPLIT: usize = 256;
+const MAX_SPLITS: usize = 128;
 
-/// Shapes and strides of one MLA attention call (all in f32 elements).
+/// Shapes and strides of one attention call (f32 elements).
 #[derive(Debug, Clone, Copy)]
-pub struct MlaShape {
-    /// Query tokens S.
+pub struct AttnShape {
+    /// Query tokens S, query heads H, key/value heads Hkv (H a multiple of Hkv).
     pub tokens: usize,
     pub heads: usize,
-    /// Query/key width: kv_lora + rope (576 for GLM-5); q = [q_abs | q_rope].
-    pub d_qk: usize,
-    /// Value width = kv_lora (512): the first d_v values of each cache row.
+    pub kv_heads: usize,
+    /// Key width D (<= 1024; 576 for GLM-5's absorbed MLA) and value width Dv (<= 1024).
+    pub d_k: usize,
     pub d_v: usize,
+    /// q of token s, head h at `s * q_tok_stride + h * q_head_stride`.
     pub q_tok_stride: usize,
     pub q_head_stride: usize,
-    /// Cache row stride (>= d_qk) and the number of valid cache rows T.
-    pub kv_stride: usize,
+    /// Key row t, head g at `t * k_stride + g * d_k`; value row t, head g at `t * v_stride + g * d_v`.
+    pub k_stride: usize,
+    pub v_stride: usize,
+    /// Valid cache rows T.
     pub kv_len: usize,
+    /// Output of token s, head h at `s * o_tok_stride + h * o_head_stride`.
     pub o_tok_stride: usize,
     pub o_head_stride: usize,
     pub scale: f32,
+    /// Position of query 0; query s sees keys `t <= pos0 + s`.
+    pub pos0: usize,
 }
 
 /// DSA key lists: `idx[s * stride + j]`, `j < n_keys`; -1 marks an empty slot.
@@ -40,116 +51,161 @@ pub struct KeyLists<'a> {
 }
 
 impl Gpu {
-    /// `o[s,h] = sum_t softmax_t(scale * q[s,h] . kv[t]) * kv[t, :d_v]` over the keys of query s:
-    /// all `t <= pos[s]` (dense causal), or the listed keys (sparse, still causal).
-    pub fn mla_attention(
+    /// `o[s,h] = sum_t softmax_t(scale * q[s,h] . k[t,g]) * v[t,g]` over the keys of query s:
+    /// all `t <= pos0 + s` (dense causal), or the listed keys (sparse, still causal).
+    pub fn attention(
         &self,
         q: &impl DevicePtr<f32>,
-        kv: &impl DevicePtr<f32>,
-        pos: &impl DevicePtr<i32>,
+        k: &impl DevicePtr<f32>,
+        v: &impl DevicePtr<f32>,
         keys: Option<KeyLists<'_>>,
         o: &mut impl DevicePtrMut<f32>,
-        m: MlaShape,
+        m: AttnShape,
     ) -> Result<(), KernelError> {
-        const OP: &str = "mla_attention";
-        if m.tokens == 0 || m.heads == 0 || m.kv_len == 0 {
+        const OP: &str = "attention";
+        if m.tokens == 0 || m.heads == 0 || m.kv_heads == 0 || m.kv_len == 0 {
             return Err(shape_err(OP, format!("empty shape {m:?}")));
         }
-        if m.d_qk == 0
-            || !m.d_qk.is_multiple_of(32)
-            || m.d_qk > 1024
-            || m.d_v == 0
-            || m.d_v > m.d_qk
-        {
+        if !m.heads.is_multiple_of(m.kv_heads) {
+            return Err(shape_err(
+                OP,
+                format!("{} heads over {} kv heads", m.heads, m.kv_heads),
+            ));
+        }
+        if m.d_k == 0 || m.d_k > 1024 || m.d_v == 0 || m.d_v > 1024 {
+            return Err(shape_err(
+                OP,
+                format!("widths d_k {} / d_v {} must be 1..=1024", m.d_k, m.d_v),
+            ));
+        }
+        if m.pos0 + m.tokens > m.kv_len {
             return Err(shape_err(
                 OP,
                 format!(
-                    "d_qk {} must be a multiple of 32 <= 1024 and d_v {} <= d_qk",
-                    m.d_qk, m.d_v
+                    "queries at {}..{} but only {} cached keys",
+                    m.pos0,
+                    m.pos0 + m.tokens,
+                    m.kv_len
                 ),
             ));
         }
-        if m.kv_stride < m.d_qk {
-            return Err(shape_err(OP, "kv_stride < d_qk"));
-        }
-        let q_need = (m.tokens - 1) * m.q_tok_stride + (m.heads - 1) * m.q_head_stride + m.d_qk;
+        let q_need = (m.tokens - 1) * m.q_tok_stride + (m.heads - 1) * m.q_head_stride + m.d_k;
         need_len(OP, "q", dlen(q), q_need)?;
-        need_len(OP, "kv", dlen(kv), (m.kv_len - 1) * m.kv_stride + m.d_qk)?;
-        need_len(OP, "pos", dlen(pos), m.tokens)?;
+        need_len(
+            OP,
+            "k",
+            dlen(k),
+            (m.kv_len - 1) * m.k_stride + m.kv_heads * m.d_k,
+        )?;
+        need_len(
+            OP,
+            "v",
+            dlen(v),
+            (m.kv_len - 1) * m.v_stride + m.kv_heads * m.d_v,
+        )?;
         let o_need = (m.tokens - 1) * m.o_tok_stride + (m.heads - 1) * m.o_head_stride + m.d_v;
         need_len(OP, "o", dlen(o), o_need)?;
         let n_keys = match keys {
-            Some(k) => {
-                if k.n_keys == 0 {
+            Some(kl) => {
+                if kl.n_keys == 0 {
                     return Err(shape_err(OP, "empty key lists"));
                 }
-                need_len(OP, "idx", k.idx.len(), (m.tokens - 1) * k.stride + k.n_keys)?;
-                k.n_keys
+                need_len(
+                    OP,
+                    "idx",
+                    kl.idx.len(),
+                    (m.tokens - 1) * kl.stride + kl.n_keys,
+                )?;
+                kl.n_keys
             }
             None => m.kv_len,
         };
-        let f_scores = self.func(Op::MlaAttention, "mla_scores_f32")?;
-        let f_av = self.func(Op::MlaAttention, "mla_softmax_av_f32")?;
-        let per_token = m.heads * n_keys * 4;
-        let chunk = (SCORE_BYTES / per_token.max(1)).clamp(1, m.tokens);
+        let split_len = n_keys.div_ceil(MAX_SPLITS).max(MIN_SPLIT);
+        let n_split = n_keys.div_ceil(split_len);
+        let f_scores = self.func(Op::Attention, "attn_scores_f32")?;
+        let f_part = self.func(Op::Attention, "attn_av_partial_f32")?;
+        let f_comb = self.func(Op::Attention, "attn_combine_f32")?;
+        let per_token = 4 * m.heads * (n_keys + n_split * (m.d_v + 2));
+        let chunk = (SCRATCH_BYTES / per_token.max(1)).clamp(1, m.tokens);
         let s = self.stream();
         let mut scores = self.zeros::<f32>(chunk * m.heads * n_keys)?;
+        let mut part = self.zeros::<f32>(chunk * m.heads * n_split * (m.d_v + 2))?;
         let (qp, _gq) = q.device_ptr(s);
-        let (kp, _gk) = kv.device_ptr(s);
-        let (pp, _gp) = pos.device_ptr(s);
+        let (kp, _gk) = k.device_ptr(s);
+        let (vp, _gv) = v.device_ptr(s);
         let (op, _go) = o.device_ptr_mut(s);
         let (ip, istride) = match keys {
-            Some(k) => (k.idx.device_ptr(s).0, k.stride as i64),
+            Some(kl) => (kl.idx.device_ptr(s).0, kl.stride as i64),
             None => (0u64, 0i64),
         };
         let (sp, _gs) = scores.device_ptr_mut(s);
-        let d = to_i32(OP, "d_qk", m.d_qk)?;
+        let (pp, _gp) = part.device_ptr_mut(s);
+        let d = to_i32(OP, "d_k", m.d_k)?;
         let dv = to_i32(OP, "d_v", m.d_v)?;
         let h = to_i32(OP, "heads", m.heads)?;
+        let hkv = to_i32(OP, "kv_heads", m.kv_heads)?;
         let nk = to_i32(OP, "n_keys", n_keys)?;
         let t = to_i32(OP, "kv_len", m.kv_len)?;
-        let (kvs, qts, qhs) = (
-            m.kv_stride as i64,
-            m.q_tok_stride as i64,
-            m.q_head_stride as i64,
-        );
+        let sl = to_i32(OP, "split", split_len)?;
+        let ns = to_i32(OP, "splits", n_split)?;
+        let (ks, vs) = (m.k_stride as i64, m.v_stride as i64);
+        let (qts, qhs) = (m.q_tok_stride as i64, m.q_head_stride as i64);
         let (ots, ohs) = (m.o_tok_stride as i64, m.o_head_stride as i64);
+        let null_pos = 0u64;
         let mut s0 = 0usize;
         while s0 < m.tokens {
             let cs = chunk.min(m.tokens - s0);
-            // Per-chunk base pointers (element offsets to bytes); pos and idx shift by s0 rows.
+            // Per-chunk base addresses (f32 / i32 elements to bytes).
             let qp_c = qp + (s0 * m.q_tok_stride * 4) as u64;
-            let pp_c = pp + (s0 * 4) as u64;
             let ip_c = if ip == 0 {
                 0
             } else {
                 ip + (s0 as u64) * (istride as u64) * 4
             };
             let op_c = op + (s0 * m.o_tok_stride * 4) as u64;
+            let pos0 = to_i32(OP, "pos0", m.pos0 + s0)?;
             let cfg1 = self.cfg(OP, ((n_keys as u64).div_ceil(8), cs as u64, 1), 256)?;
             let mut b1 = s.launch_builder(&f_scores);
             b1.arg(&qp_c)
                 .arg(&qts)
                 .arg(&qhs)
                 .arg(&kp)
-                .arg(&kvs)
+                .arg(&ks)
                 .arg(&d)
-                .arg(&h);
-            b1.arg(&pp_c)
+                .arg(&h)
+                .arg(&hkv);
+            b1.arg(&null_pos)
+                .arg(&pos0)
                 .arg(&ip_c)
                 .arg(&istride)
                 .arg(&nk)
-                .arg(&t)
-                .arg(&m.scale)
-                .arg(&sp);
-            // SAFETY: q/kv/pos/idx extents checked above for all tokens; scores holds chunk rows.
+                .arg(&t);
+            b1.arg(&m.scale).arg(&sp);
+            // SAFETY: q/k/idx extents checked above for every token; scores holds `chunk` rows.
             self.launched(OP, unsafe { b1.launch(cfg1) })?;
-            let cfg2 = self.cfg(OP, (m.heads as u64, cs as u64, 1), 256)?;
-            let mut b2 = s.launch_builder(&f_av);
-            b2.arg(&sp).arg(&nk).arg(&h).arg(&kp).arg(&kvs).arg(&dv);
-            b2.arg(&ip_c).arg(&istride).arg(&op_c).arg(&ots).arg(&ohs);
-            // SAFETY: as above; every listed key index is range-checked by mla_scores (-inf).
+            let cfg2 = self.cfg(OP, (m.heads as u64, cs as u64, n_split as u64), 256)?;
+            let mut b2 = s.launch_builder(&f_part);
+            b2.arg(&sp)
+                .arg(&nk)
+                .arg(&h)
+                .arg(&hkv)
+                .arg(&vp)
+                .arg(&vs)
+                .arg(&dv);
+            b2.arg(&ip_c).arg(&istride).arg(&sl).arg(&pp);
+            // SAFETY: keys whose score is finite passed the range check of attn_scores.
             self.launched(OP, unsafe { b2.launch(cfg2) })?;
+            let cfg3 = self.cfg(OP, (m.heads as u64, cs as u64, 1), 256)?;
+            let mut b3 = s.launch_builder(&f_comb);
+            b3.arg(&pp)
+                .arg(&ns)
+                .arg(&h)
+                .arg(&dv)
+                .arg(&op_c)
+                .arg(&ots)
+                .arg(&ohs);
+            // SAFETY: o extent checked above.
+            self.launched(OP, unsafe { b3.launch(cfg3) })?;
             s0 += cs;
         }
         Ok(())

@@ -62,7 +62,8 @@ impl MatShape {
 pub struct Channels<'a> {
     /// Number of independent GEMVs (grid.y).
     pub count: usize,
-    /// Expert id per channel (`ids[ch]` selects the slab); `None`: channel `ch` uses slab `ch`.
+    /// Expert id per channel (`ids[ch]` selects the slab); `None`: channel `ch` uses slab
+    /// `ch % slabs` (per-head matrices for every token, or one matrix for several tokens).
     pub ids: Option<&'a CudaView<'a, i32>>,
     /// Channel `ch` reads its input at `x + (ch / x_div) * x_stride` (e.g. `x_div = top_k` lets
     /// all expert slots of a token share that token's input).
@@ -140,16 +141,8 @@ impl Gpu {
         need_len(OP, "x", dlen(x), x_need)?;
         let y_need = (ch.count - 1) * ch.y_stride + rows;
         need_len(OP, "y", dlen(y), y_need)?;
-        match ch.ids {
-            Some(ids) => need_len(OP, "ids", ids.len(), ch.count)?,
-            None => {
-                if ch.count > slabs {
-                    return Err(bad(format!(
-                        "{} channels but only {slabs} slabs and no ids",
-                        ch.count
-                    )));
-                }
-            }
+        if let Some(ids) = ch.ids {
+            need_len(OP, "ids", ids.len(), ch.count)?;
         }
         let f = self.func(Op::Gemv, type_kernels(ty).gemv)?;
         let tables = self.tables()?.params;

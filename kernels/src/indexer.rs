@@ -10,7 +10,7 @@ use crate::ops::Op;
 /// Shapes and strides of one indexer call (f32 elements).
 #[derive(Debug, Clone, Copy)]
 pub struct IndexerShape {
-    /// Query tokens S, indexer heads H, head width D (multiple of 32, <= 256).
+    /// Query tokens S, indexer heads H, head width D (<= 256).
     pub tokens: usize,
     pub heads: usize,
     pub dim: usize,
@@ -42,10 +42,10 @@ impl Gpu {
         if sh.tokens == 0 || sh.heads == 0 || sh.kv_len == 0 {
             return Err(shape_err(OP, format!("empty shape {sh:?}")));
         }
-        if sh.dim == 0 || !sh.dim.is_multiple_of(32) || sh.dim > 256 {
+        if sh.dim == 0 || sh.dim > 256 {
             return Err(shape_err(
                 OP,
-                format!("head width {} must be a multiple of 32, <= 256", sh.dim),
+                format!("head width {} must be 1..=256", sh.dim),
             ));
         }
         if sh.q_stride < sh.heads * sh.dim || sh.out_stride < sh.kv_len || sh.k_stride < sh.dim {

@@ -25,15 +25,15 @@ pub mod rope;
 pub mod verify;
 
 pub use act::Rows3;
-pub use attention::{KeyLists, MlaShape};
+pub use attention::{AttnShape, KeyLists};
 pub use device::{device_count, driver_available, DeviceInfo, Gpu, KernelResources};
 pub use error::KernelError;
 pub use gemv::{Channels, MatShape};
 pub use indexer::IndexerShape;
-pub use moe::RouterConfig;
+pub use moe::{Gating, RouterConfig};
 pub use norm::Rows;
 pub use ops::Op;
-pub use rope::{rope_inv_freq, RopeLayout};
+pub use rope::{rope_inv_freq, RopeLayout, RopeStyle};
 pub use verify::{compare_tensor, GpuDiff};
 
 /// Re-exported so callers can name buffer types without depending on cudarc themselves.

@@ -9,9 +9,17 @@ use crate::error::KernelError;
 use crate::launch::{opt_ptr, shape_err, span};
 use crate::ops::Op;
 
+/// How router logits become expert probabilities.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gating {
+    Sigmoid,
+    Softmax,
+}
+
 /// Router hyper-parameters (spec §1.10).
 #[derive(Debug, Clone, Copy)]
 pub struct RouterConfig {
+    pub gating: Gating,
     pub n_experts: usize,
     pub n_group: usize,
     pub topk_group: usize,
@@ -88,13 +96,18 @@ impl Gpu {
             .arg(&ng)
             .arg(&tg)
             .arg(&tk);
-        b.arg(&norm).arg(&cfg.scale).arg(&ip).arg(&wp);
+        let gating: i32 = match cfg.gating {
+            Gating::Sigmoid => 0,
+            Gating::Softmax => 1,
+        };
+        b.arg(&norm).arg(&cfg.scale).arg(&ip).arg(&wp).arg(&gating);
         // SAFETY: extents checked above.
         self.launched(OP, unsafe { b.launch(lc) })
     }
 
     /// `out[t] = sum_k w[t,k] * y[t*top_k + k]` (+ `out[t]` when `accumulate`), `d` values per
-    /// row; `y` rows are `y_stride` apart, `out` rows `out_stride` apart.
+    /// row; `y` rows are `y_stride` apart, `out` rows `out_stride` apart. With `ids`, slots whose
+    /// expert id is negative (empty) are skipped.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_combine(
         &self,
@@ -107,6 +120,7 @@ impl Gpu {
         out: &mut impl DevicePtrMut<f32>,
         out_stride: usize,
         accumulate: bool,
+        ids: Option<&CudaView<'_, i32>>,
     ) -> Result<(), KernelError> {
         const OP: &str = "moe_combine";
         if tokens == 0 || top_k == 0 || d == 0 {
@@ -126,6 +140,7 @@ impl Gpu {
         let d32 = to_i32(OP, "d", d)?;
         let os = out_stride as i64;
         let acc = i32::from(accumulate);
+        let ip = opt_ptr(OP, "ids", ids, tokens * top_k, s)?;
         let mut b = s.launch_builder(&f);
         b.arg(&yp)
             .arg(&ys)
@@ -133,8 +148,8 @@ impl Gpu {
             .arg(&k32)
             .arg(&d32)
             .arg(&op)
-            .arg(&os)
-            .arg(&acc);
+            .arg(&os);
+        b.arg(&acc).arg(&ip);
         // SAFETY: extents checked above.
         self.launched(OP, unsafe { b.launch(lc) })
     }

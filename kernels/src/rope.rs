@@ -20,23 +20,37 @@ pub struct RopeLayout {
     pub n_rot: usize,
 }
 
-/// `inv_freq[j] = 1 / theta^(2j / n_rot)` in f32, as HF computes it (spec §1.4).
+/// Which pairs rotate together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(x[2j], x[2j+1])`, rotated in place (GPT-J, ggml NORM).
+    Interleaved,
+    /// Adjacent pairs, written in HF's de-interleaved order (rotated evens, then odds).
+    InterleavedHf,
+    /// Pairs `(x[j], x[j + n_rot/2])` (GPT-NeoX).
+    Neox,
+}
+
+/// `inv_freq[j] = 1 / theta^(2j / n_rot)` as transformers computes it in f32 (the exponent in
+/// f32, the power in f64 rounded to f32, as the CPU backend does).
 pub fn rope_inv_freq(theta: f32, n_rot: usize) -> Vec<f32> {
     (0..n_rot / 2)
-        .map(|j| 1.0f32 / theta.powf((2 * j) as f32 / n_rot as f32))
+        .map(|j| {
+            let e = (2 * j) as f32 / n_rot as f32;
+            1.0f32 / ((theta as f64).powf(e as f64) as f32)
+        })
         .collect()
 }
 
 impl Gpu {
     /// Rotate pair j of every head of token s by `pos[s] * inv_freq[j]`, in place.
-    /// `deinterleave`: write HF's output order (rotated evens, then odds) instead of in place.
     pub fn rope(
         &self,
         x: &mut impl DevicePtrMut<f32>,
         l: RopeLayout,
         pos: &impl DevicePtr<i32>,
         inv_freq: &impl DevicePtr<f32>,
-        deinterleave: bool,
+        style: RopeStyle,
     ) -> Result<(), KernelError> {
         const OP: &str = "rope";
         if l.tokens == 0 || l.heads == 0 {
@@ -63,7 +77,11 @@ impl Gpu {
         let (ts, hs) = (l.tok_stride as i64, l.head_stride as i64);
         let off = to_i32(OP, "offset", l.offset)?;
         let nr = to_i32(OP, "n_rot", l.n_rot)?;
-        let de = i32::from(deinterleave);
+        let de: i32 = match style {
+            RopeStyle::Interleaved => 0,
+            RopeStyle::InterleavedHf => 1,
+            RopeStyle::Neox => 2,
+        };
         let mut b = s.launch_builder(&f);
         b.arg(&xp)
             .arg(&ts)

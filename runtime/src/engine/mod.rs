@@ -18,6 +18,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 use tokio::sync::mpsc;
 
+/// Most prompt tokens per step of a sequence that asked for prompt logprobs.
+const LOGITS_CHUNK: usize = 64;
+
 /// Limits of the scheduler.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -470,7 +473,14 @@ impl Scheduler {
             if left == 0 {
                 work.push(Some(Work::Decode));
             } else if budget > 0 || !any_prefill_started {
-                let n = left.min(budget.max(1));
+                // Prompt logprobs need a full logits row per token (vocab x 4 bytes: 600 KB for
+                // GLM-5), so such prompts go through in small chunks.
+                let cap = if a.job.req.prompt_logprobs.is_some() {
+                    LOGITS_CHUNK
+                } else {
+                    usize::MAX
+                };
+                let n = left.min(budget.max(1)).min(cap);
                 budget = budget.saturating_sub(n);
                 any_prefill_started = true;
                 work.push(Some(Work::Prefill {

@@ -1,0 +1,133 @@
+// Op `attention`: softmax attention of one sequence over its cached keys, for decode and prefill.
+// Covers absorbed MLA (one KV head of width kv_lora + rope = 576 for GLM-5, values = the first
+// kv_lora columns of the same cache rows), unabsorbed MLA and GQA (n_kv_head groups).
+//   score(s,h,t) = scale * q[s,h,:D] . k[t, g*D : (g+1)*D],  g = h / (H / Hkv)
+//   o[s,h,:Dv]   = sum_t softmax_t(score) * v[t, g*Dv : (g+1)*Dv]
+// Keys of query s: every t < T with t <= pos(s) (dense causal), or the DSA top-k list
+// idx[s, 0..n_keys) (-1 = empty slot; listed keys stay causally masked). pos(s) = pos[s] when
+// given, else pos0 + s.
+//
+// Three launches (the host chunks the queries so the buffers stay bounded):
+//   attn_scores      one warp per key reads the key row once for all heads of its group;
+//   attn_av_partial  flash-decoding split over keys: per (head, token, split) the local max,
+//                    sum of exponentials and weighted value sum;
+//   attn_combine     rescales and adds the splits in order.
+// Every reduction has a fixed order, so results are run-to-run identical.
+
+DEV long long attn_key(const int* idx, long long idx_stride, long long s, int j) {
+    return idx ? (long long)idx[s * idx_stride + j] : (long long)j;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    attn_scores_f32(const float* __restrict__ q, long long q_tok_stride, long long q_head_stride,
+                    const float* __restrict__ k, long long k_stride, int D, int H, int Hkv,
+                    const int* __restrict__ pos, int pos0, const int* __restrict__ idx,
+                    long long idx_stride, int n_keys, int T, float scale,
+                    float* __restrict__ scores) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int j = blockIdx.x * 8 + warp;
+    const long long s = blockIdx.y;
+    if (j >= n_keys) return;
+    const long long t = attn_key(idx, idx_stride, s, j);
+    const long long ps = pos ? (long long)pos[s] : (long long)pos0 + s;
+    float* out = scores + s * (long long)H * n_keys + j;
+    if (t < 0 || t >= T || t > ps) {
+        if (lane == 0)
+            for (int h = 0; h < H; ++h) out[(long long)h * n_keys] = NEG_INF;
+        return;
+    }
+    const int group = H / Hkv;
+    const float* qs = q + s * q_tok_stride;
+    for (int g = 0; g < Hkv; ++g) {
+        const float* kr = k + t * k_stride + (long long)g * D;
+        float kk[32];
+#pragma unroll
+        for (int m = 0; m < 32; ++m) kk[m] = lane + 32 * m < D ? kr[lane + 32 * m] : 0.0f;
+        for (int hh = 0; hh < group; ++hh) {
+            const int h = g * group + hh;
+            const float* qh = qs + (long long)h * q_head_stride;
+            float acc = 0.0f;
+#pragma unroll
+            for (int m = 0; m < 32; ++m)
+                if (lane + 32 * m < D) acc += qh[lane + 32 * m] * kk[m];
+            acc = warp_sum(acc);
+            if (lane == 0) out[(long long)h * n_keys] = acc * scale;
+        }
+    }
+}
+
+// Grid (H, S, n_split), 256 threads; thread owns output dims d = tid + 256*m, m < 4 (Dv <= 1024).
+// part[((s*H + h) * n_split + split) * (Dv + 2)] = {max, sum of exp, Dv weighted sums}.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_av_partial_f32(const float* __restrict__ scores, int n_keys, int H, int Hkv,
+                        const float* __restrict__ v, long long v_stride, int Dv,
+                        const int* __restrict__ idx, long long idx_stride, int split_len,
+                        float* __restrict__ part) {
+    __shared__ float scratch[32];
+    const int h = blockIdx.x, sp = blockIdx.z, n_split = gridDim.z;
+    const long long s = blockIdx.y;
+    const int g = h / (H / Hkv);
+    const float* sc = scores + (s * H + h) * (long long)n_keys;
+    const int j0 = sp * split_len;
+    const int j1 = min(n_keys, j0 + split_len);
+    float m = NEG_INF;
+    for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) m = fmaxf(m, sc[j]);
+    m = block_max(m, scratch);
+    float z = 0.0f;
+    if (m != NEG_INF)
+        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) z += expf(sc[j] - m);
+    z = block_sum(z, scratch);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (m != NEG_INF) {
+        for (int j = j0; j < j1; ++j) {
+            const float sv = sc[j];
+            if (sv == NEG_INF) continue;  // masked: uniform across the block
+            const float p = expf(sv - m);
+            const float* vr = v + attn_key(idx, idx_stride, s, j) * v_stride + (long long)g * Dv;
+#pragma unroll
+            for (int mm = 0; mm < 4; ++mm) {
+                const int d = threadIdx.x + 256 * mm;
+                if (d < Dv) acc[mm] += p * vr[d];
+            }
+        }
+    }
+    float* pr = part + ((s * H + h) * (long long)n_split + sp) * (Dv + 2);
+    if (threadIdx.x == 0) {
+        pr[0] = m;
+        pr[1] = z;
+    }
+#pragma unroll
+    for (int mm = 0; mm < 4; ++mm) {
+        const int d = threadIdx.x + 256 * mm;
+        if (d < Dv) pr[2 + d] = acc[mm];
+    }
+}
+
+// Grid (H, S), 256 threads: o = sum_p acc_p * e^(m_p - M) / sum_p z_p * e^(m_p - M), p ascending.
+// A query with no visible key (impossible for causal attention) gets zeros.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_combine_f32(const float* __restrict__ part, int n_split, int H, int Dv,
+                     float* __restrict__ o, long long o_tok_stride, long long o_head_stride) {
+    const int h = blockIdx.x;
+    const long long s = blockIdx.y;
+    const float* pr = part + (s * H + h) * (long long)n_split * (Dv + 2);
+    float M = NEG_INF;
+    for (int p = 0; p < n_split; ++p) M = fmaxf(M, pr[p * (long long)(Dv + 2)]);
+    float Z = 0.0f;
+    if (M != NEG_INF)
+        for (int p = 0; p < n_split; ++p) {
+            const float mp = pr[p * (long long)(Dv + 2)];
+            if (mp != NEG_INF) Z += pr[p * (long long)(Dv + 2) + 1] * expf(mp - M);
+        }
+    const float inv = Z > 0.0f ? 1.0f / Z : 0.0f;
+    float* orow = o + s * o_tok_stride + (long long)h * o_head_stride;
+    for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
+        float acc = 0.0f;
+        if (M != NEG_INF)
+            for (int p = 0; p < n_split; ++p) {
+                const float mp = pr[p * (long long)(Dv + 2)];
+                if (mp != NEG_INF) acc += pr[p * (long long)(Dv + 2) + 2 + d] * expf(mp - M);
+            }
+        orow[d] = acc * inv;
+    }
+}
