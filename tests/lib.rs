@@ -22,11 +22,18 @@ pub fn fixture(rel: &str) -> Option<PathBuf> {
     shared.exists().then_some(shared)
 }
 
-/// Like [`fixture`], but prints a visible skip line when the file is absent.
+/// Like [`fixture`], but prints a visible skip line when the file is absent (straight to stderr:
+/// libtest captures `println!`, and a skip must show in the CI log).
 pub fn fixture_or_skip(rel: &str, test: &str) -> Option<PathBuf> {
     let f = fixture(rel);
     if f.is_none() {
-        println!("skipped: {test}: fixture {rel} not in tests/fixtures nor ../shared/fixtures");
+        let _ = std::io::Write::write_all(
+            &mut std::io::stderr(),
+            format!(
+                "skipped: {test}: fixture {rel} not in tests/fixtures nor ../shared/fixtures\n"
+            )
+            .as_bytes(),
+        );
     }
     f
 }

@@ -44,7 +44,10 @@ fn stats_and_hashes_equal_gguf_py() {
     ] {
         let path = fx(&format!("gguf/{file}"));
         if !path.exists() {
-            println!("skipped: {file} not in tests/fixtures");
+            let _ = std::io::Write::write_all(
+                &mut std::io::stderr(),
+                format!("skipped: {file} not in tests/fixtures\n").as_bytes(),
+            );
             continue;
         }
         let (code, r) = verify(&[path.to_str().unwrap(), "--hash"]);

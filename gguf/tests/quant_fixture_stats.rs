@@ -30,7 +30,10 @@ fn fixture(rel: &str) -> Option<PathBuf> {
     if shared.exists() {
         return Some(shared);
     }
-    println!("skipped: fixture {rel} not in tests/fixtures nor ../shared/fixtures");
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr(),
+        format!("skipped: fixture {rel} not in tests/fixtures nor ../shared/fixtures\n").as_bytes(),
+    );
     None
 }
 

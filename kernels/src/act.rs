@@ -1,6 +1,6 @@
 //! Element-wise ops of the forward pass: SwiGLU, residual adds, scaling, strided copies, bf16.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
@@ -56,7 +56,7 @@ impl Gpu {
         let (op, _g3) = out.device_ptr_mut(s);
         let (gs, us, os) = (l.a_stride as i64, l.b_stride as i64, l.out_stride as i64);
         let n = to_i32(OP, "n", l.n)?;
-        let mut b = s.launch_builder(&f);
+        let mut b = self.args(&f);
         b.arg(&gp)
             .arg(&gs)
             .arg(&up_)
@@ -65,7 +65,7 @@ impl Gpu {
             .arg(&os)
             .arg(&n);
         // SAFETY: extents checked above.
-        self.launched(OP, unsafe { b.launch(cfg) })
+        unsafe { self.launch(OP, b, cfg) }
     }
 
     /// `y = a + b` over the first `n` elements (for in-place adds see [`Gpu::add_assign`]).
@@ -90,10 +90,10 @@ impl Gpu {
         let (bp, _gb) = b.device_ptr(s);
         let (yp, _gy) = y.device_ptr_mut(s);
         let n64 = n as i64;
-        let mut bl = s.launch_builder(&f);
+        let mut bl = self.args(&f);
         bl.arg(&ap).arg(&bp).arg(&yp).arg(&n64);
         // SAFETY: all three hold >= n elements.
-        self.launched(OP, unsafe { bl.launch(cfg) })
+        unsafe { self.launch(OP, bl, cfg) }
     }
 
     /// `y += b` over the first `n` elements (residual add).
@@ -115,10 +115,10 @@ impl Gpu {
         let (bp, _gb) = b.device_ptr(s);
         let (yp, _gy) = y.device_ptr_mut(s);
         let n64 = n as i64;
-        let mut bl = s.launch_builder(&f);
+        let mut bl = self.args(&f);
         bl.arg(&yp).arg(&bp).arg(&yp).arg(&n64);
         // SAFETY: both hold >= n elements; the kernel reads y[i] before writing it.
-        self.launched(OP, unsafe { bl.launch(cfg) })
+        unsafe { self.launch(OP, bl, cfg) }
     }
 
     /// `y = a * scale` over the first `n` elements.
@@ -141,10 +141,10 @@ impl Gpu {
         let (ap, _ga) = a.device_ptr(s);
         let (yp, _gy) = y.device_ptr_mut(s);
         let n64 = n as i64;
-        let mut bl = s.launch_builder(&f);
+        let mut bl = self.args(&f);
         bl.arg(&ap).arg(&scale).arg(&yp).arg(&n64);
         // SAFETY: both hold >= n elements.
-        self.launched(OP, unsafe { bl.launch(cfg) })
+        unsafe { self.launch(OP, bl, cfg) }
     }
 
     /// Strided row copy: `dst[r * dst_stride + i] = src[r * src_stride + i]`, `i < n`.
@@ -174,10 +174,10 @@ impl Gpu {
         let (dp, _gd) = dst.device_ptr_mut(s);
         let (ss, ds) = (src_stride as i64, dst_stride as i64);
         let n32 = to_i32(OP, "n", n)?;
-        let mut bl = s.launch_builder(&f);
+        let mut bl = self.args(&f);
         bl.arg(&sp).arg(&ss).arg(&dp).arg(&ds).arg(&n32);
         // SAFETY: extents checked above.
-        self.launched(OP, unsafe { bl.launch(cfg) })
+        unsafe { self.launch(OP, bl, cfg) }
     }
 
     /// `y[r, i] = x[r, i] + b[i]` for `rows` dense rows of `cols` (y may be x's buffer).
@@ -207,10 +207,10 @@ impl Gpu {
         let (bp, _g2) = b.device_ptr(s);
         let (yp, _g3) = y.device_ptr_mut(s);
         let c32 = to_i32(OP, "cols", cols)?;
-        let mut bl = s.launch_builder(&f);
+        let mut bl = self.args(&f);
         bl.arg(&xp).arg(&bp).arg(&yp).arg(&c32);
         // SAFETY: extents checked above.
-        self.launched(OP, unsafe { bl.launch(cfg) })
+        unsafe { self.launch(OP, bl, cfg) }
     }
 
     /// `dst[r, :] = src[idx[r], :]` for rows of `cols`; `src_rows` bounds every index (checked on
@@ -245,10 +245,10 @@ impl Gpu {
         let (ip, _g2) = dids.device_ptr(s);
         let (dp, _g3) = dst.device_ptr_mut(s);
         let c32 = to_i32(OP, "cols", cols)?;
-        let mut bl = s.launch_builder(&f);
+        let mut bl = self.args(&f);
         bl.arg(&sp).arg(&ip).arg(&dp).arg(&c32);
         // SAFETY: every index checked against src_rows above.
-        self.launched(OP, unsafe { bl.launch(cfg) })
+        unsafe { self.launch(OP, bl, cfg) }
     }
 
     /// f32 -> bf16 bit patterns (round to nearest even), for bf16 cuBLAS operands.
@@ -270,10 +270,10 @@ impl Gpu {
         let (sp, _gs) = src.device_ptr(s);
         let (dp, _gd) = dst.device_ptr_mut(s);
         let n64 = n as i64;
-        let mut bl = s.launch_builder(&f);
+        let mut bl = self.args(&f);
         bl.arg(&sp).arg(&dp).arg(&n64);
         // SAFETY: both hold >= n elements.
-        self.launched(OP, unsafe { bl.launch(cfg) })
+        unsafe { self.launch(OP, bl, cfg) }
     }
 
     /// Greedy sampling: `out[r]` = index of the largest of row r (ties: lower index; NaN never
@@ -299,9 +299,9 @@ impl Gpu {
         let (op, _go) = out.device_ptr_mut(s);
         let st = stride as i64;
         let n32 = to_i32(OP, "n", n)?;
-        let mut bl = s.launch_builder(&f);
+        let mut bl = self.args(&f);
         bl.arg(&xp).arg(&st).arg(&n32).arg(&op);
         // SAFETY: extents checked above.
-        self.launched(OP, unsafe { bl.launch(cfg) })
+        unsafe { self.launch(OP, bl, cfg) }
     }
 }

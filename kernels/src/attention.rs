@@ -2,7 +2,7 @@
 //! MLA and GQA, dense-causal or restricted to the DSA top-k key lists. See
 //! `kernels/cuda/attention.cu` for the math and the launch structure.
 
-use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut};
 
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
@@ -165,7 +165,7 @@ impl Gpu {
             let op_c = op + (s0 * m.o_tok_stride * 4) as u64;
             let pos0 = to_i32(OP, "pos0", m.pos0 + s0)?;
             let cfg1 = self.cfg(OP, ((n_keys as u64).div_ceil(8), cs as u64, 1), 256)?;
-            let mut b1 = s.launch_builder(&f_scores);
+            let mut b1 = self.args(&f_scores);
             b1.arg(&qp_c)
                 .arg(&qts)
                 .arg(&qhs)
@@ -182,9 +182,9 @@ impl Gpu {
                 .arg(&t);
             b1.arg(&m.scale).arg(&sp);
             // SAFETY: q/k/idx extents checked above for every token; scores holds `chunk` rows.
-            self.launched(OP, unsafe { b1.launch(cfg1) })?;
+            unsafe { self.launch(OP, b1, cfg1) }?;
             let cfg2 = self.cfg(OP, (m.heads as u64, cs as u64, n_split as u64), 256)?;
-            let mut b2 = s.launch_builder(&f_part);
+            let mut b2 = self.args(&f_part);
             b2.arg(&sp)
                 .arg(&nk)
                 .arg(&h)
@@ -194,9 +194,9 @@ impl Gpu {
                 .arg(&dv);
             b2.arg(&ip_c).arg(&istride).arg(&sl).arg(&pp);
             // SAFETY: keys whose score is finite passed the range check of attn_scores.
-            self.launched(OP, unsafe { b2.launch(cfg2) })?;
+            unsafe { self.launch(OP, b2, cfg2) }?;
             let cfg3 = self.cfg(OP, (m.heads as u64, cs as u64, 1), 256)?;
-            let mut b3 = s.launch_builder(&f_comb);
+            let mut b3 = self.args(&f_comb);
             b3.arg(&pp)
                 .arg(&ns)
                 .arg(&h)
@@ -205,7 +205,7 @@ impl Gpu {
                 .arg(&ots)
                 .arg(&ohs);
             // SAFETY: o extent checked above.
-            self.launched(OP, unsafe { b3.launch(cfg3) })?;
+            unsafe { self.launch(OP, b3, cfg3) }?;
             s0 += cs;
         }
         Ok(())

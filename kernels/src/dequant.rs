@@ -1,6 +1,6 @@
 //! Dequantization on the device: whole tensors to f32 / bf16, and row gathers (embeddings).
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use gguf::GgmlType;
 
 use crate::device::{dlen, need_len, to_i32, Gpu};
@@ -73,10 +73,10 @@ impl Gpu {
         check_aligned(OP, "src", sp, block_alignment(ty))?;
         check_aligned(OP, "dst", dp, 16)?;
         let n64 = n as i64;
-        let mut b = self.stream().launch_builder(&f);
+        let mut b = self.args(&f);
         b.arg(&sp).arg(&dp).arg(&n64).arg(&tables);
         // SAFETY: extents are the caller's contract; alignment checked above.
-        self.launched(OP, unsafe { b.launch(cfg) })
+        unsafe { self.launch(OP, b, cfg) }
     }
 
     /// Like [`Gpu::dequantize`], writing bf16 bit patterns (round to nearest even).
@@ -101,10 +101,10 @@ impl Gpu {
         check_aligned(OP, "src", sp, block_alignment(ty))?;
         check_aligned(OP, "dst", dp, 16)?;
         let n64 = n as i64;
-        let mut b = self.stream().launch_builder(&f);
+        let mut b = self.args(&f);
         b.arg(&sp).arg(&dp).arg(&n64).arg(&tables);
         // SAFETY: as in `dequantize`.
-        self.launched(OP, unsafe { b.launch(cfg) })
+        unsafe { self.launch(OP, b, cfg) }
     }
 
     /// `dst[r, :] = row ids[r]` of the `[nrows, k]` matrix `src` of type `ty` (embedding lookup).
@@ -158,7 +158,7 @@ impl Gpu {
         let rb = row_bytes as i64;
         let nr = nrows as i64;
         let k32 = to_i32(OP, "k", k)?;
-        let mut b = self.stream().launch_builder(&f);
+        let mut b = self.args(&f);
         b.arg(&sp)
             .arg(&rb)
             .arg(&nr)
@@ -167,6 +167,6 @@ impl Gpu {
             .arg(&k32)
             .arg(&tables);
         // SAFETY: every id is bounds-checked in the kernel; dst holds nids * k floats.
-        self.launched(OP, unsafe { b.launch(cfg) })
+        unsafe { self.launch(OP, b, cfg) }
     }
 }

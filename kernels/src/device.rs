@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DeviceSlice,
-    LaunchConfig, ValidAsZeroBits,
+    LaunchArgs, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -54,13 +54,77 @@ pub struct KernelResources {
     pub local_bytes: i32,
 }
 
+/// A loaded kernel with its parameter sizes (from the PTX of the same compilation), so every
+/// launch is checked against the kernel's real signature before it runs.
+#[derive(Clone)]
+pub(crate) struct Kernel {
+    pub f: CudaFunction,
+    pub name: &'static str,
+    pub params: Arc<Vec<usize>>,
+}
+
+/// Kernel arguments being collected, with their sizes for the signature check.
+pub(crate) struct Args<'a> {
+    inner: LaunchArgs<'a>,
+    sizes: Vec<usize>,
+    kernel: &'a Kernel,
+}
+
+impl<'a> Args<'a> {
+    pub(crate) fn arg<T: DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
+        self.inner.arg(v);
+        self.sizes.push(std::mem::size_of::<T>());
+        self
+    }
+}
+
+/// Parameter byte sizes of every `.entry` in a PTX module.
+pub(crate) fn ptx_signatures(ptx: &str) -> HashMap<String, Vec<usize>> {
+    let mut out = HashMap::new();
+    let mut rest = ptx;
+    while let Some(at) = rest.find(".entry ") {
+        let after = &rest[at + 7..];
+        let Some(open) = after.find('(') else { break };
+        let name = after[..open].trim().to_string();
+        let Some(close) = after.find(')') else { break };
+        let sizes = after[open + 1..close]
+            .split(',')
+            .filter(|p| p.contains(".param"))
+            .map(|p| {
+                // `.param .u64 name`, `.param .f32 name` or `.param .align 8 .b8 name[64]`.
+                let ty = p
+                    .split_whitespace()
+                    .skip_while(|t| *t != ".param")
+                    .nth(1)
+                    .unwrap_or("");
+                if ty == ".align" {
+                    match (p.find('['), p.find(']')) {
+                        (Some(l), Some(r)) => p[l + 1..r].trim().parse().unwrap_or(0),
+                        _ => 0,
+                    }
+                } else {
+                    let bits: usize = ty
+                        .trim_start_matches(|c: char| !c.is_ascii_digit())
+                        .parse()
+                        .unwrap_or(0);
+                    bits / 8
+                }
+            })
+            .collect();
+        out.insert(name, sizes);
+        rest = &after[close..];
+    }
+    out
+}
+
 /// A CUDA device with its own stream; every op of this crate runs on that one stream, in order.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     info: DeviceInfo,
     modules: Mutex<HashMap<Op, Arc<CudaModule>>>,
-    funcs: Mutex<HashMap<&'static str, CudaFunction>>,
+    funcs: Mutex<HashMap<&'static str, Kernel>>,
+    signatures: Mutex<HashMap<String, Arc<Vec<usize>>>>,
     resources: Mutex<Vec<KernelResources>>,
     tables: OnceLock<DeviceTables>,
     blas: OnceLock<cudarc::cublas::CudaBlas>,
@@ -132,6 +196,7 @@ impl Gpu {
             info,
             modules: Mutex::new(HashMap::new()),
             funcs: Mutex::new(HashMap::new()),
+            signatures: Mutex::new(HashMap::new()),
             resources: Mutex::new(Vec::new()),
             tables: OnceLock::new(),
             blas: OnceLock::new(),
@@ -190,6 +255,12 @@ impl Gpu {
             });
         }
         let compiled = nvrtc::compile(op, &self.info.arch, false)?;
+        {
+            let mut sigs = self.signatures.lock().unwrap_or_else(|p| p.into_inner());
+            for (name, sizes) in ptx_signatures(&compiled.ptx) {
+                sigs.insert(name, Arc::new(sizes));
+            }
+        }
         let m = self
             .ctx
             .load_module(Ptx::from_binary(compiled.cubin))
@@ -199,19 +270,29 @@ impl Gpu {
     }
 
     /// The kernel `name` of `op`, compiling and loading the module on first use.
-    pub(crate) fn func(&self, op: Op, name: &'static str) -> Result<CudaFunction, KernelError> {
-        if let Some(f) = self
+    pub(crate) fn func(&self, op: Op, name: &'static str) -> Result<Kernel, KernelError> {
+        if let Some(k) = self
             .funcs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(name)
         {
-            return Ok(f.clone());
+            return Ok(k.clone());
         }
         let m = self.module(op)?;
         let f = m
             .load_function(name)
             .map_err(KernelError::driver("cuModuleGetFunction"))?;
+        let params = self
+            .signatures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .cloned()
+            .ok_or_else(|| KernelError::BadShape {
+                op: op.name(),
+                msg: format!("kernel `{name}` has no PTX signature"),
+            })?;
         let registers = f.num_regs().unwrap_or(-1);
         let local_bytes = f.local_size_bytes().unwrap_or(-1);
         self.resources
@@ -222,11 +303,46 @@ impl Gpu {
                 registers,
                 local_bytes,
             });
+        let k = Kernel { f, name, params };
         self.funcs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(name, f.clone());
-        Ok(f)
+            .insert(name, k.clone());
+        Ok(k)
+    }
+
+    /// Start collecting the arguments of a launch of `k` on this device's stream.
+    pub(crate) fn args<'a>(&'a self, k: &'a Kernel) -> Args<'a> {
+        Args {
+            inner: self.stream.launch_builder(&k.f),
+            sizes: Vec::with_capacity(k.params.len()),
+            kernel: k,
+        }
+    }
+
+    /// Launch after checking the collected arguments against the kernel's signature (count and
+    /// byte size of each), then map the result as [`Gpu::launched`] does.
+    ///
+    /// # Safety
+    /// The arguments must describe buffers valid for everything the kernel reads and writes.
+    pub(crate) unsafe fn launch(
+        &self,
+        op: &'static str,
+        mut a: Args<'_>,
+        cfg: LaunchConfig,
+    ) -> Result<(), KernelError> {
+        if a.sizes != *a.kernel.params {
+            return Err(KernelError::BadShape {
+                op,
+                msg: format!(
+                    "launch of `{}` passes argument sizes {:?}, the kernel takes {:?}",
+                    a.kernel.name, a.sizes, a.kernel.params
+                ),
+            });
+        }
+        // SAFETY: the caller's contract; the signature matches.
+        let r = unsafe { a.inner.launch(cfg) };
+        self.launched(op, r)
     }
 
     /// Fails unless `grid` fits the device's limits.
@@ -404,4 +520,17 @@ pub(crate) fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32, Kern
         op,
         msg: format!("{what} = {v} exceeds the kernel's 32-bit range"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ptx_signatures;
+
+    #[test]
+    fn ptx_signature_sizes() {
+        let ptx = ".visible .entry get_rows_f16(\n\t.param .u64 get_rows_f16_param_0,\n\t.param .u32 get_rows_f16_param_1,\n\t.param .f32 get_rows_f16_param_2,\n\t.param .align 8 .b8 get_rows_f16_param_3[64]\n)\n{\n}\n.visible .entry k2(\n\t.param .u64 k2_param_0\n)\n";
+        let s = ptx_signatures(ptx);
+        assert_eq!(s["get_rows_f16"], vec![8, 4, 4, 64]);
+        assert_eq!(s["k2"], vec![8]);
+    }
 }

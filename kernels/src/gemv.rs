@@ -9,7 +9,7 @@
 //! decoding on the GPU follows the CPU reference token for token. A q8_1/dp4a variant is the
 //! planned path for batches of 2-8 tokens, where FMAs per weight multiply.
 
-use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut};
 use gguf::GgmlType;
 
 use crate::dequant::check_aligned;
@@ -166,7 +166,7 @@ impl Gpu {
         let xs = ch.x_stride as i64;
         let xd = to_i32(OP, "x_div", ch.x_div)?;
         let ys = ch.y_stride as i64;
-        let mut b = stream.launch_builder(&f);
+        let mut b = self.args(&f);
         b.arg(&wp)
             .arg(&rb)
             .arg(&nrows)
@@ -182,6 +182,6 @@ impl Gpu {
             .arg(&tables);
         // SAFETY: buffer extents checked above for every channel; expert ids are range-checked
         // in the kernel (out-of-range ids write NaN rows and read nothing).
-        self.launched(OP, unsafe { b.launch(cfg) })
+        unsafe { self.launch(OP, b, cfg) }
     }
 }

@@ -1,6 +1,6 @@
 //! DSA lightning indexer on the device: per-key scores and the top-k key selection.
 
-use cudarc::driver::{CudaViewMut, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaViewMut, DevicePtr, DevicePtrMut};
 
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
@@ -85,7 +85,7 @@ impl Gpu {
         let ws = sh.w_stride as i64;
         let t = to_i32(OP, "kv_len", sh.kv_len)?;
         let os = sh.out_stride as i64;
-        let mut b = s.launch_builder(&f);
+        let mut b = self.args(&f);
         b.arg(&qp)
             .arg(&qs)
             .arg(&h)
@@ -96,7 +96,7 @@ impl Gpu {
             .arg(&ws);
         b.arg(&pp).arg(&t).arg(&sh.scale).arg(&op).arg(&os);
         // SAFETY: extents checked above.
-        self.launched(OP, unsafe { b.launch(cfg) })
+        unsafe { self.launch(OP, b, cfg) }
     }
 
     /// Per row of `scores` (`rows` rows of `n`, `stride` apart): the indices of the `k` largest
@@ -139,7 +139,7 @@ impl Gpu {
         let n32 = to_i32(OP, "n", n)?;
         let k32 = to_i32(OP, "k", k)?;
         let os = k as i64;
-        let mut b = s.launch_builder(&f);
+        let mut b = self.args(&f);
         b.arg(&sp)
             .arg(&st)
             .arg(&n32)
@@ -148,6 +148,6 @@ impl Gpu {
             .arg(&os)
             .arg(&cp);
         // SAFETY: extents checked above.
-        self.launched(OP, unsafe { b.launch(cfg) })
+        unsafe { self.launch(OP, b, cfg) }
     }
 }

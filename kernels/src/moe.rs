@@ -2,7 +2,7 @@
 //! the selected experts' outputs. The expert GEMVs themselves are [`Gpu::gemv_batched`] with ids,
 //! which read only the selected experts' slabs.
 
-use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut};
 
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
@@ -88,7 +88,7 @@ impl Gpu {
         let tg = to_i32(OP, "topk_group", cfg.topk_group)?;
         let tk = to_i32(OP, "top_k", cfg.top_k)?;
         let norm = i32::from(cfg.norm);
-        let mut b = s.launch_builder(&f);
+        let mut b = self.args(&f);
         b.arg(&lp)
             .arg(&st)
             .arg(&e32)
@@ -102,7 +102,7 @@ impl Gpu {
         };
         b.arg(&norm).arg(&cfg.scale).arg(&ip).arg(&wp).arg(&gating);
         // SAFETY: extents checked above.
-        self.launched(OP, unsafe { b.launch(lc) })
+        unsafe { self.launch(OP, b, lc) }
     }
 
     /// `out[t] = sum_k w[t,k] * y[t*top_k + k]` (+ `out[t]` when `accumulate`), `d` values per
@@ -141,7 +141,7 @@ impl Gpu {
         let os = out_stride as i64;
         let acc = i32::from(accumulate);
         let ip = opt_ptr(OP, "ids", ids, tokens * top_k, s)?;
-        let mut b = s.launch_builder(&f);
+        let mut b = self.args(&f);
         b.arg(&yp)
             .arg(&ys)
             .arg(&wp)
@@ -151,6 +151,6 @@ impl Gpu {
             .arg(&os);
         b.arg(&acc).arg(&ip);
         // SAFETY: extents checked above.
-        self.launched(OP, unsafe { b.launch(lc) })
+        unsafe { self.launch(OP, b, lc) }
     }
 }

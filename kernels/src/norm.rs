@@ -1,6 +1,6 @@
 //! RMSNorm (with an optional fused residual add) and LayerNorm, one block per row.
 
-use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut};
 
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
@@ -96,12 +96,12 @@ impl Gpu {
         };
         let (xs, ys) = (l.x_stride as i64, l.y_stride as i64);
         let n = to_i32(OP, "n", l.n)?;
-        let mut b = s.launch_builder(&f);
+        let mut b = self.args(&f);
         // With a residual, the kernel reads res (stride ys), writes the sum back into res (xo).
         b.arg(&xp).arg(&xs).arg(&rp).arg(&ys).arg(&rp).arg(&ys);
         b.arg(&wp).arg(&yp).arg(&ys).arg(&n).arg(&eps);
         // SAFETY: extents of x, res, y and w checked above.
-        self.launched(OP, unsafe { b.launch(cfg) })
+        unsafe { self.launch(OP, b, cfg) }
     }
 
     /// `y[r] = (x[r] - mean) / sqrt(var + eps) * w + b` with the biased variance.
@@ -129,7 +129,7 @@ impl Gpu {
         let (yp, _gy) = y.device_ptr_mut(s);
         let (xs, ys) = (l.x_stride as i64, l.y_stride as i64);
         let n = to_i32(OP, "n", l.n)?;
-        let mut b = s.launch_builder(&f);
+        let mut b = self.args(&f);
         b.arg(&xp)
             .arg(&xs)
             .arg(&wp)
@@ -139,6 +139,6 @@ impl Gpu {
             .arg(&n)
             .arg(&eps);
         // SAFETY: extents checked above.
-        self.launched(OP, unsafe { b.launch(cfg) })
+        unsafe { self.launch(OP, b, cfg) }
     }
 }

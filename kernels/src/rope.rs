@@ -1,6 +1,6 @@
 //! Interleaved RoPE on the rope dims of every head (GLM-5 main attention and DSA indexer).
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
@@ -82,7 +82,7 @@ impl Gpu {
             RopeStyle::InterleavedHf => 1,
             RopeStyle::Neox => 2,
         };
-        let mut b = s.launch_builder(&f);
+        let mut b = self.args(&f);
         b.arg(&xp)
             .arg(&ts)
             .arg(&hs)
@@ -92,6 +92,6 @@ impl Gpu {
             .arg(&fp)
             .arg(&de);
         // SAFETY: the furthest element touched is within x (checked above).
-        self.launched(OP, unsafe { b.launch(cfg) })
+        unsafe { self.launch(OP, b, cfg) }
     }
 }

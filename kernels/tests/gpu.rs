@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use gguf::quant::reference;
 use gguf::GgmlType;
 use kernels::{
-    Channels, Gpu, IndexerShape, KeyLists, MatShape, MlaShape, RopeLayout, RouterConfig, Rows,
-    Rows3,
+    AttnShape, Channels, Gating, Gpu, IndexerShape, KeyLists, MatShape, RopeLayout, RopeStyle,
+    RouterConfig, Rows, Rows3,
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -17,7 +17,10 @@ fn find(rel: &str) -> Option<PathBuf> {
     .into_iter()
     .find(|p| p.exists());
     if p.is_none() {
-        println!("skipped: fixture {rel} not found");
+        let _ = std::io::Write::write_all(
+            &mut std::io::stderr(),
+            format!("skipped: fixture {rel} not found\n").as_bytes(),
+        );
     }
     p
 }

@@ -14,7 +14,10 @@ fn gguf_fixture(rel: &str) -> Option<PathBuf> {
     if p.exists() {
         Some(p)
     } else {
-        println!("skipped: fixture gguf/{rel} not found");
+        let _ = std::io::Write::write_all(
+            &mut std::io::stderr(),
+            format!("skipped: fixture gguf/{rel} not found\n").as_bytes(),
+        );
         None
     }
 }

@@ -13,7 +13,10 @@ fn fixture(rel: &str) -> Option<PathBuf> {
     if p.exists() {
         Some(p)
     } else {
-        println!("skipped: fixture {rel} not found");
+        let _ = std::io::Write::write_all(
+            &mut std::io::stderr(),
+            format!("skipped: fixture {rel} not found\n").as_bytes(),
+        );
         None
     }
 }

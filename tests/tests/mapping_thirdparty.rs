@@ -11,7 +11,10 @@ fn file(name: &str, test: &str) -> Option<PathBuf> {
     match p {
         Some(p) if p.exists() => Some(p),
         _ => {
-            println!("skipped: {test}: {name} (set GGUFTOOL_THIRDPARTY_DIR)");
+            let _ = std::io::Write::write_all(
+                &mut std::io::stderr(),
+                format!("skipped: {test}: {name} (set GGUFTOOL_THIRDPARTY_DIR)\n").as_bytes(),
+            );
             None
         }
     }

@@ -319,7 +319,11 @@ impl Engine {
         {
             let mut q = lock(&shared.queue);
             // Requests whose client already left do not count against the limit.
+            let before = q.len();
             q.retain(|j| !j.tx.is_closed());
+            for _ in q.len()..before {
+                m.record_finished("cancelled");
+            }
             let max = self.inner.config.max_queue;
             if q.len() >= max {
                 m.record_rejected("queue_full");
