@@ -718,9 +718,13 @@ fn rope_interleaved_matches_f64() {
             offset: off,
             n_rot,
         };
-        for deint in [false, true] {
+        for style in [
+            RopeStyle::Interleaved,
+            RopeStyle::InterleavedHf,
+            RopeStyle::Neox,
+        ] {
             let mut dx = g.upload(&x).unwrap();
-            g.rope(&mut dx, layout, &dpos, &dinv, deint).unwrap();
+            g.rope(&mut dx, layout, &dpos, &dinv, style).unwrap();
             let y = g.download(&dx).unwrap();
             // Oracle: the f32 angle pos * inv_freq (as HF and the kernel form it), then f64
             // sin/cos. sincosf is within 2 ulps; two products and a sum add 3 roundings.
@@ -732,13 +736,18 @@ fn rope_interleaved_matches_f64() {
                     for j in 0..n_rot / 2 {
                         let ang = f64::from(pos[s] as f32 * inv[j]);
                         let (sn, cs) = ang.sin_cos();
-                        let x1 = f64::from(x[base + off + 2 * j]);
-                        let x2 = f64::from(x[base + off + 2 * j + 1]);
+                        let (i1, i2) = match style {
+                            RopeStyle::Neox => (j, j + n_rot / 2),
+                            _ => (2 * j, 2 * j + 1),
+                        };
+                        let x1 = f64::from(x[base + off + i1]);
+                        let x2 = f64::from(x[base + off + i2]);
                         let (o1, o2) = (x1 * cs - x2 * sn, x2 * cs + x1 * sn);
-                        let (g1, g2) = if deint {
-                            (y[base + off + j], y[base + off + n_rot / 2 + j])
-                        } else {
-                            (y[base + off + 2 * j], y[base + off + 2 * j + 1])
+                        let (g1, g2) = match style {
+                            RopeStyle::InterleavedHf => {
+                                (y[base + off + j], y[base + off + n_rot / 2 + j])
+                            }
+                            _ => (y[base + off + i1], y[base + off + i2]),
                         };
                         worst = worst
                             .max((f64::from(g1) - o1).abs())
@@ -752,13 +761,13 @@ fn rope_interleaved_matches_f64() {
             let tol = 8.0 * U32 * 2.0; // |x| <= 1: 5 roundings + 2 ulps of sin/cos, doubled
             let ok = untouched && worst <= tol;
             row(
-                &format!("rope{}", if deint { " (HF order)" } else { "" }),
+                &format!("rope {style:?}"),
                 &format!("{tokens} tok x {heads} heads, {n_rot} of {head} at {off}"),
                 worst,
                 tol,
                 ok,
             );
-            assert!(ok, "rope head={head} deint={deint} untouched={untouched}");
+            assert!(ok, "rope head={head} {style:?} untouched={untouched}");
         }
     }
 }
@@ -828,9 +837,25 @@ fn elementwise_ops_match_f64() {
         .iter()
         .zip(&a)
         .all(|(v, p)| *v == half::bf16::from_f32(*p).to_bits());
-    let ok = ok_add && ok_acc && ok_scale && ok_copy && ok_bf;
+    // add_bias (row broadcast) and gather_rows: single operations / copies, bit-exact.
+    let bias = r.vec(100, 1.0);
+    let dbias = g.upload(&bias).unwrap();
+    let mut dab = nan_buf(&g, 5000);
+    g.add_bias(&da, &dbias, &mut dab, 50, 100).unwrap();
+    let ab = g.download(&dab).unwrap();
+    let ok_bias = (0..5000).all(|i| ab[i].to_bits() == (a[i] + bias[i % 100]).to_bits());
+    let rows_idx = [49usize, 0, 7, 7, 23];
+    let mut dgr = nan_buf(&g, rows_idx.len() * 100);
+    g.gather_rows(&da, 50, 100, &rows_idx, &mut dgr).unwrap();
+    let gr = g.download(&dgr).unwrap();
+    let ok_gather = rows_idx
+        .iter()
+        .enumerate()
+        .all(|(j, &rr)| (0..100).all(|i| gr[j * 100 + i].to_bits() == a[rr * 100 + i].to_bits()));
+    let ok_gather = ok_gather && g.gather_rows(&da, 50, 100, &[50], &mut dgr).is_err();
+    let ok = ok_add && ok_acc && ok_scale && ok_copy && ok_bf && ok_bias && ok_gather;
     row(
-        "add/add_assign/scale/copy_rows/to_bf16",
+        "add/add_assign/scale/copy_rows/to_bf16/add_bias/gather_rows",
         "5000",
         0.0,
         0.0,
@@ -838,7 +863,7 @@ fn elementwise_ops_match_f64() {
     );
     assert!(
         ok,
-        "add {ok_add} add_assign {ok_acc} scale {ok_scale} copy {ok_copy} bf16 {ok_bf}"
+        "add {ok_add} add_assign {ok_acc} scale {ok_scale} copy {ok_copy} bf16 {ok_bf} bias {ok_bias} gather {ok_gather}"
     );
 }
 
@@ -890,7 +915,15 @@ fn argmax_ties_nan_and_vocab_size() {
 /// The router as HF computes it (spec §1.10), in f32; returns (ids, weights) per token.
 fn route_cpu(logits: &[f32], bias: &[f32], c: RouterConfig) -> (Vec<i32>, Vec<f32>, Vec<f32>) {
     let e = c.n_experts;
-    let s: Vec<f32> = logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect();
+    let s: Vec<f32> = match c.gating {
+        Gating::Sigmoid => logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect(),
+        Gating::Softmax => {
+            let mx = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let ex: Vec<f32> = logits.iter().map(|l| (l - mx).exp()).collect();
+            let z: f32 = ex.iter().sum();
+            ex.iter().map(|v| v / z).collect()
+        }
+    };
     let mut choice: Vec<f32> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
     let choice_unmasked = choice.clone();
     if c.n_group > 1 && c.topk_group < c.n_group {
@@ -963,6 +996,7 @@ fn moe_router_matches_cpu() {
     let configs = [
         // GLM-5: 256 experts, 8 per token, no group limit (n_group = topk_group = 1).
         RouterConfig {
+            gating: Gating::Sigmoid,
             n_experts: 256,
             n_group: 1,
             topk_group: 1,
@@ -972,6 +1006,7 @@ fn moe_router_matches_cpu() {
         },
         // DeepSeek-V3 style group limit.
         RouterConfig {
+            gating: Gating::Sigmoid,
             n_experts: 256,
             n_group: 8,
             topk_group: 4,
@@ -981,12 +1016,23 @@ fn moe_router_matches_cpu() {
         },
         // tiny-glm5 fixture: 6 experts, 2 groups, top-1 group, top-2 experts.
         RouterConfig {
+            gating: Gating::Sigmoid,
             n_experts: 6,
             n_group: 2,
             topk_group: 1,
             top_k: 2,
             norm: true,
             scale: 2.5,
+        },
+        // Softmax gating (Mixtral / Qwen-MoE style), no bias effect on weights.
+        RouterConfig {
+            gating: Gating::Softmax,
+            n_experts: 64,
+            n_group: 1,
+            topk_group: 1,
+            top_k: 4,
+            norm: false,
+            scale: 1.0,
         },
     ];
     for c in configs {
@@ -1058,18 +1104,41 @@ fn moe_combine_matches_f64() {
     let y = r.vec(tokens * top_k * d, 1.0);
     let w = r.vec(tokens * top_k, 1.0);
     let base = r.vec(tokens * d, 1.0);
-    let dy = g.upload(&y).unwrap();
     let dw = g.upload(&w).unwrap();
     let mut dout = g.upload(&base).unwrap();
-    g.moe_combine(&dy, d, &dw, tokens, top_k, d, &mut dout, d, true)
-        .unwrap();
+    // Every third slot is empty (expert id -1): skipped even though its y row is NaN.
+    let ids: Vec<i32> = (0..tokens * top_k)
+        .map(|i| if i % 3 == 2 { -1 } else { (i % 7) as i32 })
+        .collect();
+    let mut y = y;
+    for (slot, &id) in ids.iter().enumerate() {
+        if id < 0 {
+            y[slot * d..(slot + 1) * d].fill(f32::NAN);
+        }
+    }
+    let dy = g.upload(&y).unwrap();
+    let dids = g.upload(&ids).unwrap();
+    let dids_v = dids.as_view();
+    g.moe_combine(
+        &dy,
+        d,
+        &dw,
+        tokens,
+        top_k,
+        d,
+        &mut dout,
+        d,
+        true,
+        Some(&dids_v),
+    )
+    .unwrap();
     let out = g.download(&dout).unwrap();
     let mut worst = 0f64;
     for t in 0..tokens {
         for i in 0..d {
             let mut mag = f64::from(base[t * d + i]).abs();
             let mut want = f64::from(base[t * d + i]);
-            for k in 0..top_k {
+            for k in (0..top_k).filter(|k| ids[t * top_k + k] >= 0) {
                 let p = f64::from(w[t * top_k + k]) * f64::from(y[(t * top_k + k) * d + i]);
                 want += p;
                 mag += p.abs();
@@ -1092,80 +1161,92 @@ fn moe_combine_matches_f64() {
 // ---------------------------------------------------------------------------------------------
 // MLA attention, DSA indexer, top-k
 
-/// f64 absorbed attention for one (token, head): softmax over the allowed keys.
-fn mla_cpu(
-    q: &[f32],
-    kv: &[f32],
-    kv_stride: usize,
-    d_qk: usize,
-    d_v: usize,
-    keys: &[usize],
-    scale: f32,
-) -> Vec<f64> {
+/// f64 attention for one (token, head): softmax over the allowed keys of its kv group.
+fn attn_cpu(q: &[f32], k: &[f32], v: &[f32], m: &AttnShape, g: usize, keys: &[usize]) -> Vec<f64> {
     if keys.is_empty() {
-        return vec![0.0; d_v];
+        return vec![0.0; m.d_v];
     }
     let scores: Vec<f64> = keys
         .iter()
         .map(|&t| {
-            let kr = &kv[t * kv_stride..t * kv_stride + d_qk];
+            let kr = &k[t * m.k_stride + g * m.d_k..t * m.k_stride + (g + 1) * m.d_k];
             q.iter()
                 .zip(kr)
                 .map(|(a, b)| f64::from(*a) * f64::from(*b))
                 .sum::<f64>()
-                * f64::from(scale)
+                * f64::from(m.scale)
         })
         .collect();
-    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    let p: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+    let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let p: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
     let z: f64 = p.iter().sum();
-    let mut o = vec![0f64; d_v];
+    let mut o = vec![0f64; m.d_v];
     for (pi, &t) in p.iter().zip(keys) {
         for (d, ov) in o.iter_mut().enumerate() {
-            *ov += pi / z * f64::from(kv[t * kv_stride + d]);
+            *ov += pi / z * f64::from(v[t * m.v_stride + g * m.d_v + d]);
         }
     }
     o
 }
 
 #[test]
-fn mla_attention_dense_and_sparse() {
-    let Some(g) = gpu("mla_attention_dense_and_sparse") else {
+fn attention_dense_sparse_mla_and_gqa() {
+    let Some(g) = gpu("attention_dense_sparse_mla_and_gqa") else {
         return;
     };
     let _s = serial();
-    let mut r = Rng::new("mla_attention");
-    // (heads, d_qk, d_v, T): the tiny fixture (4 heads, 256+32), and GLM-5 (64 heads, 512+64).
-    for (heads, d_qk, d_v, t_len) in [(4usize, 288usize, 256usize, 70usize), (64, 576, 512, 300)] {
-        let kv_stride = d_qk;
-        let kv = r.vec(t_len * kv_stride, 1.0);
-        let scale = 1.0 / (d_qk as f32).sqrt();
-        // prefill-like: every position; decode: the last position only.
-        let pos_all: Vec<i32> = (0..t_len as i32).collect();
-        for (label, pos) in [
-            ("prefill", pos_all.clone()),
-            ("decode", vec![t_len as i32 - 1]),
-        ] {
-            let s_len = pos.len();
-            let q = r.vec(s_len * heads * d_qk, 1.0);
+    let mut r = Rng::new("attention");
+    // (label, heads, kv_heads, d_k, d_v, T, values share the key rows):
+    // absorbed MLA of the tiny fixture (one 288-wide latent head, values = its first 256) and of
+    // GLM-5 (576/512); unabsorbed MLA (96/64, not a multiple of 32); GQA 8 heads over 2;
+    // a long decode (T 3000: several key splits).
+    let cases = [
+        (
+            "mla tiny", 4usize, 1usize, 288usize, 256usize, 70usize, true,
+        ),
+        ("mla glm5", 64, 1, 576, 512, 300, true),
+        ("mla naive", 4, 4, 96, 64, 70, false),
+        ("gqa", 8, 2, 128, 128, 90, false),
+        ("mla long", 16, 1, 576, 512, 3000, true),
+    ];
+    for (name, heads, kv_heads, d_k, d_v, t_len, shared) in cases {
+        let k_stride = kv_heads * d_k;
+        let v_stride = if shared { k_stride } else { kv_heads * d_v };
+        let kbuf = r.vec(t_len * k_stride, 1.0);
+        let vbuf = if shared {
+            kbuf.clone()
+        } else {
+            r.vec(t_len * v_stride, 1.0)
+        };
+        let scale = 1.0 / (d_k as f32).sqrt();
+        let dk = g.upload(&kbuf).unwrap();
+        let dv = g.upload(&vbuf).unwrap();
+        // prefill: every position from 0; decode: the last position only.
+        let phases: Vec<(&str, usize, usize)> = if t_len > 1000 {
+            vec![("decode", t_len - 1, 1)]
+        } else {
+            vec![("prefill", 0, t_len), ("decode", t_len - 1, 1)]
+        };
+        for (label, pos0, s_len) in phases {
+            let q = r.vec(s_len * heads * d_k, 1.0);
             let dq = g.upload(&q).unwrap();
-            let dkv = g.upload(&kv).unwrap();
-            let dpos = g.upload(&pos).unwrap();
-            let shape = MlaShape {
+            let shape = AttnShape {
                 tokens: s_len,
                 heads,
-                d_qk,
+                kv_heads,
+                d_k,
                 d_v,
-                q_tok_stride: heads * d_qk,
-                q_head_stride: d_qk,
-                kv_stride,
+                q_tok_stride: heads * d_k,
+                q_head_stride: d_k,
+                k_stride,
+                v_stride,
                 kv_len: t_len,
                 o_tok_stride: heads * d_v,
                 o_head_stride: d_v,
                 scale,
+                pos0,
             };
-            // Sparse lists: 32 slots per query, some -1, some in the future (must stay masked),
-            // some duplicates are avoided so the CPU set matches the list.
+            // Sparse lists: 32 slots per query; some -1, some in the future (must stay masked).
             let n_keys = 32usize;
             let mut idx = vec![-1i32; s_len * n_keys];
             let mut allowed: Vec<Vec<usize>> = Vec::new();
@@ -1174,12 +1255,12 @@ fn mla_attention_dense_and_sparse() {
                 for j in 0..n_keys {
                     let cand = r.below(t_len);
                     if j % 7 == 3 || chosen.contains(&cand) {
-                        continue; // leave -1
+                        continue;
                     }
                     idx[s * n_keys + j] = cand as i32;
                     chosen.push(cand);
                 }
-                allowed.push(chosen.into_iter().filter(|&t| t as i32 <= pos[s]).collect());
+                allowed.push(chosen.into_iter().filter(|&t| t <= pos0 + s).collect());
             }
             let didx = g.upload(&idx).unwrap();
             let didx_v = didx.as_view();
@@ -1190,19 +1271,19 @@ fn mla_attention_dense_and_sparse() {
                     n_keys,
                     stride: n_keys,
                 });
-                g.mla_attention(&dq, &dkv, &dpos, keys, &mut dout, shape)
-                    .unwrap();
+                g.attention(&dq, &dk, &dv, keys, &mut dout, shape).unwrap();
                 let out = g.download(&dout).unwrap();
                 let mut worst = 0f64;
                 for s in 0..s_len {
                     let keys_cpu: Vec<usize> = if sparse {
                         allowed[s].clone()
                     } else {
-                        (0..=pos[s] as usize).collect()
+                        (0..=pos0 + s).collect()
                     };
                     for h in 0..heads {
-                        let qh = &q[(s * heads + h) * d_qk..(s * heads + h + 1) * d_qk];
-                        let want = mla_cpu(qh, &kv, kv_stride, d_qk, d_v, &keys_cpu, scale);
+                        let qh = &q[(s * heads + h) * d_k..(s * heads + h + 1) * d_k];
+                        let want =
+                            attn_cpu(qh, &kbuf, &vbuf, &shape, h / (heads / kv_heads), &keys_cpu);
                         let got = &out[(s * heads + h) * d_v..(s * heads + h + 1) * d_v];
                         let sc = max_abs(&want).max(1e-30);
                         for d in 0..d_v {
@@ -1210,22 +1291,23 @@ fn mla_attention_dense_and_sparse() {
                         }
                     }
                 }
-                // Scores: d_qk/32 sequential products per lane + 5 tree adds; |score| <= ~3 with
-                // these inputs, so exp() amplifies an absolute score error e by (1+e); softmax
-                // and the weighted sum add T roundings: ~(d_qk/32 + T + 16) * 2^-24 * 8, normwise.
-                let tol = (d_qk as f64 / 32.0 + t_len as f64 + 16.0) * U32 * 8.0;
+                // Scores: d_k/32 sequential products per lane + 5 tree adds; |score| <= ~3 with
+                // these inputs, so exp() turns an absolute score error e into a relative weight
+                // error e; the split sums, their rescaling and the value sums add ~T roundings:
+                // (d_k/32 + T + 16) * 2^-24, times 8 for the magnitudes, normwise.
+                let tol = (d_k as f64 / 32.0 + t_len as f64 + 16.0) * U32 * 8.0;
                 let ok = out.iter().all(|v| v.is_finite()) && worst <= tol;
                 row(
                     &format!(
-                        "mla_attention {label}{}",
+                        "attention {name} {label}{}",
                         if sparse { " sparse" } else { "" }
                     ),
-                    &format!("{heads} heads, d {d_qk}/{d_v}, T {t_len}, S {s_len}"),
+                    &format!("{heads}/{kv_heads} heads, d {d_k}/{d_v}, T {t_len}, S {s_len}"),
                     worst,
                     tol,
                     ok,
                 );
-                assert!(ok, "mla {label} sparse={sparse} heads={heads}");
+                assert!(ok, "attention {name} {label} sparse={sparse}");
             }
         }
     }
