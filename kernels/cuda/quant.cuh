@@ -101,8 +101,37 @@ QTRAITS(QT_F64, 32, 256)
 
 // Little-endian loads. Blocks are only 1- or 2-byte aligned for most types, so wider values are
 // assembled from 16-bit (or byte) loads unless the type's block size keeps them aligned.
+// Weight bytes are read once per launch: the ldw* loads mark their L1 lines evict-first
+// (ld.global.nc.L1::evict_first, sm_70+) so the streamed weights do not push out the activation
+// vector that every row re-reads from L1, while neighbouring loads of one sector still hit L1.
+// (L1::evict_first was measured slower for the types read in 2- and 4-byte pieces: every piece
+// then went to L2; H200, 2026-11-30.) (GGUFTOOL_HOST_EMULATION: a host build of the
+// decoders for checking them against the CPU oracle without a GPU supplies plain loads.)
+#ifndef GGUFTOOL_HOST_EMULATION
+DEV uint4 ldw4(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::evict_first.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+DEV uint2 ldw2(const void* p) {
+    uint2 v;
+    asm("ld.global.nc.L1::evict_first.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+DEV uint32_t ldw32(const void* p) {
+    uint32_t v;
+    asm("ld.global.nc.L1::evict_first.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+DEV uint32_t ld_u16(const uint8_t* p) {  // 2-byte aligned callers only
+    unsigned short v;
+    asm("ld.global.nc.L1::evict_first.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+#endif
 DEV uint32_t ld_u8(const uint8_t* p) { return p[0]; }
-DEV uint32_t ld_u16(const uint8_t* p) { return *(const uint16_t*)p; }  // 2-byte aligned callers only
 DEV uint32_t ld_u16_any(const uint8_t* p) { return (uint32_t)p[0] | ((uint32_t)p[1] << 8); }
 DEV uint32_t ld_u32_a2(const uint8_t* p) { return ld_u16(p) | (ld_u16(p + 2) << 16); }
 DEV uint32_t ld_u32_any(const uint8_t* p) {
@@ -120,19 +149,18 @@ DEV void deq32(const uint8_t* __restrict__ b, int c, const QTables& t, float (&y
 
 template <>
 DEV void deq32<QT_F32>(const uint8_t* __restrict__ b, int, const QTables&, float (&y)[32]) {
-    const float4* p = (const float4*)b;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        float4 v = p[i];
-        y[4 * i] = v.x; y[4 * i + 1] = v.y; y[4 * i + 2] = v.z; y[4 * i + 3] = v.w;
+        const uint4 v = ldw4(b + 16 * i);
+        y[4 * i] = __uint_as_float(v.x); y[4 * i + 1] = __uint_as_float(v.y);
+        y[4 * i + 2] = __uint_as_float(v.z); y[4 * i + 3] = __uint_as_float(v.w);
     }
 }
 template <>
 DEV void deq32<QT_F16>(const uint8_t* __restrict__ b, int, const QTables&, float (&y)[32]) {
-    const uint4* p = (const uint4*)b;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        uint4 v = p[i];
+        const uint4 v = ldw4(b + 16 * i);
         uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -143,10 +171,9 @@ DEV void deq32<QT_F16>(const uint8_t* __restrict__ b, int, const QTables&, float
 }
 template <>
 DEV void deq32<QT_BF16>(const uint8_t* __restrict__ b, int, const QTables&, float (&y)[32]) {
-    const uint4* p = (const uint4*)b;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        uint4 v = p[i];
+        const uint4 v = ldw4(b + 16 * i);
         uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -177,7 +204,7 @@ DEV void deq32<QT_Q4_1>(const uint8_t* __restrict__ b, int, const QTables&, floa
     const float d = ld_f16(b), m = ld_f16(b + 2);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        uint32_t w = *(const uint32_t*)(b + 4 + 4 * i);
+        uint32_t w = ldw32(b + 4 + 4 * i);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             uint32_t q = (w >> (8 * k)) & 0xFF;
@@ -209,10 +236,10 @@ DEV void deq32<QT_Q5_0>(const uint8_t* __restrict__ b, int, const QTables&, floa
 template <>
 DEV void deq32<QT_Q5_1>(const uint8_t* __restrict__ b, int, const QTables&, float (&y)[32]) {
     const float d = ld_f16(b), m = ld_f16(b + 2);
-    const uint32_t qh = *(const uint32_t*)(b + 4);
+    const uint32_t qh = ldw32(b + 4);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        uint32_t w = *(const uint32_t*)(b + 8 + 4 * i);
+        uint32_t w = ldw32(b + 8 + 4 * i);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int j = 4 * i + k;
@@ -254,7 +281,7 @@ DEV void deq32<QT_Q2_K>(const uint8_t* __restrict__ b, int c, const QTables&, fl
         const float dl = d * (float)(sc & 0xF), ml = dmin * (float)(sc >> 4);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            uint32_t w = *(const uint32_t*)(b + 16 + 32 * h + 16 * half + 4 * i);
+            uint32_t w = ldw32(b + 16 + 32 * h + 16 * half + 4 * i);
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 uint32_t q = (w >> (8 * k + sh)) & 3;
@@ -295,7 +322,7 @@ DEV void deq32<QT_Q3_K>(const uint8_t* __restrict__ b, int c, const QTables&, fl
 // the three scale words: for j < 4, s[j] in word 0 and s[j+4] in word 1; for j >= 4, s[j-4],
 // s[j] and s[j+4] in words 0, 1 and 2.
 DEV void k_header(const uint8_t* __restrict__ b, int j, float& d1, float& m1) {
-    const uint4 h = *(const uint4*)b;
+    const uint4 h = ldw4(b);
     const float d = f16_to_f32((uint16_t)(h.x & 0xFFFF)), dmin = f16_to_f32((uint16_t)(h.x >> 16));
     const int sh = 8 * (j & 3);
     const uint32_t ba = (h.y >> sh) & 0xFF, bb = (h.z >> sh) & 0xFF, bc = (h.w >> sh) & 0xFF;
@@ -310,11 +337,11 @@ template <>
 DEV void deq32<QT_Q4_K>(const uint8_t* __restrict__ b, int c, const QTables&, float (&y)[32]) {
     float d1, m1;
     k_header(b, c, d1, m1);
-    const uint4* qs = (const uint4*)(b + 16 + 32 * (c >> 1));
+    const uint8_t* qs = b + 16 + 32 * (c >> 1);
     const int sh = 4 * (c & 1);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        uint4 v = qs[i];
+        uint4 v = ldw4(qs + 16 * i);
         uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int k = 0; k < 16; ++k) {
@@ -328,13 +355,12 @@ template <>
 DEV void deq32<QT_Q5_K>(const uint8_t* __restrict__ b, int c, const QTables&, float (&y)[32]) {
     float d1, m1;
     k_header(b, c, d1, m1);
-    const uint4* qs = (const uint4*)(b + 48 + 32 * (c >> 1));
-    const uint4* qhp = (const uint4*)(b + 16);
+    const uint8_t* qs = b + 48 + 32 * (c >> 1);
     const int sh = 4 * (c & 1);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        uint4 v = qs[i];
-        uint4 hv = qhp[i];
+        uint4 v = ldw4(qs + 16 * i);
+        uint4 hv = ldw4(b + 16 + 16 * i);
         uint32_t w[4] = {v.x, v.y, v.z, v.w};
         uint32_t hw[4] = {hv.x, hv.y, hv.z, hv.w};
 #pragma unroll
@@ -392,10 +418,9 @@ DEV void deq32<QT_IQ4_XS>(const uint8_t* __restrict__ b, int c, const QTables& t
     const uint32_t sh = ld_u16(b + 2);
     const uint32_t ls = ((b[4 + (c >> 1)] >> (4 * (c & 1))) & 0xF) | (((sh >> (2 * c)) & 3) << 4);
     const float dl = d * (float)((int)ls - 32);
-    const uint2* qs = (const uint2*)(b + 8 + 16 * c);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        uint2 v = qs[i];
+        uint2 v = ldw2(b + 8 + 16 * c + 8 * i);
         uint32_t w[2] = {v.x, v.y};
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
@@ -617,7 +642,7 @@ DEV void deq32<QT_Q8_1>(const uint8_t* __restrict__ b, int, const QTables&, floa
     const float d = ld_f16(b);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        uint32_t w = *(const uint32_t*)(b + 4 + 4 * i);
+        uint32_t w = ldw32(b + 4 + 4 * i);
 #pragma unroll
         for (int k = 0; k < 4; ++k) y[4 * i + k] = d * (float)(int8_t)((w >> (8 * k)) & 0xFF);
     }
@@ -628,7 +653,7 @@ DEV void deq32<QT_Q8_K>(const uint8_t* __restrict__ b, int c, const QTables&, fl
     const float d = *(const float*)b;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        uint32_t w = *(const uint32_t*)(b + 4 + 32 * c + 4 * i);
+        uint32_t w = ldw32(b + 4 + 32 * c + 4 * i);
 #pragma unroll
         for (int k = 0; k < 4; ++k) y[4 * i + k] = d * (float)(int8_t)((w >> (8 * k)) & 0xFF);
     }

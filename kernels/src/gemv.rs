@@ -18,8 +18,9 @@ use crate::error::KernelError;
 use crate::ops::Op;
 use crate::quant::{block_alignment, type_kernels};
 
-/// Rows handled per 128-thread block (one warp per row).
-const ROWS_PER_BLOCK: usize = 4;
+/// From this many rows on, a block computes 4 rows (activation reuse); below it 1 row per block
+/// keeps enough blocks in flight for small matrices (kv_a: 576 rows).
+const MULTI_ROW_MIN: usize = 2048;
 
 /// A stack of `slabs` matrices of `rows x k` elements of type `ty`, stored back to back in GGUF
 /// order (experts of `ffn_*_exps`, heads of `attn_k_b` / `attn_v_b`); `slabs = 1` for a plain matrix.
@@ -144,10 +145,15 @@ impl Gpu {
         if let Some(ids) = ch.ids {
             need_len(OP, "ids", ids.len(), ch.count)?;
         }
-        let f = self.func(Op::Gemv, type_kernels(ty).gemv)?;
+        let (name, rows_per_block) = if rows >= MULTI_ROW_MIN {
+            (type_kernels(ty).gemv4, 4)
+        } else {
+            (type_kernels(ty).gemv, 1)
+        };
+        let f = self.func(Op::Gemv, name)?;
         let tables = self.tables()?.params;
-        let grid = (rows.div_ceil(ROWS_PER_BLOCK) as u64, ch.count as u64, 1u64);
-        let cfg = self.cfg(OP, grid, (32 * ROWS_PER_BLOCK) as u32)?;
+        let grid = (rows.div_ceil(rows_per_block) as u64, ch.count as u64, 1u64);
+        let cfg = self.cfg(OP, grid, 128)?;
         let stream = self.stream();
         let (wp, _gw) = w.device_ptr(stream);
         let (xp, _gx) = x.device_ptr(stream);

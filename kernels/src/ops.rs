@@ -123,6 +123,7 @@ impl Op {
                             "dequant" => k.dequant,
                             "dequant_bf16" => k.dequant_bf16,
                             "get_rows" => k.get_rows,
+                            "gemv4" => k.gemv4,
                             _ => k.gemv,
                         })
                         .map(str::to_string)
@@ -132,7 +133,7 @@ impl Op {
         };
         let names: &[&str] = match self {
             Op::Dequant => return per_type(&["dequant", "dequant_bf16", "get_rows"]),
-            Op::Gemv => return per_type(&["gemv"]),
+            Op::Gemv => return per_type(&["gemv", "gemv4"]),
             Op::RmsNorm => &["rmsnorm_f32"],
             Op::LayerNorm => &["layernorm_f32"],
             Op::Rope => &["rope_f32"],

@@ -13,6 +13,8 @@ pub(crate) struct TypeKernels {
     pub dequant_bf16: &'static str,
     pub get_rows: &'static str,
     pub gemv: &'static str,
+    /// The GEMV variant computing 4 rows per block.
+    pub gemv4: &'static str,
 }
 
 macro_rules! kernels_for {
@@ -22,6 +24,7 @@ macro_rules! kernels_for {
             dequant_bf16: concat!("dequant_bf16_", $s),
             get_rows: concat!("get_rows_", $s),
             gemv: concat!("gemv_", $s),
+            gemv4: concat!("gemv4_", $s),
         }
     };
 }

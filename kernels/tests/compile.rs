@@ -59,6 +59,12 @@ fn every_kernel_compiles_for_sm90_and_sm120() {
                     // The decode GEMV of the main weight types must not spill to local memory.
                     for (func, n) in spills(&c.log) {
                         let hot = [
+                            "gemv4_q4_k",
+                            "gemv4_q5_k",
+                            "gemv4_q6_k",
+                            "gemv4_q8_0",
+                            "gemv4_bf16",
+                            "gemv4_iq4_xs",
                             "gemv_q4_k",
                             "gemv_q5_k",
                             "gemv_q6_k",

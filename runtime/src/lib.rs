@@ -17,3 +17,4 @@ pub mod weights;
 
 pub use error::RuntimeError;
 pub use lm::{LanguageModel, SeqStep, SequenceState};
+pub mod cuda;

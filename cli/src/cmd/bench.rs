@@ -11,7 +11,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use gguf::GgmlType;
-use kernels::{Channels, CudaSlice, Gpu, IndexerShape, MatShape, MlaShape};
+use kernels::{AttnShape, Channels, CudaSlice, Gpu, IndexerShape, MatShape};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -27,6 +27,16 @@ pub struct Args {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Decode benchmark: greedy-generate from this GGUF model on the GPU and on the CPU and
+    /// report prefill and decode tokens/s (instead of the kernel benchmarks).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Tokens to decode in the decode benchmark.
+    #[arg(long, default_value_t = 64)]
+    tokens: usize,
+    /// Backends of the decode benchmark: `both`, `cuda` or `cpu` (the CPU is slow on large models).
+    #[arg(long, default_value = "both")]
+    backend: String,
 }
 
 struct Bench {
@@ -60,12 +70,16 @@ impl Bench {
     /// Median per-launch milliseconds of `f(i)` run `per_batch` times back to back.
     fn time(&self, mut f: impl FnMut(usize) -> Result<(), kernels::KernelError>) -> Result<f64> {
         let mut i = 0usize;
-        // Warm-up: module load, compilation, first-touch.
-        for _ in 0..2 {
-            f(i)?;
-            i += 1;
+        // Warm-up: module load and compilation, then >= 100 ms of the same launches so the SM
+        // clock has ramped up (it idles near 345 MHz and boosts to ~1980 MHz under load).
+        let start = std::time::Instant::now();
+        while start.elapsed() < std::time::Duration::from_millis(100) {
+            for _ in 0..10 {
+                f(i)?;
+                i += 1;
+            }
+            self.g.synchronize()?;
         }
-        self.g.synchronize()?;
         let mut samples = Vec::with_capacity(self.batches);
         for _ in 0..self.batches {
             let ms = self.g.time_ms(|| {
@@ -101,8 +115,17 @@ impl Bench {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
+    if let Some(model) = &args.model {
+        return decode_bench(
+            model,
+            args.device,
+            args.tokens,
+            &args.backend,
+            args.json.as_deref(),
+        );
+    }
     if !args.gpu {
-        bail!("nothing to benchmark: pass --gpu for the CUDA kernel benchmarks");
+        bail!("nothing to benchmark: pass --gpu (kernel benchmarks) or --model PATH (decode)");
     }
     let g = Gpu::get(args.device).context("opening the CUDA device")?;
     let info = g.info().clone();
@@ -241,20 +264,23 @@ pub fn run(args: Args) -> Result<ExitCode> {
         let q = g.upload(&vec![0.02f32; heads * d_qk])?;
         let pos = g.upload(&[t_len as i32 - 1])?;
         let mut o: CudaSlice<f32> = g.zeros(heads * d_v)?;
-        let shape = MlaShape {
+        let shape = AttnShape {
             tokens: 1,
             heads,
-            d_qk,
+            kv_heads: 1,
+            d_k: d_qk,
             d_v,
             q_tok_stride: heads * d_qk,
             q_head_stride: d_qk,
-            kv_stride: d_qk,
+            k_stride: d_qk,
+            v_stride: d_qk,
             kv_len: t_len,
             o_tok_stride: heads * d_v,
             o_head_stride: d_v,
             scale: 1.0 / 16.0,
+            pos0: t_len - 1,
         };
-        let ms = b.time(|_| g.mla_attention(&q, &kv, &pos, None, &mut o, shape))?;
+        let ms = b.time(|_| g.attention(&q, &kv, &kv, None, &mut o, shape))?;
         b.record(
             "mla",
             &format!("decode dense, 64 heads, T {t_len}"),
@@ -307,6 +333,125 @@ pub fn run(args: Args) -> Result<ExitCode> {
         });
         std::fs::write(path, serde_json::to_vec_pretty(&doc)?)
             .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Greedy decode from a fixed prompt on CUDA and on the CPU: prefill time and decode tokens/s
+/// (host-timed, including the per-step logits copy, after a warm-up sequence).
+fn decode_bench(
+    path: &std::path::Path,
+    device: usize,
+    n_tokens: usize,
+    backend: &str,
+    json: Option<&std::path::Path>,
+) -> Result<ExitCode> {
+    let (use_gpu, use_cpu) = match backend {
+        "both" => (true, true),
+        "cuda" => (true, false),
+        "cpu" => (false, true),
+        other => bail!("--backend {other}: expected both, cuda or cpu"),
+    };
+    use runtime::lm::{LanguageModel, SeqStep};
+    use std::time::Instant;
+    let model = std::sync::Arc::new(
+        gguf::Model::open(path).with_context(|| format!("opening {}", path.display()))?,
+    );
+    let prompt: Vec<u32> = (0..32u32).map(|i| 100 + 7 * i).collect();
+    let argmax = |v: &[f32]| {
+        v.iter()
+            .enumerate()
+            .fold((0usize, f32::NEG_INFINITY), |b, (i, &x)| {
+                if x > b.1 {
+                    (i, x)
+                } else {
+                    b
+                }
+            })
+            .0 as u32
+    };
+    let run = |m: &dyn LanguageModel| -> Result<(f64, f64, Vec<u32>)> {
+        // Warm-up sequence: kernel compilation, cuBLAS handle, first allocations.
+        {
+            let mut w = m.new_sequence();
+            m.forward(&mut [SeqStep {
+                seq: w.as_mut(),
+                tokens: &prompt,
+                all_logits: false,
+            }])?;
+            m.forward(&mut [SeqStep {
+                seq: w.as_mut(),
+                tokens: &prompt[..1],
+                all_logits: false,
+            }])?;
+        }
+        let mut seq = m.new_sequence();
+        let t0 = Instant::now();
+        let logits = m.forward(&mut [SeqStep {
+            seq: seq.as_mut(),
+            tokens: &prompt,
+            all_logits: false,
+        }])?;
+        let prefill = t0.elapsed().as_secs_f64();
+        let mut next = argmax(&logits[0]);
+        let mut out = vec![next];
+        // One warm-up step, then the timed ones.
+        let l = m.forward(&mut [SeqStep {
+            seq: seq.as_mut(),
+            tokens: &[next],
+            all_logits: false,
+        }])?;
+        next = argmax(&l[0]);
+        out.push(next);
+        let t1 = Instant::now();
+        for _ in 0..n_tokens {
+            let l = m.forward(&mut [SeqStep {
+                seq: seq.as_mut(),
+                tokens: &[next],
+                all_logits: false,
+            }])?;
+            next = argmax(&l[0]);
+            out.push(next);
+        }
+        let decode = t1.elapsed().as_secs_f64();
+        Ok((prompt.len() as f64 / prefill, n_tokens as f64 / decode, out))
+    };
+    println!(
+        "model {} ({} prompt tokens, {n_tokens} decode tokens)",
+        path.display(),
+        prompt.len()
+    );
+    println!("| backend | prefill tok/s | decode tok/s |");
+    println!("|---------|---------------|--------------|");
+    let mut doc = serde_json::json!({
+        "model": path.display().to_string(), "prompt_tokens": prompt.len(), "decode_tokens": n_tokens,
+    });
+    let mut outs = Vec::new();
+    if use_gpu {
+        let gpu = runtime::cuda::load_cuda(model.clone(), device)?;
+        let name = gpu.backend().gpu().info().name.clone();
+        let (p, d, t) = run(&gpu)?;
+        println!("| cuda:{device} {name} | {p:.0} | {d:.1} |");
+        doc["cuda"] = serde_json::json!({"device": name, "prefill_tok_s": p, "decode_tok_s": d});
+        outs.push(t);
+    }
+    if use_cpu {
+        let cpu = runtime::glm::load_cpu(model)?;
+        let (p, d, t) = run(&cpu)?;
+        println!(
+            "| cpu ({} threads) | {p:.0} | {d:.1} |",
+            rayon::current_num_threads()
+        );
+        doc["cpu"] = serde_json::json!({"threads": rayon::current_num_threads(), "prefill_tok_s": p, "decode_tok_s": d});
+        outs.push(t);
+    }
+    if let [g, c] = outs.as_slice() {
+        let same = g.iter().zip(c).take_while(|(a, b)| a == b).count();
+        println!("greedy tokens identical: {same}/{}", g.len().min(c.len()));
+        doc["greedy_identical"] = serde_json::json!(same);
+    }
+    if let Some(p) = json {
+        std::fs::write(p, serde_json::to_vec_pretty(&doc)?)?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,11 +1,15 @@
 //! `gguftool doctor`: what this machine offers for the CUDA backend — driver, devices, NVRTC,
-//! whether every kernel compiles for the device (or for sm_90/sm_120 without one), cuBLAS.
-//! Exit 0 when a usable GPU path exists, 1 when something is missing (with the reason).
+//! whether every kernel compiles for the device (or for sm_90/sm_120 without one), cuBLAS —
+//! and, with `--model`, whether the GPU reproduces the CPU reference on that model (logits within
+//! tolerance, identical greedy continuations; see runtime::cuda::check).
+//! Exit 0 when a usable GPU path exists, 1 when something is missing or diverges (with the reason).
 
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use kernels::{nvrtc, Gpu, Op};
 
 #[derive(clap::Args)]
@@ -13,6 +17,20 @@ pub struct Args {
     /// Skip compiling every kernel (the slowest check, a few seconds per architecture).
     #[arg(long)]
     no_compile: bool,
+    /// Compare the GPU against the CPU reference on this GGUF model (repeatable).
+    #[arg(long)]
+    model: Vec<PathBuf>,
+    /// Prompts for --model as token ids, from a reference JSON (`{"prompts": [{"id",
+    /// "token_ids"}]}`, e.g. the fixtures' refs/hf-tiny-glm5*.json; repeatable). Without it a
+    /// fixed 40-token prompt is used.
+    #[arg(long)]
+    refs: Vec<PathBuf>,
+    /// Greedy decode steps compared per prompt.
+    #[arg(long, default_value_t = 16)]
+    steps: usize,
+    /// CUDA device for --model.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -93,6 +111,55 @@ pub fn run(args: Args) -> Result<ExitCode> {
         }) {
             Ok(()) => println!("cuBLAS + kernel launch on device 0: ok"),
             Err(e) => findings.push(format!("launch check on device 0: {e}")),
+        }
+    }
+    if !args.model.is_empty() && count > 0 {
+        let mut prompts = Vec::new();
+        for r in &args.refs {
+            let text =
+                std::fs::read_to_string(r).with_context(|| format!("reading {}", r.display()))?;
+            prompts.extend(runtime::cuda::check::reference_prompts(&text)?);
+        }
+        if prompts.is_empty() {
+            prompts.push((
+                "fixed-40".to_string(),
+                (0..40u32).map(|i| 100 + 7 * i).collect(),
+            ));
+        }
+        println!(
+            "GPU vs CPU (logits within {:.0e} of max|logit|, greedy {} steps):",
+            runtime::cuda::check::LOGIT_TOL,
+            args.steps
+        );
+        println!("| model | prompt | max rel diff | greedy identical |");
+        println!("|---|---|---|---|");
+        for path in &args.model {
+            let model = Arc::new(
+                gguf::Model::open(path).with_context(|| format!("opening {}", path.display()))?,
+            );
+            let cpu = runtime::glm::load_cpu(model.clone())?;
+            let gpu = runtime::cuda::load_cuda(model, args.device)?;
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            for (id, ids) in &prompts {
+                let r = runtime::cuda::check::compare(&cpu, &gpu, ids, args.steps)?;
+                let tie = r
+                    .near_tie
+                    .map(|(s, g)| format!(" (near tie at step {s}, gap {g:.1e})"))
+                    .unwrap_or_default();
+                println!(
+                    "| {name} | {id} ({} tok) | {:.2e} | {}/{}{tie} |",
+                    ids.len(),
+                    r.max_rel_diff,
+                    r.greedy_identical,
+                    r.steps
+                );
+                if let Some(f) = r.failure {
+                    findings.push(format!("{name} {id}: GPU diverges from CPU: {f}"));
+                }
+            }
         }
     }
     if findings.is_empty() {
