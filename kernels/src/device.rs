@@ -2,6 +2,7 @@
 //! quant tables, and the launch checks every op wrapper goes through.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
@@ -128,7 +129,7 @@ pub struct Gpu {
     resources: Mutex<Vec<KernelResources>>,
     tables: OnceLock<DeviceTables>,
     blas: OnceLock<cudarc::cublas::CudaBlas>,
-    sync_each: bool,
+    sync_each: AtomicBool,
 }
 
 static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
@@ -200,7 +201,7 @@ impl Gpu {
             resources: Mutex::new(Vec::new()),
             tables: OnceLock::new(),
             blas: OnceLock::new(),
-            sync_each,
+            sync_each: AtomicBool::new(sync_each),
         })
     }
 
@@ -216,8 +217,8 @@ impl Gpu {
 
     /// Synchronize after every launch (also with `GGUFTOOL_CUDA_SYNC=1`): a fault is then
     /// reported by the op that caused it instead of a later one.
-    pub fn set_sync_each(&mut self, on: bool) {
-        self.sync_each = on;
+    pub fn set_sync_each(&self, on: bool) {
+        self.sync_each.store(on, Ordering::Relaxed);
     }
 
     /// Wait for all queued work; a kernel fault surfaces here.
@@ -389,7 +390,7 @@ impl Gpu {
         r: Result<T, cudarc::driver::DriverError>,
     ) -> Result<(), KernelError> {
         r.map_err(|source| KernelError::Launch { op, source })?;
-        if self.sync_each {
+        if self.sync_each.load(Ordering::Relaxed) {
             self.stream
                 .synchronize()
                 .map_err(|source| KernelError::Launch { op, source })?;

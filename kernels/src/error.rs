@@ -81,9 +81,6 @@ pub enum KernelError {
         #[source]
         source: cudarc::driver::DriverError,
     },
-    /// A module was loaded but a hot kernel uses local memory (register spills).
-    #[error("kernel `{kernel}` spills: {bytes} bytes of local memory per thread")]
-    Spills { kernel: String, bytes: i32 },
 }
 
 impl KernelError {

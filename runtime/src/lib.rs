@@ -18,3 +18,4 @@ pub mod weights;
 pub use error::RuntimeError;
 pub use lm::{LanguageModel, SeqStep, SequenceState};
 pub mod cuda;
+pub mod device;

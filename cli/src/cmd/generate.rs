@@ -67,6 +67,9 @@ pub struct Args {
     /// One JSON object {prompt_ids, ids, text, logprobs, ...} instead of streamed text.
     #[arg(long)]
     json: bool,
+    /// Compute device: auto (a CUDA GPU when present, else the CPU), cpu, cuda, cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: runtime::device::Device,
     /// Worker threads (default: all cores).
     #[arg(short = 't', long)]
     threads: Option<usize>,
@@ -93,7 +96,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
     };
     let model = Arc::new(model);
     let tok = Tokenizer::from_gguf(model.metadata()).context("loading the tokenizer")?;
-    let lm = runtime::glm::load_cpu(Arc::clone(&model)).context("loading the model")?;
+    let (loaded, device) = runtime::device::load_language_model(Arc::clone(&model), args.device)
+        .context("loading the model")?;
+    let lm: &dyn LanguageModel = loaded.as_ref();
     let load_s = load_start.elapsed().as_secs_f64();
 
     let text = if args.chat {
@@ -137,7 +142,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let mut finish = "length";
 
     let t0 = Instant::now();
-    let mut logits = forward(&lm, seq.as_mut(), &prompt)?;
+    let mut logits = forward(lm, seq.as_mut(), &prompt)?;
     let prompt_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     for i in 0..n_predict {
@@ -157,7 +162,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             out.flush()?;
         }
         if i + 1 < n_predict {
-            logits = forward(&lm, seq.as_mut(), &[id])?;
+            logits = forward(lm, seq.as_mut(), &[id])?;
         }
     }
     let tail = detok.finish();
@@ -192,6 +197,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             "text": text_out,
             "finish_reason": finish,
             "logprobs": if args.logprobs.is_some() { json!(logprobs) } else { json!([]) },
+            "device": device.name(),
             "timings": {
                 "load_s": load_s,
                 "prompt_tokens": prompt.len(),
@@ -227,7 +233,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
         }
         out.flush()?;
         eprintln!(
-            "prompt: {} tokens in {:.1} ms ({:.1} tok/s); generated {} tokens in {:.1} ms ({:.1} tok/s); finish: {finish}",
+            "[{}] prompt: {} tokens in {:.1} ms ({:.1} tok/s); generated {} tokens in {:.1} ms ({:.1} tok/s); finish: {finish}",
+            device.name(),
             prompt.len(),
             prompt_s * 1e3,
             prompt.len() as f64 / prompt_s.max(1e-9),

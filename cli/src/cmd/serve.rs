@@ -1,18 +1,12 @@
 //! `gguftool serve`: the OpenAI-compatible HTTP server. The socket is bound first, so `/health`
 //! answers 503 while the model loads and 200 once it is ready.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use runtime::engine::Metrics;
 use runtime::server::{self, AppState, ServerConfig};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum Device {
-    Cpu,
-    Cuda,
-}
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -38,9 +32,9 @@ pub struct Args {
     /// Context length per sequence (prompt + generated); default and maximum: the model's.
     #[arg(short = 'c', long, value_parser = clap::value_parser!(u64).range(1..))]
     ctx_size: Option<u64>,
-    /// Compute device.
-    #[arg(long, value_enum, default_value = "cpu")]
-    device: Device,
+    /// Compute device: auto (a CUDA GPU when present, else the CPU), cpu, cuda, cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: runtime::device::Device,
     /// Model name reported by /v1/models and in responses.
     #[arg(long)]
     alias: Option<String>,
@@ -53,11 +47,6 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    if args.device == Device::Cuda {
-        bail!(
-            "--device cuda: the CUDA backend is not available in this build yet; use --device cpu"
-        );
-    }
     // Engine and request errors go to stderr; RUST_LOG=info (or debug) shows more.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
@@ -106,6 +95,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
 
     let (name, model) = (args.alias.clone(), args.model.clone());
     let (max_queue, parallel, ctx) = (args.max_queue, args.parallel, args.ctx_size);
+    let device = args.device;
     let load_metrics = metrics.clone();
     let loading = tokio::task::spawn_blocking(move || -> Result<server::Backend> {
         let (gguf, default_name) = match &model {
@@ -126,7 +116,10 @@ async fn serve(args: Args) -> Result<ExitCode> {
             ),
         };
         let name = name.unwrap_or(default_name);
-        let backend = server::cpu_backend(Arc::new(gguf), &name, load_metrics, |c| {
+        let gguf = Arc::new(gguf);
+        let (lm, device) = runtime::device::load_language_model(Arc::clone(&gguf), device)?;
+        eprintln!("gguftool serve: running on {}", device.name());
+        let backend = server::model_backend(&gguf, lm, &name, load_metrics, |c| {
             c.max_queue = max_queue as usize;
             c.max_running = parallel as usize;
             if let Some(n) = ctx {

@@ -533,7 +533,10 @@ fn print_human(r: &Report, hash: bool) {
         println!("model digest: {d}");
     }
     if let Some(g) = &r.gpu {
-        println!("gpu: {g}");
+        println!(
+            "gpu: {} tensors dequantized on {} vs the CPU reference: max abs diff {}, max rel diff {}, {} beyond tolerance",
+            g["checked"], g["device"].as_str().unwrap_or("?"), g["max_abs"], g["max_rel"], g["failed"]
+        );
     }
     println!(
         "{} tensors, {} in {:.2}s ({:.2} GB/s)",
