@@ -31,6 +31,16 @@ fn tensors(r: &serde_json::Value) -> Vec<serde_json::Value> {
     r["tensors"].as_array().unwrap().clone()
 }
 
+/// The report's findings of one kind (e.g. "against", "layout").
+fn findings_of_kind<'a>(r: &'a serde_json::Value, kind: &str) -> Vec<&'a serde_json::Value> {
+    r["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["kind"] == kind)
+        .collect()
+}
+
 #[test]
 fn stats_and_hashes_equal_gguf_py() {
     let reference: serde_json::Value =
@@ -120,12 +130,7 @@ fn against_a_different_model_lists_differences() {
         fx("gguf/tiny-glm5-BF16.gguf").to_str().unwrap(),
     ]);
     assert_eq!(code, 1);
-    let diffs: Vec<&serde_json::Value> = r["findings"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|f| f["kind"] == "against")
-        .collect();
+    let diffs = findings_of_kind(&r, "against");
     // Every quantized tensor differs in type; the F32 ones (norms, router) are identical.
     assert!(diffs.iter().any(|f| f["tensor"] == "blk.1.attn_q_a.weight"));
     assert!(!diffs
@@ -227,12 +232,7 @@ fn saved_report_round_trips_through_against() {
     std::fs::write(&copy, bytes).unwrap();
     let (code, r) = verify(&[copy.to_str().unwrap(), "--against", rep.to_str().unwrap()]);
     assert_eq!(code, 1);
-    let diffs: Vec<&serde_json::Value> = r["findings"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|f| f["kind"] == "against")
-        .collect();
+    let diffs = findings_of_kind(&r, "against");
     assert_eq!(diffs.len(), 1, "{diffs:?}");
     assert_eq!(diffs[0]["tensor"], "blk.2.ffn_up_exps.weight");
 }
@@ -274,11 +274,7 @@ fn gap_between_tensors_is_reported() {
     let (code, r) = verify(&[p.to_str().unwrap()]);
     assert_eq!(code, 1);
     assert!(
-        r["findings"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|f| f["kind"] == "layout"),
+        !findings_of_kind(&r, "layout").is_empty(),
         "{}",
         r["findings"]
     );

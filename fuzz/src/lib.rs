@@ -11,7 +11,7 @@
 //! - an accepted header obeys the format's limits, and if its tensor data lies inside the input,
 //!   rewriting it reproduces the same header and tensor bytes, and rewriting is idempotent.
 
-use gguf::{Header, TensorInfo, Value};
+use gguf::{Header, TensorInfo};
 use std::io::Cursor;
 
 const FILE: &str = "fuzz-input.gguf";
@@ -111,23 +111,6 @@ pub fn check(data: &[u8]) {
     assert!(again == out, "rewriting is not idempotent");
 }
 
-/// Bit-exact value equality (NaN payloads included, which `PartialEq` cannot express).
-fn same_value(a: &Value, b: &Value) -> bool {
-    match (a, b) {
-        (Value::F32(x), Value::F32(y)) => x.to_bits() == y.to_bits(),
-        (Value::F64(x), Value::F64(y)) => x.to_bits() == y.to_bits(),
-        (Value::Array(x), Value::Array(y)) => {
-            x.elem_type == y.elem_type
-                && x.values.len() == y.values.len()
-                && x.values
-                    .iter()
-                    .zip(&y.values)
-                    .all(|(p, q)| same_value(p, q))
-        }
-        _ => a == b,
-    }
-}
-
 fn same_header(a: &Header, b: &Header) -> bool {
     a.version == b.version
         && a.tensors == b.tensors
@@ -138,5 +121,5 @@ fn same_header(a: &Header, b: &Header) -> bool {
         && a.metadata
             .iter()
             .zip(b.metadata.iter())
-            .all(|((ka, va), (kb, vb))| ka == kb && same_value(va, vb))
+            .all(|((ka, va), (kb, vb))| ka == kb && va.bit_eq(vb))
 }

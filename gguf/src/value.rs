@@ -121,6 +121,17 @@ impl Array {
     pub fn as_f64s(&self) -> Option<Vec<f64>> {
         self.values.iter().map(Value::as_f64).collect()
     }
+    /// Same element type and bit-exact equal elements (see [`Value::bit_eq`]); an empty
+    /// array's element type still counts because it is written to the file.
+    pub fn bit_eq(&self, other: &Array) -> bool {
+        self.elem_type == other.elem_type
+            && self.values.len() == other.values.len()
+            && self
+                .values
+                .iter()
+                .zip(&other.values)
+                .all(|(a, b)| a.bit_eq(b))
+    }
 }
 
 /// One metadata value.
@@ -215,6 +226,17 @@ impl Value {
         }
     }
 
+    /// Equal including float bit patterns (NaN payloads, -0.0), which `PartialEq` cannot
+    /// express: a rewrite must reproduce the stored bits, not just a numerically equal value.
+    pub fn bit_eq(&self, other: &Value) -> bool {
+        match (self, other) {
+            (Value::F32(x), Value::F32(y)) => x.to_bits() == y.to_bits(),
+            (Value::F64(x), Value::F64(y)) => x.to_bits() == y.to_bits(),
+            (Value::Array(x), Value::Array(y)) => x.bit_eq(y),
+            _ => self == other,
+        }
+    }
+
     /// A short human description: arrays longer than `max_items` are summarized.
     pub fn display_summary(&self, max_items: usize) -> String {
         match self {
@@ -247,5 +269,54 @@ impl Value {
                     .unwrap_or_else(|| format!("{other:?}"))
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arr(elem_type: ValueType, values: Vec<Value>) -> Value {
+        Value::Array(Array { elem_type, values })
+    }
+
+    #[test]
+    fn bit_eq_tells_float_bit_patterns_apart() {
+        // NaN != NaN under PartialEq, but identical bits must compare equal.
+        let nan = f32::from_bits(0x7fc0_0001);
+        assert!(Value::F32(nan).bit_eq(&Value::F32(nan)));
+        assert!(!Value::F32(nan).bit_eq(&Value::F32(f32::from_bits(0x7fc0_0002))));
+        assert!(Value::F64(f64::NAN).bit_eq(&Value::F64(f64::NAN)));
+        // 0.0 == -0.0 under PartialEq, but their bits differ.
+        assert_eq!(Value::F32(0.0), Value::F32(-0.0));
+        assert!(!Value::F32(0.0).bit_eq(&Value::F32(-0.0)));
+        assert!(!Value::F64(0.0).bit_eq(&Value::F64(-0.0)));
+        // Same number, different stored type.
+        assert!(!Value::F32(1.0).bit_eq(&Value::F64(1.0)));
+        assert!(!Value::U32(1).bit_eq(&Value::I32(1)));
+        assert!(Value::String("a".into()).bit_eq(&Value::String("a".into())));
+        assert!(!Value::String("a".into()).bit_eq(&Value::String("b".into())));
+    }
+
+    #[test]
+    fn bit_eq_compares_arrays_by_type_length_and_element_bits() {
+        let nans = arr(ValueType::F32, vec![Value::F32(f32::NAN)]);
+        assert!(nans.bit_eq(&nans.clone()));
+        assert!(!arr(ValueType::F32, vec![Value::F32(0.0)])
+            .bit_eq(&arr(ValueType::F32, vec![Value::F32(-0.0)])));
+        // Empty arrays still carry an element type in the file.
+        assert!(!arr(ValueType::U8, vec![]).bit_eq(&arr(ValueType::I8, vec![])));
+        assert!(arr(ValueType::U8, vec![]).bit_eq(&arr(ValueType::U8, vec![])));
+        assert!(!arr(ValueType::U8, vec![Value::U8(1)])
+            .bit_eq(&arr(ValueType::U8, vec![Value::U8(1), Value::U8(2)])));
+        // Nested arrays recurse with the same rules.
+        let nested = |x: f64| {
+            arr(
+                ValueType::Array,
+                vec![arr(ValueType::F64, vec![Value::F64(x)])],
+            )
+        };
+        assert!(nested(f64::NAN).bit_eq(&nested(f64::NAN)));
+        assert!(!nested(0.0).bit_eq(&nested(-0.0)));
     }
 }

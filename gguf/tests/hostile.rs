@@ -283,23 +283,6 @@ fn open_ok(bytes: &[u8]) -> (TempGguf, GgufFile) {
     (tmp, f)
 }
 
-/// Bit-exact value equality (NaN payloads included, which `PartialEq` cannot express).
-fn same_value(a: &Value, b: &Value) -> bool {
-    match (a, b) {
-        (Value::F32(x), Value::F32(y)) => x.to_bits() == y.to_bits(),
-        (Value::F64(x), Value::F64(y)) => x.to_bits() == y.to_bits(),
-        (Value::Array(x), Value::Array(y)) => {
-            x.elem_type == y.elem_type
-                && x.values.len() == y.values.len()
-                && x.values
-                    .iter()
-                    .zip(&y.values)
-                    .all(|(p, q)| same_value(p, q))
-        }
-        _ => a == b,
-    }
-}
-
 fn same_header(a: &Header, b: &Header) -> bool {
     a.version == b.version
         && a.tensors == b.tensors
@@ -310,7 +293,7 @@ fn same_header(a: &Header, b: &Header) -> bool {
         && a.metadata
             .iter()
             .zip(b.metadata.iter())
-            .all(|((ka, va), (kb, vb))| ka == kb && same_value(va, vb))
+            .all(|((ka, va), (kb, vb))| ka == kb && va.bit_eq(vb))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -855,7 +838,7 @@ fn every_value_type_reads_back() {
     assert_eq!(got.len(), want.len());
     for ((gk, gv), (wk, wv)) in got.iter().zip(&want) {
         assert_eq!(gk, wk, "key order is file order");
-        assert!(same_value(gv, wv), "{wk}: got {gv:?}, want {wv:?}");
+        assert!(gv.bit_eq(wv), "{wk}: got {gv:?}, want {wv:?}");
     }
     assert_eq!(f.alignment(), 32);
 }
@@ -1163,15 +1146,22 @@ fn offset_far_past_the_end() {
     }
 }
 
+/// A file of 1-D F32 tensors `(name, n_elements, offset)` over `data_len` pattern bytes that
+/// opening must refuse; also returns where the data section starts, for `Failure::at`.
+fn f32_tensors_data_err(tensors: &[(&str, u64, u64)], data_len: u64) -> (Failure, u64) {
+    let mut w = with_tensors(tensors.len() as u64);
+    for &(name, n, offset) in tensors {
+        w.info(name, &[n], F32.0, offset);
+    }
+    w.pad(32);
+    let data_offset = w.pos();
+    w.raw(&pattern(data_len, 0));
+    (data_err(&w.bytes()), data_offset)
+}
+
 #[test]
 fn overlapping_tensors() {
-    let mut w = with_tensors(2);
-    w.info("a", &[16], F32.0, 0)
-        .info("b", &[8], F32.0, 32)
-        .pad(32);
-    let data_offset = w.pos();
-    w.raw(&pattern(64, 0));
-    let f = data_err(&w.bytes());
+    let (f, data_offset) = f32_tensors_data_err(&[("a", 16, 0), ("b", 8, 32)], 64);
     assert!(
         matches!(&f.err, Error::OverlappingTensors { tensor, other, start: 32, end: 64, .. }
             if tensor == "b" && other == "a"),
@@ -1181,12 +1171,7 @@ fn overlapping_tensors() {
     f.at(data_offset + 32);
 
     // Table order does not matter: the later tensor in the data is named.
-    let mut w = with_tensors(2);
-    w.info("b", &[8], F32.0, 32)
-        .info("a", &[16], F32.0, 0)
-        .pad(32);
-    w.raw(&pattern(64, 0));
-    let f = data_err(&w.bytes());
+    let (f, _) = f32_tensors_data_err(&[("b", 8, 32), ("a", 16, 0)], 64);
     assert!(
         matches!(&f.err, Error::OverlappingTensors { tensor, .. } if tensor == "b"),
         "{:?}",
@@ -1194,12 +1179,7 @@ fn overlapping_tensors() {
     );
 
     // Same offset, same size.
-    let mut w = with_tensors(2);
-    w.info("a", &[8], F32.0, 0)
-        .info("b", &[8], F32.0, 0)
-        .pad(32);
-    w.raw(&pattern(32, 0));
-    let f = data_err(&w.bytes());
+    let (f, _) = f32_tensors_data_err(&[("a", 8, 0), ("b", 8, 0)], 32);
     assert!(
         matches!(f.err, Error::OverlappingTensors { .. }),
         "{:?}",
@@ -1211,14 +1191,7 @@ fn overlapping_tensors() {
 fn overlap_not_adjacent_in_offset_order() {
     // "big" covers [0, 256); a zero-sized tensor sits inside it, then "c" at 64 also inside it.
     // Comparing only neighbours in offset order would miss big/c.
-    let mut w = with_tensors(3);
-    w.info("big", &[64], F32.0, 0)
-        .info("z", &[0], F32.0, 32)
-        .info("c", &[8], F32.0, 64)
-        .pad(32);
-    let data_offset = w.pos();
-    w.raw(&pattern(256, 0));
-    let f = data_err(&w.bytes());
+    let (f, data_offset) = f32_tensors_data_err(&[("big", 64, 0), ("z", 0, 32), ("c", 8, 64)], 256);
     assert!(
         matches!(&f.err, Error::OverlappingTensors { tensor, other, .. } if tensor == "c" && other == "big"),
         "{:?}",
@@ -1227,13 +1200,7 @@ fn overlap_not_adjacent_in_offset_order() {
     f.at(data_offset + 64);
 
     // Two small tensors inside a big one: the second small one is not adjacent to "big".
-    let mut w = with_tensors(3);
-    w.info("big", &[64], F32.0, 0)
-        .info("s1", &[8], F32.0, 160)
-        .info("s2", &[8], F32.0, 224)
-        .pad(32);
-    w.raw(&pattern(256, 0));
-    let f = data_err(&w.bytes());
+    let (f, _) = f32_tensors_data_err(&[("big", 64, 0), ("s1", 8, 160), ("s2", 8, 224)], 256);
     assert!(
         matches!(f.err, Error::OverlappingTensors { .. }),
         "{:?}",
@@ -1357,7 +1324,7 @@ fn tensors_and_data_read_back() {
         assert_eq!(f.header().data_end(), bytes.len() as u64);
         let (_, want) = kv_zoo();
         for (k, v) in &want {
-            assert!(same_value(f.metadata().get(k).unwrap(), v), "{k}");
+            assert!(f.metadata().get(k).unwrap().bit_eq(v), "{k}");
         }
     }
 }

@@ -279,23 +279,6 @@ fn encode(entries: &[(String, Value)], tensors: &[Tensor], align: u64) -> (Vec<u
 
 // ---------------------------------------------------------------------------------------------
 
-/// Bit-exact equality: floats by their bits (NaN payloads, -0.0), arrays by element type too.
-fn same_value(a: &Value, b: &Value) -> bool {
-    match (a, b) {
-        (Value::F32(x), Value::F32(y)) => x.to_bits() == y.to_bits(),
-        (Value::F64(x), Value::F64(y)) => x.to_bits() == y.to_bits(),
-        (Value::Array(x), Value::Array(y)) => {
-            x.elem_type == y.elem_type
-                && x.values.len() == y.values.len()
-                && x.values
-                    .iter()
-                    .zip(&y.values)
-                    .all(|(p, q)| same_value(p, q))
-        }
-        _ => a == b,
-    }
-}
-
 fn check_header(
     h: &Header,
     entries: &[(String, Value)],
@@ -310,7 +293,7 @@ fn check_header(
     prop_assert_eq!(h.metadata.len(), entries.len());
     for ((gk, gv), (wk, wv)) in h.metadata.iter().zip(entries) {
         prop_assert_eq!(gk, wk.as_str());
-        prop_assert!(same_value(gv, wv), "{}: read {:?}, wrote {:?}", wk, gv, wv);
+        prop_assert!(gv.bit_eq(wv), "{}: read {:?}, wrote {:?}", wk, gv, wv);
     }
     prop_assert_eq!(h.tensors.len(), tensors.len());
     for ((got, want), &off) in h.tensors.iter().zip(tensors).zip(offsets) {

@@ -9,6 +9,11 @@ use crate::ops::Op;
 
 const BLOCK: u32 = 256;
 
+/// Launch grid of the one-thread-per-element kernels: `n` columns across x, `rows` rows in y.
+fn elem_grid(n: usize, rows: usize) -> (u64, u64, u64) {
+    ((n as u64).div_ceil(BLOCK as u64), rows as u64, 1)
+}
+
 /// `rows` rows of `n` values, each operand with its own row stride.
 #[derive(Debug, Clone, Copy)]
 pub struct Rows3 {
@@ -48,8 +53,7 @@ impl Gpu {
         need_len(OP, "up", dlen(up), span(l.rows, l.b_stride, l.n))?;
         need_len(OP, "out", dlen(out), span(l.rows, l.out_stride, l.n))?;
         let f = self.func(Op::SiluMul, "silu_mul_f32")?;
-        let grid = ((l.n as u64).div_ceil(BLOCK as u64), l.rows as u64, 1);
-        let cfg = self.cfg(OP, grid, BLOCK)?;
+        let cfg = self.cfg(OP, elem_grid(l.n, l.rows), BLOCK)?;
         let s = self.stream();
         let (gp, _g1) = gate.device_ptr(s);
         let (up_, _g2) = up.device_ptr(s);
@@ -83,17 +87,12 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        let f = self.func(Op::Elementwise, "add_f32")?;
-        let cfg = self.cfg(OP, ((n as u64).div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
         let s = self.stream();
         let (ap, _ga) = a.device_ptr(s);
         let (bp, _gb) = b.device_ptr(s);
         let (yp, _gy) = y.device_ptr_mut(s);
-        let n64 = n as i64;
-        let mut bl = self.args(&f);
-        bl.arg(&ap).arg(&bp).arg(&yp).arg(&n64);
         // SAFETY: all three hold >= n elements.
-        unsafe { self.launch(OP, bl, cfg) }
+        unsafe { self.add_raw(OP, ap, bp, yp, n) }
     }
 
     /// `y += b` over the first `n` elements (residual add).
@@ -109,16 +108,33 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        let f = self.func(Op::Elementwise, "add_f32")?;
-        let cfg = self.cfg(OP, ((n as u64).div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
         let s = self.stream();
         let (bp, _gb) = b.device_ptr(s);
         let (yp, _gy) = y.device_ptr_mut(s);
+        // SAFETY: both hold >= n elements; the kernel reads y[i] before writing it.
+        unsafe { self.add_raw(OP, yp, bp, yp, n) }
+    }
+
+    /// `add_f32` on raw device addresses, so [`Gpu::add`] and [`Gpu::add_assign`] (where `y`
+    /// is also the first operand, which the borrow rules cannot express) share one launch.
+    ///
+    /// # Safety
+    /// `ap`, `bp` and `yp` must each hold at least `n` f32 values, with `n > 0`.
+    unsafe fn add_raw(
+        &self,
+        op: &'static str,
+        ap: u64,
+        bp: u64,
+        yp: u64,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        let f = self.func(Op::Elementwise, "add_f32")?;
+        let cfg = self.cfg(op, elem_grid(n, 1), BLOCK)?;
         let n64 = n as i64;
         let mut bl = self.args(&f);
-        bl.arg(&yp).arg(&bp).arg(&yp).arg(&n64);
-        // SAFETY: both hold >= n elements; the kernel reads y[i] before writing it.
-        unsafe { self.launch(OP, bl, cfg) }
+        bl.arg(&ap).arg(&bp).arg(&yp).arg(&n64);
+        // SAFETY: the caller's contract.
+        unsafe { self.launch(op, bl, cfg) }
     }
 
     /// `y = a * scale` over the first `n` elements.
@@ -136,7 +152,7 @@ impl Gpu {
             return Ok(());
         }
         let f = self.func(Op::Elementwise, "scale_f32")?;
-        let cfg = self.cfg(OP, ((n as u64).div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
+        let cfg = self.cfg(OP, elem_grid(n, 1), BLOCK)?;
         let s = self.stream();
         let (ap, _ga) = a.device_ptr(s);
         let (yp, _gy) = y.device_ptr_mut(s);
@@ -164,11 +180,7 @@ impl Gpu {
         need_len(OP, "src", dlen(src), span(rows, src_stride, n))?;
         need_len(OP, "dst", dlen(dst), span(rows, dst_stride, n))?;
         let f = self.func(Op::Elementwise, "copy_rows_f32")?;
-        let cfg = self.cfg(
-            OP,
-            ((n as u64).div_ceil(BLOCK as u64), rows as u64, 1),
-            BLOCK,
-        )?;
+        let cfg = self.cfg(OP, elem_grid(n, rows), BLOCK)?;
         let s = self.stream();
         let (sp, _gs) = src.device_ptr(s);
         let (dp, _gd) = dst.device_ptr_mut(s);
@@ -197,11 +209,7 @@ impl Gpu {
         need_len(OP, "b", dlen(b), cols)?;
         need_len(OP, "y", dlen(y), rows * cols)?;
         let f = self.func(Op::Elementwise, "add_bias_f32")?;
-        let cfg = self.cfg(
-            OP,
-            ((cols as u64).div_ceil(BLOCK as u64), rows as u64, 1),
-            BLOCK,
-        )?;
+        let cfg = self.cfg(OP, elem_grid(cols, rows), BLOCK)?;
         let s = self.stream();
         let (xp, _g1) = x.device_ptr(s);
         let (bp, _g2) = b.device_ptr(s);
@@ -238,8 +246,7 @@ impl Gpu {
             .collect::<Result<_, _>>()?;
         let dids = self.upload(&ids)?;
         let f = self.func(Op::Elementwise, "gather_rows_f32")?;
-        let grid = ((cols as u64).div_ceil(BLOCK as u64), idx.len() as u64, 1);
-        let cfg = self.cfg(OP, grid, BLOCK)?;
+        let cfg = self.cfg(OP, elem_grid(cols, idx.len()), BLOCK)?;
         let s = self.stream();
         let (sp, _g1) = src.device_ptr(s);
         let (ip, _g2) = dids.device_ptr(s);
@@ -265,7 +272,7 @@ impl Gpu {
             return Ok(());
         }
         let f = self.func(Op::Elementwise, "f32_to_bf16")?;
-        let cfg = self.cfg(OP, ((n as u64).div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
+        let cfg = self.cfg(OP, elem_grid(n, 1), BLOCK)?;
         let s = self.stream();
         let (sp, _gs) = src.device_ptr(s);
         let (dp, _gd) = dst.device_ptr_mut(s);

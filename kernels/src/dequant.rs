@@ -65,18 +65,35 @@ impl Gpu {
         n: usize,
         dp: u64,
     ) -> Result<(), KernelError> {
-        const OP: &str = "dequant";
-        let f = self.func(Op::Dequant, type_kernels(ty).dequant)?;
+        // SAFETY: the caller's contract.
+        unsafe { self.dequant_launch("dequant", type_kernels(ty).dequant, ty, sp, n, dp) }
+    }
+
+    /// The whole-tensor dequantizers (f32 and bf16 output) take the same arguments and grid;
+    /// `kernel` picks the output type.
+    ///
+    /// # Safety
+    /// As [`Gpu::dequant_raw`], with `dst` room for `n` values of the kernel's output type.
+    unsafe fn dequant_launch(
+        &self,
+        op: &'static str,
+        kernel: &'static str,
+        ty: GgmlType,
+        sp: u64,
+        n: usize,
+        dp: u64,
+    ) -> Result<(), KernelError> {
+        let f = self.func(Op::Dequant, kernel)?;
         let tables = self.tables()?.params;
         let chunks = n.div_ceil(32) as u64;
-        let cfg = self.cfg(OP, (chunks.div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
-        check_aligned(OP, "src", sp, block_alignment(ty))?;
-        check_aligned(OP, "dst", dp, 16)?;
+        let cfg = self.cfg(op, (chunks.div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
+        check_aligned(op, "src", sp, block_alignment(ty))?;
+        check_aligned(op, "dst", dp, 16)?;
         let n64 = n as i64;
         let mut b = self.args(&f);
         b.arg(&sp).arg(&dp).arg(&n64).arg(&tables);
         // SAFETY: extents are the caller's contract; alignment checked above.
-        unsafe { self.launch(OP, b, cfg) }
+        unsafe { self.launch(op, b, cfg) }
     }
 
     /// Like [`Gpu::dequantize`], writing bf16 bit patterns (round to nearest even).
@@ -92,19 +109,10 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        let f = self.func(Op::Dequant, type_kernels(ty).dequant_bf16)?;
-        let tables = self.tables()?.params;
-        let chunks = n.div_ceil(32) as u64;
-        let cfg = self.cfg(OP, (chunks.div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
         let (sp, _gs) = src.device_ptr(self.stream());
         let (dp, _gd) = dst.device_ptr_mut(self.stream());
-        check_aligned(OP, "src", sp, block_alignment(ty))?;
-        check_aligned(OP, "dst", dp, 16)?;
-        let n64 = n as i64;
-        let mut b = self.args(&f);
-        b.arg(&sp).arg(&dp).arg(&n64).arg(&tables);
-        // SAFETY: as in `dequantize`.
-        unsafe { self.launch(OP, b, cfg) }
+        // SAFETY: src holds exactly the blocks of n elements, dst at least n bf16 values.
+        unsafe { self.dequant_launch(OP, type_kernels(ty).dequant_bf16, ty, sp, n, dp) }
     }
 
     /// `dst[r, :] = row ids[r]` of the `[nrows, k]` matrix `src` of type `ty` (embedding lookup).

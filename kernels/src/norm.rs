@@ -38,6 +38,15 @@ fn block_for(n: usize) -> u32 {
     }
 }
 
+/// The extent checks both norms start with: non-empty rows, `x` and `y` long enough.
+fn check_rows(op: &'static str, x_len: usize, y_len: usize, l: Rows) -> Result<(), KernelError> {
+    if l.rows == 0 || l.n == 0 {
+        return Err(shape_err(op, format!("empty rows {l:?}")));
+    }
+    need_len(op, "x", x_len, span(l.rows, l.x_stride, l.n))?;
+    need_len(op, "y", y_len, span(l.rows, l.y_stride, l.n))
+}
+
 impl Gpu {
     /// `y[r] = w * x[r] / sqrt(mean(x[r]^2) + eps)` (`w = None`: no weight).
     pub fn rms_norm(
@@ -75,11 +84,7 @@ impl Gpu {
         eps: f32,
     ) -> Result<(), KernelError> {
         const OP: &str = "rmsnorm";
-        if l.rows == 0 || l.n == 0 {
-            return Err(shape_err(OP, format!("empty rows {l:?}")));
-        }
-        need_len(OP, "x", dlen(x), span(l.rows, l.x_stride, l.n))?;
-        need_len(OP, "y", dlen(y), span(l.rows, l.y_stride, l.n))?;
+        check_rows(OP, dlen(x), dlen(y), l)?;
         let f = self.func(Op::RmsNorm, "rmsnorm_f32")?;
         let cfg = self.cfg(OP, (l.rows as u64, 1, 1), block_for(l.n))?;
         let s = self.stream();
@@ -115,11 +120,7 @@ impl Gpu {
         eps: f32,
     ) -> Result<(), KernelError> {
         const OP: &str = "layernorm";
-        if l.rows == 0 || l.n == 0 {
-            return Err(shape_err(OP, format!("empty rows {l:?}")));
-        }
-        need_len(OP, "x", dlen(x), span(l.rows, l.x_stride, l.n))?;
-        need_len(OP, "y", dlen(y), span(l.rows, l.y_stride, l.n))?;
+        check_rows(OP, dlen(x), dlen(y), l)?;
         let f = self.func(Op::LayerNorm, "layernorm_f32")?;
         let cfg = self.cfg(OP, (l.rows as u64, 1, 1), block_for(l.n))?;
         let s = self.stream();

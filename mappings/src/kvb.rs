@@ -35,6 +35,17 @@ fn mul(a: usize, b: usize, what: &str) -> Result<usize, MappingError> {
         .ok_or_else(|| shape_err(what, format!("{a} * {b} overflows")))
 }
 
+/// A `[rows, cols]` matrix must hold exactly `rows * cols` elements before it is sliced.
+fn check_matrix(len: usize, rows: usize, cols: usize, what: &str) -> Result<(), MappingError> {
+    if len != mul(rows, cols, what)? {
+        return Err(shape_err(
+            what,
+            format!("{len} elements for [{rows}, {cols}]"),
+        ));
+    }
+    Ok(())
+}
+
 impl MlaDims {
     /// Rows per head in kv_b_proj.
     pub fn head_rows(&self) -> usize {
@@ -210,12 +221,7 @@ pub fn colwise_slice<T: Copy>(
     tp: usize,
     rank: usize,
 ) -> Result<Vec<T>, MappingError> {
-    if w.len() != mul(rows, cols, "colwise")? {
-        return Err(shape_err(
-            "colwise",
-            format!("{} elements for [{rows}, {cols}]", w.len()),
-        ));
-    }
+    check_matrix(w.len(), rows, cols, "colwise")?;
     let r = tp_heads(rows, tp, rank)?;
     Ok(w[r.start * cols..r.end * cols].to_vec())
 }
@@ -229,12 +235,7 @@ pub fn rowwise_slice<T: Copy>(
     tp: usize,
     rank: usize,
 ) -> Result<Vec<T>, MappingError> {
-    if w.len() != mul(rows, cols, "rowwise")? {
-        return Err(shape_err(
-            "rowwise",
-            format!("{} elements for [{rows}, {cols}]", w.len()),
-        ));
-    }
+    check_matrix(w.len(), rows, cols, "rowwise")?;
     let c = tp_heads(cols, tp, rank)?;
     let mut out = Vec::with_capacity(rows * c.len());
     for row in w.chunks_exact(cols.max(1)) {

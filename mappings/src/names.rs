@@ -55,6 +55,18 @@ pub struct GgufName<'a> {
     pub dims: Option<&'a [u64]>,
 }
 
+impl<'a> GgufName<'a> {
+    /// Every tensor of an opened model (all shards, file order), dims known.
+    pub fn of_model(m: &'a gguf::Model) -> Vec<GgufName<'a>> {
+        m.tensors()
+            .map(|r| GgufName {
+                name: &r.info.name,
+                dims: Some(&r.info.dims),
+            })
+            .collect()
+    }
+}
+
 fn composite_note(e: &Entry) -> Option<String> {
     let base = match e.kind {
         Kind::Experts => Some(

@@ -886,32 +886,34 @@ impl<'a> Env<'a> {
                 if let Some(r) = or_len.as_ref().and_then(|l| self.read_len(&self.key(l))) {
                     return r;
                 }
-                match default {
-                    Some(d) => self.eval(d, None),
-                    None => {
-                        self.issue(k.clone(), "missing".into());
-                        Err(ExprError::Unavailable(
-                            name.into(),
-                            format!("metadata key {k} is missing"),
-                        ))
-                    }
-                }
+                self.default_or_missing(name, k, default.as_ref())
             }
             VarDef::Len { key, default } => {
                 let k = self.key(key);
                 if let Some(r) = self.read_len(&k) {
                     return r;
                 }
-                match default {
-                    Some(d) => self.eval(d, None),
-                    None => {
-                        self.issue(k.clone(), "missing".into());
-                        Err(ExprError::Unavailable(
-                            name.into(),
-                            format!("metadata key {k} is missing"),
-                        ))
-                    }
-                }
+                self.default_or_missing(name, k, default.as_ref())
+            }
+        }
+    }
+
+    /// The fallback once key `k` (for variable `name`) is absent from the metadata: the table's
+    /// default, or an "unavailable" error that is also recorded as an issue for the report.
+    fn default_or_missing(
+        &self,
+        name: &str,
+        k: String,
+        default: Option<&Expr>,
+    ) -> Result<i64, ExprError> {
+        match default {
+            Some(d) => self.eval(d, None),
+            None => {
+                self.issue(k.clone(), "missing".into());
+                Err(ExprError::Unavailable(
+                    name.into(),
+                    format!("metadata key {k} is missing"),
+                ))
             }
         }
     }

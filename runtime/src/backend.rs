@@ -231,3 +231,188 @@ pub trait Backend: Clone + Send + Sync + 'static {
         experts: &Self::Index,
     ) -> Result<Self::Tensor, RuntimeError>;
 }
+
+// --- shape checks shared by the backends ---
+//
+// Every backend must accept and reject exactly the same inputs, with the same messages, or a
+// "GPU matches CPU" test could pass while one of them silently computes on a wrong shape. The
+// checks therefore live here once, on plain `(rows, cols)` shapes, and each backend calls them
+// before touching data.
+
+/// `(rows, cols)` of an activation or index tensor.
+pub(crate) type Shape = (usize, usize);
+
+fn shape_err(msg: impl Into<String>) -> RuntimeError {
+    RuntimeError::Backend(msg.into())
+}
+
+/// Element-wise binary ops need equal shapes.
+pub(crate) fn check_same(op: &str, a: Shape, b: Shape) -> Result<(), RuntimeError> {
+    if a != b {
+        return Err(shape_err(format!(
+            "{op}: shapes [{}, {}] and [{}, {}] differ",
+            a.0, a.1, b.0, b.1
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn check_append_rows(dst_cols: usize, src_cols: usize) -> Result<(), RuntimeError> {
+    if dst_cols != src_cols {
+        return Err(shape_err(format!(
+            "append_rows: {src_cols} columns onto {dst_cols}"
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn check_head_slice(
+    x: Shape,
+    n_head: usize,
+    head_dim: usize,
+    start: usize,
+    n: usize,
+) -> Result<(), RuntimeError> {
+    if n_head * head_dim != x.1 || start + n > head_dim {
+        return Err(shape_err(format!(
+            "head_slice: [{}, {}] as {n_head} x {head_dim}, columns {start}+{n}",
+            x.0, x.1
+        )));
+    }
+    Ok(())
+}
+
+/// Returns the per-head widths `(a_dim, b_dim)` of [`Backend::head_concat`]'s operands.
+pub(crate) fn check_head_concat(
+    a: Shape,
+    b: Shape,
+    n_head: usize,
+    b_shared: bool,
+) -> Result<(usize, usize), RuntimeError> {
+    if a.0 != b.0
+        || n_head == 0
+        || !a.1.is_multiple_of(n_head)
+        || (!b_shared && !b.1.is_multiple_of(n_head))
+    {
+        return Err(shape_err(format!(
+            "head_concat: [{}, {}] and [{}, {}] over {n_head} heads",
+            a.0, a.1, b.0, b.1
+        )));
+    }
+    let bd = if b_shared { b.1 } else { b.1 / n_head };
+    Ok((a.1 / n_head, bd))
+}
+
+pub(crate) fn check_rope(x: Shape, n_positions: usize, p: &RopeParams) -> Result<(), RuntimeError> {
+    if n_positions != x.0
+        || p.n_groups * p.group_dim != x.1
+        || p.offset + p.n_rot > p.group_dim
+        || !p.n_rot.is_multiple_of(2)
+    {
+        return Err(shape_err(format!(
+            "rope: [{}, {}] with {n_positions} positions, {p:?}",
+            x.0, x.1
+        )));
+    }
+    Ok(())
+}
+
+/// `selected_rows`: rows of the sparse key selection, if any.
+pub(crate) fn check_attention(
+    q: Shape,
+    k: Shape,
+    v: Shape,
+    p: &AttnParams,
+    selected_rows: Option<usize>,
+) -> Result<(), RuntimeError> {
+    let (n, t) = (q.0, k.0);
+    if p.n_kv_head == 0
+        || !p.n_head.is_multiple_of(p.n_kv_head)
+        || q.1 != p.n_head * p.k_dim
+        || k.1 != p.n_kv_head * p.k_dim
+        || v.0 != t
+        || v.1 < p.n_kv_head * p.v_dim
+        || t < p.pos0 + n
+        || selected_rows.is_some_and(|r| r != n)
+    {
+        return Err(shape_err(format!(
+            "attention: q [{n}, {}], k [{t}, {}], v [{}, {}], {p:?}",
+            q.1, k.1, v.0, v.1
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn check_indexer(
+    q: Shape,
+    weights: Shape,
+    keys: Shape,
+    p: &IndexerParams,
+) -> Result<(), RuntimeError> {
+    let (n, t) = (q.0, keys.0);
+    if q.1 != p.n_head * p.head_dim
+        || weights.0 != n
+        || weights.1 != p.n_head
+        || keys.1 != p.head_dim
+        || t < p.pos0 + n
+        || p.top_k == 0
+    {
+        return Err(shape_err(format!(
+            "indexer_topk: q [{n}, {}], weights [{}, {}], keys [{t}, {}], {p:?}",
+            q.1, weights.0, weights.1, keys.1
+        )));
+    }
+    Ok(())
+}
+
+/// `bias_len`: length of the e_score_correction bias, if any.
+pub(crate) fn check_route(
+    logits: Shape,
+    bias_len: Option<usize>,
+    p: &RouteParams,
+) -> Result<(), RuntimeError> {
+    let e = p.n_expert;
+    if logits.1 != e
+        || bias_len.is_some_and(|b| b != e)
+        || p.n_used == 0
+        || p.n_used > e
+        || p.n_group == 0
+        || !e.is_multiple_of(p.n_group)
+        || p.n_group_used == 0
+        || p.n_group_used > p.n_group
+    {
+        return Err(shape_err(format!(
+            "moe_route: logits [{}, {}], {p:?}",
+            logits.0, logits.1
+        )));
+    }
+    Ok(())
+}
+
+/// Expert weights are ggml dims `gate = up = {d, ff, n_expert}`, `down = {ff, d, n_expert}`.
+pub(crate) fn check_moe_ffn(
+    x: Shape,
+    gd: &[usize],
+    ud: &[usize],
+    dd: &[usize],
+    weights: Shape,
+    experts: Shape,
+) -> Result<(), RuntimeError> {
+    let ok = gd.len() == 3
+        && gd == ud
+        && dd.len() == 3
+        && gd[0] == x.1
+        && dd[0] == gd[1]
+        && dd[1] == x.1
+        && dd[2] == gd[2]
+        && weights.0 == x.0
+        && experts.0 == x.0
+        && weights.1 == experts.1;
+    if !ok {
+        return Err(shape_err(format!(
+            "moe_ffn: x [{}, {}], {gd:?} {ud:?} {dd:?}, routes [{}, {}]",
+            x.0, x.1, experts.0, experts.1
+        )));
+    }
+    Ok(())
+}

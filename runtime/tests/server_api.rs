@@ -8,6 +8,7 @@ use runtime::server::ServerConfig;
 use serde_json::{json, Value};
 use server_support::http::{self, EventStream};
 use server_support::{make_ready, peak_logprob, start, wait_until, Options};
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 
 const ALPHABET_AFTER_A: &str = "bcdefghijklmnopqrstuvwxyz";
@@ -23,6 +24,26 @@ fn greedy(mut v: Value) -> Value {
         v["temperature"] = json!(0);
     }
     v
+}
+
+/// POSTs `body` to the completions endpoint with greedy decoding.
+fn complete(addr: SocketAddr, body: Value) -> http::Response {
+    http::post(addr, "/v1/completions", &greedy(body))
+}
+
+/// POSTs `body` to the chat completions endpoint with greedy decoding.
+fn chat(addr: SocketAddr, body: Value) -> http::Response {
+    http::post(addr, "/v1/chat/completions", &greedy(body))
+}
+
+/// The JSON events of a finished stream, after checking that it ends with `[DONE]`.
+fn sse_chunks(r: &http::Response) -> Vec<Value> {
+    let data = r.sse_data();
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
 }
 
 fn assert_openai_error(r: &http::Response, status: u16) -> Value {
@@ -78,7 +99,7 @@ fn completion_greedy_with_usage() {
 fn completion_defaults_counting_stops_and_token_prompts() {
     let s = start(Options::default());
     let text = |body: Value| {
-        let r = http::post(s.addr, "/v1/completions", &greedy(body));
+        let r = complete(s.addr, body);
         assert_eq!(r.status, 200, "{}", r.text());
         let v = r.json();
         (
@@ -123,10 +144,9 @@ fn completion_defaults_counting_stops_and_token_prompts() {
 #[test]
 fn completion_logprobs_and_echo() {
     let s = start(Options::default());
-    let r = http::post(
+    let r = complete(
         s.addr,
-        "/v1/completions",
-        &greedy(json!({"prompt": "abc", "max_tokens": 2, "logprobs": 2, "echo": true})),
+        json!({"prompt": "abc", "max_tokens": 2, "logprobs": 2, "echo": true}),
     );
     assert_eq!(r.status, 200, "{}", r.text());
     let v = r.json();
@@ -143,10 +163,9 @@ fn completion_logprobs_and_echo() {
         assert!(close(&top[want], peak_logprob()));
     }
     // n_probs is llama-server's name for the same thing.
-    let r = http::post(
+    let r = complete(
         s.addr,
-        "/v1/completions",
-        &greedy(json!({"prompt": "abc", "max_tokens": 1, "n_probs": 3})),
+        json!({"prompt": "abc", "max_tokens": 1, "n_probs": 3}),
     );
     let v = r.json();
     assert_eq!(
@@ -161,20 +180,14 @@ fn completion_logprobs_and_echo() {
 #[test]
 fn completion_stream_with_usage() {
     let s = start(Options::default());
-    let r = http::post(
+    let r = complete(
         s.addr,
-        "/v1/completions",
-        &greedy(json!({"prompt": "abc", "max_tokens": 4, "stream": true,
-                "stream_options": {"include_usage": true}})),
+        json!({"prompt": "abc", "max_tokens": 4, "stream": true,
+               "stream_options": {"include_usage": true}}),
     );
     assert_eq!(r.status, 200);
     assert_eq!(r.header("content-type"), Some("text/event-stream"));
-    let data = r.sse_data();
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = sse_chunks(&r);
     let text: String = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["text"].as_str())
@@ -196,12 +209,9 @@ fn completion_stream_with_usage() {
 #[test]
 fn chat_completion_plain_and_reasoning() {
     let s = start(Options::default());
-    let r = http::post(
+    let r = chat(
         s.addr,
-        "/v1/chat/completions",
-        &greedy(
-            json!({"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}),
-        ),
+        json!({"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}),
     );
     assert_eq!(r.status, 200, "{}", r.text());
     let v = r.json();
@@ -220,11 +230,10 @@ fn chat_completion_plain_and_reasoning() {
     );
 
     // A system message "think" makes the mock template open a <think> block.
-    let r = http::post(
+    let r = chat(
         s.addr,
-        "/v1/chat/completions",
-        &greedy(json!({"messages": [{"role": "system", "content": "think"},
-                             {"role": "user", "content": "hi"}]})),
+        json!({"messages": [{"role": "system", "content": "think"},
+                            {"role": "user", "content": "hi"}]}),
     );
     let v = r.json();
     let m = &v["choices"][0]["message"];
@@ -232,12 +241,11 @@ fn chat_completion_plain_and_reasoning() {
     assert_eq!(m["content"], "uvwxyz");
 
     // chat_template_kwargs reach the template: thinking switched off, no reasoning.
-    let r = http::post(
+    let r = chat(
         s.addr,
-        "/v1/chat/completions",
-        &greedy(json!({"messages": [{"role": "system", "content": "think"},
-                                    {"role": "user", "content": "hi"}],
-                       "chat_template_kwargs": {"enable_thinking": false}})),
+        json!({"messages": [{"role": "system", "content": "think"},
+                            {"role": "user", "content": "hi"}],
+               "chat_template_kwargs": {"enable_thinking": false}}),
     );
     let v = r.json();
     let m = &v["choices"][0]["message"];
@@ -248,20 +256,14 @@ fn chat_completion_plain_and_reasoning() {
 #[test]
 fn chat_stream_deltas_and_reasoning() {
     let s = start(Options::default());
-    let r = http::post(
+    let r = chat(
         s.addr,
-        "/v1/chat/completions",
-        &greedy(json!({"messages": [{"role": "system", "content": "think"},
-                             {"role": "user", "content": "hi"}],
-                "stream": true, "stream_options": {"include_usage": true}})),
+        json!({"messages": [{"role": "system", "content": "think"},
+                            {"role": "user", "content": "hi"}],
+               "stream": true, "stream_options": {"include_usage": true}}),
     );
     assert_eq!(r.status, 200);
-    let data = r.sse_data();
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = sse_chunks(&r);
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     assert!(chunks
         .iter()
@@ -283,13 +285,10 @@ fn chat_stream_deltas_and_reasoning() {
 #[test]
 fn chat_logprobs() {
     let s = start(Options::default());
-    let r = http::post(
+    let r = chat(
         s.addr,
-        "/v1/chat/completions",
-        &greedy(
-            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                "logprobs": true, "top_logprobs": 2}),
-        ),
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+               "logprobs": true, "top_logprobs": 2}),
     );
     assert_eq!(r.status, 200);
     let v = r.json();
@@ -429,11 +428,7 @@ fn tokenize_detokenize_models_metrics() {
     assert_eq!(v["object"], "list");
     assert_eq!(v["data"][0]["id"], "mock");
 
-    http::post(
-        s.addr,
-        "/v1/completions",
-        &greedy(json!({"prompt": "abc", "max_tokens": 2})),
-    );
+    complete(s.addr, json!({"prompt": "abc", "max_tokens": 2}));
     let m = http::get(s.addr, "/metrics");
     assert_eq!(m.status, 200);
     assert!(m.header("content-type").unwrap().starts_with("text/plain"));
@@ -530,11 +525,7 @@ fn concurrent_requests_are_batched() {
     let addr = s.addr;
     let spawn = |p: char| {
         std::thread::spawn(move || {
-            let r = http::post(
-                addr,
-                "/v1/completions",
-                &greedy(json!({"prompt": p.to_string(), "max_tokens": 3})),
-            );
+            let r = complete(addr, json!({"prompt": p.to_string(), "max_tokens": 3}));
             (r.status, r.json()["choices"][0]["text"].clone())
         })
     };

@@ -7,19 +7,10 @@ use mappings::{check_architecture, table};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+/// A fixture GGUF by its name under `tests/fixtures/gguf`; `None` (with a visible skip line) when
+/// absent.
 fn gguf_fixture(rel: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/gguf")
-        .join(rel);
-    if p.exists() {
-        Some(p)
-    } else {
-        let _ = std::io::Write::write_all(
-            &mut std::io::stderr(),
-            format!("skipped: fixture gguf/{rel} not found\n").as_bytes(),
-        );
-        None
-    }
+    gguftool_tests::fixture_or_skip(&format!("gguf/{rel}"), "mapping_arch_check")
 }
 
 #[test]

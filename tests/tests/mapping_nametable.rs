@@ -4,25 +4,9 @@
 use mappings::{map_gguf_names, map_hf_names, table, GgufName, Kind};
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-
-fn fixture(rel: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures")
-        .join(rel);
-    if p.exists() {
-        Some(p)
-    } else {
-        let _ = std::io::Write::write_all(
-            &mut std::io::stderr(),
-            format!("skipped: fixture {rel} not found\n").as_bytes(),
-        );
-        None
-    }
-}
 
 fn load(rel: &str) -> Option<Value> {
-    let p = fixture(rel)?;
+    let p = gguftool_tests::fixture_or_skip(rel, "mapping_nametable")?;
     Some(serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap())
 }
 
@@ -186,13 +170,7 @@ fn every_fixture_gguf_maps_to_the_converters_rows() {
             continue;
         };
         let m = gguf::Model::open(p).unwrap();
-        let g: Vec<GgufName> = m
-            .tensors()
-            .map(|r| GgufName {
-                name: &r.info.name,
-                dims: Some(&r.info.dims),
-            })
-            .collect();
+        let g = GgufName::of_model(&m);
         let map = map_gguf_names(t, &g, None);
         assert!(
             map.unmapped.is_empty() && map.notes.is_empty(),

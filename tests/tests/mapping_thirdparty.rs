@@ -38,13 +38,7 @@ fn third_party_models_match_their_tables() {
         assert!(rep.is_ok(), "{name}: {rep:#?}");
         assert_eq!(rep.checked_tensors, n);
         let t = mappings::table(arch).unwrap();
-        let g: Vec<GgufName> = m
-            .tensors()
-            .map(|r| GgufName {
-                name: &r.info.name,
-                dims: Some(&r.info.dims),
-            })
-            .collect();
+        let g = GgufName::of_model(&m);
         let map = map_gguf_names(t, &g, None);
         assert!(map.unmapped.is_empty(), "{name}: {:?}", map.unmapped);
         // both are tied-embedding models: one extra row says so

@@ -4,7 +4,9 @@
 pub mod matmul;
 
 use crate::backend::{
-    AttnParams, Backend, Gating, IndexerParams, RopeParams, RopeStyle, RouteParams,
+    check_append_rows, check_attention, check_head_concat, check_head_slice, check_indexer,
+    check_moe_ffn, check_rope, check_route, check_same, AttnParams, Backend, Gating, IndexerParams,
+    RopeParams, RopeStyle, RouteParams, Shape,
 };
 use crate::weights::HostWeight;
 use crate::RuntimeError;
@@ -27,6 +29,9 @@ impl CpuTensor {
     fn row(&self, r: usize) -> &[f32] {
         &self.data[r * self.cols..(r + 1) * self.cols]
     }
+    fn shape(&self) -> Shape {
+        (self.rows, self.cols)
+    }
 }
 
 /// A row-major `[rows, cols]` integer matrix; `-1` marks an empty slot.
@@ -43,16 +48,6 @@ pub struct CpuBackend;
 
 fn err(msg: impl Into<String>) -> RuntimeError {
     RuntimeError::Backend(msg.into())
-}
-
-fn check_same(op: &str, a: &CpuTensor, b: &CpuTensor) -> Result<(), RuntimeError> {
-    if a.rows != b.rows || a.cols != b.cols {
-        return Err(err(format!(
-            "{op}: shapes [{}, {}] and [{}, {}] differ",
-            a.rows, a.cols, b.rows, b.cols
-        )));
-    }
-    Ok(())
 }
 
 /// Norm weights are small vectors; the op reads them as f32 each call.
@@ -140,12 +135,7 @@ impl Backend for CpuBackend {
     }
 
     fn append_rows(&self, dst: &mut CpuTensor, src: &CpuTensor) -> Result<(), RuntimeError> {
-        if dst.cols != src.cols {
-            return Err(err(format!(
-                "append_rows: {} columns onto {}",
-                src.cols, dst.cols
-            )));
-        }
+        check_append_rows(dst.cols, src.cols)?;
         dst.data.extend_from_slice(&src.data);
         dst.rows += src.rows;
         Ok(())
@@ -223,12 +213,7 @@ impl Backend for CpuBackend {
         start: usize,
         n: usize,
     ) -> Result<CpuTensor, RuntimeError> {
-        if n_head * head_dim != x.cols || start + n > head_dim {
-            return Err(err(format!(
-                "head_slice: [{}, {}] as {n_head} x {head_dim}, columns {start}+{n}",
-                x.rows, x.cols
-            )));
-        }
+        check_head_slice(x.shape(), n_head, head_dim, start, n)?;
         let mut data = Vec::with_capacity(x.rows * n_head * n);
         for r in 0..x.rows {
             let row = x.row(r);
@@ -246,18 +231,7 @@ impl Backend for CpuBackend {
         n_head: usize,
         b_shared: bool,
     ) -> Result<CpuTensor, RuntimeError> {
-        if a.rows != b.rows
-            || n_head == 0
-            || !a.cols.is_multiple_of(n_head)
-            || (!b_shared && !b.cols.is_multiple_of(n_head))
-        {
-            return Err(err(format!(
-                "head_concat: [{}, {}] and [{}, {}] over {n_head} heads",
-                a.rows, a.cols, b.rows, b.cols
-            )));
-        }
-        let ad = a.cols / n_head;
-        let bd = if b_shared { b.cols } else { b.cols / n_head };
+        let (ad, bd) = check_head_concat(a.shape(), b.shape(), n_head, b_shared)?;
         let mut data = Vec::with_capacity(a.rows * n_head * (ad + bd));
         for r in 0..a.rows {
             let (ar, br) = (a.row(r), b.row(r));
@@ -388,7 +362,7 @@ impl Backend for CpuBackend {
     }
 
     fn add(&self, a: &CpuTensor, b: &CpuTensor) -> Result<CpuTensor, RuntimeError> {
-        check_same("add", a, b)?;
+        check_same("add", a.shape(), b.shape())?;
         let data = a.data.iter().zip(&b.data).map(|(x, y)| x + y).collect();
         Ok(CpuTensor::new(a.rows, a.cols, data))
     }
@@ -420,7 +394,7 @@ impl Backend for CpuBackend {
     }
 
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor, RuntimeError> {
-        check_same("silu_mul", gate, up)?;
+        check_same("silu_mul", gate.shape(), up.shape())?;
         let data = gate
             .data
             .iter()
@@ -436,18 +410,7 @@ impl Backend for CpuBackend {
         positions: &[u32],
         p: &RopeParams,
     ) -> Result<(), RuntimeError> {
-        if positions.len() != x.rows
-            || p.n_groups * p.group_dim != x.cols
-            || p.offset + p.n_rot > p.group_dim
-            || !p.n_rot.is_multiple_of(2)
-        {
-            return Err(err(format!(
-                "rope: [{}, {}] with {} positions, {p:?}",
-                x.rows,
-                x.cols,
-                positions.len()
-            )));
-        }
+        check_rope(x.shape(), positions.len(), p)?;
         let inv = inv_freq(p.theta, p.n_rot);
         let half = p.n_rot / 2;
         let cols = x.cols.max(1);
@@ -487,22 +450,9 @@ impl Backend for CpuBackend {
         p: &AttnParams,
         selected: Option<&CpuIndex>,
     ) -> Result<CpuTensor, RuntimeError> {
+        check_attention(q.shape(), k.shape(), v.shape(), p, selected.map(|s| s.rows))?;
         let n = q.rows;
         let t = k.rows;
-        if p.n_kv_head == 0
-            || !p.n_head.is_multiple_of(p.n_kv_head)
-            || q.cols != p.n_head * p.k_dim
-            || k.cols != p.n_kv_head * p.k_dim
-            || v.rows != t
-            || v.cols < p.n_kv_head * p.v_dim
-            || t < p.pos0 + n
-            || selected.is_some_and(|s| s.rows != n)
-        {
-            return Err(err(format!(
-                "attention: q [{n}, {}], k [{t}, {}], v [{}, {}], {p:?}",
-                q.cols, k.cols, v.rows, v.cols
-            )));
-        }
         let group = p.n_head / p.n_kv_head;
         let mut out = vec![0f32; n * p.n_head * p.v_dim];
         // At least ~64k multiply-adds per task (scores and weighted values over t keys).
@@ -548,20 +498,8 @@ impl Backend for CpuBackend {
         keys: &CpuTensor,
         p: &IndexerParams,
     ) -> Result<CpuIndex, RuntimeError> {
+        check_indexer(q.shape(), weights.shape(), keys.shape(), p)?;
         let n = q.rows;
-        let t = keys.rows;
-        if q.cols != p.n_head * p.head_dim
-            || weights.rows != n
-            || weights.cols != p.n_head
-            || keys.cols != p.head_dim
-            || t < p.pos0 + n
-            || p.top_k == 0
-        {
-            return Err(err(format!(
-                "indexer_topk: q [{n}, {}], weights [{}, {}], keys [{t}, {}], {p:?}",
-                q.cols, weights.rows, weights.cols, keys.cols
-            )));
-        }
         let kk = p.top_k;
         let mut data = vec![-1i32; n * kk];
         data.par_chunks_mut(kk)
@@ -609,20 +547,7 @@ impl Backend for CpuBackend {
     ) -> Result<(CpuTensor, CpuIndex), RuntimeError> {
         let e = p.n_expert;
         let bias = bias.map(vector).transpose()?;
-        if logits.cols != e
-            || bias.as_ref().is_some_and(|b| b.len() != e)
-            || p.n_used == 0
-            || p.n_used > e
-            || p.n_group == 0
-            || !e.is_multiple_of(p.n_group)
-            || p.n_group_used == 0
-            || p.n_group_used > p.n_group
-        {
-            return Err(err(format!(
-                "moe_route: logits [{}, {}], {p:?}",
-                logits.rows, logits.cols
-            )));
-        }
+        check_route(logits.shape(), bias.as_ref().map(Vec::len), p)?;
         let k = p.n_used;
         let mut w = vec![0f32; logits.rows * k];
         let mut ids = vec![-1i32; logits.rows * k];
@@ -685,22 +610,14 @@ impl Backend for CpuBackend {
         experts: &CpuIndex,
     ) -> Result<CpuTensor, RuntimeError> {
         let (gd, ud, dd) = (gate.dims(), up.dims(), down.dims());
-        let ok = gd.len() == 3
-            && gd == ud
-            && dd.len() == 3
-            && gd[0] == x.cols
-            && dd[0] == gd[1]
-            && dd[1] == x.cols
-            && dd[2] == gd[2]
-            && weights.rows == x.rows
-            && experts.rows == x.rows
-            && weights.cols == experts.cols;
-        if !ok {
-            return Err(err(format!(
-                "moe_ffn: x [{}, {}], {gd:?} {ud:?} {dd:?}, routes [{}, {}]",
-                x.rows, x.cols, experts.rows, experts.cols
-            )));
-        }
+        check_moe_ffn(
+            x.shape(),
+            gd,
+            ud,
+            dd,
+            weights.shape(),
+            (experts.rows, experts.cols),
+        )?;
         let (d, ff, n_exp) = (x.cols, gd[1], gd[2]);
         if experts.data.iter().any(|&e| e < -1 || e >= n_exp as i32) {
             return Err(err("moe_ffn: expert id out of range"));

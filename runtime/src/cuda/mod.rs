@@ -14,7 +14,9 @@ use kernels::{
 };
 
 use crate::backend::{
-    AttnParams, Backend, Gating, IndexerParams, RopeParams, RopeStyle, RouteParams,
+    check_append_rows, check_attention, check_head_concat, check_head_slice, check_indexer,
+    check_moe_ffn, check_rope, check_route, check_same, AttnParams, Backend, Gating, IndexerParams,
+    RopeParams, RopeStyle, RouteParams, Shape,
 };
 use crate::weights::HostWeight;
 use crate::RuntimeError;
@@ -35,6 +37,12 @@ pub struct CudaTensor {
     rows: usize,
     cols: usize,
     buf: CudaSlice<f32>,
+}
+
+impl CudaTensor {
+    fn shape(&self) -> Shape {
+        (self.rows, self.cols)
+    }
 }
 
 /// A weight in its GGUF type on the device; 1-D weights (norms, biases) also as f32 values.
@@ -220,12 +228,7 @@ impl Backend for CudaBackend {
     }
 
     fn append_rows(&self, dst: &mut CudaTensor, src: &CudaTensor) -> Result<(), RuntimeError> {
-        if dst.cols != src.cols {
-            return Err(err(format!(
-                "append_rows: {} columns onto {}",
-                src.cols, dst.cols
-            )));
-        }
+        check_append_rows(dst.cols, src.cols)?;
         let (old, add) = (Self::len(dst), Self::len(src));
         if old + add > dst.buf.len() {
             // Amortized growth: at least double, and room for 256 rows.
@@ -330,12 +333,7 @@ impl Backend for CudaBackend {
         start: usize,
         n: usize,
     ) -> Result<CudaTensor, RuntimeError> {
-        if n_head * head_dim != x.cols || start + n > head_dim {
-            return Err(err(format!(
-                "head_slice: [{}, {}] as {n_head} x {head_dim}, columns {start}+{n}",
-                x.rows, x.cols
-            )));
-        }
+        check_head_slice(x.shape(), n_head, head_dim, start, n)?;
         let mut out = self.alloc(x.rows, n_head * n)?;
         if x.rows > 0 && n > 0 {
             // Each (row, head) is one strided row of head_dim values in x.
@@ -354,18 +352,7 @@ impl Backend for CudaBackend {
         n_head: usize,
         b_shared: bool,
     ) -> Result<CudaTensor, RuntimeError> {
-        if a.rows != b.rows
-            || n_head == 0
-            || !a.cols.is_multiple_of(n_head)
-            || (!b_shared && !b.cols.is_multiple_of(n_head))
-        {
-            return Err(err(format!(
-                "head_concat: [{}, {}] and [{}, {}] over {n_head} heads",
-                a.rows, a.cols, b.rows, b.cols
-            )));
-        }
-        let ad = a.cols / n_head;
-        let bd = if b_shared { b.cols } else { b.cols / n_head };
+        let (ad, bd) = check_head_concat(a.shape(), b.shape(), n_head, b_shared)?;
         let w = ad + bd;
         let mut out = self.alloc(a.rows, n_head * w)?;
         let rows = a.rows;
@@ -523,12 +510,7 @@ impl Backend for CudaBackend {
     }
 
     fn add(&self, a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor, RuntimeError> {
-        if a.rows != b.rows || a.cols != b.cols {
-            return Err(err(format!(
-                "add: shapes [{}, {}] and [{}, {}] differ",
-                a.rows, a.cols, b.rows, b.cols
-            )));
-        }
+        check_same("add", a.shape(), b.shape())?;
         let mut out = self.alloc(a.rows, a.cols)?;
         self.gpu
             .add(&a.buf, &b.buf, &mut out.buf, Self::len(a))
@@ -560,12 +542,7 @@ impl Backend for CudaBackend {
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor, RuntimeError> {
-        if gate.rows != up.rows || gate.cols != up.cols {
-            return Err(err(format!(
-                "silu_mul: shapes [{}, {}] and [{}, {}] differ",
-                gate.rows, gate.cols, up.rows, up.cols
-            )));
-        }
+        check_same("silu_mul", gate.shape(), up.shape())?;
         let mut out = self.alloc(gate.rows, gate.cols)?;
         if Self::len(gate) > 0 {
             self.gpu
@@ -586,18 +563,7 @@ impl Backend for CudaBackend {
         positions: &[u32],
         p: &RopeParams,
     ) -> Result<(), RuntimeError> {
-        if positions.len() != x.rows
-            || p.n_groups * p.group_dim != x.cols
-            || p.offset + p.n_rot > p.group_dim
-            || !p.n_rot.is_multiple_of(2)
-        {
-            return Err(err(format!(
-                "rope: [{}, {}] with {} positions, {p:?}",
-                x.rows,
-                x.cols,
-                positions.len()
-            )));
-        }
+        check_rope(x.shape(), positions.len(), p)?;
         if x.rows == 0 || p.n_rot == 0 || p.n_groups == 0 {
             return Ok(());
         }
@@ -633,22 +599,9 @@ impl Backend for CudaBackend {
         p: &AttnParams,
         selected: Option<&CudaIndex>,
     ) -> Result<CudaTensor, RuntimeError> {
+        check_attention(q.shape(), k.shape(), v.shape(), p, selected.map(|s| s.rows))?;
         let n = q.rows;
         let t = k.rows;
-        if p.n_kv_head == 0
-            || !p.n_head.is_multiple_of(p.n_kv_head)
-            || q.cols != p.n_head * p.k_dim
-            || k.cols != p.n_kv_head * p.k_dim
-            || v.rows != t
-            || v.cols < p.n_kv_head * p.v_dim
-            || t < p.pos0 + n
-            || selected.is_some_and(|s| s.rows != n)
-        {
-            return Err(err(format!(
-                "attention: q [{n}, {}], k [{t}, {}], v [{}, {}], {p:?}",
-                q.cols, k.cols, v.rows, v.cols
-            )));
-        }
         let mut out = self.alloc(n, p.n_head * p.v_dim)?;
         if n == 0 {
             return Ok(out);
@@ -697,20 +650,9 @@ impl Backend for CudaBackend {
         keys: &CudaTensor,
         p: &IndexerParams,
     ) -> Result<CudaIndex, RuntimeError> {
+        check_indexer(q.shape(), weights.shape(), keys.shape(), p)?;
         let n = q.rows;
         let t = keys.rows;
-        if q.cols != p.n_head * p.head_dim
-            || weights.rows != n
-            || weights.cols != p.n_head
-            || keys.cols != p.head_dim
-            || t < p.pos0 + n
-            || p.top_k == 0
-        {
-            return Err(err(format!(
-                "indexer_topk: q [{n}, {}], weights [{}, {}], keys [{t}, {}], {p:?}",
-                q.cols, weights.rows, weights.cols, keys.cols
-            )));
-        }
         let kk = p.top_k;
         let mut sel = self
             .gpu
@@ -760,20 +702,7 @@ impl Backend for CudaBackend {
     ) -> Result<(CudaTensor, CudaIndex), RuntimeError> {
         let e = p.n_expert;
         let bias_v = bias.map(|b| self.vector(b, "moe_route")).transpose()?;
-        if logits.cols != e
-            || bias.is_some_and(|b| b.dims[0] != e)
-            || p.n_used == 0
-            || p.n_used > e
-            || p.n_group == 0
-            || !e.is_multiple_of(p.n_group)
-            || p.n_group_used == 0
-            || p.n_group_used > p.n_group
-        {
-            return Err(err(format!(
-                "moe_route: logits [{}, {}], {p:?}",
-                logits.rows, logits.cols
-            )));
-        }
+        check_route(logits.shape(), bias.map(|b| b.dims[0]), p)?;
         let k = p.n_used;
         let mut w = self.alloc(logits.rows, k)?;
         let mut ids = self
@@ -826,22 +755,14 @@ impl Backend for CudaBackend {
         experts: &CudaIndex,
     ) -> Result<CudaTensor, RuntimeError> {
         let (gd, ud, dd) = (&gate.dims, &up.dims, &down.dims);
-        let ok = gd.len() == 3
-            && gd == ud
-            && dd.len() == 3
-            && gd[0] == x.cols
-            && dd[0] == gd[1]
-            && dd[1] == x.cols
-            && dd[2] == gd[2]
-            && weights.rows == x.rows
-            && experts.rows == x.rows
-            && weights.cols == experts.cols;
-        if !ok {
-            return Err(err(format!(
-                "moe_ffn: x [{}, {}], {gd:?} {ud:?} {dd:?}, routes [{}, {}]",
-                x.rows, x.cols, experts.rows, experts.cols
-            )));
-        }
+        check_moe_ffn(
+            x.shape(),
+            gd,
+            ud,
+            dd,
+            weights.shape(),
+            (experts.rows, experts.cols),
+        )?;
         let (d, ff, n_exp) = (x.cols, gd[1], gd[2]);
         let kk = experts.cols;
         let mut out = self.alloc(x.rows, d)?;

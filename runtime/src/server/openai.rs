@@ -11,6 +11,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -179,17 +180,7 @@ async fn completions_inner(s: Arc<AppState>, req: Request) -> Result<Response, A
         include_usage: r.common.include_usage,
         done: false,
     };
-    if r.common.stream {
-        Ok(sse_response(futures::stream::unfold(
-            st,
-            |mut st| async move {
-                let bytes = st.next_event().await?;
-                Some((Ok(bytes), st))
-            },
-        )))
-    } else {
-        st.collect().await
-    }
+    respond(st, r.common.stream).await
 }
 
 /// OpenAI's legacy logprobs object: parallel arrays.
@@ -323,7 +314,9 @@ impl CompletionStream {
         }
         v
     }
+}
 
+impl Generation for CompletionStream {
     async fn next_event(&mut self) -> Option<Bytes> {
         if self.done {
             return None;
@@ -376,6 +369,29 @@ impl CompletionStream {
                 None => return Err(ApiError::internal("generation ended without a result")),
             }
         }
+    }
+}
+
+/// One generation, answered either as a single JSON body or as server-sent events.
+trait Generation: Send + Sized + 'static {
+    /// The next SSE bytes, ending with `data: [DONE]`; `None` once that has been sent.
+    fn next_event(&mut self) -> impl Future<Output = Option<Bytes>> + Send;
+    /// Runs the generation to its end and answers with one JSON body.
+    fn collect(self) -> impl Future<Output = Result<Response, ApiError>> + Send;
+}
+
+/// Streams or collects `st`, as the request's `stream` flag asks: both endpoints share this.
+async fn respond(st: impl Generation, stream: bool) -> Result<Response, ApiError> {
+    if stream {
+        Ok(sse_response(futures::stream::unfold(
+            st,
+            |mut st| async move {
+                let bytes = st.next_event().await?;
+                Some((Ok(bytes), st))
+            },
+        )))
+    } else {
+        st.collect().await
     }
 }
 
@@ -444,17 +460,7 @@ async fn chat_inner(s: Arc<AppState>, req: Request) -> Result<Response, ApiError
         started: false,
         done: false,
     };
-    if r.common.stream {
-        Ok(sse_response(futures::stream::unfold(
-            st,
-            |mut st| async move {
-                let bytes = st.next_event().await?;
-                Some((Ok(bytes), st))
-            },
-        )))
-    } else {
-        st.collect().await
-    }
+    respond(st, r.common.stream).await
 }
 
 struct ChatStream {
@@ -510,7 +516,9 @@ impl ChatStream {
         }
         v
     }
+}
 
+impl Generation for ChatStream {
     async fn next_event(&mut self) -> Option<Bytes> {
         if self.done {
             return None;
