@@ -614,6 +614,22 @@ impl Header {
         self.data_offset.saturating_add(end)
     }
 
+    /// Equal including float bit patterns in the metadata (NaN payloads, -0.0), which
+    /// `PartialEq` cannot express: what "reads back the same" means for a rewrite.
+    pub fn bit_eq(&self, other: &Header) -> bool {
+        self.version == other.version
+            && self.tensors == other.tensors
+            && self.alignment == other.alignment
+            && self.infos_end == other.infos_end
+            && self.data_offset == other.data_offset
+            && self.metadata.len() == other.metadata.len()
+            && self
+                .metadata
+                .iter()
+                .zip(other.metadata.iter())
+                .all(|((ka, va), (kb, vb))| ka == kb && va.bit_eq(vb))
+    }
+
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensors.iter().find(|t| t.name == name)
     }
