@@ -1,6 +1,6 @@
 //! The runtime's error type.
 
-/// Errors from loading a model, running it, tokenizing or serving.
+/// Errors from loading a model or running it.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     #[error(transparent)]
@@ -8,10 +8,6 @@ pub enum RuntimeError {
     /// The model's metadata or tensors do not fit its architecture.
     #[error("model: {0}")]
     Model(String),
-    #[error("tokenizer: {0}")]
-    Tokenizer(String),
-    #[error("chat template: {0}")]
-    Template(String),
     /// The request asks for more context than the model or cache allows.
     #[error("context length exceeded: {need} tokens > {max}")]
     ContextExceeded { need: usize, max: usize },

@@ -6,9 +6,9 @@
 mod forward_util;
 
 use gguftool_tests::fixture_or_skip;
-use runtime::sampler::{Sampler, SamplingParams};
-use runtime::tokenizer::Tokenizer;
 use runtime::{LanguageModel, SeqStep};
+use serving::sampler::{Sampler, SamplingParams};
+use serving::tokenizer::Tokenizer;
 use std::sync::Arc;
 
 #[test]

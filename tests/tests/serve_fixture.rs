@@ -4,13 +4,13 @@
 //! more than the logit differences from llama.cpp's 8-bit activation quantization, so the
 //! greedy texts must be equal (see forward_llamacpp.rs for the step-level comparison).
 
-#[path = "../../runtime/tests/server_support/http.rs"]
+#[path = "../../serving/tests/server_support/http.rs"]
 mod http;
 
 use gguftool_tests::fixture_or_skip;
-use runtime::engine::Metrics;
-use runtime::server::{self, AppState, RunningServer, ServerConfig};
 use serde_json::{json, Value};
+use serving::engine::Metrics;
+use serving::server::{self, AppState, RunningServer, ServerConfig};
 use std::sync::Arc;
 
 const MODEL: &str = "gguf/tiny-glm5-Q4_K_M.gguf";

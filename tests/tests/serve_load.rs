@@ -3,13 +3,13 @@
 //! request count is fixed and every read has a timeout, so it stops by itself; it measures no
 //! speed.
 
-#[path = "../../runtime/tests/server_support/http.rs"]
+#[path = "../../serving/tests/server_support/http.rs"]
 mod http;
 
 use gguftool_tests::fixture_or_skip;
-use runtime::engine::Metrics;
-use runtime::server::{self, AppState, RunningServer, ServerConfig};
 use serde_json::{json, Value};
+use serving::engine::Metrics;
+use serving::server::{self, AppState, RunningServer, ServerConfig};
 use std::sync::Arc;
 
 const CLIENTS: usize = 64;

@@ -2,11 +2,11 @@
 //! text as it is produced (or one JSON object for scripts).
 
 use anyhow::{bail, Context, Result};
-use runtime::chat::{ChatMessage, ChatTemplate};
-use runtime::sampler::{top_logprobs, Sampler, SamplingParams};
-use runtime::tokenizer::{Detokenizer, Tokenizer};
 use runtime::{LanguageModel, SeqStep};
 use serde_json::json;
+use serving::chat::{ChatMessage, ChatTemplate};
+use serving::sampler::{top_logprobs, Sampler, SamplingParams};
+use serving::tokenizer::{Detokenizer, Tokenizer};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -149,7 +149,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         let id = sampler.sample(&logits);
         let k = args.logprobs.unwrap_or(0);
         let top = top_logprobs(&logits, k);
-        let logprob = runtime::sampler::logprob(&logits, id);
+        let logprob = serving::sampler::logprob(&logits, id);
         steps.push(Step { id, logprob, top });
         if !args.ignore_eos && tok.is_eog(id) {
             finish = "stop";

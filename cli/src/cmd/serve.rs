@@ -2,8 +2,8 @@
 //! answers 503 while the model loads and 200 once it is ready.
 
 use anyhow::{Context, Result};
-use runtime::engine::Metrics;
-use runtime::server::{self, AppState, ServerConfig};
+use serving::engine::Metrics;
+use serving::server::{self, AppState, ServerConfig};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;

@@ -77,28 +77,26 @@ pub fn cpu_backend(
     name: &str,
     metrics: Arc<Metrics>,
     configure: impl FnOnce(&mut EngineConfig),
-) -> Result<Backend, crate::RuntimeError> {
-    let lm: Arc<dyn crate::LanguageModel> = Arc::new(crate::glm::load_cpu(Arc::clone(&model))?);
+) -> Result<Backend, crate::ServingError> {
+    let lm: Arc<dyn runtime::LanguageModel> = Arc::new(runtime::glm::load_cpu(Arc::clone(&model))?);
     model_backend(&model, lm, name, metrics, configure)
 }
 
 /// A backend serving `lm` (any device), with the tokenizer and chat template of `model`.
 pub fn model_backend(
     model: &gguf::Model,
-    lm: Arc<dyn crate::LanguageModel>,
+    lm: Arc<dyn runtime::LanguageModel>,
     name: &str,
     metrics: Arc<Metrics>,
     configure: impl FnOnce(&mut EngineConfig),
-) -> Result<Backend, crate::RuntimeError> {
+) -> Result<Backend, crate::ServingError> {
     let codec = GgufText::from_gguf(model.metadata())?;
     if let Some(e) = codec.template_error() {
         tracing::warn!("chat completions disabled: {e}");
     }
     let mut cfg = EngineConfig::for_model(lm.as_ref());
     configure(&mut cfg);
-    let engine = Engine::start(lm, cfg, metrics).map_err(|e| {
-        crate::RuntimeError::Backend(format!("cannot start the engine thread: {e}"))
-    })?;
+    let engine = Engine::start(lm, cfg, metrics).map_err(crate::ServingError::Thread)?;
     Ok(Backend::new(engine, Arc::new(codec), name))
 }
 

@@ -29,7 +29,7 @@ use std::collections::{BTreeSet, HashMap};
 
 pub use stream::{DecodeStream, Detokenizer};
 
-use crate::RuntimeError;
+use crate::ServingError;
 use special::{Fragment, SpecialMatcher};
 
 /// `tokenizer.ggml.token_type` values (llama.cpp `llama_token_type`).
@@ -190,18 +190,18 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
-fn tok_err(msg: impl Into<String>) -> RuntimeError {
-    RuntimeError::Tokenizer(msg.into())
+fn tok_err(msg: impl Into<String>) -> ServingError {
+    ServingError::Tokenizer(msg.into())
 }
 
 impl Tokenizer {
     /// Builds the tokenizer from GGUF metadata (`tokenizer.ggml.*`).
-    pub fn from_gguf(meta: &gguf::Metadata) -> Result<Self, RuntimeError> {
+    pub fn from_gguf(meta: &gguf::Metadata) -> Result<Self, ServingError> {
         Self::from_spec(spec_from_gguf(meta)?)
     }
 
     /// Builds the tokenizer from already-extracted metadata.
-    pub fn from_spec(spec: TokenizerSpec) -> Result<Self, RuntimeError> {
+    pub fn from_spec(spec: TokenizerSpec) -> Result<Self, ServingError> {
         let n = spec.tokens.len();
         if n == 0 {
             return Err(tok_err("empty vocabulary (tokenizer.ggml.tokens)"));
@@ -469,7 +469,7 @@ impl Tokenizer {
     /// Tokenizes `text` as llama.cpp does with `add_special = true`: BOS (and EOS) are added only
     /// where the model asks for them (`add_bos()`; false for GLM). With `parse_special`, special
     /// tokens written in the text (`[gMASK]`, `<|user|>`, `<think>`) become their ids.
-    pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, RuntimeError> {
+    pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, ServingError> {
         self.tokenize(text, true, parse_special)
     }
 
@@ -480,7 +480,7 @@ impl Tokenizer {
         text: &str,
         add_special: bool,
         parse_special: bool,
-    ) -> Result<Vec<u32>, RuntimeError> {
+    ) -> Result<Vec<u32>, ServingError> {
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_special && self.add_bos {
             out.extend(self.bos);
@@ -509,7 +509,7 @@ impl Tokenizer {
         text: &str,
         after_special: bool,
         out: &mut Vec<u32>,
-    ) -> Result<(), RuntimeError> {
+    ) -> Result<(), ServingError> {
         match &self.kind {
             Kind::Bpe {
                 pre,
@@ -555,7 +555,7 @@ impl Tokenizer {
     /// Text of `ids`, invalid UTF-8 replaced by U+FFFD. With `skip_special`, control and unknown
     /// tokens are dropped (user-defined tokens are kept, as in llama.cpp and HF). SentencePiece
     /// models with a space prefix lose the leading space of the first token again.
-    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, RuntimeError> {
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, ServingError> {
         let mut bytes = Vec::with_capacity(ids.len() * 4);
         let mut first = true;
         for &id in ids {
@@ -579,7 +579,7 @@ impl Tokenizer {
         self.pieces.get(id as usize).cloned()
     }
 
-    pub(crate) fn piece(&self, id: u32) -> Result<&[u8], RuntimeError> {
+    pub(crate) fn piece(&self, id: u32) -> Result<&[u8], ServingError> {
         self.pieces
             .get(id as usize)
             .map(Vec::as_slice)
@@ -663,7 +663,7 @@ fn parse_byte_token(text: &str) -> Option<u8> {
     u8::from_str_radix(hex, 16).ok()
 }
 
-fn spec_from_gguf(meta: &gguf::Metadata) -> Result<TokenizerSpec, RuntimeError> {
+fn spec_from_gguf(meta: &gguf::Metadata) -> Result<TokenizerSpec, ServingError> {
     const P: &str = "tokenizer.ggml.";
     let key = |k: &str| format!("{P}{k}");
     let present = |k: &str| meta.get(&key(k)).is_some();
@@ -672,14 +672,14 @@ fn spec_from_gguf(meta: &gguf::Metadata) -> Result<TokenizerSpec, RuntimeError> 
             "the GGUF has no tokenizer (tokenizer.ggml.model is missing)",
         ));
     }
-    let opt_u64 = |k: &str| -> Result<Option<u64>, RuntimeError> {
+    let opt_u64 = |k: &str| -> Result<Option<u64>, ServingError> {
         if present(k) {
             Ok(Some(meta.get_u64(&key(k))?))
         } else {
             Ok(None)
         }
     };
-    let opt_bool = |k: &str| -> Result<Option<bool>, RuntimeError> {
+    let opt_bool = |k: &str| -> Result<Option<bool>, ServingError> {
         if present(k) {
             Ok(Some(meta.get_bool(&key(k))?))
         } else {

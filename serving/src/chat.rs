@@ -16,7 +16,7 @@ use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, Output, State, Value};
 use serde::{Deserialize, Serialize};
 
-use crate::RuntimeError;
+use crate::ServingError;
 
 const TEMPLATE_KEY: &str = "tokenizer.chat_template";
 const NAME: &str = "chat_template";
@@ -55,27 +55,27 @@ impl std::fmt::Debug for ChatTemplate {
     }
 }
 
-fn template_err(what: &str, e: Error) -> RuntimeError {
-    RuntimeError::Template(format!("{what}: {e}"))
+fn template_err(what: &str, e: Error) -> ServingError {
+    ServingError::Template(format!("{what}: {e}"))
 }
 
 impl ChatTemplate {
     /// The default template of a GGUF (`tokenizer.chat_template`). A model without one gives
-    /// `RuntimeError::Template`, so callers can fall back (e.g. refuse chat, allow completions).
-    pub fn from_gguf(meta: &gguf::Metadata) -> Result<Self, RuntimeError> {
+    /// `ServingError::Template`, so callers can fall back (e.g. refuse chat, allow completions).
+    pub fn from_gguf(meta: &gguf::Metadata) -> Result<Self, ServingError> {
         Self::from_gguf_key(meta, TEMPLATE_KEY)
     }
 
     /// A named template (`tokenizer.chat_template.<name>`, e.g. "tool_use").
-    pub fn from_gguf_named(meta: &gguf::Metadata, name: &str) -> Result<Self, RuntimeError> {
+    pub fn from_gguf_named(meta: &gguf::Metadata, name: &str) -> Result<Self, ServingError> {
         Self::from_gguf_key(meta, &format!("{TEMPLATE_KEY}.{name}"))
     }
 
-    fn from_gguf_key(meta: &gguf::Metadata, key: &str) -> Result<Self, RuntimeError> {
+    fn from_gguf_key(meta: &gguf::Metadata, key: &str) -> Result<Self, ServingError> {
         let source = match meta.get(key) {
-            None => return Err(RuntimeError::Template(format!("the GGUF has no {key}"))),
+            None => return Err(ServingError::Template(format!("the GGUF has no {key}"))),
             Some(v) => v.as_str().ok_or_else(|| {
-                RuntimeError::Template(format!("{key} is a {}, not a string", v.value_type()))
+                ServingError::Template(format!("{key} is a {}, not a string", v.value_type()))
             })?,
         };
         let token_text = |id_key: &str| -> Option<String> {
@@ -96,7 +96,7 @@ impl ChatTemplate {
         source: impl Into<String>,
         bos_token: Option<String>,
         eos_token: Option<String>,
-    ) -> Result<Self, RuntimeError> {
+    ) -> Result<Self, ServingError> {
         let source = source.into();
         let mut env = Environment::new();
         env.set_trim_blocks(true);
@@ -126,9 +126,9 @@ impl ChatTemplate {
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
-    ) -> Result<String, RuntimeError> {
+    ) -> Result<String, ServingError> {
         let messages =
-            serde_json::to_value(messages).map_err(|e| RuntimeError::Template(e.to_string()))?;
+            serde_json::to_value(messages).map_err(|e| ServingError::Template(e.to_string()))?;
         self.render_json(&messages, add_generation_prompt, &serde_json::Map::new())
     }
 
@@ -139,7 +139,7 @@ impl ChatTemplate {
         messages: &serde_json::Value,
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<String, RuntimeError> {
+    ) -> Result<String, ServingError> {
         let mut ctx = serde_json::Map::new();
         ctx.insert("messages".into(), messages.clone());
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());

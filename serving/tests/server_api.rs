@@ -3,11 +3,11 @@
 
 mod server_support;
 
-use runtime::engine::EngineConfig;
-use runtime::server::ServerConfig;
 use serde_json::{json, Value};
 use server_support::http::{self, EventStream};
 use server_support::{make_ready, peak_logprob, start, wait_until, Options};
+use serving::engine::EngineConfig;
+use serving::server::ServerConfig;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 

@@ -3,13 +3,13 @@
 
 mod server_support;
 
-use runtime::engine::{
+use runtime::LanguageModel;
+use server_support::{other_logprob, peak_logprob, wait_until, MockModel, EOS, USER};
+use serving::engine::{
     Engine, EngineConfig, Event, FinishReason, Generation, GenerationRequest, Metrics, SubmitError,
     Usage,
 };
-use runtime::sampler::SamplingParams;
-use runtime::LanguageModel;
-use server_support::{other_logprob, peak_logprob, wait_until, MockModel, EOS, USER};
+use serving::sampler::SamplingParams;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 

@@ -6,7 +6,7 @@ The Rust test tokenizer_fixture.rs compares the GGUF-built tokenizer against thi
 tests never run Python. Regenerate with the same library version the fixtures were made with:
 
     python3 -m venv /tmp/venv && /tmp/venv/bin/pip install tokenizers==0.23.3
-    /tmp/venv/bin/python runtime/tests/tokenizer_hf_refs.py
+    /tmp/venv/bin/python serving/tests/tokenizer_hf_refs.py
 """
 import json
 import os
@@ -83,7 +83,7 @@ def main():
     doc = {
         "tool": f"HF tokenizers {tokenizers.__version__}, Tokenizer.from_file(tests/fixtures/hf/tokenizer.json), "
                 "encode(add_special_tokens=False), decode(skip_special_tokens=False/True)",
-        "script": "runtime/tests/tokenizer_hf_refs.py",
+        "script": "serving/tests/tokenizer_hf_refs.py",
         "cases": cases,
     }
     with open(OUT, "w", encoding="utf-8") as f:

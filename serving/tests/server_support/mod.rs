@@ -5,9 +5,9 @@
 
 pub mod http;
 
-use runtime::engine::{Engine, EngineConfig, Metrics};
-use runtime::server::{AppState, Backend, Message, RunningServer, ServerConfig, TextCodec};
 use runtime::{LanguageModel, RuntimeError, SeqStep, SequenceState};
+use serving::engine::{Engine, EngineConfig, Metrics};
+use serving::server::{AppState, Backend, Message, RunningServer, ServerConfig, TextCodec};
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use aho_corasick::{AhoCorasick, MatchKind};
 
-use crate::RuntimeError;
+use crate::ServingError;
 
 /// A run of the input: plain text for the tokenizer, or an already-known token.
 #[derive(Debug, PartialEq, Eq)]
@@ -21,7 +21,7 @@ pub(crate) struct SpecialMatcher {
 
 impl SpecialMatcher {
     /// `tokens`: (id, text, needs_parse_special) for every control, unknown and user-defined token.
-    pub(crate) fn new(tokens: Vec<(u32, &str, bool)>) -> Result<Self, RuntimeError> {
+    pub(crate) fn new(tokens: Vec<(u32, &str, bool)>) -> Result<Self, ServingError> {
         let tokens: Vec<_> = tokens.into_iter().filter(|t| !t.1.is_empty()).collect();
         if tokens.is_empty() {
             return Ok(Self {
@@ -32,7 +32,7 @@ impl SpecialMatcher {
         let ac = AhoCorasick::builder()
             .match_kind(MatchKind::Standard)
             .build(tokens.iter().map(|t| t.1))
-            .map_err(|e| RuntimeError::Tokenizer(format!("special-token matcher: {e}")))?;
+            .map_err(|e| ServingError::Tokenizer(format!("special-token matcher: {e}")))?;
         let patterns = tokens.iter().map(|t| (t.0, t.1.len(), t.2)).collect();
         Ok(Self {
             ac: Some(ac),

@@ -2,7 +2,7 @@
 //! (byte-level BPE splits emoji and CJK across tokens), so bytes are held back until complete.
 
 use super::Tokenizer;
-use crate::RuntimeError;
+use crate::ServingError;
 
 /// Streaming decoder state. It holds no reference to the tokenizer, so an engine can keep one
 /// per sequence next to an `Arc<Tokenizer>`; [`Tokenizer::decode_stream`] bundles both.
@@ -27,7 +27,7 @@ impl Detokenizer {
 
     /// Feeds one token; returns the text completed by it (possibly empty). Invalid UTF-8 becomes
     /// U+FFFD as soon as it is known to be invalid, as in `String::from_utf8_lossy`.
-    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, RuntimeError> {
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, ServingError> {
         let bytes = tok.piece(id)?;
         if self.skip_special && tok.is_special(id) {
             return Ok(String::new());
@@ -93,7 +93,7 @@ impl<'a> DecodeStream<'a> {
     }
 
     /// Feeds one token; `None` until some complete text is available.
-    pub fn step(&mut self, id: u32) -> Result<Option<String>, RuntimeError> {
+    pub fn step(&mut self, id: u32) -> Result<Option<String>, ServingError> {
         let s = self.state.push(self.tok, id)?;
         Ok((!s.is_empty()).then_some(s))
     }

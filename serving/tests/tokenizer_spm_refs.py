@@ -5,7 +5,7 @@ produces for varied text. tokenizer_fixture.rs builds the SPM tokenizer from the
 compares. The Rust tests never run Python. Regenerate with:
 
     python3 -m venv /tmp/venv && /tmp/venv/bin/pip install sentencepiece==0.2.3
-    /tmp/venv/bin/python runtime/tests/tokenizer_spm_refs.py
+    /tmp/venv/bin/python serving/tests/tokenizer_spm_refs.py
 
 Training options follow Llama-2's tokenizer: BPE, byte fallback, identity normalization, no
 whitespace collapsing, dummy prefix (GGUF `tokenizer.ggml.add_space_prefix = true`).
@@ -93,7 +93,7 @@ def main():
         "tool": f"sentencepiece {spm.__version__}: SentencePieceTrainer.train(model_type=bpe, vocab_size=600, "
                 "byte_fallback, identity normalization, remove_extra_whitespaces=False, add_dummy_prefix), "
                 "SentencePieceProcessor.encode / decode",
-        "script": "runtime/tests/tokenizer_spm_refs.py",
+        "script": "serving/tests/tokenizer_spm_refs.py",
         "tokens": tokens,
         "scores": scores,
         "token_types": types,

@@ -1,9 +1,9 @@
 //! Tokenizer built from the fixture GGUF's metadata, checked against token ids and pieces produced
 //! by the HF tokenizer (tokenizers 0.23.3) and by llama.cpp's `llama-tokenize` / `llama-server`.
 
-use runtime::tokenizer::{Detokenizer, Tokenizer, TokenizerSpec};
-use runtime::RuntimeError;
 use serde_json::Value;
+use serving::tokenizer::{Detokenizer, Tokenizer, TokenizerSpec};
+use serving::ServingError;
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures");
 
@@ -51,7 +51,7 @@ fn hf_prompts() -> Vec<Value> {
 fn tokenizer_is_shareable_across_threads() {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<Tokenizer>();
-    send_sync::<runtime::chat::ChatTemplate>();
+    send_sync::<serving::chat::ChatTemplate>();
 }
 
 #[test]
@@ -330,7 +330,7 @@ fn streaming_detokenizer_emits_only_whole_characters() {
     assert_eq!(d.push(&tok, a).expect("push"), "\u{FFFD}a");
     assert!(matches!(
         d.push(&tok, 99_999),
-        Err(RuntimeError::Tokenizer(_))
+        Err(ServingError::Tokenizer(_))
     ));
 }
 
@@ -415,7 +415,7 @@ fn sentencepiece_bpe_matches_the_sentencepiece_library() {
 fn refuses_unknown_or_missing_tokenizer_kinds() {
     let base = metadata("gguf/tiny-glm5-Q4_K_M.gguf");
     let err = |m: &gguf::Metadata| match Tokenizer::from_gguf(m) {
-        Err(RuntimeError::Tokenizer(msg)) => msg,
+        Err(ServingError::Tokenizer(msg)) => msg,
         Err(e) => panic!("unexpected error kind: {e}"),
         Ok(_) => panic!("accepted"),
     };

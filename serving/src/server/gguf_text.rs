@@ -3,7 +3,7 @@
 use super::text::{Message, TextCodec};
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::tokenizer::Tokenizer;
-use crate::RuntimeError;
+use crate::ServingError;
 
 /// The tokenizer and (when the GGUF has one) the chat template of a model.
 pub struct GgufText {
@@ -16,7 +16,7 @@ pub struct GgufText {
 impl GgufText {
     /// A model without a usable chat template still serves `/v1/completions`; chat requests
     /// then get a 400 naming the reason.
-    pub fn from_gguf(meta: &gguf::Metadata) -> Result<Self, RuntimeError> {
+    pub fn from_gguf(meta: &gguf::Metadata) -> Result<Self, ServingError> {
         let tok = Tokenizer::from_gguf(meta)?;
         let (template, template_error) = match ChatTemplate::from_gguf(meta) {
             Ok(t) => (Some(t), None),

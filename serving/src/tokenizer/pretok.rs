@@ -6,7 +6,7 @@
 
 use fancy_regex::Regex;
 
-use crate::RuntimeError;
+use crate::ServingError;
 
 /// GPT-2 / RoBERTa word splitter (HF ByteLevel `use_regex: true`).
 const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
@@ -91,14 +91,14 @@ pub(crate) struct PreTokenizer {
 const BACKTRACK_LIMIT: usize = 100_000_000;
 
 impl PreTokenizer {
-    pub(crate) fn new(patterns: &[&str]) -> Result<Self, RuntimeError> {
+    pub(crate) fn new(patterns: &[&str]) -> Result<Self, ServingError> {
         let regexes = patterns
             .iter()
             .map(|p| {
                 fancy_regex::RegexBuilder::new(p)
                     .backtrack_limit(BACKTRACK_LIMIT)
                     .build()
-                    .map_err(|e| RuntimeError::Tokenizer(format!("pre-tokenizer regex {p:?}: {e}")))
+                    .map_err(|e| ServingError::Tokenizer(format!("pre-tokenizer regex {p:?}: {e}")))
             })
             .collect::<Result<_, _>>()?;
         Ok(Self { regexes })
@@ -106,7 +106,7 @@ impl PreTokenizer {
 
     /// Splits `text` into pieces: each regex splits every current piece into its matches and the
     /// text between them, all kept in order (HF `Split(behavior = Isolated)`).
-    pub(crate) fn split<'t>(&self, text: &'t str) -> Result<Vec<&'t str>, RuntimeError> {
+    pub(crate) fn split<'t>(&self, text: &'t str) -> Result<Vec<&'t str>, ServingError> {
         let mut pieces = vec![text];
         for re in &self.regexes {
             let mut next = Vec::with_capacity(pieces.len() * 2);
@@ -114,7 +114,7 @@ impl PreTokenizer {
                 let mut last = 0;
                 for m in re.find_iter(piece) {
                     let m =
-                        m.map_err(|e| RuntimeError::Tokenizer(format!("pre-tokenizer: {e}")))?;
+                        m.map_err(|e| ServingError::Tokenizer(format!("pre-tokenizer: {e}")))?;
                     if m.start() > last {
                         next.push(&piece[last..m.start()]);
                     }

@@ -2,9 +2,9 @@
 //! (hf-tiny-glm5-long.json `long_chat`), hand-derived renderings of the template text, and jinja2
 //! behaviours as transformers configures them.
 
-use runtime::chat::{ChatMessage, ChatTemplate};
-use runtime::RuntimeError;
 use serde_json::{json, Value};
+use serving::chat::{ChatMessage, ChatTemplate};
+use serving::ServingError;
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures");
 
@@ -86,15 +86,15 @@ fn missing_template_is_a_template_error() {
     meta.remove("tokenizer.chat_template");
     assert!(matches!(
         ChatTemplate::from_gguf(&meta),
-        Err(RuntimeError::Template(_))
+        Err(ServingError::Template(_))
     ));
     assert!(matches!(
         ChatTemplate::from_gguf_named(&metadata(), "tool_use"),
-        Err(RuntimeError::Template(_))
+        Err(ServingError::Template(_))
     ));
     assert!(matches!(
         ChatTemplate::new("{% if %}", None, None),
-        Err(RuntimeError::Template(_))
+        Err(ServingError::Template(_))
     ));
 }
 
@@ -172,7 +172,7 @@ fn raise_exception_becomes_a_template_error() {
         "ok"
     );
     match t.render(&[ChatMessage::new("assistant", "x")], false) {
-        Err(RuntimeError::Template(msg)) => {
+        Err(ServingError::Template(msg)) => {
             assert!(msg.contains("first message must be from the user"), "{msg}")
         }
         other => panic!("{other:?}"),

@@ -8,9 +8,9 @@
 
 pub mod metrics;
 
-use crate::lm::{LanguageModel, SeqStep, SequenceState};
 use crate::sampler::{self, Sampler, SamplingParams};
 pub use metrics::Metrics;
+use runtime::lm::{LanguageModel, SeqStep, SequenceState};
 use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
