@@ -1,7 +1,7 @@
 //! [`TextCodec`] over a GGUF model's own tokenizer and chat template.
 
 use super::text::{Message, TextCodec};
-use crate::chat::{ChatMessage, ChatTemplate};
+use crate::chat::ChatTemplate;
 use crate::tokenizer::Tokenizer;
 use crate::ServingError;
 
@@ -17,10 +17,27 @@ impl GgufText {
     /// A model without a usable chat template still serves `/v1/completions`; chat requests
     /// then get a 400 naming the reason.
     pub fn from_gguf(meta: &gguf::Metadata) -> Result<Self, ServingError> {
+        Self::with_template(meta, None)
+    }
+
+    /// Like [`GgufText::from_gguf`], with `template` (Jinja source, e.g. from
+    /// `--chat-template FILE`) replacing the GGUF's own chat template. A template that does
+    /// not compile is an error here, not a disabled chat endpoint.
+    pub fn with_template(
+        meta: &gguf::Metadata,
+        template: Option<&str>,
+    ) -> Result<Self, ServingError> {
         let tok = Tokenizer::from_gguf(meta)?;
-        let (template, template_error) = match ChatTemplate::from_gguf(meta) {
-            Ok(t) => (Some(t), None),
-            Err(e) => (None, Some(e.to_string())),
+        let (template, template_error) = match template {
+            Some(src) => {
+                let token_text = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).map(str::to_string);
+                let t = ChatTemplate::new(src, token_text(tok.bos_id()), token_text(tok.eos_id()))?;
+                (Some(t), None)
+            }
+            None => match ChatTemplate::from_gguf(meta) {
+                Ok(t) => (Some(t), None),
+                Err(e) => (None, Some(e.to_string())),
+            },
         };
         Ok(GgufText {
             tok,
@@ -69,13 +86,15 @@ impl TextCodec for GgufText {
                 self.template_error.as_deref().unwrap_or("absent")
             ));
         };
-        let msgs: Vec<ChatMessage> = messages
-            .iter()
-            .map(|m| ChatMessage::new(m.role.as_str(), m.content.as_str()))
-            .collect();
-        let msgs = serde_json::to_value(msgs).map_err(|e| e.to_string())?;
-        t.render_json(&msgs, add_generation_prompt, kwargs)
+        let msgs: Vec<serde_json::Value> = messages.iter().map(Message::to_template_json).collect();
+        t.render_json(&serde_json::Value::Array(msgs), add_generation_prompt, kwargs)
             .map_err(|e| e.to_string())
+    }
+    fn chat_template(&self) -> Option<&str> {
+        self.template.as_ref().map(ChatTemplate::source)
+    }
+    fn template_variables(&self) -> Option<std::collections::BTreeSet<String>> {
+        self.template.as_ref().map(ChatTemplate::variables)
     }
     fn decode(&self, ids: &[u32], skip_special: bool) -> String {
         // The tokenizer knows model-specific decoding rules (SentencePiece space prefix).
