@@ -3,10 +3,12 @@
 //!
 //! Inputs: JSON schemas (`response_format`, llama.cpp's `json_schema`, tool arguments), Lark
 //! grammars (llguidance's dialect, which may embed `%json {schema}`), llama.cpp GBNF (translated
-//! by [`gbnf`]) and regular expressions. JSON whitespace between tokens is bounded the way
-//! llama.cpp's JSON grammar bounds it (`space ::= | " " | "\n"{1,2} [ \t]{0,20}`): with the
-//! unbounded whitespace of plain JSON a small model can fill its whole budget with blanks and
-//! never close the object.
+//! by [`gbnf`]) and regular expressions. JSON has no free whitespace between tokens, only one
+//! space after `,` and `:` (`{"city": "Paris", "days": 3}`, Python's `json.dumps` layout):
+//! with the unbounded whitespace of plain JSON a small model can fill its whole budget with
+//! blanks and never close the object. llama.cpp bounds each gap instead
+//! (`space ::= | " " | "\n"{1,2} [ \t]{0,20}`); that still lets a weak model spend 22 tokens per
+//! gap, which the rule-based mock of the server tests does.
 
 pub mod gbnf;
 
@@ -17,9 +19,9 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
 
-/// Whitespace allowed between two JSON tokens (at most one match per gap): none, one space, or
-/// one or two newlines followed by up to 20 blanks of indentation.
-pub const JSON_WHITESPACE: &str = r"(?: |\n{1,2}[ \t]{0,20})";
+/// Separators of constrained JSON (regexes, as llguidance takes them); no other whitespace.
+pub const JSON_ITEM_SEPARATOR: &str = ", ";
+pub const JSON_KEY_SEPARATOR: &str = ": ";
 
 /// What a constraint is written in.
 #[derive(Debug, Clone, PartialEq)]
@@ -221,9 +223,9 @@ fn matcher_error(m: &Matcher) -> Option<String> {
     m.is_error().then(|| m.get_error().unwrap_or_else(|| "grammar error".into()))
 }
 
-/// The schema with the server's JSON options (bounded whitespace, no unknown keywords
-/// silently dropped) attached the way llguidance reads them (`x-guidance`). Options a client
-/// put there are replaced.
+/// The schema with the server's JSON options (fixed separators, no free whitespace, no
+/// unknown keyword silently dropped) attached the way llguidance reads them (`x-guidance`).
+/// Options a client put there are replaced.
 pub fn with_json_options(schema: &Value) -> Result<Value, GrammarError> {
     let mut s = match schema {
         Value::Bool(true) => json!({}),
@@ -241,9 +243,8 @@ pub fn with_json_options(schema: &Value) -> Result<Value, GrammarError> {
     };
     s["x-guidance"] = json!({
         "whitespace_flexible": false,
-        "whitespace_pattern": JSON_WHITESPACE,
-        "item_separator": ",",
-        "key_separator": ":",
+        "item_separator": JSON_ITEM_SEPARATOR,
+        "key_separator": JSON_KEY_SEPARATOR,
         "lenient": false,
     });
     Ok(s)

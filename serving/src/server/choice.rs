@@ -201,6 +201,8 @@ pub struct Collected {
     pub reasoning: String,
     /// Tokens of the content and of the reasoning, with their logprobs.
     pub tokens: Vec<TokenInfo>,
+    /// The content as it came, piece by piece with the tokens of each (text offsets).
+    pub pieces: Vec<(String, Vec<TokenInfo>)>,
     pub calls: Vec<ToolCall>,
     pub finish: Option<(Finish, Usage, Option<String>)>,
     pub error: Option<String>,
@@ -216,7 +218,10 @@ impl Collected {
                 tokens,
             } => {
                 match channel {
-                    Channel::Content => self.content.push_str(&text),
+                    Channel::Content => {
+                        self.content.push_str(&text);
+                        self.pieces.push((text, tokens.clone()));
+                    }
                     Channel::Reasoning => self.reasoning.push_str(&text),
                 }
                 self.tokens.extend(tokens);

@@ -444,11 +444,13 @@ impl CompletionFormat {
                     all.extend(l);
                 }
             }
-            let lps = self.text_lps(i, &c.content, &c.tokens);
-            text.push_str(&c.content);
-            if let (Some(all), Some(l)) = (all.as_mut(), lps) {
-                all.extend(l);
+            for (piece, tokens) in &c.pieces {
+                let lps = self.text_lps(i, piece, tokens);
+                if let (Some(all), Some(l)) = (all.as_mut(), lps) {
+                    all.extend(l);
+                }
             }
+            text.push_str(&c.content);
             let finish = c.finish.as_ref().map(|f| f.0.openai(false));
             choices.push(json!({
                 "index": i,
@@ -697,13 +699,8 @@ impl ChatFormat {
                     message["tool_calls"] = c
                         .calls
                         .iter()
-                        .map(|call| {
-                            let mut v = Self::call_json(call, 0);
-                            if let Some(o) = v.as_object_mut() {
-                                o.remove("index");
-                            }
-                            v
-                        })
+                        .map(|call| json!({"id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments}}))
                         .collect();
                 }
                 let finish = c.finish.as_ref().map(|f| f.0.openai(self.legacy));

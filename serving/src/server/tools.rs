@@ -899,6 +899,7 @@ mod tests {
         p.push("<tool_call>{\"name\": \"get_weather\", \"arguments\": {}}</tool_call> and more", &mut out);
         p.finish(true, &mut out);
         assert_eq!(out, vec![call("get_weather", json!({}))]);
+        assert!(p.done());
         // Numbers beyond f64 are valid JSON: passed on as written.
         let mut p = ToolParser::new(ToolFormat::Glm, vec![weather()], false);
         let mut out = Vec::new();
@@ -910,7 +911,6 @@ mod tests {
                 arguments: "{\"days\": 1e999, \"x\": [1, 2e400]}".into()
             }]
         );
-        assert!(p.done());
     }
 
     #[test]
