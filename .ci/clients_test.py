@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
-"""Check `gguftool serve` with the official `openai` Python client (from PyPI).
+"""Real clients against `gguftool serve` (run by .ci/clients.sh, which installs them from PyPI):
+the official `openai` client, langchain-openai (invoke, stream, bind_tools,
+with_structured_output) and LiteLLM.
 
 The script starts the server itself on a free 127.0.0.1 port (bundled demo model unless
 --model is given), runs the checks, stops the server, and prints "N passed, M failed".
 
-    python3 -m venv .venv && .venv/bin/pip install -r tests/dev/requirements-openai.txt
-    cargo build -p gguftool
-    .venv/bin/python tests/dev/openai_client_test.py [--bin target/debug/gguftool] [--model M.gguf]
+    bash .ci/clients.sh          # or, with the clients installed:
+    .venv/bin/python .ci/clients_test.py [--bin target/debug/gguftool] [--model M.gguf]
 
 Expected texts come from the fixture model's training corpus and llama-server's answers on the
 same file (tests/fixtures/refs/llamacpp-tiny-glm5.json): "1 2 3 4 5 6 7 8 9 10" continues
-" 11 12 13 ...".
+" 11 12 13 ...", and the chat "What is the capital of Japan?" answers "The capital of Japan is
+Tokyo." Tool-call and structured-output checks hold whatever the tiny model prefers, because the
+output is constrained: they check the shape the client parses and the schema.
 """
 import argparse
 import asyncio
@@ -23,7 +26,10 @@ import time
 import traceback
 import urllib.request
 
+import json
+
 import openai
+import pydantic
 
 KEY = "test-key"
 passed, failed = [], []
@@ -86,8 +92,29 @@ def main():
     return 0 if not failed else 1
 
 
+class Trip(pydantic.BaseModel):
+    """A trip: where and for how long."""
+    city: str = pydantic.Field(max_length=16)
+    days: int = pydantic.Field(ge=1, le=30)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "days": {"type": "integer", "minimum": 1, "maximum": 30}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+JAPAN = [{"role": "user", "content": "What is the capital of Japan?"}]
+
+
+def valid_weather(args):
+    return (set(args) == {"city", "days"} and isinstance(args["city"], str)
+            and len(args["city"]) <= 16 and type(args["days"]) is int and 1 <= args["days"] <= 30)
+
+
 def run_checks(base):
     client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    model_id = client.models.list().data[0].id
 
     def models():
         m = client.models.list()
@@ -179,7 +206,76 @@ def run_checks(base):
         rs = asyncio.run(go())
         assert len(rs) == 32 and all(r.choices[0].text for r in rs)
 
-    for name, fn in [("models", models), ("completion", completion),
+    def model_retrieve():
+        assert " " not in model_id and client.models.retrieve(model_id).id == model_id
+
+    def chat_japan():
+        r = client.chat.completions.create(model=model_id, messages=JAPAN, max_tokens=16, temperature=0)
+        assert "Tokyo" in r.choices[0].message.content, r
+
+    def n_and_prompt_lists():
+        r = client.completions.create(model="any", prompt=["1 2 3", "4 5 6"], max_tokens=4,
+                                      temperature=0.9, n=2, seed=3)
+        assert len(r.choices) == 4 and sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+
+    def tool_call_named():
+        r = client.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": "Weather in Paris for 3 days?"}],
+            tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=200, temperature=0)
+        call = r.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        assert valid_weather(json.loads(call.function.arguments)), call
+        # The result goes back as a tool message.
+        msgs = [{"role": "user", "content": "Weather in Paris for 3 days?"}, r.choices[0].message,
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        r2 = client.chat.completions.create(model=model_id, messages=msgs, tools=[WEATHER],
+                                            max_tokens=8, temperature=0)
+        assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+    def tool_call_stream():
+        calls = {}
+        with client.chat.completions.stream(
+                model=model_id, messages=[{"role": "user", "content": "Weather in Rome?"}],
+                tools=[WEATHER], tool_choice="required", max_tokens=200, temperature=0) as st:
+            for _ in st:
+                pass
+            final = st.get_final_completion()
+        call = final.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather" and valid_weather(json.loads(call.function.arguments))
+        assert final.choices[0].finish_reason == "tool_calls"
+
+    def structured_parse():
+        r = client.chat.completions.parse(model=model_id, messages=[
+            {"role": "user", "content": "Plan a trip: a city and a number of days."}],
+            response_format=Trip, max_tokens=200, temperature=0)
+        trip = r.choices[0].message.parsed
+        assert isinstance(trip, Trip) and 1 <= trip.days <= 30, r
+
+    def json_object():
+        r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Answer in JSON."}],
+                                           response_format={"type": "json_object"}, max_tokens=200, temperature=0)
+        c = r.choices[0]
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict)
+        else:
+            assert c.message.content.startswith("{")
+
+    def grammar_extra_body():
+        r = client.completions.create(model="any", prompt="Is Paris in France?", max_tokens=4, temperature=0,
+                                      extra_body={"grammar": 'root ::= "yes" | "no"'})
+        assert r.choices[0].text in ("yes", "no")
+
+    def unknown_field_refused():
+        try:
+            client.chat.completions.create(model=model_id, messages=JAPAN, max_tokens=4,
+                                           extra_body={"mirostat": 2})
+        except openai.BadRequestError as e:
+            assert "mirostat" in str(e)
+            return
+        raise AssertionError("mirostat 2 was accepted")
+
+    for name, fn in [("models", models), ("model-retrieve", model_retrieve), ("completion", completion),
                      ("completion-logprobs", completion_logprobs),
                      ("completion-stream", completion_stream), ("chat", chat),
                      ("chat-stream-usage", chat_stream_usage), ("chat-logprobs", chat_logprobs),
@@ -187,8 +283,77 @@ def run_checks(base):
                      ("bad-request-raises", bad_request_raises),
                      ("context-exceeded-raises", context_exceeded_raises),
                      ("wrong-key-raises", wrong_key_raises),
-                     ("async-concurrent-32", async_concurrent)]:
-        check(name, fn)
+                     ("async-concurrent-32", async_concurrent),
+                     ("chat-capital-of-japan", chat_japan), ("n-and-prompt-lists", n_and_prompt_lists),
+                     ("tool-call-named", tool_call_named), ("tool-call-stream", tool_call_stream),
+                     ("structured-parse", structured_parse), ("json-object", json_object),
+                     ("gbnf-extra-body", grammar_extra_body), ("unknown-field-refused", unknown_field_refused)]:
+        check("openai/" + name, fn)
+    langchain_checks(base, model_id)
+    litellm_checks(base, model_id)
+
+
+def langchain_checks(base, model_id):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=base + "/v1", api_key=KEY, model=model_id, temperature=0,
+                     max_tokens=200, max_retries=0, timeout=60)
+
+    class GetWeather(pydantic.BaseModel):
+        """Weather forecast for a city over a number of days."""
+        city: str = pydantic.Field(max_length=16)
+        days: int = pydantic.Field(ge=1, le=30)
+
+    def invoke():
+        m = llm.invoke("What is the capital of Japan?")
+        assert "Tokyo" in m.content, m
+
+    def stream():
+        text = "".join(c.content for c in llm.stream("What is the capital of Japan?"))
+        assert "Tokyo" in text, text
+
+    def bind_tools():
+        m = llm.bind_tools([GetWeather], tool_choice="GetWeather").invoke("Weather in Paris for 3 days?")
+        call = m.tool_calls[0]
+        assert call["name"] == "GetWeather", m
+        GetWeather(**call["args"])
+
+    def structured_json_schema():
+        trip = llm.with_structured_output(Trip).invoke("Plan a trip: a city and a number of days.")
+        assert isinstance(trip, Trip), trip
+
+    def structured_function_calling():
+        trip = llm.with_structured_output(Trip, method="function_calling").invoke("Plan a trip.")
+        assert isinstance(trip, Trip), trip
+
+    for name, fn in [("invoke", invoke), ("stream", stream), ("bind-tools", bind_tools),
+                     ("with-structured-output", structured_json_schema),
+                     ("with-structured-output-function-calling", structured_function_calling)]:
+        check("langchain/" + name, fn)
+
+
+def litellm_checks(base, model_id):
+    import litellm
+
+    kw = dict(model="openai/" + model_id, api_base=base + "/v1", api_key=KEY, temperature=0,
+              max_tokens=200, num_retries=0)
+
+    def completion():
+        r = litellm.completion(messages=JAPAN, **kw)
+        assert "Tokyo" in r.choices[0].message.content, r
+
+    def stream():
+        text = "".join((c.choices[0].delta.content or "") for c in litellm.completion(messages=JAPAN, stream=True, **kw))
+        assert "Tokyo" in text, text
+
+    def tools():
+        r = litellm.completion(messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER],
+                               tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kw)
+        call = r.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather" and valid_weather(json.loads(call.function.arguments))
+
+    for name, fn in [("completion", completion), ("stream", stream), ("tools", tools)]:
+        check("litellm/" + name, fn)
 
 
 if __name__ == "__main__":

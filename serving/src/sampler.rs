@@ -141,6 +141,9 @@ impl Sampler {
 /// tool call) compiled for the model's vocabulary. One instance per generated sequence; the
 /// engine asks for the mask before sampling each token and commits the token it sampled.
 pub trait TokenConstraint: Send {
+    /// Compute the next mask ahead of [`TokenConstraint::allowed`] (the engine calls it on
+    /// another thread while the forward pass runs); constraints with cheap masks need not.
+    fn prepare(&mut self) {}
     /// The tokens allowed at the next position as a bit set over the vocabulary (bit `id % 32`
     /// of word `id / 32`; words past the end of the slice allow nothing). `Err` when the
     /// constraint failed (its message is reported to the client).

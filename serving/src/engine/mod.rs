@@ -542,13 +542,19 @@ impl Scheduler {
         }
 
         let mut steps: Vec<SeqStep<'_>> = Vec::with_capacity(self.running.len());
+        let mut constraints: Vec<&mut Box<dyn TokenConstraint>> = Vec::new();
         let mut n_tokens = 0;
         let mut prefill_only = true;
         for (a, w) in self.running.iter_mut().zip(&work) {
             let Some(w) = *w else { continue };
             let Active {
-                state, job, next, ..
+                state,
+                job,
+                next,
+                constraint,
+                ..
             } = a;
+            constraints.extend(constraint.as_mut());
             let (tokens, all_logits): (&[u32], bool) = match w {
                 Work::Prefill { from, to } => {
                     (&job.req.prompt[from..to], job.req.prompt_logprobs.is_some())
@@ -572,7 +578,7 @@ impl Scheduler {
 
         let t0 = Instant::now();
         let model = &self.model;
-        let result = catch_unwind(AssertUnwindSafe(|| model.forward(&mut steps)));
+        let result = forward_with_masks(model.as_ref(), &mut steps, constraints);
         drop(steps);
         self.metrics
             .record_step(n_tokens, prefill_only, t0.elapsed().as_micros() as u64);
@@ -648,6 +654,35 @@ impl Scheduler {
             !stepped
         });
     }
+}
+
+/// The forward pass, with the grammar masks of this step's samples computed on another thread
+/// meanwhile: a mask depends only on the tokens sampled so far, so on a GPU its cost hides
+/// behind the forward pass instead of adding to the step.
+fn forward_with_masks(
+    model: &dyn LanguageModel,
+    steps: &mut [SeqStep<'_>],
+    mut constraints: Vec<&mut Box<dyn TokenConstraint>>,
+) -> std::thread::Result<Result<Vec<Vec<f32>>, runtime::RuntimeError>> {
+    let mut forward = || catch_unwind(AssertUnwindSafe(|| model.forward(steps)));
+    if constraints.is_empty() {
+        return forward();
+    }
+    std::thread::scope(|scope| {
+        let masks = std::thread::Builder::new()
+            .name("grammar-masks".into())
+            .spawn_scoped(scope, move || {
+                for c in constraints.iter_mut() {
+                    c.prepare();
+                }
+            });
+        let result = forward();
+        // A panic in a grammar shows again (as an error) when its mask is asked for.
+        if let Ok(h) = masks {
+            let _ = h.join();
+        }
+        result
+    })
 }
 
 /// Handle the logits of a prompt chunk. Returns true when the request is finished.

@@ -268,10 +268,7 @@ impl ConstraintSource for CompiledGrammar {
         if let Some(e) = matcher_error(&matcher) {
             return Err(e);
         }
-        Ok(Box::new(Constraint {
-            matcher,
-            mask: SimpleVob::new(),
-        }))
+        Ok(Box::new(Constraint::new(matcher)))
     }
 }
 
@@ -357,6 +354,11 @@ struct BudgetState {
 }
 
 impl TokenConstraint for BudgetState {
+    fn prepare(&mut self) {
+        if let Some(i) = self.inner.as_mut() {
+            i.prepare();
+        }
+    }
     fn allowed(&mut self) -> Result<&[u32], String> {
         if self.in_think && self.count >= self.budget {
             return Ok(&self.only_close);
@@ -388,6 +390,8 @@ impl TokenConstraint for BudgetState {
 pub struct Constraint {
     matcher: Matcher,
     mask: SimpleVob,
+    /// The mask for the next position is computed (by `prepare` or `allowed`).
+    ready: Option<Result<(), String>>,
 }
 
 impl Constraint {
@@ -395,19 +399,32 @@ impl Constraint {
         Constraint {
             matcher,
             mask: SimpleVob::new(),
+            ready: None,
         }
     }
 }
 
 impl TokenConstraint for Constraint {
+    fn prepare(&mut self) {
+        if self.ready.is_none() {
+            self.ready = Some(match self.matcher.compute_mask_or_eos() {
+                Ok(m) => {
+                    self.mask = m;
+                    Ok(())
+                }
+                Err(e) => Err(e.to_string()),
+            });
+        }
+    }
     fn allowed(&mut self) -> Result<&[u32], String> {
-        self.mask = self
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| e.to_string())?;
-        Ok(self.mask.as_slice())
+        self.prepare();
+        match &self.ready {
+            Some(Err(e)) => Err(e.clone()),
+            _ => Ok(self.mask.as_slice()),
+        }
     }
     fn commit(&mut self, id: u32) -> Result<(), String> {
+        self.ready = None;
         self.matcher.consume_token(id).map_err(|e| e.to_string())
     }
     fn is_finished(&self) -> bool {

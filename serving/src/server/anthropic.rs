@@ -21,7 +21,7 @@ use serde_json::{json, Map, Value};
 use std::sync::Arc;
 
 /// Bookkeeping fields with no effect on the answer.
-const NO_OP: [&str; 3] = ["metadata", "service_tier", "container"];
+const NO_OP: [&str; 2] = ["metadata", "service_tier"];
 
 fn error_type(status: StatusCode) -> &'static str {
     match status.as_u16() {

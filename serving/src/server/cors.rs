@@ -38,7 +38,12 @@ pub(crate) async fn cors(State(s): State<Arc<AppState>>, req: Request, next: Nex
             .contains_key(header::ACCESS_CONTROL_REQUEST_METHOD);
     if preflight {
         let Some(allow) = allow else {
-            return (StatusCode::FORBIDDEN, "origin not allowed").into_response();
+            return super::ApiError::new(
+                StatusCode::FORBIDDEN,
+                "permission_error",
+                "this origin may not call the API (see --cors-origin)",
+            )
+            .into_response();
         };
         let mut r = StatusCode::NO_CONTENT.into_response();
         let h = r.headers_mut();

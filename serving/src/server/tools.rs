@@ -332,7 +332,7 @@ pub fn forced_call_grammar(
             ToolFormat::Hermes | ToolFormat::Generic => {
                 let schema = json!({
                     "type": "object",
-                    "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                    "properties": {"name": {"const": t.name}, "arguments": closed(&t.parameters)},
                     "required": ["name", "arguments"],
                     "additionalProperties": false,
                 });
@@ -360,6 +360,19 @@ pub fn forced_call_grammar(
         "tool_call"
     };
     Ok(Some((start.to_string(), rules)))
+}
+
+/// The parameter schema with undeclared arguments left out: a forced call generates only the
+/// declared ones (still valid for an open schema, and a small model cannot wander off into
+/// made-up keys). An explicit `additionalProperties` is kept.
+fn closed(parameters: &Value) -> Value {
+    let mut p = parameters.clone();
+    if let Some(o) = p.as_object_mut() {
+        if o.contains_key("properties") && !o.contains_key("additionalProperties") {
+            o.insert("additionalProperties".into(), false.into());
+        }
+    }
+    p
 }
 
 /// Keywords of a parameter object schema the GLM grammar honours; anything else would be
