@@ -3,13 +3,13 @@
 //! Run: `cargo bench -p serving --bench grammar_mask`.
 //!
 //! The vocabulary is synthetic (the real GLM-5 tokenizer is not in the repository): the 256
-//! byte tokens, 154,592 distinct word-like pieces and 32 control tokens. Pieces are letters
-//! (frequent ones more often), digits, punctuation, JSON fragments and CJK characters (a fifth of
-//! them, GLM's vocabulary is largely Chinese), half with a leading space, with the length
-//! profile of byte-level BPE vocabularies (mode 4-5 characters, a tenth longer than 10). The
-//! mask's cost depends on how many tokens a grammar state allows, on the lengths (llguidance
-//! precomputes slices of JSON-string tokens of up to 10 and 30 characters) and on the trie's
-//! shape, which this reproduces; the exact words do not matter.
+//! byte tokens, a few JSON pieces, 154,592 pieces grown the way BPE merges grow them (each an
+//! existing piece, frequent ones preferred, followed by a letter, digit, punctuation mark, CJK
+//! character or short piece; a space only at the start; at most 16 characters) and 32 control
+//! tokens. The mask's cost depends on how many tokens a grammar state allows, on their lengths
+//! (llguidance precomputes slices of JSON-string tokens by length) and on how many distinct
+//! prefixes the trie has, which merges keep realistic; the exact words do not matter. The length
+//! histogram is printed when the benchmark starts.
 //!
 //! In the engine the mask is computed on another thread while the forward pass runs; what the
 //! step waits for is applying the mask, sampling and committing the token.
@@ -45,61 +45,53 @@ impl Rng {
 fn vocabulary() -> (Vec<VocabEntry>, Vec<Vec<u8>>) {
     let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
     let mut seen: HashSet<Vec<u8>> = words.iter().cloned().collect();
-    let fixed = ["{\"", "\":", "\": ", "\",", "\", \"", "\"}", "}", "{", "[", "]", "null", "true", "false", " \"", "\n", "\n  "];
+    let fixed = ["{\"", "\":", "\": ", "\",", "\", \"", "\"}", "null", "true", "false", " \"", "\n  "];
     for f in fixed {
         if seen.insert(f.as_bytes().to_vec()) {
             words.push(f.as_bytes().to_vec());
         }
     }
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    const LETTERS: &[u8] = b"etaoinshrdlcumwfgypbvkjxqz";
-    const PUNCT: &[u8] = b".,;:!?-_()[]{}\"'/\\<>=+*&%$#@";
-    // Percent of pieces by character count 1..=16 (byte-level BPE vocabularies peak at 4-5).
-    const LENGTHS: [usize; 16] = [2, 8, 12, 14, 14, 12, 10, 8, 6, 4, 3, 2, 2, 1, 1, 1];
-    let length = |rng: &mut Rng| {
-        let mut r = rng.below(100);
-        LENGTHS
-            .iter()
-            .position(|&p| {
-                let hit = r < p;
-                r = r.saturating_sub(p);
-                hit
-            })
-            .unwrap_or(LENGTHS.len() - 1)
-            + 1
-    };
-    while words.len() < VOCAB - N_SPECIAL {
-        let mut w = Vec::new();
-        if rng.below(2) == 0 {
-            w.push(b' ');
+    // The units merges start from: letters (frequent ones weighted up), a space, digits,
+    // punctuation and 2,000 CJK characters.
+    let mut units: Vec<Vec<u8>> = Vec::new();
+    for (i, c) in b"etaoinshrdlcumwfgypbvkjxqz".iter().enumerate() {
+        for _ in 0..(26 - i) / 3 + 1 {
+            units.push(vec![*c]);
         }
-        let n = length(&mut rng).saturating_sub(w.len()).max(1);
-        match rng.below(20) {
-            0 | 1 => {
-                w.extend((0..n.min(3)).map(|_| b'0' + rng.below(10) as u8));
-            }
-            2 | 3 => {
-                w.extend((0..n.min(3)).map(|_| PUNCT[rng.below(PUNCT.len())]));
-            }
-            4..=7 => {
-                // CJK ideographs, 3 bytes each.
-                for _ in 0..n.min(4) {
-                    let c = char::from_u32(0x4e00 + rng.below(0x5000) as u32).unwrap_or('中');
-                    let mut buf = [0u8; 4];
-                    w.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
-                }
-            }
-            _ => {
-                // Skewed towards frequent letters, like real text.
-                for _ in 0..n {
-                    let spread = rng.below(LETTERS.len()) + 1;
-                    w.push(LETTERS[rng.below(spread)]);
-                }
-                if rng.below(8) == 0 {
-                    let first = usize::from(w[0] == b' ');
-                    w[first] = w[first].to_ascii_uppercase();
-                }
-            }
+        units.push(vec![c.to_ascii_uppercase()]);
+    }
+    units.extend(std::iter::repeat_n(vec![b' '], 20));
+    units.extend(b"0123456789.,;:!?-_()'/".iter().map(|&c| vec![c]));
+    for k in 0..2000u32 {
+        let c = char::from_u32(0x4e00 + k * 7).unwrap_or('中');
+        units.push(c.to_string().into_bytes());
+    }
+    // BPE-like growth: every new piece is an existing piece (early, i.e. frequent, ones
+    // preferred) followed by a unit or a short piece, so prefixes are shared the way merges
+    // share them in a trained vocabulary.
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let first_merge = words.len();
+    while words.len() < VOCAB - N_SPECIAL {
+        let n = words.len() - first_merge;
+        let left = if n == 0 || rng.below(4) == 0 {
+            units[rng.below(units.len())].clone()
+        } else {
+            // Cube of a uniform number: a Zipf-like preference for early pieces.
+            let u = (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
+            words[first_merge + ((u * u * u) * n as f64) as usize].clone()
+        };
+        let right = if n > 0 && rng.below(3) == 0 {
+            let u = (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
+            words[first_merge + ((u * u * u * u) * n as f64) as usize].clone()
+        } else {
+            units[rng.below(units.len())].clone()
+        };
+        let mut w = left;
+        w.extend_from_slice(&right);
+        // No piece spans words (a space only at the start), and none is longer than 16 chars.
+        let chars = String::from_utf8_lossy(&w).chars().count();
+        if chars > 16 || w[1..].contains(&b' ') {
+            continue;
         }
         if seen.insert(w.clone()) {
             words.push(w);
@@ -112,6 +104,11 @@ fn vocabulary() -> (Vec<VocabEntry>, Vec<Vec<u8>>) {
         entries.push(VocabEntry::Special(name));
     }
     assert_eq!(entries.len(), VOCAB);
+    let mut hist = [0usize; 17];
+    for w in &words[256..VOCAB - N_SPECIAL] {
+        hist[String::from_utf8_lossy(w).chars().count().min(16)] += 1;
+    }
+    eprintln!("synthetic vocabulary: pieces by character count 1..=16: {:?}", &hist[1..]);
     (entries, words)
 }
 
@@ -161,9 +158,10 @@ fn bench(c: &mut Criterion) {
         }
         m
     };
-    let states: [(&str, &dyn ConstraintSource, &str); 6] = [
+    let states: [(&str, &dyn ConstraintSource, &str); 7] = [
         ("schema_start", &json, ""),
         ("schema_inside_string", &json, "{\"city\": \"Par"),
+        ("schema_string_3_chars_left", &json, "{\"city\": \"Paris Texas u"),
         ("schema_next_key", &json, "{\"city\": \"Paris\", "),
         ("schema_integer", &json, "{\"city\": \"Paris\", \"days\": "),
         ("json_object_inside_string", &any_json, "{\"note\": \"the weather in"),
@@ -189,22 +187,27 @@ fn bench(c: &mut Criterion) {
     });
 
     // A whole constrained answer token by token: every mask, apply and commit (the engine does
-    // the mask part during the forward pass).
-    let answer = tokenize(&words, "{\"city\": \"Paris\", \"days\": 12}");
+    // the mask part during the forward pass). Once with the schema above, once with the same
+    // schema without `maxLength` (bounded strings are the costly part).
+    let free: serde_json::Value = serde_json::from_str(&SCHEMA.replace("\"maxLength\": 16", "\"minLength\": 0")).unwrap();
+    let free = vocab.compile(&Grammar::JsonSchema(free), Reasoning::None).unwrap();
+    let answer = tokenize(&words, "{\"city\": \"Paris is far\", \"days\": 12}");
     g.throughput(Throughput::Elements(answer.len() as u64));
-    g.bench_function(format!("answer_{}_tokens/mask+apply+commit", answer.len()), |b| {
-        b.iter_batched(
-            || (json.start().unwrap(), logits.clone()),
-            |(mut m, mut l)| {
-                for &t in &answer {
-                    let mask = m.allowed().unwrap();
-                    apply_mask(&mut l, mask);
-                    m.commit(t).unwrap();
-                }
-            },
-            BatchSize::LargeInput,
-        )
-    });
+    for (name, src) in [("maxLength_16", &json), ("unbounded_string", &free)] {
+        g.bench_function(format!("answer_{}_tokens/{name}", answer.len()), |b| {
+            b.iter_batched(
+                || (src.start().unwrap(), logits.clone()),
+                |(mut m, mut l)| {
+                    for &t in &answer {
+                        let mask = m.allowed().unwrap();
+                        apply_mask(&mut l, mask);
+                        m.commit(t).unwrap();
+                    }
+                },
+                BatchSize::LargeInput,
+            )
+        });
+    }
     g.finish();
 }
 

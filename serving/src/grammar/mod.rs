@@ -156,6 +156,9 @@ impl Vocabulary {
         let info = TokRxInfo::new(entries.len() as u32, first_eog);
         let trie = TokTrie::from(&info, &words).with_eos_tokens(eog);
         let env: TokEnv = Arc::new(Env { trie });
+        // llguidance's token slices (JSON string contents of up to 10, 30 and any characters).
+        // Finer slices do not help a `maxLength` string: the tokens too long for the room left
+        // are still walked, once per slice level.
         let mut factory = ParserFactory::new(
             &env,
             InferenceCapabilities::default(),
