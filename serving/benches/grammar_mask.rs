@@ -17,7 +17,11 @@
 //! Baseline measured in the same run: greedy sampling (argmax) over the same 154,880 logits,
 //! what every decode step pays anyway.
 
+#[path = "../tests/server_support/rng.rs"]
+mod rng;
+
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use rng::Rng;
 use serde_json::json;
 use serving::grammar::{Grammar, Reasoning, VocabEntry, Vocabulary};
 use serving::sampler::{apply_mask, argmax, ConstraintSource};
@@ -28,24 +32,12 @@ use std::time::Duration;
 const VOCAB: usize = 154_880;
 const N_SPECIAL: usize = 32;
 
-/// xorshift64*.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
 fn vocabulary() -> (Vec<VocabEntry>, Vec<Vec<u8>>) {
     let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
     let mut seen: HashSet<Vec<u8>> = words.iter().cloned().collect();
-    let fixed = ["{\"", "\":", "\": ", "\",", "\", \"", "\"}", "null", "true", "false", " \"", "\n  "];
+    let fixed = [
+        "{\"", "\":", "\": ", "\",", "\", \"", "\"}", "null", "true", "false", " \"", "\n  ",
+    ];
     for f in fixed {
         if seen.insert(f.as_bytes().to_vec()) {
             words.push(f.as_bytes().to_vec());
@@ -77,11 +69,11 @@ fn vocabulary() -> (Vec<VocabEntry>, Vec<Vec<u8>>) {
             units[rng.below(units.len())].clone()
         } else {
             // Cube of a uniform number: a Zipf-like preference for early pieces.
-            let u = (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
+            let u = rng.unit();
             words[first_merge + ((u * u * u) * n as f64) as usize].clone()
         };
         let right = if n > 0 && rng.below(3) == 0 {
-            let u = (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
+            let u = rng.unit();
             words[first_merge + ((u * u * u * u) * n as f64) as usize].clone()
         } else {
             units[rng.below(units.len())].clone()
@@ -108,7 +100,10 @@ fn vocabulary() -> (Vec<VocabEntry>, Vec<Vec<u8>>) {
     for w in &words[256..VOCAB - N_SPECIAL] {
         hist[String::from_utf8_lossy(w).chars().count().min(16)] += 1;
     }
-    eprintln!("synthetic vocabulary: pieces by character count 1..=16: {:?}", &hist[1..]);
+    eprintln!(
+        "synthetic vocabulary: pieces by character count 1..=16: {:?}",
+        &hist[1..]
+    );
     (entries, words)
 }
 
@@ -123,7 +118,10 @@ fn tokenize(words: &[Vec<u8>], text: &str) -> Vec<u32> {
     let mut out = Vec::new();
     let mut i = 0;
     while i < b.len() {
-        let n = (1..=16.min(b.len() - i)).rev().find(|&n| by_bytes.contains_key(&b[i..i + n])).unwrap();
+        let n = (1..=16.min(b.len() - i))
+            .rev()
+            .find(|&n| by_bytes.contains_key(&b[i..i + n]))
+            .unwrap();
         out.push(by_bytes[&b[i..i + n]]);
         i += n;
     }
@@ -140,14 +138,30 @@ fn bench(c: &mut Criterion) {
     let eos = (VOCAB - 1) as u32;
     let vocab = Vocabulary::new(&entries, &[eos]).unwrap();
     let schema: serde_json::Value = serde_json::from_str(SCHEMA).unwrap();
-    let json = vocab.compile(&Grammar::JsonSchema(schema), Reasoning::None).unwrap();
-    let any_json = vocab.compile(&Grammar::JsonSchema(json!({"type": "object"})), Reasoning::None).unwrap();
-    let yes_no = vocab.compile(&Grammar::Gbnf("root ::= \"yes\" | \"no\"".into()), Reasoning::None).unwrap();
+    let json = vocab
+        .compile(&Grammar::JsonSchema(schema), Reasoning::None)
+        .unwrap();
+    let any_json = vocab
+        .compile(
+            &Grammar::JsonSchema(json!({"type": "object"})),
+            Reasoning::None,
+        )
+        .unwrap();
+    let yes_no = vocab
+        .compile(
+            &Grammar::Gbnf("root ::= \"yes\" | \"no\"".into()),
+            Reasoning::None,
+        )
+        .unwrap();
 
     let mut g = c.benchmark_group("mask_154880");
-    g.measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1)).sample_size(30);
+    g.measurement_time(Duration::from_secs(4))
+        .warm_up_time(Duration::from_secs(1))
+        .sample_size(30);
 
-    let mut logits: Vec<f32> = (0..VOCAB).map(|i| ((i * 7919) % 1000) as f32 * 1e-3).collect();
+    let mut logits: Vec<f32> = (0..VOCAB)
+        .map(|i| ((i * 7919) % 1000) as f32 * 1e-3)
+        .collect();
     g.bench_function("baseline_argmax", |b| b.iter(|| argmax(black_box(&logits))));
 
     // A grammar state reached by feeding `prefix`; then one mask computation.
@@ -161,15 +175,27 @@ fn bench(c: &mut Criterion) {
     let states: [(&str, &dyn ConstraintSource, &str); 7] = [
         ("schema_start", &json, ""),
         ("schema_inside_string", &json, "{\"city\": \"Par"),
-        ("schema_string_3_chars_left", &json, "{\"city\": \"Paris Texas u"),
+        (
+            "schema_string_3_chars_left",
+            &json,
+            "{\"city\": \"Paris Texas u",
+        ),
         ("schema_next_key", &json, "{\"city\": \"Paris\", "),
         ("schema_integer", &json, "{\"city\": \"Paris\", \"days\": "),
-        ("json_object_inside_string", &any_json, "{\"note\": \"the weather in"),
+        (
+            "json_object_inside_string",
+            &any_json,
+            "{\"note\": \"the weather in",
+        ),
         ("gbnf_yes_no", &yes_no, ""),
     ];
     for (name, src, prefix) in states {
         g.bench_function(format!("compute_mask/{name}"), |b| {
-            b.iter_batched(|| at(src, prefix), |mut m| m.allowed().map(<[u32]>::len), BatchSize::SmallInput)
+            b.iter_batched(
+                || at(src, prefix),
+                |mut m| m.allowed().map(<[u32]>::len),
+                BatchSize::SmallInput,
+            )
         });
     }
 
@@ -177,20 +203,31 @@ fn bench(c: &mut Criterion) {
     // that allows everything.
     let mut m = at(&json, "{\"city\": \"Paris\", \"days\": ");
     let narrow = m.allowed().unwrap().to_vec();
-    g.bench_function("apply_mask/narrow", |b| b.iter(|| apply_mask(black_box(&mut logits), &narrow)));
+    g.bench_function("apply_mask/narrow", |b| {
+        b.iter(|| apply_mask(black_box(&mut logits), &narrow))
+    });
     let wide = vec![u32::MAX; VOCAB.div_ceil(32)];
-    g.bench_function("apply_mask/all_allowed", |b| b.iter(|| apply_mask(black_box(&mut logits), &wide)));
+    g.bench_function("apply_mask/all_allowed", |b| {
+        b.iter(|| apply_mask(black_box(&mut logits), &wide))
+    });
     // Committing a token (the lexer and parser advance).
     let quote = tokenize(&words, "P")[0];
     g.bench_function("commit/inside_string", |b| {
-        b.iter_batched(|| at(&json, "{\"city\": \""), |mut m| m.commit(quote), BatchSize::SmallInput)
+        b.iter_batched(
+            || at(&json, "{\"city\": \""),
+            |mut m| m.commit(quote),
+            BatchSize::SmallInput,
+        )
     });
 
     // A whole constrained answer token by token: every mask, apply and commit (the engine does
     // the mask part during the forward pass). Once with the schema above, once with the same
     // schema without `maxLength` (bounded strings are the costly part).
-    let free: serde_json::Value = serde_json::from_str(&SCHEMA.replace("\"maxLength\": 16", "\"minLength\": 0")).unwrap();
-    let free = vocab.compile(&Grammar::JsonSchema(free), Reasoning::None).unwrap();
+    let free: serde_json::Value =
+        serde_json::from_str(&SCHEMA.replace("\"maxLength\": 16", "\"minLength\": 0")).unwrap();
+    let free = vocab
+        .compile(&Grammar::JsonSchema(free), Reasoning::None)
+        .unwrap();
     let answer = tokenize(&words, "{\"city\": \"Paris is far\", \"days\": 12}");
     g.throughput(Throughput::Elements(answer.len() as u64));
     for (name, src) in [("maxLength_16", &json), ("unbounded_string", &free)] {

@@ -209,7 +209,9 @@ fn concurrent_requests_share_forward_passes() {
     }
     assert_eq!(model.max_batch.load(Ordering::SeqCst), 8);
     // The engine frees a sequence right after sending its last event.
-    wait_until("every sequence freed", || model.live.load(Ordering::SeqCst) == 0);
+    wait_until("every sequence freed", || {
+        model.live.load(Ordering::SeqCst) == 0
+    });
 }
 
 #[test]
@@ -346,7 +348,11 @@ impl serving::sampler::TokenConstraint for Spell {
         Ok(&self.mask)
     }
     fn commit(&mut self, id: u32) -> Result<(), String> {
-        assert_eq!(id, u32::from(self.text[self.pos]), "the engine sampled a masked token");
+        assert_eq!(
+            id,
+            u32::from(self.text[self.pos]),
+            "the engine sampled a masked token"
+        );
         self.pos += 1;
         Ok(())
     }
@@ -375,21 +381,34 @@ fn constraints_mask_every_step_and_end_the_answer() {
     // The mock wants "bcd..." after "a"; the constraint spells "xyz" and then ends the answer
     // with `stop` although max_tokens allows more.
     let mut r = req("a", 20);
-    r.constraint = Some(serving::engine::SharedConstraint(Arc::new(SpellSource("xyz", None))));
+    r.constraint = Some(serving::engine::SharedConstraint(Arc::new(SpellSource(
+        "xyz", None,
+    ))));
     r.logprobs = Some(1);
     let events = drain(e.submit(r).unwrap());
     let (text, end) = tokens_and_end(&events);
     assert_eq!(text, "xyz");
     assert_eq!(end.unwrap().0, FinishReason::Stop);
     // Reported logprobs stay those of the raw distribution: 'x' was not the model's choice.
-    let Event::Token { logprobs: Some(lp), .. } = &events[0] else { panic!("{events:?}") };
+    let Event::Token {
+        logprobs: Some(lp), ..
+    } = &events[0]
+    else {
+        panic!("{events:?}")
+    };
     assert!((lp.logprob as f64 - other_logprob()).abs() < 1e-5);
     assert_eq!(lp.top[0].0, u32::from(b'b'));
     // A failing constraint fails its request only.
     let mut r = req("a", 20);
-    r.constraint = Some(serving::engine::SharedConstraint(Arc::new(SpellSource("xyz", Some(1)))));
+    r.constraint = Some(serving::engine::SharedConstraint(Arc::new(SpellSource(
+        "xyz",
+        Some(1),
+    ))));
     let events = drain(e.submit(r).unwrap());
-    assert!(matches!(events.last(), Some(Event::Failed(m)) if m.contains("spelling broke")), "{events:?}");
+    assert!(
+        matches!(events.last(), Some(Event::Failed(m)) if m.contains("spelling broke")),
+        "{events:?}"
+    );
     assert_eq!(metrics.finished_count("error"), 1);
     let (text, _) = tokens_and_end(&drain(e.submit(req("a", 3)).unwrap()));
     assert_eq!(text, "bcd");

@@ -4,10 +4,16 @@
 //! the output must parse and satisfy the grammar; an adversarial walk that always prefers
 //! whitespace must still end (JSON whitespace is bounded).
 
+#[path = "server_support/rng.rs"]
+mod rng;
+
+use rng::Rng;
 use serde_json::{json, Value};
 use serving::grammar::{Grammar, Reasoning, VocabEntry, Vocabulary};
 use serving::sampler::{ConstraintSource, TokenConstraint};
-use serving::server::tools::{self, ToolChoice, ToolDef, ToolFormat, ToolOut, ToolParser, ToolSupport};
+use serving::server::tools::{
+    self, ToolChoice, ToolDef, ToolFormat, ToolOut, ToolParser, ToolSupport,
+};
 
 const EOS: u32 = 400;
 const THINK: u32 = 401;
@@ -23,8 +29,28 @@ const VOCAB: usize = 420;
 /// Byte tokens 0..256, multi-byte pieces 256.., control tokens 400.., unused ids at the end.
 fn vocab() -> (Vocabulary, Vec<Vec<u8>>) {
     let pieces = [
-        "{\"", "\":", "\",", "\"}", "true", "false", "null", "  ", "\n", "\n  ", "city", "days",
-        "Paris", "Rome", "name", "arguments", "get_weather", "yes", "no", " the", "123", "<tool",
+        "{\"",
+        "\":",
+        "\",",
+        "\"}",
+        "true",
+        "false",
+        "null",
+        "  ",
+        "\n",
+        "\n  ",
+        "city",
+        "days",
+        "Paris",
+        "Rome",
+        "name",
+        "arguments",
+        "get_weather",
+        "yes",
+        "no",
+        " the",
+        "123",
+        "<tool",
     ];
     let mut entries: Vec<VocabEntry> = (0..=255u8).map(|b| VocabEntry::Text(vec![b])).collect();
     let mut text: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
@@ -37,8 +63,15 @@ fn vocab() -> (Vocabulary, Vec<Vec<u8>>) {
         text.push(Vec::new());
     }
     for s in [
-        "<eos>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
-        "<arg_value>", "</arg_value>",
+        "<eos>",
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+        "<arg_key>",
+        "</arg_key>",
+        "<arg_value>",
+        "</arg_value>",
     ] {
         entries.push(VocabEntry::Special(s.into()));
         text.push(s.as_bytes().to_vec());
@@ -52,17 +85,11 @@ fn vocab() -> (Vocabulary, Vec<Vec<u8>>) {
 
 fn allowed(mask: &[u32]) -> Vec<u32> {
     (0..VOCAB as u32)
-        .filter(|&i| mask.get(i as usize / 32).is_some_and(|w| w & (1 << (i % 32)) != 0))
+        .filter(|&i| {
+            mask.get(i as usize / 32)
+                .is_some_and(|w| w & (1 << (i % 32)) != 0)
+        })
         .collect()
-}
-
-/// splitmix64: a seeded choice among the allowed tokens.
-fn next(seed: &mut u64) -> u64 {
-    *seed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *seed;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 enum Walk {
@@ -74,12 +101,23 @@ enum Walk {
 
 /// Generate until the grammar finishes or allows only EOS; the text (control tokens written
 /// out) and the number of tokens. Panics when a step has an empty mask.
-fn walk(c: &mut dyn TokenConstraint, text: &[Vec<u8>], mut seed: u64, how: Walk, limit: usize) -> (String, usize) {
+fn walk(
+    c: &mut dyn TokenConstraint,
+    text: &[Vec<u8>],
+    seed: u64,
+    how: Walk,
+    limit: usize,
+) -> (String, usize) {
+    let mut rng = Rng(seed);
     let mut out = Vec::new();
     for step in 0..limit {
         let mask = c.allowed().unwrap().to_vec();
         let ok = allowed(&mask);
-        assert!(!ok.is_empty(), "empty mask after {:?}", String::from_utf8_lossy(&out));
+        assert!(
+            !ok.is_empty(),
+            "empty mask after {:?}",
+            String::from_utf8_lossy(&out)
+        );
         let non_eos: Vec<u32> = ok.iter().copied().filter(|&t| t != EOS).collect();
         if non_eos.is_empty() {
             return (String::from_utf8(out).unwrap(), step);
@@ -88,14 +126,17 @@ fn walk(c: &mut dyn TokenConstraint, text: &[Vec<u8>], mut seed: u64, how: Walk,
             Walk::Blanks => non_eos
                 .iter()
                 .copied()
-                .find(|&t| !text[t as usize].is_empty() && text[t as usize].iter().all(|b| b" \n\t".contains(b)))
-                .unwrap_or_else(|| non_eos[(next(&mut seed) % non_eos.len() as u64) as usize]),
+                .find(|&t| {
+                    !text[t as usize].is_empty()
+                        && text[t as usize].iter().all(|b| b" \n\t".contains(b))
+                })
+                .unwrap_or_else(|| non_eos[rng.below(non_eos.len())]),
             // Ending early is allowed when EOS is: take it now and then, so short outputs are
             // exercised too.
-            Walk::Random if ok.contains(&EOS) && next(&mut seed) % 4 == 0 => {
+            Walk::Random if ok.contains(&EOS) && rng.below(4) == 0 => {
                 return (String::from_utf8(out).unwrap(), step)
             }
-            Walk::Random => non_eos[(next(&mut seed) % non_eos.len() as u64) as usize],
+            Walk::Random => non_eos[rng.below(non_eos.len())],
         };
         out.extend_from_slice(&text[pick as usize]);
         c.commit(pick).unwrap();
@@ -103,10 +144,18 @@ fn walk(c: &mut dyn TokenConstraint, text: &[Vec<u8>], mut seed: u64, how: Walk,
             return (String::from_utf8(out).unwrap(), step + 1);
         }
     }
-    panic!("no end after {limit} tokens: {:?}", String::from_utf8_lossy(&out));
+    panic!(
+        "no end after {limit} tokens: {:?}",
+        String::from_utf8_lossy(&out)
+    );
 }
 
-fn run(g: &Grammar, reasoning: Reasoning, seeds: std::ops::Range<u64>, how: fn() -> Walk) -> Vec<String> {
+fn run(
+    g: &Grammar,
+    reasoning: Reasoning,
+    seeds: std::ops::Range<u64>,
+    how: fn() -> Walk,
+) -> Vec<String> {
     let (v, text) = vocab();
     let compiled = v.compile(g, reasoning).unwrap();
     seeds
@@ -132,7 +181,12 @@ fn valid(o: &Value) -> bool {
 #[test]
 fn json_schema_output_always_validates() {
     let schema: Value = serde_json::from_str(SCHEMA).unwrap();
-    for out in run(&Grammar::JsonSchema(schema), Reasoning::None, 0..200, || Walk::Random) {
+    for out in run(
+        &Grammar::JsonSchema(schema),
+        Reasoning::None,
+        0..200,
+        || Walk::Random,
+    ) {
         let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{out:?}: {e}"));
         assert!(valid(&v), "{out}");
     }
@@ -143,7 +197,9 @@ fn no_free_whitespace_so_objects_close() {
     // An adversary that always takes whitespace still gets a complete object: outside strings
     // the only blanks are the one space after ',' and ':'.
     let schema: Value = serde_json::from_str(SCHEMA).unwrap();
-    for out in run(&Grammar::JsonSchema(schema), Reasoning::None, 0..20, || Walk::Blanks) {
+    for out in run(&Grammar::JsonSchema(schema), Reasoning::None, 0..20, || {
+        Walk::Blanks
+    }) {
         let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{out:?}: {e}"));
         assert!(valid(&v), "{out}");
         assert!(out.starts_with("{\"city\": \""), "{out:?}");
@@ -174,20 +230,40 @@ fn gaps(json: &str) -> Vec<String> {
 
 #[test]
 fn gbnf_choice_regex_grammars() {
-    for out in run(&Grammar::Gbnf("root ::= \"yes\" | \"no\"".into()), Reasoning::None, 0..50, || Walk::Random) {
+    for out in run(
+        &Grammar::Gbnf("root ::= \"yes\" | \"no\"".into()),
+        Reasoning::None,
+        0..50,
+        || Walk::Random,
+    ) {
         assert!(out == "yes" || out == "no", "{out:?}");
     }
     let list = "root ::= item (\", \" item){0,3}\nitem ::= [a-c]+ | \"x\" [0-9]{2}\n";
     let re = regex_lite(r"^([a-c]+|x[0-9]{2})(, ([a-c]+|x[0-9]{2})){0,3}$");
-    for out in run(&Grammar::Gbnf(list.into()), Reasoning::None, 0..100, || Walk::Random) {
+    for out in run(&Grammar::Gbnf(list.into()), Reasoning::None, 0..100, || {
+        Walk::Random
+    }) {
         assert!(re(&out), "{out:?}");
     }
-    for out in run(&Grammar::Choice(vec!["red".into(), "green".into()]), Reasoning::None, 0..20, || Walk::Random) {
+    for out in run(
+        &Grammar::Choice(vec!["red".into(), "green".into()]),
+        Reasoning::None,
+        0..20,
+        || Walk::Random,
+    ) {
         assert!(out == "red" || out == "green", "{out:?}");
     }
-    for out in run(&Grammar::Regex("[0-9]{3}-[a-z]{2}".into()), Reasoning::None, 0..20, || Walk::Random) {
+    for out in run(
+        &Grammar::Regex("[0-9]{3}-[a-z]{2}".into()),
+        Reasoning::None,
+        0..20,
+        || Walk::Random,
+    ) {
         let b = out.as_bytes();
-        assert!(b.len() == 6 && b[..3].iter().all(u8::is_ascii_digit) && b[3] == b'-', "{out:?}");
+        assert!(
+            b.len() == 6 && b[..3].iter().all(u8::is_ascii_digit) && b[3] == b'-',
+            "{out:?}"
+        );
     }
 }
 
@@ -197,7 +273,9 @@ fn regex_lite(_pattern: &str) -> impl Fn(&str) -> bool {
         s.split(", ").count() <= 4
             && s.split(", ").all(|item| {
                 (!item.is_empty() && item.bytes().all(|b| (b'a'..=b'c').contains(&b)))
-                    || (item.len() == 3 && item.starts_with('x') && item[1..].bytes().all(|b| b.is_ascii_digit()))
+                    || (item.len() == 3
+                        && item.starts_with('x')
+                        && item[1..].bytes().all(|b| b.is_ascii_digit()))
             })
     }
 }
@@ -207,7 +285,12 @@ fn thinking_comes_before_the_constrained_answer() {
     let schema: Value = serde_json::from_str(SCHEMA).unwrap();
     let (v, text) = vocab();
     // Inside an open block: any text, then </think>, then the JSON.
-    let g = v.compile(&Grammar::JsonSchema(schema.clone()), Reasoning::Open { close: END_THINK }).unwrap();
+    let g = v
+        .compile(
+            &Grammar::JsonSchema(schema.clone()),
+            Reasoning::Open { close: END_THINK },
+        )
+        .unwrap();
     let mut c = g.start().unwrap();
     for t in " the".bytes().map(u32::from).chain([END_THINK]) {
         assert!(allowed(c.allowed().unwrap()).contains(&t));
@@ -216,7 +299,15 @@ fn thinking_comes_before_the_constrained_answer() {
     let (rest, _) = walk(c.as_mut(), &text, 7, Walk::Random, 4000);
     assert!(valid(&serde_json::from_str(&rest).unwrap()), "{rest}");
     // Optional: the model may open a block, or answer at once.
-    let g = v.compile(&Grammar::JsonSchema(schema), Reasoning::Optional { open: THINK, close: END_THINK }).unwrap();
+    let g = v
+        .compile(
+            &Grammar::JsonSchema(schema),
+            Reasoning::Optional {
+                open: THINK,
+                close: END_THINK,
+            },
+        )
+        .unwrap();
     let mut c = g.start().unwrap();
     let first = allowed(c.allowed().unwrap());
     assert!(first.contains(&THINK) && first.contains(&('{' as u32)) && !first.contains(&END_THINK));
@@ -262,10 +353,13 @@ fn forced_calls_parse_and_validate_in_every_format() {
             (ToolChoice::Named("get_weather".into()), false),
             (ToolChoice::Required, true),
         ] {
-            let (start, rules) = tools::forced_call_grammar(&tools_list, &choice, parallel, &support(format))
-                .unwrap()
+            let (start, rules) =
+                tools::forced_call_grammar(&tools_list, &choice, parallel, &support(format))
+                    .unwrap()
+                    .unwrap();
+            let g = v
+                .compile(&Grammar::Rules { start, rules }, Reasoning::None)
                 .unwrap();
-            let g = v.compile(&Grammar::Rules { start, rules }, Reasoning::None).unwrap();
             for seed in 0..40 {
                 let mut c = g.start().unwrap();
                 let (out, _) = walk(c.as_mut(), &text, seed, Walk::Random, 4000);
@@ -276,9 +370,14 @@ fn forced_calls_parse_and_validate_in_every_format() {
                 let calls: Vec<(String, Value)> = outs
                     .iter()
                     .filter_map(|o| match o {
-                        ToolOut::Call { name, arguments } => Some((name.clone(), serde_json::from_str(arguments).unwrap())),
+                        ToolOut::Call { name, arguments } => {
+                            Some((name.clone(), serde_json::from_str(arguments).unwrap()))
+                        }
                         ToolOut::Text(t) => {
-                            assert!(t.trim().is_empty(), "{format:?}: stray text {t:?} in {out:?}");
+                            assert!(
+                                t.trim().is_empty(),
+                                "{format:?}: stray text {t:?} in {out:?}"
+                            );
                             None
                         }
                     })
@@ -294,7 +393,10 @@ fn forced_calls_parse_and_validate_in_every_format() {
                             assert!(choice == ToolChoice::Required);
                             let m = args.as_object().unwrap();
                             assert!(m.keys().all(|k| k == "zone"), "{args}");
-                            assert!(m.get("zone").is_none_or(|z| z == "UTC" || z == "CET"), "{args}");
+                            assert!(
+                                m.get("zone").is_none_or(|z| z == "UTC" || z == "CET"),
+                                "{args}"
+                            );
                         }
                         n => panic!("unexpected function {n}"),
                     }
@@ -311,7 +413,13 @@ fn glm_format_refuses_what_it_cannot_enforce() {
         description: None,
         parameters: json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}),
     };
-    let e = tools::forced_call_grammar(&[t], &ToolChoice::Required, false, &support(ToolFormat::Glm)).unwrap_err();
+    let e = tools::forced_call_grammar(
+        &[t],
+        &ToolChoice::Required,
+        false,
+        &support(ToolFormat::Glm),
+    )
+    .unwrap_err();
     assert_eq!(e.status, 400);
     assert!(e.message.contains("pattern"), "{}", e.message);
 }
@@ -321,7 +429,9 @@ fn bad_grammars_are_errors() {
     let (v, _) = vocab();
     for g in [
         Grammar::Gbnf("root ::= \"a".into()),
-        Grammar::JsonSchema(json!({"type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}})),
+        Grammar::JsonSchema(
+            json!({"type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}),
+        ),
         Grammar::JsonSchema(json!(false)),
         Grammar::Lark("start: undefined_rule".into()),
         Grammar::Regex("(".into()),

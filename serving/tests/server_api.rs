@@ -434,7 +434,10 @@ fn tokenize_detokenize_models_metrics() {
     assert!(m.header("content-type").unwrap().starts_with("text/plain"));
     let t = m.text();
     assert!(t.contains("# TYPE gguftool_prompt_tokens_total counter"));
-    assert!(t.contains("\ngguftool_prompt_tokens_total{model_name=\"mock\"} 3\n"), "{t}");
+    assert!(
+        t.contains("\ngguftool_prompt_tokens_total{model_name=\"mock\"} 3\n"),
+        "{t}"
+    );
     assert!(t.contains("\ngguftool_generation_tokens_total{model_name=\"mock\"} 2\n"));
     assert!(t.contains("gguftool_http_requests_total{model_name=\"mock\",route=\"/v1/completions\",status=\"200\"} 1"));
     assert!(t.contains("# TYPE gguftool_time_to_first_token_seconds histogram"));

@@ -133,19 +133,26 @@ async fn serve(args: Args) -> Result<ExitCode> {
         let gguf = Arc::new(gguf);
         let (lm, device) = runtime::device::load_language_model(Arc::clone(&gguf), device)?;
         eprintln!("gguftool serve: running on {}", device.name());
-        let backend = server::model_backend_with(&gguf, lm, &name, load_metrics, chat_template.as_deref(), |c| {
-            c.max_queue = max_queue as usize;
-            c.max_running = parallel as usize;
-            if let Some(n) = ctx {
-                if n as usize > c.context_length {
-                    eprintln!(
+        let backend = server::model_backend_with(
+            &gguf,
+            lm,
+            &name,
+            load_metrics,
+            chat_template.as_deref(),
+            |c| {
+                c.max_queue = max_queue as usize;
+                c.max_running = parallel as usize;
+                if let Some(n) = ctx {
+                    if n as usize > c.context_length {
+                        eprintln!(
                         "warning: --ctx-size {n} is larger than the model's context {}; using {}",
                         c.context_length, c.context_length
                     );
+                    }
+                    c.context_length = c.context_length.min(n as usize);
                 }
-                c.context_length = c.context_length.min(n as usize);
-            }
-        })
+            },
+        )
         .context("loading the model")?;
         Ok(backend.with_model(gguf))
     });
@@ -184,19 +191,30 @@ const DEMO_MODEL_ID: &str = "tiny-glm5-Q4_K_M";
 /// The model id of a GGUF path: its file name without `.gguf` and without a split suffix
 /// (`-00001-of-00003`), whitespace replaced, so clients can send it back verbatim.
 fn model_id(p: &std::path::Path) -> String {
-    let name = p
-        .file_name()
-        .map_or_else(|| p.display().to_string(), |f| f.to_string_lossy().into_owned());
+    let name = p.file_name().map_or_else(
+        || p.display().to_string(),
+        |f| f.to_string_lossy().into_owned(),
+    );
     let mut stem = name.strip_suffix(".gguf").unwrap_or(&name).to_string();
     if let Some(i) = stem.rfind("-of-") {
         let (head, tail) = stem.split_at(i);
         let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
-        if digits(&tail[4..]) && head.len() > 6 && head.as_bytes()[head.len() - 6] == b'-' && digits(&head[head.len() - 5..]) {
+        if digits(&tail[4..])
+            && head.len() > 6
+            && head.as_bytes()[head.len() - 6] == b'-'
+            && digits(&head[head.len() - 5..])
+        {
             stem.truncate(i - 6);
         }
     }
     stem.chars()
-        .map(|c| if c.is_whitespace() || c.is_control() { '_' } else { c })
+        .map(|c| {
+            if c.is_whitespace() || c.is_control() {
+                '_'
+            } else {
+                c
+            }
+        })
         .collect()
 }
 
@@ -237,7 +255,10 @@ mod tests {
     fn model_ids_have_no_spaces_or_split_suffix() {
         let id = |p: &str| model_id(std::path::Path::new(p));
         assert_eq!(id("/m/tiny-glm5-Q4_K_M.gguf"), "tiny-glm5-Q4_K_M");
-        assert_eq!(id("GLM-5-UD-Q4_K_XL-00003-of-00010.gguf"), "GLM-5-UD-Q4_K_XL");
+        assert_eq!(
+            id("GLM-5-UD-Q4_K_XL-00003-of-00010.gguf"),
+            "GLM-5-UD-Q4_K_XL"
+        );
         assert_eq!(id("my model.gguf"), "my_model");
         assert_eq!(id("x-of-00002.gguf"), "x-of-00002");
         assert!(parse_model_id("a b").is_err());

@@ -450,7 +450,10 @@ mod tests {
         m.set_model_name("tiny \"glm\"");
         let s = m.render();
         let label = "model_name=\"tiny \\\"glm\\\"\"";
-        assert!(s.contains(&format!("gguftool_prompt_tokens_total{{{label}}} 0\n")), "{s}");
+        assert!(
+            s.contains(&format!("gguftool_prompt_tokens_total{{{label}}} 0\n")),
+            "{s}"
+        );
         assert!(s.contains(&format!(
             "gguftool_http_requests_total{{{label},route=\"/v1/models\",status=\"200\"}} 1"
         )));
@@ -459,7 +462,7 @@ mod tests {
         )));
         assert!(s.contains(&format!("vllm:num_requests_running{{{label}}} 0")));
         for line in s.lines().filter(|l| !l.starts_with('#')) {
-            assert!(line.contains(&label), "{line}");
+            assert!(line.contains(label), "{line}");
         }
     }
 }

@@ -8,7 +8,9 @@
 
 pub mod metrics;
 
-use crate::sampler::{self, ConstraintSource, RepeatWindow, Sampler, SamplingParams, TokenConstraint};
+use crate::sampler::{
+    self, ConstraintSource, RepeatWindow, Sampler, SamplingParams, TokenConstraint,
+};
 pub use metrics::Metrics;
 use runtime::lm::{LanguageModel, SeqStep, SequenceState};
 use std::collections::{HashMap, VecDeque};
@@ -604,7 +606,9 @@ impl Scheduler {
         let mut finished: Vec<usize> = Vec::new();
         for (i, (a, w)) in self.running.iter_mut().zip(&work).enumerate() {
             let Some(w) = *w else { continue };
-            let Some(mut logits) = outputs.next() else { break };
+            let Some(mut logits) = outputs.next() else {
+                break;
+            };
             let done = match w {
                 Work::Prefill { from, to } => {
                     self.metrics

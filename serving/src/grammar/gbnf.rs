@@ -178,7 +178,10 @@ impl<F: Fn(&str) -> Option<u32>> Parser<'_, F> {
     }
 
     fn name(&mut self) -> Result<String, GbnfError> {
-        let len = self.rest().find(|c: char| !is_word(c)).unwrap_or(self.rest().len());
+        let len = self
+            .rest()
+            .find(|c: char| !is_word(c))
+            .unwrap_or(self.rest().len());
         if len == 0 {
             return Err(self.err("expecting a rule name"));
         }
@@ -199,8 +202,7 @@ impl<F: Fn(&str) -> Option<u32>> Parser<'_, F> {
 
     fn sequence(&mut self, nested: bool, depth: usize) -> Result<Vec<Item>, GbnfError> {
         let mut items: Vec<Item> = Vec::new();
-        loop {
-            let Some(c) = self.peek() else { break };
+        while let Some(c) = self.peek() {
             let atom = match c {
                 '"' => {
                     self.pos += 1;
@@ -234,12 +236,13 @@ impl<F: Fn(&str) -> Option<u32>> Parser<'_, F> {
                             Some(_) => {
                                 let lo = self.char()?;
                                 let r = self.rest();
-                                let hi = if r.starts_with('-') && !r.starts_with("-]") && r.len() > 1 {
-                                    self.pos += 1;
-                                    self.char()?
-                                } else {
-                                    lo
-                                };
+                                let hi =
+                                    if r.starts_with('-') && !r.starts_with("-]") && r.len() > 1 {
+                                        self.pos += 1;
+                                        self.char()?
+                                    } else {
+                                        lo
+                                    };
                                 if hi < lo {
                                     return Err(self.err(format!(
                                         "character range {lo:?}-{hi:?} is reversed"
@@ -258,9 +261,7 @@ impl<F: Fn(&str) -> Option<u32>> Parser<'_, F> {
                 '<' | '!' => self.token()?,
                 '(' => {
                     if depth >= MAX_DEPTH {
-                        return Err(self.err(format!(
-                            "parentheses nested deeper than {MAX_DEPTH}"
-                        )));
+                        return Err(self.err(format!("parentheses nested deeper than {MAX_DEPTH}")));
                     }
                     self.pos += 1;
                     self.skip_space(true);
@@ -408,8 +409,9 @@ impl<F: Fn(&str) -> Option<u32>> Parser<'_, F> {
                 .map_err(|_| self.err(format!("bad token id {num:?}")))?
         } else {
             let text = &self.rest()[..=end];
-            (self.token_id)(text)
-                .ok_or_else(|| self.err(format!("{text} is not a single token of this vocabulary")))?
+            (self.token_id)(text).ok_or_else(|| {
+                self.err(format!("{text} is not a single token of this vocabulary"))
+            })?
         };
         self.pos += end + 1;
         Ok(Atom::Token { negated, id })

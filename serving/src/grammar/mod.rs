@@ -14,7 +14,9 @@ pub mod gbnf;
 
 use crate::sampler::{ConstraintSource, TokenConstraint};
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::{InferenceCapabilities, SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::toktrie::{
+    InferenceCapabilities, SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv,
+};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
@@ -195,18 +197,31 @@ impl Vocabulary {
                 })?;
                 (gbnf::ROOT.to_string(), rules)
             }
-            Grammar::Regex(r) => (format!("/{}/", llguidance::regex_to_lark(r, "")), String::new()),
+            Grammar::Regex(r) => (
+                format!("/{}/", llguidance::regex_to_lark(r, "")),
+                String::new(),
+            ),
             Grammar::Choice(c) => {
-                let alts: Vec<String> = c.iter().map(|s| Value::String(s.clone()).to_string()).collect();
+                let alts: Vec<String> = c
+                    .iter()
+                    .map(|s| Value::String(s.clone()).to_string())
+                    .collect();
                 (format!("({})", alts.join(" | ")), String::new())
             }
             Grammar::Rules { start, rules } => (start.clone(), rules.clone()),
         };
-        Ok(format!("start: {}{start}\n{rules}", reasoning.lark_prefix()))
+        Ok(format!(
+            "start: {}{start}\n{rules}",
+            reasoning.lark_prefix()
+        ))
     }
 
     /// Compile `g`. Errors name what is wrong with the grammar (a 400 for the client).
-    pub fn compile(&self, g: &Grammar, reasoning: Reasoning) -> Result<CompiledGrammar, GrammarError> {
+    pub fn compile(
+        &self,
+        g: &Grammar,
+        reasoning: Reasoning,
+    ) -> Result<CompiledGrammar, GrammarError> {
         let top = TopLevelGrammar::from_lark(self.lark(g, reasoning)?);
         let parser = self
             .factory
@@ -223,7 +238,8 @@ impl Vocabulary {
 }
 
 fn matcher_error(m: &Matcher) -> Option<String> {
-    m.is_error().then(|| m.get_error().unwrap_or_else(|| "grammar error".into()))
+    m.is_error()
+        .then(|| m.get_error().unwrap_or_else(|| "grammar error".into()))
 }
 
 /// The schema with the server's JSON options (fixed separators, no free whitespace, no

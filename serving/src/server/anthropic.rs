@@ -13,6 +13,7 @@ use super::text::{Channel, Message, ToolCall};
 use super::tools::{ToolChoice, ToolDef};
 use super::{read_json, AppState};
 use crate::engine::Usage;
+use crate::sampler::SamplingParams;
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -98,23 +99,40 @@ async fn messages_inner(s: Arc<AppState>, req: Request) -> Result<Response, ApiE
 fn parse(body: &Value, generate: bool) -> Result<ChatRequest, ApiError> {
     let f = Fields::of(body)?;
     f.string("model")?;
-    let mut common = Common::default();
-    common.max_tokens = match f.integer("max_tokens", 1, u32::MAX as i64)? {
+    let max_tokens = match f.integer("max_tokens", 1, u32::MAX as i64)? {
         Some(n) => Some(n as usize),
-        None if generate => return Err(ApiError::invalid("max_tokens", "'max_tokens' is required")),
+        None if generate => {
+            return Err(ApiError::invalid("max_tokens", "'max_tokens' is required"))
+        }
         None => None,
     };
-    // Anthropic's temperature range is 0..1.
-    common.sampling.temperature = f.number("temperature", 0.0, 1.0)?.unwrap_or(1.0) as f32;
-    common.sampling.top_p = f.number("top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32;
-    common.sampling.top_k = f.integer("top_k", 0, i32::MAX as i64)?.unwrap_or(0) as usize;
-    common.stream = f.boolean("stream")?.unwrap_or(false);
-    if let Some(v) = f.get("stop_sequences") {
-        let a = v
-            .as_array()
-            .ok_or_else(|| ApiError::invalid("stop_sequences", "'stop_sequences' must be an array of strings"))?;
-        common.stop = params::stop_list(a.iter(), "stop_sequences")?;
-    }
+    let sampling = SamplingParams {
+        // Anthropic's temperature range is 0..1.
+        temperature: f.number("temperature", 0.0, 1.0)?.unwrap_or(1.0) as f32,
+        top_p: f.number("top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
+        top_k: f.integer("top_k", 0, i32::MAX as i64)?.unwrap_or(0) as usize,
+        ..SamplingParams::default()
+    };
+    let stream = f.boolean("stream")?.unwrap_or(false);
+    let stop = match f.get("stop_sequences") {
+        None => Vec::new(),
+        Some(v) => {
+            let a = v.as_array().ok_or_else(|| {
+                ApiError::invalid(
+                    "stop_sequences",
+                    "'stop_sequences' must be an array of strings",
+                )
+            })?;
+            params::stop_list(a.iter(), "stop_sequences")?
+        }
+    };
+    let common = Common {
+        max_tokens,
+        sampling,
+        stream,
+        stop,
+        ..Common::default()
+    };
     let mut messages = Vec::new();
     match f.get("system") {
         None => {}
@@ -132,7 +150,12 @@ fn parse(body: &Value, generate: bool) -> Result<ChatRequest, ApiError> {
     }
     let list = match f.get("messages") {
         Some(Value::Array(a)) if !a.is_empty() => a,
-        _ => return Err(ApiError::invalid("messages", "'messages' must be a non-empty array")),
+        _ => {
+            return Err(ApiError::invalid(
+                "messages",
+                "'messages' must be a non-empty array",
+            ))
+        }
     };
     if list.len() > params::MAX_MESSAGES {
         return Err(ApiError::invalid("messages", "too many messages"));
@@ -146,9 +169,14 @@ fn parse(body: &Value, generate: bool) -> Result<ChatRequest, ApiError> {
         Some(t) => {
             let r = match t.string("type")? {
                 Some("enabled") => {
-                    let budget = t.integer("budget_tokens", 1, u32::MAX as i64)?.ok_or_else(|| {
-                        ApiError::invalid("thinking.budget_tokens", "'thinking.budget_tokens' is required")
-                    })?;
+                    let budget =
+                        t.integer("budget_tokens", 1, u32::MAX as i64)?
+                            .ok_or_else(|| {
+                                ApiError::invalid(
+                                    "thinking.budget_tokens",
+                                    "'thinking.budget_tokens' is required",
+                                )
+                            })?;
                     (Some(true), Some(budget as usize))
                 }
                 Some("disabled") => (Some(false), None),
@@ -206,23 +234,38 @@ fn push_message(out: &mut Vec<Message>, m: &Value, i: usize) -> Result<(), ApiEr
     let p = format!("messages[{i}]");
     let role = match m.get("role").and_then(Value::as_str) {
         Some(r @ ("user" | "assistant")) => r,
-        _ => return Err(ApiError::invalid(&format!("{p}.role"), format!("{p}.role must be user or assistant"))),
+        _ => {
+            return Err(ApiError::invalid(
+                &format!("{p}.role"),
+                format!("{p}.role must be user or assistant"),
+            ))
+        }
     };
     let blocks: Vec<Value> = match m.get("content") {
         Some(Value::String(s)) => vec![json!({"type": "text", "text": s})],
         Some(Value::Array(a)) => a.clone(),
-        _ => return Err(ApiError::invalid(&format!("{p}.content"), format!("{p}.content must be a string or blocks"))),
+        _ => {
+            return Err(ApiError::invalid(
+                &format!("{p}.content"),
+                format!("{p}.content must be a string or blocks"),
+            ))
+        }
     };
     let mut msg = Message::new(role, "");
     for (j, b) in blocks.iter().enumerate() {
         let bp = format!("{p}.content[{j}]");
         let bad = |what: &str| ApiError::invalid(&bp, format!("{bp}: {what}"));
         match (role, b.get("type").and_then(Value::as_str)) {
-            (_, Some("text")) => {
-                msg.content.push_str(b.get("text").and_then(Value::as_str).ok_or_else(|| bad("text is required"))?)
-            }
+            (_, Some("text")) => msg.content.push_str(
+                b.get("text")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| bad("text is required"))?,
+            ),
             ("user", Some("tool_result")) => {
-                let id = b.get("tool_use_id").and_then(Value::as_str).ok_or_else(|| bad("tool_use_id is required"))?;
+                let id = b
+                    .get("tool_use_id")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| bad("tool_use_id is required"))?;
                 let mut content = match b.get("content") {
                     None | Some(Value::Null) => String::new(),
                     Some(Value::String(s)) => s.clone(),
@@ -238,8 +281,14 @@ fn push_message(out: &mut Vec<Message>, m: &Value, i: usize) -> Result<(), ApiEr
                 });
             }
             ("assistant", Some("tool_use")) => {
-                let id = b.get("id").and_then(Value::as_str).ok_or_else(|| bad("id is required"))?;
-                let name = b.get("name").and_then(Value::as_str).ok_or_else(|| bad("name is required"))?;
+                let id = b
+                    .get("id")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| bad("id is required"))?;
+                let name = b
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| bad("name is required"))?;
                 let input = b.get("input").cloned().unwrap_or_else(|| json!({}));
                 msg.tool_calls.push(ToolCall {
                     id: id.to_string(),
@@ -249,13 +298,20 @@ fn push_message(out: &mut Vec<Message>, m: &Value, i: usize) -> Result<(), ApiEr
             }
             ("assistant", Some("thinking")) => {
                 let t = b.get("thinking").and_then(Value::as_str).unwrap_or("");
-                msg.reasoning_content.get_or_insert_with(String::new).push_str(t);
+                msg.reasoning_content
+                    .get_or_insert_with(String::new)
+                    .push_str(t);
             }
             (_, other) => return Err(bad(&format!("block type {other:?} is not supported"))),
         }
     }
     // A user turn made only of tool results adds no empty user message.
-    if !(role == "user" && msg.content.is_empty() && blocks.iter().all(|b| b.get("type").and_then(Value::as_str) == Some("tool_result"))) {
+    if !(role == "user"
+        && msg.content.is_empty()
+        && blocks
+            .iter()
+            .all(|b| b.get("type").and_then(Value::as_str) == Some("tool_result")))
+    {
         out.push(msg);
     }
     Ok(())
@@ -264,24 +320,38 @@ fn push_message(out: &mut Vec<Message>, m: &Value, i: usize) -> Result<(), ApiEr
 fn parse_tools(f: &Fields<'_>) -> Result<(Vec<ToolDef>, ToolChoice, bool), ApiError> {
     let mut tools = Vec::new();
     if let Some(v) = f.get("tools") {
-        let a = v.as_array().ok_or_else(|| ApiError::invalid("tools", "'tools' must be an array"))?;
+        let a = v
+            .as_array()
+            .ok_or_else(|| ApiError::invalid("tools", "'tools' must be an array"))?;
         if a.len() > params::MAX_TOOLS {
             return Err(ApiError::invalid("tools", "too many tools"));
         }
         for (i, t) in a.iter().enumerate() {
             let p = format!("tools[{i}]");
-            let o = t.as_object().ok_or_else(|| ApiError::invalid(&p, format!("{p} must be an object")))?;
+            let o = t
+                .as_object()
+                .ok_or_else(|| ApiError::invalid(&p, format!("{p} must be an object")))?;
             let tf = Fields::new(o, &format!("{p}."));
             if let Some(ty) = tf.string("type")? {
                 if ty != "custom" {
-                    return Err(ApiError::invalid(&format!("{p}.type"), format!("server tool {ty:?} is not supported")));
+                    return Err(ApiError::invalid(
+                        &format!("{p}.type"),
+                        format!("server tool {ty:?} is not supported"),
+                    ));
                 }
             }
-            let name = tf.string("name")?.ok_or_else(|| ApiError::invalid(&format!("{p}.name"), "name is required"))?;
+            let name = tf
+                .string("name")?
+                .ok_or_else(|| ApiError::invalid(&format!("{p}.name"), "name is required"))?;
             let description = tf.string("description")?.map(str::to_string);
             let parameters = match tf.get("input_schema") {
                 Some(s @ Value::Object(_)) => s.clone(),
-                _ => return Err(ApiError::invalid(&format!("{p}.input_schema"), "input_schema must be a JSON schema object")),
+                _ => {
+                    return Err(ApiError::invalid(
+                        &format!("{p}.input_schema"),
+                        "input_schema must be a JSON schema object",
+                    ))
+                }
             };
             tf.get("cache_control");
             tf.finish(&[])?;
@@ -293,7 +363,14 @@ fn parse_tools(f: &Fields<'_>) -> Result<(Vec<ToolDef>, ToolChoice, bool), ApiEr
         }
     }
     let (choice, parallel) = match f.object("tool_choice")? {
-        None => (if tools.is_empty() { ToolChoice::None } else { ToolChoice::Auto }, true),
+        None => (
+            if tools.is_empty() {
+                ToolChoice::None
+            } else {
+                ToolChoice::Auto
+            },
+            true,
+        ),
         Some(tc) => {
             let parallel = !tc.boolean("disable_parallel_tool_use")?.unwrap_or(false);
             let c = match tc.string("type")? {
@@ -301,13 +378,23 @@ fn parse_tools(f: &Fields<'_>) -> Result<(Vec<ToolDef>, ToolChoice, bool), ApiEr
                 Some("any") => ToolChoice::Required,
                 Some("none") => ToolChoice::None,
                 Some("tool") => {
-                    let n = tc.string("name")?.ok_or_else(|| ApiError::invalid("tool_choice.name", "tool_choice.name is required"))?;
+                    let n = tc.string("name")?.ok_or_else(|| {
+                        ApiError::invalid("tool_choice.name", "tool_choice.name is required")
+                    })?;
                     if !tools.iter().any(|t| t.name == n) {
-                        return Err(ApiError::invalid("tool_choice.name", format!("no tool named {n:?}")));
+                        return Err(ApiError::invalid(
+                            "tool_choice.name",
+                            format!("no tool named {n:?}"),
+                        ));
                     }
                     ToolChoice::Named(n.to_string())
                 }
-                _ => return Err(ApiError::invalid("tool_choice.type", "tool_choice.type must be auto, any, tool or none")),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "tool_choice.type",
+                        "tool_choice.type must be auto, any, tool or none",
+                    ))
+                }
             };
             tc.finish(&[])?;
             if c != ToolChoice::None && tools.is_empty() {
@@ -376,10 +463,10 @@ impl MessageFormat {
             content.push(json!({"type": "text", "text": c.content}));
         }
         content.extend(c.calls.iter().map(tool_use));
-        let (reason, usage, stop) = c
-            .finish
-            .clone()
-            .unwrap_or((Finish::Stop, Usage::default(), None));
+        let (reason, usage, stop) =
+            c.finish
+                .clone()
+                .unwrap_or((Finish::Stop, Usage::default(), None));
         json!({
             "id": self.meta.id,
             "type": "message",
@@ -411,7 +498,9 @@ impl SseFormat for MessageFormat {
                 if self.block != Some(channel) {
                     s.push_str(&self.close());
                     s.push_str(&self.open(match channel {
-                        Channel::Reasoning => json!({"type": "thinking", "thinking": "", "signature": ""}),
+                        Channel::Reasoning => {
+                            json!({"type": "thinking", "thinking": "", "signature": ""})
+                        }
                         Channel::Content => json!({"type": "text", "text": ""}),
                     }));
                     self.block = Some(channel);
@@ -441,7 +530,11 @@ impl SseFormat for MessageFormat {
                 ));
                 s
             }
-            Out::Finish { reason, usage, stop } => {
+            Out::Finish {
+                reason,
+                usage,
+                stop,
+            } => {
                 let mut s = self.close();
                 if self.next_index == 0 {
                     // Anthropic answers always have a block.
@@ -497,11 +590,17 @@ mod tests {
         let roles: Vec<&str> = r.messages.iter().map(|m| m.role.as_str()).collect();
         assert_eq!(roles, ["system", "user", "assistant", "tool"]);
         assert_eq!(r.messages[2].reasoning_content.as_deref(), Some("hmm"));
-        assert_eq!(r.messages[2].tool_calls[0].arguments, "{\"city\":\"Paris\"}");
+        assert_eq!(
+            r.messages[2].tool_calls[0].arguments,
+            "{\"city\":\"Paris\"}"
+        );
         assert_eq!(r.messages[3].tool_call_id.as_deref(), Some("t1"));
         assert_eq!(r.tool_choice, ToolChoice::Required);
         assert!(!r.parallel_tool_calls);
-        assert_eq!((r.enable_thinking, r.thinking_budget), (Some(true), Some(1024)));
+        assert_eq!(
+            (r.enable_thinking, r.thinking_budget),
+            (Some(true), Some(1024))
+        );
         assert_eq!(r.common.stop, ["END"]);
         for bad in [
             json!({"messages": [{"role": "user", "content": "x"}]}),
@@ -520,6 +619,9 @@ mod tests {
         let v = error_body(&ApiError::invalid("max_tokens", "'max_tokens' is required"));
         assert_eq!(v["type"], "error");
         assert_eq!(v["error"]["type"], "invalid_request_error");
-        assert_eq!(error_type(StatusCode::SERVICE_UNAVAILABLE), "overloaded_error");
+        assert_eq!(
+            error_type(StatusCode::SERVICE_UNAVAILABLE),
+            "overloaded_error"
+        );
     }
 }

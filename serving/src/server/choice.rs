@@ -60,7 +60,12 @@ pub struct ChoiceStream {
 }
 
 impl ChoiceStream {
-    pub fn new(ts: TextStream, tools: Option<ToolParser>, include_stop: bool, call_prefix: String) -> Self {
+    pub fn new(
+        ts: TextStream,
+        tools: Option<ToolParser>,
+        include_stop: bool,
+        call_prefix: String,
+    ) -> Self {
         ChoiceStream {
             ts,
             tools,

@@ -56,7 +56,10 @@ pub(crate) async fn cors(State(s): State<Arc<AppState>>, req: Request, next: Nex
             header::ACCESS_CONTROL_ALLOW_HEADERS,
             HeaderValue::from_static(ALLOW_HEADERS),
         );
-        h.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
+        h.insert(
+            header::ACCESS_CONTROL_MAX_AGE,
+            HeaderValue::from_static("600"),
+        );
         h.insert(header::VARY, HeaderValue::from_static("Origin"));
         return r;
     }

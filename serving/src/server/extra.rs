@@ -67,7 +67,9 @@ pub(crate) async fn model(
 ) -> Result<Json<Value>, ApiError> {
     let b = s.backend()?;
     if id != b.model_name {
-        return Err(ApiError::not_found(format!("the model '{id}' does not exist")));
+        return Err(ApiError::not_found(format!(
+            "the model '{id}' does not exist"
+        )));
     }
     Ok(Json(json!({
         "id": b.model_name,
@@ -83,7 +85,8 @@ fn model_info(m: &gguf::Model, b: &Backend) -> Value {
     let s = |k: &str| md.get(k).and_then(|v| v.as_str()).map(str::to_string);
     let mut types: BTreeMap<&'static str, (u64, u64)> = BTreeMap::new();
     let mut roles: BTreeMap<&'static str, u64> = BTreeMap::new();
-    let (mut params, mut weight_bytes, mut blocks) = (0u64, 0u64, std::collections::BTreeSet::new());
+    let (mut params, mut weight_bytes, mut blocks) =
+        (0u64, 0u64, std::collections::BTreeSet::new());
     for t in m.tensors() {
         let e = types.entry(t.info.ty.name()).or_default();
         e.0 += 1;
@@ -191,7 +194,9 @@ pub(crate) async fn apply_template(
 pub(crate) async fn verify(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
     let b = s.backend()?;
     let Some(model) = b.chat.model.clone() else {
-        return Err(ApiError::not_found("this backend has no GGUF file to verify"));
+        return Err(ApiError::not_found(
+            "this backend has no GGUF file to verify",
+        ));
     };
     let summary = tokio::task::spawn_blocking(move || {
         let t0 = std::time::Instant::now();
@@ -252,7 +257,10 @@ pub(crate) fn tokenize_input(f: &Fields<'_>) -> Result<TokenizeInput, ApiError> 
     ))
 }
 
-pub(crate) async fn tokenize_text(b: &Arc<Backend>, input: TokenizeInput) -> Result<String, ApiError> {
+pub(crate) async fn tokenize_text(
+    b: &Arc<Backend>,
+    input: TokenizeInput,
+) -> Result<String, ApiError> {
     match input {
         TokenizeInput::Text(t) => Ok(t),
         TokenizeInput::Chat(r) => Ok(super::prompt::prepare(b, &r).await?.text),
@@ -269,7 +277,11 @@ pub(crate) fn tokenize_answer(b: &Backend, tokens: Vec<Value>, ids: &[u32], strs
     if strs {
         v["token_strs"] = ids
             .iter()
-            .map(|&id| json!(String::from_utf8_lossy(&b.codec.token_bytes(id).unwrap_or_default())))
+            .map(|&id| {
+                json!(String::from_utf8_lossy(
+                    &b.codec.token_bytes(id).unwrap_or_default()
+                ))
+            })
             .collect();
     }
     v

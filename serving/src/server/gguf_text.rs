@@ -30,7 +30,8 @@ impl GgufText {
         let tok = Tokenizer::from_gguf(meta)?;
         let (template, template_error) = match template {
             Some(src) => {
-                let token_text = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).map(str::to_string);
+                let token_text =
+                    |id: Option<u32>| id.and_then(|i| tok.token_text(i)).map(str::to_string);
                 let t = ChatTemplate::new(src, token_text(tok.bos_id()), token_text(tok.eos_id()))?;
                 (Some(t), None)
             }
@@ -87,8 +88,12 @@ impl TextCodec for GgufText {
             ));
         };
         let msgs: Vec<serde_json::Value> = messages.iter().map(Message::to_template_json).collect();
-        t.render_json(&serde_json::Value::Array(msgs), add_generation_prompt, kwargs)
-            .map_err(|e| e.to_string())
+        t.render_json(
+            &serde_json::Value::Array(msgs),
+            add_generation_prompt,
+            kwargs,
+        )
+        .map_err(|e| e.to_string())
     }
     fn chat_template(&self) -> Option<&str> {
         self.template.as_ref().map(ChatTemplate::source)

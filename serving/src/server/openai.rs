@@ -7,6 +7,7 @@ use super::error::ApiError;
 use super::params::{self, ChatRequest, Common, Prompt, RepeatLen};
 use super::prompt::{self, ChatPrompt};
 use super::text::{Channel, TextOptions, TextStream, TokenInfo, ToolCall};
+use super::tools::ToolParser;
 use super::{read_json, sse_response, unix_time, AppState, Backend};
 use crate::engine::{GenerationRequest, SharedConstraint, SubmitError, TokenLogprobs, Usage};
 use crate::grammar::Reasoning;
@@ -72,17 +73,26 @@ pub(crate) fn submit_error(e: SubmitError) -> ApiError {
     }
 }
 
+/// What a request reports besides the text: `top` alternatives per token (when set), and the
+/// prompt's logprobs too (`echo`).
+#[derive(Clone, Copy)]
+pub(crate) struct LogprobsWanted {
+    pub top: Option<usize>,
+    pub prompt: bool,
+}
+
+/// What every choice of one prompt shares.
+pub(crate) struct ChoiceRequest<'a> {
+    pub common: &'a Common,
+    pub prompt: &'a [u32],
+    pub max_tokens: usize,
+    pub logprobs: LogprobsWanted,
+    pub constraint: &'a Option<SharedConstraint>,
+}
+
 /// The engine request of choice `choice` (its seed offset by the choice number).
-pub(crate) fn generation_request(
-    b: &Backend,
-    c: &Common,
-    prompt: Vec<u32>,
-    max_tokens: usize,
-    logprobs: Option<usize>,
-    prompt_logprobs: bool,
-    choice: usize,
-    constraint: Option<SharedConstraint>,
-) -> GenerationRequest {
+fn generation_request(b: &Backend, r: &ChoiceRequest<'_>, choice: usize) -> GenerationRequest {
+    let c = r.common;
     let mut sampling = c.sampling;
     sampling.seed = sampling.seed.map(|s| s.wrapping_add(choice as u64));
     let mut stop_tokens = if c.ignore_eos {
@@ -92,12 +102,16 @@ pub(crate) fn generation_request(
     };
     stop_tokens.extend(&c.stop_token_ids);
     GenerationRequest {
-        prompt,
-        max_tokens,
+        prompt: r.prompt.to_vec(),
+        max_tokens: r.max_tokens,
         sampling,
         stop_tokens,
-        logprobs,
-        prompt_logprobs: if prompt_logprobs { logprobs } else { None },
+        logprobs: r.logprobs.top,
+        prompt_logprobs: if r.logprobs.prompt {
+            r.logprobs.top
+        } else {
+            None
+        },
         logit_bias: c.logit_bias.clone(),
         presence_penalty: c.presence_penalty,
         frequency_penalty: c.frequency_penalty,
@@ -106,9 +120,32 @@ pub(crate) fn generation_request(
             RepeatLen::Tokens(n) => n,
             RepeatLen::Context => b.engine.context_length(),
         },
-        constraint,
+        constraint: r.constraint.clone(),
         min_tokens: c.min_tokens,
     }
+}
+
+/// Queue choice `choice` and wrap its events into text, then into choice events (tool calls
+/// parsed by `tools` when set, their ids prefixed by `call_prefix`).
+fn submit_choice(
+    b: &Backend,
+    r: &ChoiceRequest<'_>,
+    choice: usize,
+    opts: TextOptions,
+    tools: Option<ToolParser>,
+    call_prefix: String,
+) -> Result<ChoiceStream, ApiError> {
+    let gen = b
+        .engine
+        .submit(generation_request(b, r, choice))
+        .map_err(submit_error)?;
+    let ts = TextStream::new(gen, b.codec.clone(), opts);
+    Ok(ChoiceStream::new(
+        ts,
+        tools,
+        r.common.include_stop,
+        call_prefix,
+    ))
 }
 
 /// Fields common to every response object of one request.
@@ -175,42 +212,48 @@ pub(crate) fn sse_choices(
         0usize,
         Some(first),
     );
-    let stream = futures::stream::unfold(state, move |(mut merged, mut fmt, mut usage, mut finished, mut pending)| async move {
-        if let Some(p) = pending.take() {
-            if !p.is_empty() {
-                return Some((Ok(Bytes::from(p)), (merged, fmt, usage, finished, None)));
+    let stream = futures::stream::unfold(
+        state,
+        move |(mut merged, mut fmt, mut usage, mut finished, mut pending)| async move {
+            if let Some(p) = pending.take() {
+                if !p.is_empty() {
+                    return Some((Ok(Bytes::from(p)), (merged, fmt, usage, finished, None)));
+                }
             }
-        }
-        if finished == usize::MAX {
-            return None;
-        }
-        loop {
-            let Some((i, out)) = merged.next().await else {
-                // Every choice ended (or one ended without a result: the engine went away).
-                let tail = if finished == n {
-                    fmt.end(usage)
-                } else {
-                    fmt.error("generation ended without a result")
+            if finished == usize::MAX {
+                return None;
+            }
+            loop {
+                let Some((i, out)) = merged.next().await else {
+                    // Every choice ended (or one ended without a result: the engine went away).
+                    let tail = if finished == n {
+                        fmt.end(usage)
+                    } else {
+                        fmt.error("generation ended without a result")
+                    };
+                    return Some((
+                        Ok(Bytes::from(tail)),
+                        (merged, fmt, usage, usize::MAX, None),
+                    ));
                 };
-                return Some((Ok(Bytes::from(tail)), (merged, fmt, usage, usize::MAX, None)));
-            };
-            let text = match out {
-                Out::Error(e) => {
-                    let t = fmt.error(&e);
-                    return Some((Ok(Bytes::from(t)), (merged, fmt, usage, usize::MAX, None)));
+                let text = match out {
+                    Out::Error(e) => {
+                        let t = fmt.error(&e);
+                        return Some((Ok(Bytes::from(t)), (merged, fmt, usage, usize::MAX, None)));
+                    }
+                    Out::Finish { usage: u, .. } => {
+                        finished += 1;
+                        usage.completion_tokens += u.completion_tokens;
+                        fmt.event(i, out)
+                    }
+                    o => fmt.event(i, o),
+                };
+                if !text.is_empty() {
+                    return Some((Ok(Bytes::from(text)), (merged, fmt, usage, finished, None)));
                 }
-                Out::Finish { usage: u, .. } => {
-                    finished += 1;
-                    usage.completion_tokens += u.completion_tokens;
-                    fmt.event(i, out)
-                }
-                o => fmt.event(i, o),
-            };
-            if !text.is_empty() {
-                return Some((Ok(Bytes::from(text)), (merged, fmt, usage, finished, None)));
             }
-        }
-    });
+        },
+    );
     sse_response(stream)
 }
 
@@ -249,7 +292,14 @@ async fn completions_inner(s: Arc<AppState>, req: Request) -> Result<Response, A
     let b = s.backend()?;
     let body = read_json(&s, req).await?;
     let r = params::parse_completion(&body)?;
-    let constraint = prompt::constraint(&b, r.common.constraint.as_ref(), None, false, Reasoning::None).await?;
+    let constraint = prompt::constraint(
+        &b,
+        r.common.constraint.as_ref(),
+        None,
+        false,
+        Reasoning::None,
+    )
+    .await?;
     let vocab = b.engine.vocab_size();
     let mut prompts: Vec<(Vec<u32>, String)> = Vec::with_capacity(r.prompts.len());
     for p in &r.prompts {
@@ -258,7 +308,10 @@ async fn completions_inner(s: Arc<AppState>, req: Request) -> Result<Response, A
             Prompt::Tokens(ids) => {
                 // Ids are checked against the vocabulary before decoding (and again by the engine).
                 if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-                    return Err(submit_error(SubmitError::TokenOutOfRange { id: bad, vocab }));
+                    return Err(submit_error(SubmitError::TokenOutOfRange {
+                        id: bad,
+                        vocab,
+                    }));
                 }
                 (ids.clone(), b.codec.decode(ids, false))
             }
@@ -270,31 +323,24 @@ async fn completions_inner(s: Arc<AppState>, req: Request) -> Result<Response, A
     let mut streams = Vec::new();
     let mut echoes = Vec::new();
     for (ids, text) in &prompts {
+        let cr = ChoiceRequest {
+            common: &r.common,
+            prompt: ids,
+            max_tokens,
+            logprobs: LogprobsWanted {
+                top: r.logprobs,
+                prompt: echo_lps,
+            },
+            constraint: &constraint,
+        };
         for j in 0..r.common.n {
-            let gen = b
-                .engine
-                .submit(generation_request(
-                    &b,
-                    &r.common,
-                    ids.clone(),
-                    max_tokens,
-                    r.logprobs,
-                    echo_lps,
-                    j,
-                    constraint.clone(),
-                ))
-                .map_err(submit_error)?;
-            let ts = TextStream::new(
-                gen,
-                b.codec.clone(),
-                TextOptions {
-                    stop: r.common.stop.clone(),
-                    prompt_tokens: ids.len(),
-                    visible_specials: show_special(&b, &r.common),
-                    ..TextOptions::default()
-                },
-            );
-            streams.push(ChoiceStream::new(ts, None, r.common.include_stop, String::new()));
+            let opts = TextOptions {
+                stop: r.common.stop.clone(),
+                prompt_tokens: ids.len(),
+                visible_specials: show_special(&b, &r.common),
+                ..TextOptions::default()
+            };
+            streams.push(submit_choice(&b, &cr, j, opts, None, String::new())?);
             echoes.push(r.echo.then(|| (text.clone(), ids.clone())));
         }
     }
@@ -383,7 +429,11 @@ struct CompletionFormat {
 
 impl CompletionFormat {
     /// The echoed prompt (with its logprobs when asked): the first token has no prediction.
-    fn echo(&mut self, i: usize, prompt_lps: Option<&[TokenLogprobs]>) -> Option<(String, Option<CompletionLogprobs>)> {
+    fn echo(
+        &mut self,
+        i: usize,
+        prompt_lps: Option<&[TokenLogprobs]>,
+    ) -> Option<(String, Option<CompletionLogprobs>)> {
         let c = &mut self.choices[i];
         let (text, ids) = c.echo.take()?;
         let lps = prompt_lps.map(|lps| {
@@ -400,7 +450,12 @@ impl CompletionFormat {
         Some((text, lps))
     }
 
-    fn text_lps(&mut self, i: usize, text: &str, tokens: &[TokenInfo]) -> Option<CompletionLogprobs> {
+    fn text_lps(
+        &mut self,
+        i: usize,
+        text: &str,
+        tokens: &[TokenInfo],
+    ) -> Option<CompletionLogprobs> {
         let c = &mut self.choices[i];
         let lps = self.logprobs.then(|| {
             let mut out = CompletionLogprobs::default();
@@ -437,7 +492,11 @@ impl CompletionFormat {
         for (i, c) in collected.into_iter().enumerate() {
             let mut text = String::new();
             let mut all = self.logprobs.then(CompletionLogprobs::default);
-            let pl = if self.logprobs { c.prompt_lps.as_deref().or(Some(&[])) } else { None };
+            let pl = if self.logprobs {
+                c.prompt_lps.as_deref().or(Some(&[]))
+            } else {
+                None
+            };
             if let Some((t, lps)) = self.echo(i, pl) {
                 text.push_str(&t);
                 if let (Some(all), Some(l)) = (all.as_mut(), lps) {
@@ -508,7 +567,12 @@ impl SseFormat for CompletionFormat {
                 };
                 let lps = self.text_lps(i, &text, &tokens);
                 if !text.is_empty() || lps.is_some() {
-                    s.push_str(&sse(&self.chunk(i, &text, lps.map(CompletionLogprobs::json), None)));
+                    s.push_str(&sse(&self.chunk(
+                        i,
+                        &text,
+                        lps.map(CompletionLogprobs::json),
+                        None,
+                    )));
                 }
                 s
             }
@@ -559,38 +623,34 @@ pub(crate) async fn start_chat(
     let mut visible = p.visible.clone();
     visible.extend(show_special(b, &r.common));
     let mut streams = Vec::with_capacity(r.common.n);
+    let cr = ChoiceRequest {
+        common: &r.common,
+        prompt: &p.ids,
+        max_tokens,
+        logprobs: LogprobsWanted {
+            top: r.logprobs,
+            prompt: false,
+        },
+        constraint: &constraint,
+    };
     for j in 0..r.common.n {
-        let gen = b
-            .engine
-            .submit(generation_request(
-                b,
-                &r.common,
-                p.ids.clone(),
-                max_tokens,
-                r.logprobs,
-                false,
-                j,
-                constraint.clone(),
-            ))
-            .map_err(submit_error)?;
-        let ts = TextStream::new(
-            gen,
-            b.codec.clone(),
-            TextOptions {
-                stop: r.common.stop.clone(),
-                think: b.think,
-                start_in_reasoning: p.starts_in_reasoning(),
-                prompt_tokens: p.ids.len(),
-                visible_specials: visible.clone(),
-                reasoning_inline: r.reasoning_inline,
-            },
-        );
-        streams.push(ChoiceStream::new(
-            ts,
-            prompt::tool_parser(b, r),
-            r.common.include_stop,
+        let opts = TextOptions {
+            stop: r.common.stop.clone(),
+            think: b.think,
+            start_in_reasoning: p.starts_in_reasoning(),
+            prompt_tokens: p.ids.len(),
+            visible_specials: visible.clone(),
+            reasoning_inline: r.reasoning_inline,
+        };
+        let tools = prompt::tool_parser(b, r);
+        streams.push(submit_choice(
+            b,
+            &cr,
+            j,
+            opts,
+            tools,
             format!("{call_prefix}_{j}"),
-        ));
+        )?);
     }
     Ok(streams)
 }
@@ -655,7 +715,13 @@ impl ChatFormat {
             .collect()
     }
 
-    fn chunk(&self, index: usize, delta: Value, lps: Option<Vec<Value>>, finish: Option<&str>) -> Value {
+    fn chunk(
+        &self,
+        index: usize,
+        delta: Value,
+        lps: Option<Vec<Value>>,
+        finish: Option<&str>,
+    ) -> Value {
         let mut v = json!({
             "id": self.meta.id,
             "object": "chat.completion.chunk",

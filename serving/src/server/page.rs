@@ -15,7 +15,10 @@ const STYLE: &str = include_str!("assets/app.css");
 
 pub(crate) fn routes() -> Router<Arc<AppState>> {
     Router::new()
-        .route("/", get(|| async { asset("text/html; charset=utf-8", INDEX) }))
+        .route(
+            "/",
+            get(|| async { asset("text/html; charset=utf-8", INDEX) }),
+        )
         .route(
             "/assets/app.js",
             get(|| async { asset("text/javascript; charset=utf-8", SCRIPT) }),

@@ -308,7 +308,10 @@ impl<'a> Fields<'a> {
         match self.get(name) {
             Some(v) if !ok(v) => Err(self.invalid(
                 name,
-                format!("'{}' is not supported by this server ({effect})", self.param(name)),
+                format!(
+                    "'{}' is not supported by this server ({effect})",
+                    self.param(name)
+                ),
             )),
             _ => Ok(()),
         }
@@ -321,10 +324,7 @@ impl<'a> Fields<'a> {
             if v.is_null() || seen.contains(k.as_str()) || no_op.contains(&k.as_str()) {
                 continue;
             }
-            return Err(self.invalid(
-                k,
-                format!("unsupported field '{}'", self.param(k)),
-            ));
+            return Err(self.invalid(k, format!("unsupported field '{}'", self.param(k))));
         }
         Ok(())
     }
@@ -358,40 +358,125 @@ fn num_is(v: &Value, pred: impl Fn(f64) -> bool) -> bool {
     v.as_f64().is_some_and(pred)
 }
 
+/// A field accepted only at the value that leaves sampling unchanged.
+type Inert = (&'static str, fn(&Value) -> bool, &'static str);
+
+/// llama.cpp/vLLM sampling fields this server does not implement: accepted at their "off"
+/// value (clients send the defaults), refused otherwise.
+const INERT_FIELDS: &[Inert] = &[
+    (
+        "mirostat",
+        |v| num_is(v, |x| x == 0.0),
+        "only mirostat 0 (off) is accepted",
+    ),
+    (
+        "typical_p",
+        |v| num_is(v, |x| x == 1.0),
+        "only typical_p 1 (off) is accepted",
+    ),
+    (
+        "tfs_z",
+        |v| num_is(v, |x| x == 1.0),
+        "only tfs_z 1 (off) is accepted",
+    ),
+    (
+        "top_n_sigma",
+        |v| num_is(v, |x| x <= 0.0),
+        "only top_n_sigma <= 0 (off) is accepted",
+    ),
+    (
+        "xtc_probability",
+        |v| num_is(v, |x| x == 0.0),
+        "only xtc_probability 0 (off) is accepted",
+    ),
+    (
+        "dry_multiplier",
+        |v| num_is(v, |x| x == 0.0),
+        "only dry_multiplier 0 (off) is accepted",
+    ),
+    (
+        "dynatemp_range",
+        |v| num_is(v, |x| x == 0.0),
+        "only dynatemp_range 0 (off) is accepted",
+    ),
+    (
+        "min_keep",
+        |v| num_is(v, |x| x == 0.0 || x == 1.0),
+        "only min_keep 0 or 1 is accepted",
+    ),
+    (
+        "length_penalty",
+        |v| num_is(v, |x| x == 1.0),
+        "beam search is not supported",
+    ),
+    (
+        "grammar_lazy",
+        |v| *v == Value::Bool(false),
+        "lazy grammars are not supported",
+    ),
+    (
+        "use_beam_search",
+        |v| *v == Value::Bool(false),
+        "beam search is not supported",
+    ),
+    (
+        "spaces_between_special_tokens",
+        |v| *v == Value::Bool(true),
+        "only true is accepted",
+    ),
+    (
+        "grammar_triggers",
+        |v| v.as_array().is_some_and(Vec::is_empty),
+        "lazy grammars are not supported",
+    ),
+    (
+        "preserved_tokens",
+        |v| v.as_array().is_some_and(Vec::is_empty),
+        "lazy grammars are not supported",
+    ),
+    (
+        "timings_per_token",
+        |v| *v == Value::Bool(false),
+        "per-token timings are not reported",
+    ),
+    (
+        "t_max_predict_ms",
+        |v| num_is(v, |x| x <= 0.0),
+        "time limits are not supported",
+    ),
+    (
+        "t_max_prompt_ms",
+        |v| num_is(v, |x| x <= 0.0),
+        "time limits are not supported",
+    ),
+    (
+        "n_indent",
+        |v| num_is(v, |x| x == 0.0),
+        "only n_indent 0 is accepted",
+    ),
+];
+
+/// Parameters of the inert samplers above: without their sampler they change nothing.
+const INERT_COMPANIONS: &[&str] = &[
+    "mirostat_tau",
+    "mirostat_eta",
+    "xtc_threshold",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "dry_sequence_breakers",
+    "dynatemp_exponent",
+    "n_keep",
+    "n_discard",
+];
+
 fn refuse_inert_fields(f: &Fields<'_>) -> Result<(), ApiError> {
-    let any = |_: &Value| true;
-    f.inert("mirostat", |v| num_is(v, |x| x == 0.0), "only mirostat 0 (off) is accepted")?;
-    f.inert("typical_p", |v| num_is(v, |x| x == 1.0), "only typical_p 1 (off) is accepted")?;
-    f.inert("tfs_z", |v| num_is(v, |x| x == 1.0), "only tfs_z 1 (off) is accepted")?;
-    f.inert("top_n_sigma", |v| num_is(v, |x| x <= 0.0), "only top_n_sigma <= 0 (off) is accepted")?;
-    f.inert("xtc_probability", |v| num_is(v, |x| x == 0.0), "only xtc_probability 0 (off) is accepted")?;
-    f.inert("dry_multiplier", |v| num_is(v, |x| x == 0.0), "only dry_multiplier 0 (off) is accepted")?;
-    f.inert("dynatemp_range", |v| num_is(v, |x| x == 0.0), "only dynatemp_range 0 (off) is accepted")?;
-    f.inert("min_keep", |v| num_is(v, |x| x == 0.0 || x == 1.0), "only min_keep 0 or 1 is accepted")?;
-    f.inert("length_penalty", |v| num_is(v, |x| x == 1.0), "beam search is not supported")?;
-    f.inert("grammar_lazy", |v| *v == Value::Bool(false), "lazy grammars are not supported")?;
-    for companion in [
-        "mirostat_tau",
-        "mirostat_eta",
-        "xtc_threshold",
-        "dry_base",
-        "dry_allowed_length",
-        "dry_penalty_last_n",
-        "dry_sequence_breakers",
-        "dynatemp_exponent",
-        "n_keep",
-        "n_discard",
-    ] {
-        f.inert(companion, any, "")?;
+    for &(name, ok, effect) in INERT_FIELDS {
+        f.inert(name, ok, effect)?;
     }
-    f.inert("use_beam_search", |v| *v == Value::Bool(false), "beam search is not supported")?;
-    f.inert("spaces_between_special_tokens", |v| *v == Value::Bool(true), "only true is accepted")?;
-    f.inert("grammar_triggers", |v| v.as_array().is_some_and(Vec::is_empty), "lazy grammars are not supported")?;
-    f.inert("preserved_tokens", |v| v.as_array().is_some_and(Vec::is_empty), "lazy grammars are not supported")?;
-    f.inert("timings_per_token", |v| *v == Value::Bool(false), "per-token timings are not reported")?;
-    f.inert("t_max_predict_ms", |v| num_is(v, |x| x <= 0.0), "time limits are not supported")?;
-    f.inert("t_max_prompt_ms", |v| num_is(v, |x| x <= 0.0), "time limits are not supported")?;
-    f.inert("n_indent", |v| num_is(v, |x| x == 0.0), "only n_indent 0 is accepted")?;
+    for companion in INERT_COMPANIONS {
+        f.inert(companion, |_| true, "")?;
+    }
     if let Some(n) = f.integer("best_of", 1, 128)? {
         if n != 1 {
             return Err(f.invalid("best_of", "only best_of = 1 is supported"));
@@ -508,7 +593,11 @@ fn token_list(f: &Fields<'_>, name: &str) -> Result<Option<Vec<u32>>, ApiError> 
         return Err(f.invalid(name, format!("at most {MAX_TOKEN_LIST} token ids")));
     }
     a.iter()
-        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(bad))
+        .map(|t| {
+            t.as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(bad)
+        })
         .collect::<Result<Vec<u32>, _>>()
         .map(Some)
 }
@@ -549,7 +638,10 @@ fn parse_constraint(f: &Fields<'_>, chat: bool) -> Result<Option<ConstraintSpec>
                 js.string("description")?;
                 // Strict or not, the output is constrained to the schema.
                 js.boolean("strict")?;
-                let s = js.get("schema").map(|s| schema("response_format.json_schema.schema", s)).transpose()?;
+                let s = js
+                    .get("schema")
+                    .map(|s| schema("response_format.json_schema.schema", s))
+                    .transpose()?;
                 js.finish(&[])?;
                 add(
                     "response_format",
@@ -559,7 +651,9 @@ fn parse_constraint(f: &Fields<'_>, chat: bool) -> Result<Option<ConstraintSpec>
             Some(t) => {
                 return Err(f.invalid(
                     "response_format",
-                    format!("response_format type {t:?} is not one of text, json_object, json_schema"),
+                    format!(
+                        "response_format type {t:?} is not one of text, json_object, json_schema"
+                    ),
                 ))
             }
         }
@@ -569,35 +663,56 @@ fn parse_constraint(f: &Fields<'_>, chat: bool) -> Result<Option<ConstraintSpec>
         add("grammar", ConstraintKind::Gbnf(g.to_string()));
     }
     if let Some(v) = f.get("json_schema") {
-        add("json_schema", ConstraintKind::JsonSchema(schema("json_schema", v)?));
+        add(
+            "json_schema",
+            ConstraintKind::JsonSchema(schema("json_schema", v)?),
+        );
     }
     if let Some(v) = f.get("guided_json") {
-        add("guided_json", ConstraintKind::JsonSchema(schema("guided_json", v)?));
+        add(
+            "guided_json",
+            ConstraintKind::JsonSchema(schema("guided_json", v)?),
+        );
     }
     if let Some(r) = f.string("guided_regex")? {
         add("guided_regex", ConstraintKind::Regex(r.to_string()));
     }
     if let Some(v) = f.get("guided_choice") {
-        add("guided_choice", ConstraintKind::Choice(choices(f, "guided_choice", v)?));
+        add(
+            "guided_choice",
+            ConstraintKind::Choice(choices(f, "guided_choice", v)?),
+        );
     }
     if let Some(g) = f.string("guided_grammar")? {
         add("guided_grammar", grammar_text(g));
     }
     if let Some(so) = f.object("structured_outputs")? {
         if let Some(v) = so.get("json") {
-            add("structured_outputs.json", ConstraintKind::JsonSchema(schema("structured_outputs.json", v)?));
+            add(
+                "structured_outputs.json",
+                ConstraintKind::JsonSchema(schema("structured_outputs.json", v)?),
+            );
         }
         if let Some(r) = so.string("regex")? {
-            add("structured_outputs.regex", ConstraintKind::Regex(r.to_string()));
+            add(
+                "structured_outputs.regex",
+                ConstraintKind::Regex(r.to_string()),
+            );
         }
         if let Some(v) = so.get("choice") {
-            add("structured_outputs.choice", ConstraintKind::Choice(choices(f, "structured_outputs.choice", v)?));
+            add(
+                "structured_outputs.choice",
+                ConstraintKind::Choice(choices(f, "structured_outputs.choice", v)?),
+            );
         }
         if let Some(g) = so.string("grammar")? {
             add("structured_outputs.grammar", grammar_text(g));
         }
         if so.boolean("json_object")? == Some(true) {
-            add("structured_outputs.json_object", ConstraintKind::JsonSchema(serde_json::json!({"type": "object"})));
+            add(
+                "structured_outputs.json_object",
+                ConstraintKind::JsonSchema(serde_json::json!({"type": "object"})),
+            );
         }
         so.finish(&[])?;
     }
@@ -611,7 +726,10 @@ fn parse_constraint(f: &Fields<'_>, chat: bool) -> Result<Option<ConstraintSpec>
         let names: Vec<&str> = found.iter().map(|c| c.field.as_str()).collect();
         return Err(f.invalid(
             &found[1].field,
-            format!("only one output constraint per request, got {}", names.join(" and ")),
+            format!(
+                "only one output constraint per request, got {}",
+                names.join(" and ")
+            ),
         ));
     }
     let _ = chat;
@@ -628,7 +746,12 @@ fn grammar_text(g: &str) -> ConstraintKind {
 }
 
 fn choices(f: &Fields<'_>, field: &str, v: &Value) -> Result<Vec<String>, ApiError> {
-    let bad = || f.invalid(field, format!("'{field}' must be a non-empty array of strings"));
+    let bad = || {
+        f.invalid(
+            field,
+            format!("'{field}' must be a non-empty array of strings"),
+        )
+    };
     let a = v.as_array().filter(|a| !a.is_empty()).ok_or_else(bad)?;
     a.iter()
         .map(|c| c.as_str().map(str::to_string).ok_or_else(bad))
@@ -668,10 +791,9 @@ pub(crate) fn stop_list<'v>(
         ));
     }
     list.map(|v| match v {
-        Value::String(s) if s.is_empty() => Err(ApiError::invalid(
-            field,
-            "stop sequences must not be empty",
-        )),
+        Value::String(s) if s.is_empty() => {
+            Err(ApiError::invalid(field, "stop sequences must not be empty"))
+        }
         Value::String(s) if s.len() > MAX_STOP_LEN => Err(ApiError::invalid(
             field,
             format!("stop sequences are limited to {MAX_STOP_LEN} bytes"),
@@ -960,7 +1082,10 @@ fn parse_tools(f: &Fields<'_>) -> Result<(Vec<ToolDef>, ToolChoice, bool, bool),
     let tools_v = f.get("tools");
     let functions_v = f.get("functions");
     if tools_v.is_some() && functions_v.is_some() {
-        return Err(f.invalid("functions", "give either 'tools' or the legacy 'functions', not both"));
+        return Err(f.invalid(
+            "functions",
+            "give either 'tools' or the legacy 'functions', not both",
+        ));
     }
     let legacy = functions_v.is_some();
     let (list, field) = match (tools_v, functions_v) {
@@ -971,9 +1096,7 @@ fn parse_tools(f: &Fields<'_>) -> Result<(Vec<ToolDef>, ToolChoice, bool, bool),
                 match f.get(field) {
                     None => {}
                     Some(Value::String(s)) if s == "none" || s == "auto" => {}
-                    Some(_) => {
-                        return Err(f.invalid(field, format!("'{field}' needs 'tools'")))
-                    }
+                    Some(_) => return Err(f.invalid(field, format!("'{field}' needs 'tools'"))),
                 }
             }
             f.boolean("parallel_tool_calls")?;
@@ -1006,20 +1129,37 @@ fn parse_tools(f: &Fields<'_>) -> Result<(Vec<ToolDef>, ToolChoice, bool, bool),
                 }
             }
             let func = tf.get("function").ok_or_else(|| {
-                ApiError::invalid(&format!("{p}.function"), format!("{p}.function is required"))
+                ApiError::invalid(
+                    &format!("{p}.function"),
+                    format!("{p}.function is required"),
+                )
             })?;
             tf.finish(&[])?;
             func
         };
-        let fp = if legacy { p.clone() } else { format!("{p}.function") };
+        let fp = if legacy {
+            p.clone()
+        } else {
+            format!("{p}.function")
+        };
         tools.push(parse_function(func, &fp)?);
         if tools[..i].iter().any(|o| o.name == tools[i].name) {
-            return Err(ApiError::invalid(&fp, format!("{fp}: function {:?} is defined twice", tools[i].name)));
+            return Err(ApiError::invalid(
+                &fp,
+                format!("{fp}: function {:?} is defined twice", tools[i].name),
+            ));
         }
     }
-    let choice_field = if legacy { "function_call" } else { "tool_choice" };
+    let choice_field = if legacy {
+        "function_call"
+    } else {
+        "tool_choice"
+    };
     if legacy && f.get("tool_choice").is_some() {
-        return Err(f.invalid("tool_choice", "use 'function_call' with the legacy 'functions'"));
+        return Err(f.invalid(
+            "tool_choice",
+            "use 'function_call' with the legacy 'functions'",
+        ));
     }
     let choice = match f.get(choice_field) {
         None => {
@@ -1047,7 +1187,9 @@ fn parse_tools(f: &Fields<'_>) -> Result<(Vec<ToolDef>, ToolChoice, bool, bool),
                 o.get("function").and_then(|fv| fv.get("name"))
             }
             .and_then(Value::as_str)
-            .ok_or_else(|| f.invalid(choice_field, format!("'{choice_field}' names no function")))?;
+            .ok_or_else(|| {
+                f.invalid(choice_field, format!("'{choice_field}' names no function"))
+            })?;
             if !tools.iter().any(|t| t.name == name) {
                 return Err(f.invalid(
                     choice_field,
@@ -1059,12 +1201,18 @@ fn parse_tools(f: &Fields<'_>) -> Result<(Vec<ToolDef>, ToolChoice, bool, bool),
         Some(v) => {
             return Err(f.invalid(
                 choice_field,
-                format!("'{choice_field}' must be a string or an object, got {}", kind(v)),
+                format!(
+                    "'{choice_field}' must be a string or an object, got {}",
+                    kind(v)
+                ),
             ))
         }
     };
     if choice == ToolChoice::Required && tools.is_empty() {
-        return Err(f.invalid("tool_choice", "tool_choice \"required\" needs at least one tool"));
+        return Err(f.invalid(
+            "tool_choice",
+            "tool_choice \"required\" needs at least one tool",
+        ));
     }
     let parallel = !legacy && f.boolean("parallel_tool_calls")?.unwrap_or(true);
     Ok((tools, choice, parallel, legacy))
@@ -1080,7 +1228,8 @@ fn parse_function(v: &Value, p: &str) -> Result<ToolDef, ApiError> {
         .filter(|n| {
             !n.is_empty()
                 && n.len() <= 64
-                && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
+                && n.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
         })
         .ok_or_else(|| {
             ApiError::invalid(
@@ -1183,7 +1332,10 @@ fn parse_message(i: usize, m: &Value) -> Result<Message, ApiError> {
     let mut tool_calls = Vec::new();
     if let Some(v) = mf.get("tool_calls") {
         let arr = v.as_array().ok_or_else(|| {
-            ApiError::invalid(&p("tool_calls"), format!("{} must be an array", p("tool_calls")))
+            ApiError::invalid(
+                &p("tool_calls"),
+                format!("{} must be an array", p("tool_calls")),
+            )
         })?;
         for (j, c) in arr.iter().enumerate() {
             tool_calls.push(parse_call(c, &p(&format!("tool_calls[{j}]")), true)?);
@@ -1193,7 +1345,10 @@ fn parse_message(i: usize, m: &Value) -> Result<Message, ApiError> {
         tool_calls.push(parse_call(fc, &p("function_call"), false)?);
     }
     if !tool_calls.is_empty() && role != "assistant" {
-        return Err(ApiError::invalid(&p("tool_calls"), "only assistant messages make tool calls"));
+        return Err(ApiError::invalid(
+            &p("tool_calls"),
+            "only assistant messages make tool calls",
+        ));
     }
     let tool_call_id = mf.string("tool_call_id")?.map(str::to_string);
     if role == "tool" && tool_call_id.is_none() && name.is_none() {
@@ -1219,8 +1374,17 @@ fn parse_call(v: &Value, p: &str, wrapped: bool) -> Result<ToolCall, ApiError> {
     let bad = |what: &str| ApiError::invalid(p, format!("{p}: {what}"));
     let o = v.as_object().ok_or_else(|| bad("must be an object"))?;
     let (id, func) = if wrapped {
-        let id = o.get("id").and_then(Value::as_str).unwrap_or("").to_string();
-        (id, o.get("function").and_then(Value::as_object).ok_or_else(|| bad("function is required"))?)
+        let id = o
+            .get("id")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        (
+            id,
+            o.get("function")
+                .and_then(Value::as_object)
+                .ok_or_else(|| bad("function is required"))?,
+        )
     } else {
         (String::new(), o)
     };
@@ -1236,7 +1400,11 @@ fn parse_call(v: &Value, p: &str, wrapped: bool) -> Result<ToolCall, ApiError> {
         Some(a @ Value::Object(_)) => a.to_string(),
         Some(_) => return Err(bad("function.arguments must be a JSON string")),
     };
-    Ok(ToolCall { id, name, arguments })
+    Ok(ToolCall {
+        id,
+        name,
+        arguments,
+    })
 }
 
 #[cfg(test)]
@@ -1299,15 +1467,33 @@ mod tests {
             (json!({"prompt": {"a": 1}}), "prompt"),
             (json!({}), "prompt"),
             // Never silently ignored: unknown fields and sampler knobs that are on.
-            (json!({"prompt": "x", "some_unknown_field": [1, 2]}), "some_unknown_field"),
+            (
+                json!({"prompt": "x", "some_unknown_field": [1, 2]}),
+                "some_unknown_field",
+            ),
             (json!({"prompt": "x", "mirostat": 2}), "mirostat"),
             (json!({"prompt": "x", "typical_p": 0.9}), "typical_p"),
-            (json!({"prompt": "x", "dry_multiplier": 0.8}), "dry_multiplier"),
+            (
+                json!({"prompt": "x", "dry_multiplier": 0.8}),
+                "dry_multiplier",
+            ),
             (json!({"prompt": "x", "samplers": ["top_k"]}), "samplers"),
-            (json!({"prompt": "x", "stream_options": {"include_usage": true, "x": 1}}), "stream_options.x"),
-            (json!({"prompt": "x", "repeat_penalty": 1.1, "repetition_penalty": 1.2}), "repetition_penalty"),
-            (json!({"prompt": "x", "grammar": "root ::= \"a\"", "json_schema": {}}), "json_schema"),
-            (json!({"prompt": "x", "response_format": {"type": "yaml"}}), "response_format"),
+            (
+                json!({"prompt": "x", "stream_options": {"include_usage": true, "x": 1}}),
+                "stream_options.x",
+            ),
+            (
+                json!({"prompt": "x", "repeat_penalty": 1.1, "repetition_penalty": 1.2}),
+                "repetition_penalty",
+            ),
+            (
+                json!({"prompt": "x", "grammar": "root ::= \"a\"", "json_schema": {}}),
+                "json_schema",
+            ),
+            (
+                json!({"prompt": "x", "response_format": {"type": "yaml"}}),
+                "response_format",
+            ),
             (json!({"prompt": "x", "guided_choice": []}), "guided_choice"),
         ];
         for (body, field) in cases {
@@ -1332,8 +1518,12 @@ mod tests {
 
     #[test]
     fn penalties_and_constraints() {
-        let r = completion(json!({"prompt": "x", "repeat_penalty": 1.3, "repeat_last_n": 8})).unwrap();
-        assert_eq!((r.common.repeat_penalty, r.common.repeat_last_n), (1.3, RepeatLen::Tokens(8)));
+        let r =
+            completion(json!({"prompt": "x", "repeat_penalty": 1.3, "repeat_last_n": 8})).unwrap();
+        assert_eq!(
+            (r.common.repeat_penalty, r.common.repeat_last_n),
+            (1.3, RepeatLen::Tokens(8))
+        );
         let r = completion(json!({"prompt": "x", "repetition_penalty": 1.2})).unwrap();
         assert_eq!(r.common.repeat_last_n, RepeatLen::Context);
         let c = |v: Value| completion(v).unwrap().common.constraint.unwrap();
@@ -1402,9 +1592,11 @@ mod tests {
     fn tools_and_legacy_functions() {
         let f = json!({"name": "get_weather", "parameters": {"type": "object"}});
         let msgs = json!([{"role": "user", "content": "x"}]);
-        let r = parse_chat(&json!({"messages": msgs, "tools": [{"type": "function", "function": f}],
+        let r = parse_chat(
+            &json!({"messages": msgs, "tools": [{"type": "function", "function": f}],
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-            "parallel_tool_calls": false}))
+            "parallel_tool_calls": false}),
+        )
         .unwrap();
         assert_eq!(r.tool_choice, ToolChoice::Named("get_weather".into()));
         assert!(!r.parallel_tool_calls && !r.legacy_functions);
@@ -1413,25 +1605,34 @@ mod tests {
         .unwrap();
         assert_eq!(r.tool_choice, ToolChoice::Named("get_weather".into()));
         assert!(r.legacy_functions);
-        let e = parse_chat(&json!({"messages": msgs, "functions": [f], "function_call": {"name": "nope"}}))
-            .unwrap_err();
+        let e = parse_chat(
+            &json!({"messages": msgs, "functions": [f], "function_call": {"name": "nope"}}),
+        )
+        .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("function_call"));
-        let r = parse_chat(&json!({"messages": msgs, "tools": [{"type": "function", "function": f}]})).unwrap();
+        let r =
+            parse_chat(&json!({"messages": msgs, "tools": [{"type": "function", "function": f}]}))
+                .unwrap();
         assert_eq!(r.tool_choice, ToolChoice::Auto);
     }
 
     #[test]
     fn thinking_controls() {
         let msgs = json!([{"role": "user", "content": "x"}]);
-        let r = parse_chat(&json!({"messages": msgs, "chat_template_kwargs": {"enable_thinking": false}})).unwrap();
+        let r = parse_chat(
+            &json!({"messages": msgs, "chat_template_kwargs": {"enable_thinking": false}}),
+        )
+        .unwrap();
         assert_eq!(r.enable_thinking, Some(false));
         let r = parse_chat(&json!({"messages": msgs, "thinking": {"type": "enabled"}})).unwrap();
         assert_eq!(r.enable_thinking, Some(true));
         assert_eq!(r.template_kwargs["enable_thinking"], json!(true));
         let r = parse_chat(&json!({"messages": msgs, "reasoning_format": "none"})).unwrap();
         assert!(r.reasoning_inline);
-        assert!(parse_chat(&json!({"messages": msgs, "thinking": {"type": "enabled"},
+        assert!(
+            parse_chat(&json!({"messages": msgs, "thinking": {"type": "enabled"},
             "chat_template_kwargs": {"enable_thinking": false}}))
-        .is_err());
+            .is_err()
+        );
     }
 }

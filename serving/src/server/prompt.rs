@@ -37,7 +37,11 @@ pub(crate) fn tool_parser(b: &Backend, r: &ChatRequest) -> Option<ToolParser> {
     let single = r.legacy_functions
         || !r.parallel_tool_calls
         || matches!(r.tool_choice, ToolChoice::Named(_));
-    Some(ToolParser::new(b.chat.tools.format, r.tools.clone(), single))
+    Some(ToolParser::new(
+        b.chat.tools.format,
+        r.tools.clone(),
+        single,
+    ))
 }
 
 /// The prompt text: tools prepared for the template, variables checked, template rendered.
@@ -153,21 +157,33 @@ pub(crate) async fn chat_constraint(
     p: &ChatPrompt,
 ) -> Result<Option<SharedConstraint>, ApiError> {
     let tools_offered = !r.tools.is_empty() && r.tool_choice != ToolChoice::None;
-    let inner = constraint(b, r.common.constraint.as_ref(), p.forced.clone(), tools_offered, p.reasoning).await?;
+    let inner = constraint(
+        b,
+        r.common.constraint.as_ref(),
+        p.forced.clone(),
+        tools_offered,
+        p.reasoning,
+    )
+    .await?;
     let Some(budget) = r.thinking_budget else {
         return Ok(inner);
     };
     let Some((open, close)) = b.think else {
-        return Err(ApiError::invalid("thinking", "this model has no thinking tokens"));
+        return Err(ApiError::invalid(
+            "thinking",
+            "this model has no thinking tokens",
+        ));
     };
-    Ok(Some(SharedConstraint(Arc::new(crate::grammar::ThinkingBudget {
-        inner: inner.map(|c| c.0),
-        open,
-        close,
-        budget,
-        starts_open: p.starts_in_reasoning(),
-        vocab: b.engine.vocab_size(),
-    }))))
+    Ok(Some(SharedConstraint(Arc::new(
+        crate::grammar::ThinkingBudget {
+            inner: inner.map(|c| c.0),
+            open,
+            close,
+            budget,
+            starts_open: p.starts_in_reasoning(),
+            vocab: b.engine.vocab_size(),
+        },
+    ))))
 }
 
 /// The constraint of an answer: a forced call, a structured-output grammar, or none. Both at
@@ -182,7 +198,10 @@ pub(crate) async fn constraint(
     if let Some(s) = spec.filter(|_| tools_offered || forced.is_some()) {
         return Err(ApiError::invalid(
             &s.field,
-            format!("'{}' cannot be combined with tools (a constrained answer could never call them)", s.field),
+            format!(
+                "'{}' cannot be combined with tools (a constrained answer could never call them)",
+                s.field
+            ),
         ));
     }
     let (grammar, field) = match (spec, forced) {
@@ -202,7 +221,9 @@ pub(crate) async fn constraint(
                             format!("token id {bad} is out of range (vocabulary size {vocab})"),
                         ));
                     }
-                    return Ok(Some(SharedConstraint(Arc::new(crate::grammar::TokenSet::new(t, vocab)))));
+                    return Ok(Some(SharedConstraint(Arc::new(
+                        crate::grammar::TokenSet::new(t, vocab),
+                    ))));
                 }
             };
             (g, s.field.clone())
@@ -211,7 +232,10 @@ pub(crate) async fn constraint(
     };
     let b = b.clone();
     tokio::task::spawn_blocking(move || {
-        let vocab = b.chat.vocabulary(&b).map_err(|e| ApiError::invalid(&field, e))?;
+        let vocab = b
+            .chat
+            .vocabulary(&b)
+            .map_err(|e| ApiError::invalid(&field, e))?;
         let compiled = vocab
             .compile(&grammar, reasoning)
             .map_err(|e| ApiError::invalid(&field, format!("'{field}': {e}")))?;
@@ -228,10 +252,19 @@ mod tests {
     #[test]
     fn reasoning_modes() {
         let (o, c) = (90, 91);
-        assert_eq!(reasoning_mode(&[1, 2, o], o, c, None), Reasoning::Open { close: c });
+        assert_eq!(
+            reasoning_mode(&[1, 2, o], o, c, None),
+            Reasoning::Open { close: c }
+        );
         assert_eq!(reasoning_mode(&[1, o, c, 10], o, c, None), Reasoning::None);
-        assert_eq!(reasoning_mode(&[1, 2, 3], o, c, None), Reasoning::Optional { open: o, close: c });
-        assert_eq!(reasoning_mode(&[1, 2, 3], o, c, Some(false)), Reasoning::None);
+        assert_eq!(
+            reasoning_mode(&[1, 2, 3], o, c, None),
+            Reasoning::Optional { open: o, close: c }
+        );
+        assert_eq!(
+            reasoning_mode(&[1, 2, 3], o, c, Some(false)),
+            Reasoning::None
+        );
         // An old closed block far back in the history does not count.
         assert_eq!(
             reasoning_mode(&[o, c, 1, 2, 3, 4, 5], o, c, Some(true)),

@@ -150,13 +150,20 @@ impl ToolSupport {
                 &serde_json::Map::new(),
             )
             .is_ok_and(|t| t.contains(PROBE_SYSTEM));
-        let marker_ids = [CALL_OPEN, CALL_CLOSE, KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE]
-            .into_iter()
-            .filter_map(|m| {
-                let id = codec.token_id(m)?;
-                codec.is_special(id).then_some((m, id))
-            })
-            .collect();
+        let marker_ids = [
+            CALL_OPEN,
+            CALL_CLOSE,
+            KEY_OPEN,
+            KEY_CLOSE,
+            VALUE_OPEN,
+            VALUE_CLOSE,
+        ]
+        .into_iter()
+        .filter_map(|m| {
+            let id = codec.token_id(m)?;
+            codec.is_special(id).then_some((m, id))
+        })
+        .collect();
         ToolSupport {
             format,
             system_role,
@@ -189,8 +196,11 @@ impl ToolSupport {
 /// The call syntax in a probe rendering.
 fn call_format(text: &str) -> ToolFormat {
     let Some(at) = text.find(&format!("{CALL_OPEN}{PROBE_FN}")).or_else(|| {
-        text.find(CALL_OPEN)
-            .filter(|&i| text[i + CALL_OPEN.len()..].trim_start().starts_with(PROBE_FN))
+        text.find(CALL_OPEN).filter(|&i| {
+            text[i + CALL_OPEN.len()..]
+                .trim_start()
+                .starts_with(PROBE_FN)
+        })
     }) else {
         return hermes_or_generic(text);
     };
@@ -243,7 +253,8 @@ pub fn generic_tools_prompt(tools: &[ToolDef], choice: &ToolChoice) -> String {
 }
 
 fn generic_call_text(c: &ToolCall) -> String {
-    let args = serde_json::from_str::<Value>(&c.arguments).unwrap_or(Value::String(c.arguments.clone()));
+    let args =
+        serde_json::from_str::<Value>(&c.arguments).unwrap_or(Value::String(c.arguments.clone()));
     format!(
         "{CALL_OPEN}{}{CALL_CLOSE}",
         json!({"name": c.name, "arguments": args})
@@ -259,9 +270,14 @@ pub fn prepare(
     choice: &ToolChoice,
     support: &ToolSupport,
 ) -> (Vec<Message>, Option<Value>) {
-    let offered: &[ToolDef] = if *choice == ToolChoice::None { &[] } else { tools };
+    let offered: &[ToolDef] = if *choice == ToolChoice::None {
+        &[]
+    } else {
+        tools
+    };
     if support.format != ToolFormat::Generic {
-        let kw = (!offered.is_empty()).then(|| Value::Array(offered.iter().map(ToolDef::to_json).collect()));
+        let kw = (!offered.is_empty())
+            .then(|| Value::Array(offered.iter().map(ToolDef::to_json).collect()));
         return (messages.to_vec(), kw);
     }
     let mut out: Vec<Message> = Vec::with_capacity(messages.len() + 1);
@@ -276,7 +292,9 @@ pub fn prepare(
                 );
                 // Results of one round of calls go into one user turn.
                 match out.last_mut() {
-                    Some(prev) if prev.role == "user" && prev.content.ends_with("</tool_response>") => {
+                    Some(prev)
+                        if prev.role == "user" && prev.content.ends_with("</tool_response>") =>
+                    {
                         prev.content.push('\n');
                         prev.content.push_str(&block);
                     }
@@ -302,7 +320,11 @@ pub fn prepare(
     }
     if !offered.is_empty() {
         let prompt = generic_tools_prompt(offered, choice);
-        let role = if support.system_role { "system" } else { "user" };
+        let role = if support.system_role {
+            "system"
+        } else {
+            "user"
+        };
         match out.iter().position(|m| m.role == role) {
             Some(i) => out[i].content = format!("{prompt}\n\n{}", out[i].content),
             None => out.insert(0, Message::new(role, prompt)),
@@ -336,10 +358,13 @@ pub fn forced_call_grammar(
                     "required": ["name", "arguments"],
                     "additionalProperties": false,
                 });
-                let schema = crate::grammar::with_json_options(&schema).map_err(|e| {
-                    ApiError::invalid("tools", format!("function {}: {e}", t.name))
-                })?;
-                let ws = if support.format == ToolFormat::Hermes { "(\"\\n\")?" } else { "" };
+                let schema = crate::grammar::with_json_options(&schema)
+                    .map_err(|e| ApiError::invalid("tools", format!("function {}: {e}", t.name)))?;
+                let ws = if support.format == ToolFormat::Hermes {
+                    "(\"\\n\")?"
+                } else {
+                    ""
+                };
                 format!(
                     "{} {ws} %json {schema} {ws} {}",
                     support.lark_marker(CALL_OPEN),
@@ -421,7 +446,11 @@ fn glm_call_rule(
         .map(|r| r.iter().filter_map(Value::as_str).collect())
         .unwrap_or_default();
     let nl = "(\"\\n\")?";
-    let mut body = format!("{} {}", support.lark_marker(CALL_OPEN), lark_string(&t.name));
+    let mut body = format!(
+        "{} {}",
+        support.lark_marker(CALL_OPEN),
+        lark_string(&t.name)
+    );
     for (j, (key, schema)) in props.into_iter().flatten().enumerate() {
         let value = glm_value(schema).map_err(|m| bad(format!("parameter {key:?}: {m}")))?;
         let rule = format!("arg_{i}_{j}");
@@ -434,10 +463,17 @@ fn glm_call_rule(
             support.lark_marker(VALUE_OPEN),
             support.lark_marker(VALUE_CLOSE),
         );
-        let opt = if required.contains(&key.as_str()) { "" } else { "?" };
+        let opt = if required.contains(&key.as_str()) {
+            ""
+        } else {
+            "?"
+        };
         let _ = write!(body, " {rule}{opt}");
     }
-    if let Some(missing) = required.iter().find(|r| !props.is_some_and(|p| p.contains_key(**r))) {
+    if let Some(missing) = required
+        .iter()
+        .find(|r| !props.is_some_and(|p| p.contains_key(**r)))
+    {
         return Err(bad(format!("required parameter {missing:?} has no schema")));
     }
     let _ = write!(body, " {nl} {}", support.lark_marker(CALL_CLOSE));
@@ -722,7 +758,9 @@ impl ToolParser {
         self.buf.push_str(text);
         loop {
             if self.in_call {
-                let Some(end) = self.buf.find(CALL_CLOSE) else { return };
+                let Some(end) = self.buf.find(CALL_CLOSE) else {
+                    return;
+                };
                 let body: String = self.buf[..end].to_string();
                 self.buf.drain(..end + CALL_CLOSE.len());
                 self.in_call = false;
@@ -816,7 +854,9 @@ mod tests {
             let o = match o {
                 ToolOut::Call { name, arguments } => ToolOut::Call {
                     name,
-                    arguments: serde_json::from_str::<Value>(&arguments).unwrap().to_string(),
+                    arguments: serde_json::from_str::<Value>(&arguments)
+                        .unwrap()
+                        .to_string(),
                 },
                 t => t,
             };
@@ -862,7 +902,11 @@ mod tests {
                     }
                     v
                 };
-                assert_eq!(parse_all(ToolFormat::Glm, &chunks, true), want, "chunk size {n}");
+                assert_eq!(
+                    parse_all(ToolFormat::Glm, &chunks, true),
+                    want,
+                    "chunk size {n}"
+                );
             }
         }
     }
@@ -909,7 +953,10 @@ mod tests {
     fn single_call_mode_stops_after_the_first() {
         let mut p = ToolParser::new(ToolFormat::Generic, vec![weather()], true);
         let mut out = Vec::new();
-        p.push("<tool_call>{\"name\": \"get_weather\", \"arguments\": {}}</tool_call> and more", &mut out);
+        p.push(
+            "<tool_call>{\"name\": \"get_weather\", \"arguments\": {}}</tool_call> and more",
+            &mut out,
+        );
         p.finish(true, &mut out);
         assert_eq!(out, vec![call("get_weather", json!({}))]);
         assert!(p.done());
@@ -978,17 +1025,37 @@ mod tests {
 
     #[test]
     fn json_syntax_check() {
-        for ok in ["{}", " [1, -0.5e+7, \"a\\\"b\", {\"k\": null}] ", "true", "-0", "12e999"] {
+        for ok in [
+            "{}",
+            " [1, -0.5e+7, \"a\\\"b\", {\"k\": null}] ",
+            "true",
+            "-0",
+            "12e999",
+        ] {
             assert!(is_json(ok), "{ok}");
         }
-        for bad in ["{", "[1,]", "01", "1.", "\"a", "{\"a\" 1}", "tru", "1 2", "{1: 2}", "\"\n\""] {
+        for bad in [
+            "{",
+            "[1,]",
+            "01",
+            "1.",
+            "\"a",
+            "{\"a\" 1}",
+            "tru",
+            "1 2",
+            "{1: 2}",
+            "\"\n\"",
+        ] {
             assert!(!is_json(bad), "{bad}");
         }
     }
 
     #[test]
     fn glm_value_grammars() {
-        assert_eq!(glm_value(&json!({"type": "string", "maxLength": 16})).unwrap(), "/[^<]{0,16}/");
+        assert_eq!(
+            glm_value(&json!({"type": "string", "maxLength": 16})).unwrap(),
+            "/[^<]{0,16}/"
+        );
         assert_eq!(
             glm_value(&json!({"type": "string", "enum": ["a", "b\""]})).unwrap(),
             "(\"a\" | \"b\\\"\")"
