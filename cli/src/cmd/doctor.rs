@@ -309,9 +309,18 @@ fn model_checks(path: &Path, args: &Args) -> Result<Report> {
         (_, false) => not_selected(3, "statistics"),
         (None, _) => no_model(3, "statistics"),
         (Some(m), _) => {
+            let bytes: u64 = m.tensors().map(|t| t.info.n_bytes()).sum();
             note(
                 args,
-                "check 3: statistics of every tensor (all data is read; --quick samples)",
+                &format!(
+                    "check 3: statistics of every tensor ({} of tensor data{})",
+                    crate::util::human_bytes(bytes),
+                    if args.quick {
+                        ", sampled"
+                    } else {
+                        " read once; --quick samples"
+                    }
+                ),
             );
             timed(|| stats::run(&ctx, m, args.quick, quiet))
         }

@@ -31,9 +31,11 @@ def main():
             v = getattr(cfg, k, None)
             if isinstance(v, list):
                 setattr(cfg, k, v[: a.layers])
-    model = AutoModelForCausalLM.from_pretrained(
-        a.hf, config=cfg, dtype=torch.float32, attn_implementation="eager"
-    )
+    kw = dict(config=cfg, attn_implementation="eager")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(a.hf, dtype=torch.float32, **kw)
+    except TypeError:  # transformers before `dtype` replaced `torch_dtype`
+        model = AutoModelForCausalLM.from_pretrained(a.hf, torch_dtype=torch.float32, **kw)
     model.eval()
     acts = {}
 

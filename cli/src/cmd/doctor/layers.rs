@@ -351,7 +351,7 @@ pub fn compare(got: &[Act], want: &dyn Fn(&str) -> Option<Act>, metric: &Metric)
 /// The weights an activation is computed from (those present in the model).
 fn op_weights(name: &str, model: &Model) -> Vec<String> {
     let (prefix, op) = match layer_of(name) {
-        Some(l) => (format!("{l}."), &name[l.len() + 1..]),
+        Some(l) => (format!("{l}."), name.get(l.len() + 1..).unwrap_or("")),
         None => (String::new(), name),
     };
     let parts: &[&str] = match op {
@@ -442,7 +442,7 @@ fn rope_layout_fits(
         return false;
     };
     let cols = d.got.cols;
-    if group == 0 || cols % group != 0 || offset + n_rot > group || n_rot < 4 {
+    if group == 0 || !cols.is_multiple_of(group) || offset + n_rot > group || n_rot < 4 {
         return false;
     }
     let s = half_split(n_rot);
@@ -536,7 +536,7 @@ fn describe(
         AttentionSpec::Mla(m) => Some(*m),
         _ => None,
     });
-    let op = layer_of(&d.name).map_or(d.name.as_str(), |l| &d.name[l.len() + 1..]);
+    let op = layer_of(&d.name).map_or(d.name.as_str(), |l| d.name.get(l.len() + 1..).unwrap_or(""));
     match (op, mla) {
         ("attn_q_b.out", Some(m))
             if rope_layout_fits(d, m.qk_head(), m.qk_nope, m.qk_rope, metric) =>
