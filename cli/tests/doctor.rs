@@ -314,6 +314,74 @@ fn healthy_with_hf_checkpoint_and_quick() {
     }
 }
 
+/// `--hf` check 7 through a stand-in interpreter (`GGUFTOOL_PYTHON`): doctor passes the HF
+/// directory and the count prompt's ids to the embedded script and compares what it writes
+/// (here the fixture dump, which transformers made for the same prompt). Without a usable
+/// Python the transformers side is skipped with the import error.
+#[test]
+fn hf_activations_come_from_the_python_side() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = hf_dir_of(&fx("gguf/tiny-glm5-BF16.gguf"), dir.path());
+    let args_log = dir.path().join("args");
+    let fake = dir.path().join("python");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\n[ \"$1\" = -c ] && exit 0\necho \"$@\" > {}\nwhile [ $# -gt 0 ]; do [ \"$1\" = --out ] && out=$2; shift; done\ncp {} \"$out\"\n",
+            args_log.display(),
+            fx(DUMP).display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let bf16 = fx("gguf/tiny-glm5-BF16.gguf");
+    let o = Command::new(env!("CARGO_BIN_EXE_gguftool"))
+        .args([
+            "doctor",
+            bf16.to_str().unwrap(),
+            "--hf",
+            hf.to_str().unwrap(),
+            "--checks",
+            "7",
+            "--json",
+        ])
+        .env("GGUFTOOL_PYTHON", &fake)
+        .output()
+        .unwrap();
+    let j: Json = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(o.status.code(), Some(0), "{j:#}");
+    assert_eq!(status(&j, "layers"), "pass", "{}", detail(&j, "layers"));
+    assert!(detail(&j, "layers").contains("CPU reference vs transformers on"));
+    let args = std::fs::read_to_string(&args_log).unwrap();
+    // The count prompt "1 2 3 4 5 6 7 8 9 10" as the fixture's token_ids (transformers' ids).
+    let ids = "--ids 16,220,17,220,18,220,19,220,20,220,21,220,22,220,23,220,24,220,271 ";
+    assert!(args.contains(&format!("--hf {} ", hf.display())), "{args}");
+    assert!(args.contains(ids), "{args}");
+
+    let missing = dir.path().join("no-python-here");
+    let o = Command::new(env!("CARGO_BIN_EXE_gguftool"))
+        .args([
+            "doctor",
+            bf16.to_str().unwrap(),
+            "--hf",
+            hf.to_str().unwrap(),
+            "--checks",
+            "7",
+            "--json",
+        ])
+        .env("GGUFTOOL_PYTHON", &missing)
+        .output()
+        .unwrap();
+    let j: Json = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(o.status.code(), Some(0));
+    assert_eq!(status(&j, "layers"), "skipped");
+    assert!(
+        detail(&j, "layers").contains("transformers side"),
+        "{}",
+        detail(&j, "layers")
+    );
+}
+
 #[test]
 fn human_report_names_the_first_finding_and_what_to_do() {
     let b = Broken::new("gguf/tiny-glm5-BF16.gguf");
