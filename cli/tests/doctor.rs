@@ -413,6 +413,18 @@ fn errors_exit_2() {
 fn machine_checks_without_a_model() {
     let o = gguftool(&["doctor", "--no-compile", "--json"]);
     let j: Json = serde_json::from_slice(&o.stdout).unwrap();
+    let ids: Vec<&str> = j["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids[0], "cuda_devices");
+    assert!(ids.contains(&"nvrtc"));
+    assert_eq!(
+        o.status.code(),
+        Some(if j["first_finding"].is_null() { 0 } else { 1 })
+    );
     if kernels::device_count() == 0 {
         // No GPU is not a fault of the machine.
         assert_eq!(o.status.code(), Some(0), "{j:#}");

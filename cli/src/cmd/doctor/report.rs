@@ -271,12 +271,12 @@ impl Report {
             }
             let items = c.ordered();
             for i in items.iter().take(HUMAN_ITEMS) {
-                let tag = if i.severity == Severity::Finding {
-                    "finding"
+                // Findings start the line (`grep ^finding` in scripts, as before).
+                if i.severity == Severity::Finding {
+                    println!("finding: [{}] {}", c.id, i.text());
                 } else {
-                    "warning"
-                };
-                println!("      {tag}: {}", i.text());
+                    println!("      warning: {}", i.text());
+                }
             }
             if items.len() > HUMAN_ITEMS {
                 println!("      ... and {} more", items.len() - HUMAN_ITEMS);
