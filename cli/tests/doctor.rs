@@ -37,10 +37,17 @@ fn gguftool(args: &[&str]) -> std::process::Output {
 
 /// `doctor ARGS --json`: exit code and the parsed report.
 fn doctor(args: &[&str]) -> (i32, Json) {
-    let mut a = vec!["doctor"];
-    a.extend_from_slice(args);
-    a.push("--json");
-    let o = gguftool(&a);
+    doctor_env(args, None)
+}
+
+/// [`doctor`] with `GGUFTOOL_PYTHON` set.
+fn doctor_env(args: &[&str], python: Option<&Path>) -> (i32, Json) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gguftool"));
+    cmd.arg("doctor").args(args).arg("--json");
+    if let Some(p) = python {
+        cmd.env("GGUFTOOL_PYTHON", p);
+    }
+    let o = cmd.output().unwrap();
     let code = o.status.code().unwrap();
     assert!(
         code == 0 || code == 1,
@@ -127,6 +134,14 @@ fn assert_finding(j: &Json, id: &str, subj: &str, words: &[&str]) {
             detail(j, id)
         );
     }
+}
+
+fn assert_detail(j: &Json, id: &str, word: &str) {
+    assert!(
+        detail(j, id).contains(word),
+        "{id}: no {word:?} in {}",
+        detail(j, id)
+    );
 }
 
 fn first_check(j: &Json) -> &str {
@@ -306,11 +321,7 @@ fn healthy_with_hf_checkpoint_and_quick() {
         ]);
         assert_eq!(code, 0, "{rel} --quick: {j:#}");
         assert!(detail(&j, "statistics").contains("--quick"));
-        assert!(
-            detail(&j, "layers").contains("the first 2 layers"),
-            "{}",
-            detail(&j, "layers")
-        );
+        assert_detail(&j, "layers", "the first 2 layers");
     }
 }
 
@@ -335,51 +346,30 @@ fn hf_activations_come_from_the_python_side() {
     .unwrap();
     std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let bf16 = fx("gguf/tiny-glm5-BF16.gguf");
-    let o = Command::new(env!("CARGO_BIN_EXE_gguftool"))
-        .args([
-            "doctor",
-            bf16.to_str().unwrap(),
-            "--hf",
-            hf.to_str().unwrap(),
-            "--checks",
-            "7",
-            "--json",
-        ])
-        .env("GGUFTOOL_PYTHON", &fake)
-        .output()
-        .unwrap();
-    let j: Json = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(o.status.code(), Some(0), "{j:#}");
+    let args = [
+        bf16.to_str().unwrap(),
+        "--hf",
+        hf.to_str().unwrap(),
+        "--checks",
+        "7",
+    ];
+    let (code, j) = doctor_env(&args, Some(&fake));
+    assert_eq!(code, 0, "{j:#}");
     assert_eq!(status(&j, "layers"), "pass", "{}", detail(&j, "layers"));
-    assert!(detail(&j, "layers").contains("CPU reference vs transformers on"));
-    let args = std::fs::read_to_string(&args_log).unwrap();
+    assert_detail(&j, "layers", "CPU reference vs transformers on");
+    let logged = std::fs::read_to_string(&args_log).unwrap();
     // The count prompt "1 2 3 4 5 6 7 8 9 10" as the fixture's token_ids (transformers' ids).
     let ids = "--ids 16,220,17,220,18,220,19,220,20,220,21,220,22,220,23,220,24,220,271 ";
-    assert!(args.contains(&format!("--hf {} ", hf.display())), "{args}");
-    assert!(args.contains(ids), "{args}");
-
-    let missing = dir.path().join("no-python-here");
-    let o = Command::new(env!("CARGO_BIN_EXE_gguftool"))
-        .args([
-            "doctor",
-            bf16.to_str().unwrap(),
-            "--hf",
-            hf.to_str().unwrap(),
-            "--checks",
-            "7",
-            "--json",
-        ])
-        .env("GGUFTOOL_PYTHON", &missing)
-        .output()
-        .unwrap();
-    let j: Json = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(o.status.code(), Some(0));
-    assert_eq!(status(&j, "layers"), "skipped");
     assert!(
-        detail(&j, "layers").contains("transformers side"),
-        "{}",
-        detail(&j, "layers")
+        logged.contains(&format!("--hf {} ", hf.display())),
+        "{logged}"
     );
+    assert!(logged.contains(ids), "{logged}");
+
+    let (code, j) = doctor_env(&args, Some(&dir.path().join("no-python-here")));
+    assert_eq!(code, 0);
+    assert_eq!(status(&j, "layers"), "skipped");
+    assert_detail(&j, "layers", "transformers side");
 }
 
 #[test]
