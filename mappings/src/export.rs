@@ -23,6 +23,8 @@ pub enum OutDtype {
     /// f16 wherever that is exact, else bf16 where exact, else f32.
     F16,
     F32,
+    /// Every tensor bf16, values rounded to nearest even (lossy for f32 and dequantized data).
+    Bf16Round,
 }
 
 /// Export settings.
@@ -440,7 +442,7 @@ fn choose(buf: &Buf, want: OutDtype) -> safetensors::Dtype {
     use safetensors::Dtype as D;
     match (want, buf) {
         (OutDtype::F32, _) => D::F32,
-        (OutDtype::Bf16, Buf::Bf16(_)) => D::BF16,
+        (OutDtype::Bf16Round, _) | (OutDtype::Bf16, Buf::Bf16(_)) => D::BF16,
         (OutDtype::F16, Buf::F16(_)) => D::F16,
         (w, b) => {
             let v = b.to_f32();
@@ -475,8 +477,10 @@ fn dtype_size(d: safetensors::Dtype) -> usize {
 /// Whether `buf` is known to fit the requested dtype without looking at values.
 fn known_dtype(model: &Model, item: &Item, want: OutDtype) -> Option<safetensors::Dtype> {
     use safetensors::Dtype as D;
-    if want == OutDtype::F32 {
-        return Some(D::F32);
+    match want {
+        OutDtype::F32 => return Some(D::F32),
+        OutDtype::Bf16Round => return Some(D::BF16),
+        _ => {}
     }
     let ty = |n: &str| model.tensor(n).map(|t| t.info.ty);
     let all = match &item.src {
@@ -621,7 +625,7 @@ fn write_all(
             None => choose(&materialize(model, item)?, opts.dtype),
         };
         let want = match opts.dtype {
-            OutDtype::Bf16 => safetensors::Dtype::BF16,
+            OutDtype::Bf16 | OutDtype::Bf16Round => safetensors::Dtype::BF16,
             OutDtype::F16 => safetensors::Dtype::F16,
             OutDtype::F32 => safetensors::Dtype::F32,
         };
@@ -719,7 +723,7 @@ fn write_all(
     let arch = model.architecture().unwrap_or_default();
     let tied = model.tensor("output.weight").is_none();
     let torch_dtype = match opts.dtype {
-        OutDtype::Bf16 => "bfloat16",
+        OutDtype::Bf16 | OutDtype::Bf16Round => "bfloat16",
         OutDtype::F16 => "float16",
         OutDtype::F32 => "float32",
     };
