@@ -649,12 +649,15 @@ fn write_all(
         })
         .collect::<Result<_, _>>()?;
     let total: u64 = sizes.iter().map(|s| *s as u64).sum();
-    // consecutive items into shards of at most max_shard_bytes
+    // consecutive items into shards of at most max_shard_bytes; a shard also ends where the
+    // order readers see (names sorted within a file, as safetensors and llama.cpp's converter
+    // list them) would differ from the GGUF order, so converting back gives the same tensor order
+    let keys = emission_keys(&items);
     let mut shards: Vec<Range<usize>> = vec![];
     let mut start = 0;
     let mut acc = 0u64;
     for (i, s) in sizes.iter().enumerate() {
-        if i > start && acc + *s as u64 > opts.max_shard_bytes {
+        if i > start && (acc + *s as u64 > opts.max_shard_bytes || keys[i] < keys[i - 1]) {
             shards.push(start..i);
             start = i;
             acc = 0;
@@ -760,6 +763,36 @@ fn write_all(
     summary.shards = n;
     summary.bytes = total;
     Ok(summary)
+}
+
+/// Where llama.cpp's converter emits each item's GGUF tensor while reading a shard in name order:
+/// at its own name, except stacked experts, which appear once the layer's last expert tensor (in
+/// name order) has been read.
+fn emission_keys(items: &[Item]) -> Vec<String> {
+    let layer = |it: &Item| match &it.src {
+        Source::Plain {
+            gguf,
+            expert: Some(_),
+            ..
+        } => gguf.split('.').nth(1).map(str::to_string),
+        _ => None,
+    };
+    let mut last: BTreeMap<String, String> = BTreeMap::new();
+    for it in items {
+        if let Some(l) = layer(it) {
+            let e = last.entry(l).or_default();
+            if it.hf > *e {
+                *e = it.hf.clone();
+            }
+        }
+    }
+    items
+        .iter()
+        .map(|it| match layer(it) {
+            Some(l) => last[&l].clone(),
+            None => it.hf.clone(),
+        })
+        .collect()
 }
 
 /// One layer's kv_b_proj rebuilt from the GGUF as f32 (dequantized first when quantized), with
