@@ -208,3 +208,66 @@ fn bad_checkpoints_are_refused_with_the_reason() {
     std::fs::remove_file(dir.join("model-00004-of-00004.safetensors")).unwrap();
     assert!(import::plan(&dir, &opts(OutType::Bf16)).is_err());
 }
+
+fn sha(b: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
+}
+
+/// sha256 of the files llama.cpp's converter (source of 2026-10-01, torch 2.15 CPU, transformers
+/// 5.24, with the fixtures' one-clause pre-tokenizer-hash patch) wrote from this checkpoint in a
+/// directory named tiny-glm5: `convert_hf_to_gguf.py tiny-glm5 --outtype T --outfile x.gguf`
+/// (and `--split-max-tensors 32` / `--split-max-size 5M` with bf16). Recorded once from the
+/// converter's output, not from ours; docs/BENCHMARKS.md has the commands.
+const CONVERTER_SHA256: [(&str, Option<usize>, Option<u64>, &[&str]); 5] = [
+    ("q8_0", None, None, &["9b3d96dcbb8bfa546135e288a556ab84b29f9fadd7797e4d6fdccd3761c49910"]),
+    ("f16", None, None, &["b0a0f0a5f64f7dfd86b5e25970758452e5df3e4ec5aefb50c77095a9cd44a063"]),
+    ("f32", None, None, &["6d4a1ff3372ca291d34c8c3f5715e79b5b44efddf5e5c23c656fece0b63a04a5"]),
+    (
+        "bf16",
+        Some(32),
+        None,
+        &[
+            "a3a5a00f0f89221f3b702d2bbeed3a11967abc45cf564270228470c3cb44bab8",
+            "3f2873b259a4e97fa69f556b53e18d7115fe88a12e80f43dd9119ac97e1fd112",
+            "37cc0ef25e3bd0aed31dca8b850f8cf5f0824ca9c120e6c8719cd381249b1990",
+        ],
+    ),
+    (
+        "bf16",
+        None,
+        Some(5_000_000),
+        &[
+            "5ef571a82c2859663c9fa1e7a1b704ab69a1b98fc525214add3030f369daeaa0",
+            "b973b472a8e3f1d7f35218b5f019eb9d4a5c9cd3739ab901ae577443b98fadda",
+            "8826f94287babbf868a9836b45cfcb4fcbb7841c9413d48d6e5cb5611580676d",
+            "8544b7ca9569a59eb97cfff2ed9a7e729fc2c8a1379c9eb0a89b57d5c5a4f1a8",
+        ],
+    ),
+];
+
+#[test]
+fn every_outtype_and_split_equals_llama_cpp_converter_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = checkpoint(tmp.path(), "tiny-glm5");
+    for (t, max_tensors, max_bytes, want) in CONVERTER_SHA256 {
+        let outtype = match t {
+            "q8_0" => OutType::Q8_0,
+            "f16" => OutType::F16,
+            "f32" => OutType::F32,
+            _ => OutType::Bf16,
+        };
+        let o = ImportOptions {
+            outtype,
+            split_max_tensors: max_tensors,
+            split_max_bytes: max_bytes,
+            ..ImportOptions::default()
+        };
+        let (_, files) = convert(&dir, &o);
+        let got: Vec<String> = files.iter().map(|f| sha(f)).collect();
+        assert_eq!(got, want, "{t} {max_tensors:?} {max_bytes:?}");
+    }
+}
