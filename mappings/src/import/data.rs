@@ -17,6 +17,7 @@ struct Raw {
     force_f32: Vec<String>,
     skip_suffixes: Vec<String>,
     pre_tokenizers: Vec<RawPre>,
+    config_defaults: BTreeMap<String, BTreeMap<String, serde_json::Value>>,
 }
 
 #[derive(Deserialize)]
@@ -59,6 +60,8 @@ pub struct ImportData {
     pub force_f32: Vec<String>,
     pub skip_suffixes: Vec<String>,
     pre: Vec<RawPre>,
+    /// model_type -> key -> default (literal, `{from: k}` or `{div: [a, b]}`).
+    pub config_defaults: BTreeMap<String, BTreeMap<String, serde_json::Value>>,
 }
 
 impl std::fmt::Debug for RawPre {
@@ -98,6 +101,7 @@ fn parse() -> Result<ImportData, MappingError> {
         force_f32: raw.force_f32,
         skip_suffixes: raw.skip_suffixes,
         pre: raw.pre_tokenizers,
+        config_defaults: raw.config_defaults,
     })
 }
 

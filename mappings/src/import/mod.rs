@@ -398,7 +398,8 @@ fn llama3_rope_freqs(hp: &HParams) -> Result<Option<Vec<f32>>, MappingError> {
 /// Plans the conversion of the HF checkpoint in `dir` (its name as given feeds `general.name`).
 pub fn plan(dir: &Path, opts: &ImportOptions) -> Result<Plan, MappingError> {
     let d = data::data()?;
-    let hp = HParams::load(dir)?;
+    let mut hp = HParams::load(dir)?;
+    hp.apply_defaults(&d.config_defaults);
     let class = hp
         .raw
         .get("architectures")

@@ -9,6 +9,7 @@ use crate::MappingError;
 use gguf::value::ValueType;
 use gguf::Value;
 use serde_json::{Map, Value as Json};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// config.json as the converter sees it (`text_config` merged over the root).
@@ -36,6 +37,46 @@ impl HParams {
             }
         }
         Ok(HParams { map, raw, path })
+    }
+
+    /// Fills the keys transformers' config class would fill (data/import.yaml
+    /// `config_defaults`): literals first, then the derived ones, which may read them.
+    pub fn apply_defaults(&mut self, defaults: &BTreeMap<String, BTreeMap<String, Json>>) {
+        let Some(mt) = self.map.get("model_type").and_then(Json::as_str) else {
+            return;
+        };
+        let Some(d) = defaults.get(mt) else {
+            return;
+        };
+        let derived = |v: &Json| v.is_object();
+        let order = d.iter().filter(|(_, v)| !derived(v)).chain(d.iter().filter(|(_, v)| derived(v)));
+        for (k, v) in order {
+            if self.map.get(k).is_some_and(|x| !x.is_null()) {
+                continue;
+            }
+            let val = match v {
+                Json::Object(o) if o.contains_key("from") => {
+                    o["from"].as_str().and_then(|f| self.map.get(f)).cloned()
+                }
+                Json::Object(o) if o.contains_key("div") => {
+                    let arg = |i: usize| {
+                        o["div"]
+                            .get(i)
+                            .and_then(Json::as_str)
+                            .and_then(|f| self.map.get(f))
+                            .and_then(Json::as_u64)
+                    };
+                    match (arg(0), arg(1)) {
+                        (Some(a), Some(b)) if b > 0 => Some(Json::from(a / b)),
+                        _ => None,
+                    }
+                }
+                other => Some(other.clone()),
+            };
+            if let Some(val) = val {
+                self.map.insert(k.clone(), val);
+            }
+        }
     }
 
     /// A present, non-null value.

@@ -127,6 +127,10 @@ pub fn encode_model(pieces: &[Piece]) -> Vec<u8> {
         out.push(v as u8);
     }
     let mut out = vec![];
+    if pieces.iter().any(|p| p.kind == BYTE) {
+        // trainer_spec { byte_fallback: true }: sentencepiece refuses byte pieces without it
+        out.extend_from_slice(&[0x12, 0x03, 0x98, 0x02, 0x01]);
+    }
     for p in pieces {
         let mut m = vec![0x0a];
         varint(&mut m, p.piece.len() as u64);
