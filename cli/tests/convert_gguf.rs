@@ -9,7 +9,11 @@ fn fx(rel: &str) -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/fixtures")
         .join(rel);
-    assert!(p.exists(), "fixture {} missing from tests/fixtures", p.display());
+    assert!(
+        p.exists(),
+        "fixture {} missing from tests/fixtures",
+        p.display()
+    );
     p
 }
 
@@ -79,10 +83,18 @@ fn split_conversion_merges_back_to_the_converters_file() {
         ]
     );
     let merged = tmp.path().join("merged.gguf");
-    let o = run(&["merge", s(&out.join("m-00001-of-00003.gguf")), "-o", s(&merged)]);
+    let o = run(&[
+        "merge",
+        s(&out.join("m-00001-of-00003.gguf")),
+        "-o",
+        s(&merged),
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let want = std::fs::read(fx("gguf/tiny-glm5-BF16.gguf")).unwrap();
-    assert!(std::fs::read(&merged).unwrap() == want, "merge of the split conversion differs");
+    assert!(
+        std::fs::read(&merged).unwrap() == want,
+        "merge of the split conversion differs"
+    );
 }
 
 #[test]
@@ -103,8 +115,16 @@ fn refusals_leave_nothing_behind() {
     let shard = dir.join("model-00001-of-00004.safetensors");
     let before = std::fs::read(&shard).unwrap();
     let o = run(&["convert", s(&dir), s(&shard), "--force"]);
-    assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(std::fs::read(&shard).unwrap() == before, "an input was overwritten");
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        std::fs::read(&shard).unwrap() == before,
+        "an input was overwritten"
+    );
     // a broken checkpoint: the error names the file, no partial output stays
     std::fs::write(dir.join("config.json"), b"{ not json").unwrap();
     let o = run(&["convert", s(&dir), s(&tmp.path().join("x.gguf"))]);
@@ -150,6 +170,9 @@ fn to_safetensors_summarizes_tensors_kept_wide_in_one_line() {
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(j["dtypes"].as_object().unwrap().keys().collect::<Vec<_>>(), ["BF16"]);
+    assert_eq!(
+        j["dtypes"].as_object().unwrap().keys().collect::<Vec<_>>(),
+        ["BF16"]
+    );
     assert_eq!(j["kept_wide"].as_array().unwrap().len(), 0);
 }

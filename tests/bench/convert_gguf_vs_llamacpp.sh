@@ -9,10 +9,10 @@
 # WORK: scratch space (~2x the checkpoint; the GLM-5-shaped checkpoint is 8.6 GB, deleted after).
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd)
-T="/usr/bin/time -f %e:%M"
 measure() { # label, command...: prints "label  wall_s  peak_rss_MiB"
   local label=$1; shift
-  local out; out=$( { $T nice "$@" >/dev/null 2>/dev/null; } 2>&1 | tail -1 )
+  /usr/bin/time -f %e:%M -o "$WORK/.time" nice "$@" >/dev/null 2>&1
+  local out; out=$(tail -1 "$WORK/.time")
   printf '%-44s %8s s %8.1f MiB\n' "$label" "${out%%:*}" "$(echo "${out##*:} / 1024" | bc -l)"
 }
 mkdir -p "$WORK"

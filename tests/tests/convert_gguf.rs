@@ -7,7 +7,11 @@ use std::path::{Path, PathBuf};
 
 fn fixture(rel: &str) -> PathBuf {
     let p = gguftool_tests::fixtures_dir().join(rel);
-    assert!(p.exists(), "fixture {} missing from tests/fixtures", p.display());
+    assert!(
+        p.exists(),
+        "fixture {} missing from tests/fixtures",
+        p.display()
+    );
     p
 }
 
@@ -90,7 +94,10 @@ fn q8_0_equals_llama_quantize_on_every_q8_0_tensor() {
         assert_eq!(t.info.dims, q.info.dims, "{name}");
         match t.info.ty {
             gguf::GgmlType::Q8_0 if q.info.ty == gguf::GgmlType::Q8_0 => {
-                assert!(ours.data(&t) == theirs.data(&q), "{name}: Q8_0 blocks differ");
+                assert!(
+                    ours.data(&t) == theirs.data(&q),
+                    "{name}: Q8_0 blocks differ"
+                );
                 compared += 1;
             }
             gguf::GgmlType::F32 => {
@@ -101,13 +108,18 @@ fn q8_0_equals_llama_quantize_on_every_q8_0_tensor() {
                 assert!(ours.data(&t) == bf16.data(&b), "{name}");
                 f32s += 1;
             }
-            other => panic!("{name}: unexpected {other:?} (llama-quantize: {:?})", q.info.ty),
+            other => panic!(
+                "{name}: unexpected {other:?} (llama-quantize: {:?})",
+                q.info.ty
+            ),
         }
     }
     // every 2-D/3-D weight but the F32-forced ones is Q8_0 (ne0 is a multiple of 32 everywhere)
     assert_eq!((compared, f32s), (56, 38));
     assert_eq!(
-        ours.metadata().get("general.file_type").and_then(|v| v.as_u64()),
+        ours.metadata()
+            .get("general.file_type")
+            .and_then(|v| v.as_u64()),
         Some(7)
     );
 }
@@ -132,7 +144,10 @@ fn gguf_to_safetensors_to_gguf_gives_back_the_original_bytes() {
             ..ImportOptions::default()
         };
         let (_, files) = convert(&dir, &o);
-        assert!(files[0] == want, "round trip through {dir_name} changed the file");
+        assert!(
+            files[0] == want,
+            "round trip through {dir_name} changed the file"
+        );
     }
 }
 
@@ -159,8 +174,15 @@ fn split_output_follows_gguf_py_and_reassembles() {
     assert_eq!(split.shards().len(), 3);
     let s0 = split.shards()[0].metadata();
     assert_eq!(s0.get("split.count").and_then(|v| v.as_u64()), Some(3));
-    assert_eq!(s0.get("split.tensors.count").and_then(|v| v.as_u64()), Some(94));
-    assert_eq!(split.shards()[1].metadata().len(), 3, "later shards carry only split keys");
+    assert_eq!(
+        s0.get("split.tensors.count").and_then(|v| v.as_u64()),
+        Some(94)
+    );
+    assert_eq!(
+        split.shards()[1].metadata().len(),
+        3,
+        "later shards carry only split keys"
+    );
     for (a, b) in whole.tensors().zip(split.tensors()) {
         assert_eq!(a.info.name, b.info.name);
         assert!(whole.data(&a) == split.data(&b), "{}", a.info.name);
@@ -187,21 +209,34 @@ fn bad_checkpoints_are_refused_with_the_reason() {
     let tok_path = dir.join("tokenizer.json");
     let tok = std::fs::read_to_string(&tok_path).unwrap();
     std::fs::write(&tok_path, tok.replace(r"\\p{N}{1,3}", r"\\p{N}{1,2}")).unwrap();
-    let e = import::plan(&dir, &opts(OutType::Bf16)).err().unwrap().to_string();
+    let e = import::plan(&dir, &opts(OutType::Bf16))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("unknown BPE pre-tokenizer"), "{e}");
     std::fs::write(&tok_path, tok).unwrap();
     // an architecture without a recipe
     let cfg_path = dir.join("config.json");
     let cfg = std::fs::read_to_string(&cfg_path).unwrap();
-    std::fs::write(&cfg_path, cfg.replace("GlmMoeDsaForCausalLM", "FooForCausalLM")).unwrap();
-    let e = import::plan(&dir, &opts(OutType::Bf16)).err().unwrap().to_string();
+    std::fs::write(
+        &cfg_path,
+        cfg.replace("GlmMoeDsaForCausalLM", "FooForCausalLM"),
+    )
+    .unwrap();
+    let e = import::plan(&dir, &opts(OutType::Bf16))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("FooForCausalLM is not supported"), "{e}");
     std::fs::write(&cfg_path, &cfg).unwrap();
     // a truncated shard: the header check names the file
     let shard = dir.join("model-00002-of-00004.safetensors");
     let b = std::fs::read(&shard).unwrap();
     std::fs::write(&shard, &b[..b.len() / 2]).unwrap();
-    let e = import::plan(&dir, &opts(OutType::Bf16)).err().unwrap().to_string();
+    let e = import::plan(&dir, &opts(OutType::Bf16))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("model-00002-of-00004.safetensors"), "{e}");
     std::fs::write(&shard, &b).unwrap();
     // a shard missing from the index
@@ -222,10 +257,33 @@ fn sha(b: &[u8]) -> String {
 /// directory named tiny-glm5: `convert_hf_to_gguf.py tiny-glm5 --outtype T --outfile x.gguf`
 /// (and `--split-max-tensors 32` / `--split-max-size 5M` with bf16). Recorded once from the
 /// converter's output, not from ours; docs/BENCHMARKS.md has the commands.
-const CONVERTER_SHA256: [(&str, Option<usize>, Option<u64>, &[&str]); 5] = [
-    ("q8_0", None, None, &["9b3d96dcbb8bfa546135e288a556ab84b29f9fadd7797e4d6fdccd3761c49910"]),
-    ("f16", None, None, &["b0a0f0a5f64f7dfd86b5e25970758452e5df3e4ec5aefb50c77095a9cd44a063"]),
-    ("f32", None, None, &["6d4a1ff3372ca291d34c8c3f5715e79b5b44efddf5e5c23c656fece0b63a04a5"]),
+/// (outtype, --split-max-tensors, --split-max-size, sha256 per output file)
+type Case = (
+    &'static str,
+    Option<usize>,
+    Option<u64>,
+    &'static [&'static str],
+);
+
+const CONVERTER_SHA256: [Case; 5] = [
+    (
+        "q8_0",
+        None,
+        None,
+        &["9b3d96dcbb8bfa546135e288a556ab84b29f9fadd7797e4d6fdccd3761c49910"],
+    ),
+    (
+        "f16",
+        None,
+        None,
+        &["b0a0f0a5f64f7dfd86b5e25970758452e5df3e4ec5aefb50c77095a9cd44a063"],
+    ),
+    (
+        "f32",
+        None,
+        None,
+        &["6d4a1ff3372ca291d34c8c3f5715e79b5b44efddf5e5c23c656fece0b63a04a5"],
+    ),
     (
         "bf16",
         Some(32),

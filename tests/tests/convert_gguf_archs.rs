@@ -41,11 +41,16 @@ impl Ck {
 
     /// Writes the tensors (bf16) into two shards with an index, plus config and tokenizer.
     fn write(&self, config: Value, spm: bool) {
-        let qwen = config["model_type"].as_str().is_some_and(|m| m.starts_with("qwen"));
+        let qwen = config["model_type"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("qwen"));
         std::fs::create_dir_all(&self.dir).unwrap();
         let half = self.tensors.len() / 2;
         let mut weight_map = serde_json::Map::new();
-        for (i, part) in [&self.tensors[..half], &self.tensors[half..]].iter().enumerate() {
+        for (i, part) in [&self.tensors[..half], &self.tensors[half..]]
+            .iter()
+            .enumerate()
+        {
             let file = format!("model-{:05}-of-00002.safetensors", i + 1);
             let data: Vec<(String, Vec<u8>, Vec<usize>)> = part
                 .iter()
@@ -62,17 +67,28 @@ impl Ck {
                 .map(|(n, b, s)| {
                     (
                         n.clone(),
-                        safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b)
-                            .unwrap(),
+                        safetensors::tensor::TensorView::new(
+                            safetensors::Dtype::BF16,
+                            s.clone(),
+                            b,
+                        )
+                        .unwrap(),
                     )
                 })
                 .collect();
             safetensors::serialize_to_file(views, None, &self.dir.join(&file)).unwrap();
         }
         let w = |name: &str, v: &Value| {
-            std::fs::write(self.dir.join(name), serde_json::to_string_pretty(v).unwrap()).unwrap()
+            std::fs::write(
+                self.dir.join(name),
+                serde_json::to_string_pretty(v).unwrap(),
+            )
+            .unwrap()
         };
-        w("model.safetensors.index.json", &json!({"metadata": {}, "weight_map": weight_map}));
+        w(
+            "model.safetensors.index.json",
+            &json!({"metadata": {}, "weight_map": weight_map}),
+        );
         w("config.json", &config);
         let fx = gguftool_tests::fixtures_dir().join("hf");
         if spm {
@@ -96,7 +112,11 @@ impl Ck {
                         "add_bos_token": true, "add_eos_token": false, "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"}),
             );
         } else {
-            for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {
+            for f in [
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "chat_template.jinja",
+            ] {
                 std::fs::copy(fx.join(f), self.dir.join(f)).unwrap();
             }
             if qwen {
@@ -168,7 +188,10 @@ fn checkpoints(root: &Path) -> Vec<(Ck, Value, bool)> {
     globals(&mut c, true);
     for l in 0..2 {
         c.t(&format!("model.layers.{l}.input_layernorm.weight"), &[H]);
-        c.t(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[H]);
+        c.t(
+            &format!("model.layers.{l}.post_attention_layernorm.weight"),
+            &[H],
+        );
         attn(&mut c, l, false, false);
         mlp(&mut c, &format!("model.layers.{l}.mlp"), FF);
     }
@@ -180,13 +203,23 @@ fn checkpoints(root: &Path) -> Vec<(Ck, Value, bool)> {
 
     for (name, class, mt, bias, norm, tied) in [
         ("tiny-qwen2", "Qwen2ForCausalLM", "qwen2", true, false, true),
-        ("tiny-qwen3", "Qwen3ForCausalLM", "qwen3", false, true, false),
+        (
+            "tiny-qwen3",
+            "Qwen3ForCausalLM",
+            "qwen3",
+            false,
+            true,
+            false,
+        ),
     ] {
         let mut c = mk(name);
         globals(&mut c, !tied);
         for l in 0..2 {
             c.t(&format!("model.layers.{l}.input_layernorm.weight"), &[H]);
-            c.t(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[H]);
+            c.t(
+                &format!("model.layers.{l}.post_attention_layernorm.weight"),
+                &[H],
+            );
             attn(&mut c, l, bias, norm);
             mlp(&mut c, &format!("model.layers.{l}.mlp"), FF);
         }
@@ -234,13 +267,19 @@ fn checkpoints(root: &Path) -> Vec<(Ck, Value, bool)> {
     globals(&mut c, true);
     for l in 0..3 {
         c.t(&format!("model.layers.{l}.input_layernorm.weight"), &[H]);
-        c.t(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[H]);
+        c.t(
+            &format!("model.layers.{l}.post_attention_layernorm.weight"),
+            &[H],
+        );
         attn(&mut c, l, true, false);
         if l == 0 {
             mlp(&mut c, "model.layers.0.mlp", FF);
         } else {
             c.t(&format!("model.layers.{l}.mlp.gate.weight"), &[4, H]);
-            c.t(&format!("model.layers.{l}.mlp.gate.e_score_correction_bias"), &[4]);
+            c.t(
+                &format!("model.layers.{l}.mlp.gate.e_score_correction_bias"),
+                &[4],
+            );
             for x in 0..4 {
                 mlp(&mut c, &format!("model.layers.{l}.mlp.experts.{x}"), 32);
             }
@@ -281,9 +320,15 @@ fn checkpoints(root: &Path) -> Vec<(Ck, Value, bool)> {
         c.t(&format!("{p}.self_attn.q_a_proj.weight"), &[32, H]);
         c.t(&format!("{p}.self_attn.q_a_layernorm.weight"), &[32]);
         c.t(&format!("{p}.self_attn.q_b_proj.weight"), &[4 * 48, 32]);
-        c.t(&format!("{p}.self_attn.kv_a_proj_with_mqa.weight"), &[32 + 16, H]);
+        c.t(
+            &format!("{p}.self_attn.kv_a_proj_with_mqa.weight"),
+            &[32 + 16, H],
+        );
         c.t(&format!("{p}.self_attn.kv_a_layernorm.weight"), &[32]);
-        c.t(&format!("{p}.self_attn.kv_b_proj.weight"), &[4 * (32 + 32), 32]);
+        c.t(
+            &format!("{p}.self_attn.kv_b_proj.weight"),
+            &[4 * (32 + 32), 32],
+        );
         c.t(&format!("{p}.self_attn.o_proj.weight"), &[H, 4 * 32]);
         if l == 0 {
             mlp(&mut c, &format!("{p}.mlp"), FF);
@@ -342,7 +387,8 @@ fn every_table_architecture_converts_with_the_converters_rules() {
             outtype: OutType::Bf16,
             ..ImportOptions::default()
         };
-        let plan = import::plan(&ck.dir, &o).unwrap_or_else(|e| panic!("{}: {e}", ck.dir.display()));
+        let plan =
+            import::plan(&ck.dir, &o).unwrap_or_else(|e| panic!("{}: {e}", ck.dir.display()));
         let out = ck.dir.with_extension("gguf");
         let mut f = std::io::BufWriter::new(std::fs::File::create(&out).unwrap());
         plan.write_shard(0, &mut f, &mut |_| true).unwrap();
@@ -355,11 +401,22 @@ fn every_table_architecture_converts_with_the_converters_rules() {
         let k = |s: &str| format!("{arch}.{s}");
         // general.* from the directory name, tensor types by the converter's rules
         let title = mappings::import::naming::id_to_title(&name);
-        assert_eq!(m.metadata().get("general.name").and_then(|v| v.as_str()), Some(title.as_str()));
+        assert_eq!(
+            m.metadata().get("general.name").and_then(|v| v.as_str()),
+            Some(title.as_str())
+        );
         for t in m.tensors() {
             let n = &t.info.name;
-            let want_f32 = t.info.dims.len() == 1 || n.ends_with("_norm.weight") || n.contains("ffn_gate_inp") || !n.ends_with(".weight");
-            assert_eq!(t.info.ty == gguf::GgmlType::F32, want_f32, "{arch} {n}: {:?}", t.info.ty);
+            let want_f32 = t.info.dims.len() == 1
+                || n.ends_with("_norm.weight")
+                || n.contains("ffn_gate_inp")
+                || !n.ends_with(".weight");
+            assert_eq!(
+                t.info.ty == gguf::GgmlType::F32,
+                want_f32,
+                "{arch} {n}: {:?}",
+                t.info.ty
+            );
         }
         assert_eq!(meta_u64(&m, "general.file_type"), Some(32));
         let src = |n: &str| -> Vec<f32> {
@@ -374,12 +431,20 @@ fn every_table_architecture_converts_with_the_converters_rules() {
             "llama" => {
                 assert_eq!(meta_u64(&m, &k("rope.dimension_count")), Some(16));
                 assert_eq!(meta_u64(&m, &k("vocab_size")), Some(VOCAB));
-                assert_eq!(m.metadata().get("tokenizer.ggml.pre").and_then(|v| v.as_str()), Some("llama-bpe"));
+                assert_eq!(
+                    m.metadata()
+                        .get("tokenizer.ggml.pre")
+                        .and_then(|v| v.as_str()),
+                    Some("llama-bpe")
+                );
                 // llama3 rope scaling: rope_freqs first, factors between 1 and `factor`
                 let rf = bf16_vals(&m, "rope_freqs.weight");
                 assert_eq!(m.tensors().next().unwrap().info.name, "rope_freqs.weight");
                 assert_eq!(rf.len(), 8);
-                assert!(rf.iter().all(|f| (1.0..=8.0).contains(f)) && rf[0] == 1.0 && rf[7] == 8.0, "{rf:?}");
+                assert!(
+                    rf.iter().all(|f| (1.0..=8.0).contains(f)) && rf[0] == 1.0 && rf[7] == 8.0,
+                    "{rf:?}"
+                );
                 // q rows permuted from rotate-half to interleaved per head
                 let q = bf16_vals(&m, "blk.0.attn_q.weight");
                 let hf = src("model.layers.0.self_attn.q_proj.weight");
@@ -388,21 +453,46 @@ fn every_table_architecture_converts_with_the_converters_rules() {
                 for r in 0..rows {
                     let (h, rest) = (r / (2 * half), r % (2 * half));
                     let from = h * 2 * half + (rest % 2) * half + rest / 2;
-                    assert_eq!(q[r * cols..(r + 1) * cols], hf[from * cols..(from + 1) * cols], "row {r}");
+                    assert_eq!(
+                        q[r * cols..(r + 1) * cols],
+                        hf[from * cols..(from + 1) * cols],
+                        "row {r}"
+                    );
                 }
             }
             "qwen2" => {
-                assert!(m.tensor("output.weight").is_none(), "tied: no output tensor");
-                assert_eq!(bf16_vals(&m, "blk.1.attn_q.bias"), src("model.layers.1.self_attn.q_proj.bias"));
+                assert!(
+                    m.tensor("output.weight").is_none(),
+                    "tied: no output tensor"
+                );
+                assert_eq!(
+                    bf16_vals(&m, "blk.1.attn_q.bias"),
+                    src("model.layers.1.self_attn.q_proj.bias")
+                );
             }
             "qwen3" => {
                 assert_eq!(meta_u64(&m, &k("attention.key_length")), Some(16));
                 assert!(m.tensor("blk.1.attn_k_norm.weight").is_some());
-                assert_eq!(m.metadata().get("tokenizer.ggml.pre").and_then(|v| v.as_str()), Some("qwen2"));
+                assert_eq!(
+                    m.metadata()
+                        .get("tokenizer.ggml.pre")
+                        .and_then(|v| v.as_str()),
+                    Some("qwen2")
+                );
             }
             "gemma3" => {
-                assert_eq!(m.metadata().get("tokenizer.ggml.model").and_then(|v| v.as_str()), Some("llama"));
-                assert_eq!(m.metadata().get("tokenizer.ggml.add_space_prefix").and_then(|v| v.as_bool()), Some(false));
+                assert_eq!(
+                    m.metadata()
+                        .get("tokenizer.ggml.model")
+                        .and_then(|v| v.as_str()),
+                    Some("llama")
+                );
+                assert_eq!(
+                    m.metadata()
+                        .get("tokenizer.ggml.add_space_prefix")
+                        .and_then(|v| v.as_bool()),
+                    Some(false)
+                );
                 assert_eq!(meta_u64(&m, &k("attention.sliding_window")), Some(64));
                 assert_eq!(meta_u64(&m, "tokenizer.ggml.bos_token_id"), Some(2));
                 // norms stored as w + 1
@@ -421,14 +511,23 @@ fn every_table_architecture_converts_with_the_converters_rules() {
                 assert!(m.tensor("blk.2.nextn.eh_proj.weight").is_some());
             }
             "deepseek2" => {
-                assert_eq!(meta_u64(&m, &k("block_count")), Some(2), "MTP layer dropped");
+                assert_eq!(
+                    meta_u64(&m, &k("block_count")),
+                    Some(2),
+                    "MTP layer dropped"
+                );
                 assert!(m.tensors().all(|t| !t.info.name.starts_with("blk.2.")));
                 assert_eq!(meta_u64(&m, &k("attention.head_count_kv")), Some(1));
                 assert_eq!(meta_u64(&m, &k("attention.key_length")), Some(48));
                 assert_eq!(meta_u64(&m, &k("expert_gating_func")), Some(2));
                 let kb = bf16_vals(&m, "blk.0.attn_k_b.weight");
                 let w = src("model.layers.0.self_attn.kv_b_proj.weight");
-                let d = mappings::kvb::MlaDims { n_head: 4, qk_nope: 32, v_head: 32, kv_lora: 32 };
+                let d = mappings::kvb::MlaDims {
+                    n_head: 4,
+                    qk_nope: 32,
+                    v_head: 32,
+                    kv_lora: 32,
+                };
                 assert_eq!(kb, mappings::kvb::split(&w, d).unwrap().0);
             }
             other => panic!("unexpected arch {other}"),
@@ -442,5 +541,8 @@ fn every_table_architecture_converts_with_the_converters_rules() {
         .map(String::from)
         .collect();
     want.sort();
-    assert_eq!(archs, want, "one generated checkpoint per table architecture");
+    assert_eq!(
+        archs, want,
+        "one generated checkpoint per table architecture"
+    );
 }

@@ -111,7 +111,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
 fn refuse(given: &[(bool, &str)], direction: &str) -> Result<()> {
     let bad: Vec<&str> = given.iter().filter(|(g, _)| *g).map(|(_, n)| *n).collect();
     if !bad.is_empty() {
-        bail!("{} only apply to the other direction, not {direction}", bad.join(", "));
+        bail!(
+            "{} only apply to the other direction, not {direction}",
+            bad.join(", ")
+        );
     }
     Ok(())
 }
@@ -241,11 +244,7 @@ fn to_gguf(args: Args) -> Result<ExitCode> {
         },
         model_name: args.model_name.clone(),
         split_max_tensors: args.split_max_tensors,
-        split_max_bytes: args
-            .split_max_size
-            .as_deref()
-            .map(parse_size)
-            .transpose()?,
+        split_max_bytes: args.split_max_size.as_deref().map(parse_size).transpose()?,
     };
     let plan = import::plan(&args.model, &opts)
         .with_context(|| format!("cannot convert {}", args.model.display()))?;
@@ -315,11 +314,7 @@ fn write_gguf(plan: &import::Plan, paths: &[PathBuf], args: &Args) -> Result<()>
         .map(|p| PartialFile::create(p, args.force))
         .collect::<Result<Vec<_>>>()?;
     install_interrupt_handler();
-    let bar = byte_progress(
-        plan.summary.bytes,
-        args.quiet || args.json,
-        "converting",
-    );
+    let bar = byte_progress(plan.summary.bytes, args.quiet || args.json, "converting");
     for (i, f) in files.iter_mut().enumerate() {
         let mut w = BufWriter::with_capacity(8 << 20, &mut f.file);
         plan.write_shard(i, &mut w, &mut |p| {
@@ -327,12 +322,7 @@ fn write_gguf(plan: &import::Plan, paths: &[PathBuf], args: &Args) -> Result<()>
             bar.inc(bytes);
             check_interrupted().is_ok()
         })
-        .with_context(|| {
-            format!(
-                "writing {} failed; nothing was written",
-                display(&paths[i])
-            )
-        })?;
+        .with_context(|| format!("writing {} failed; nothing was written", display(&paths[i])))?;
     }
     bar.finish_and_clear();
     for f in files {

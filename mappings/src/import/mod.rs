@@ -260,7 +260,11 @@ fn source_tensors(dir: &Path) -> Result<Vec<HfTensor>, MappingError> {
         have.sort();
         have.dedup();
         if have.len() != listed.len() || have.iter().zip(&listed).any(|(a, b)| *a != b.as_str()) {
-            let missing: Vec<&&String> = listed.iter().filter(|n| have.binary_search(&n.as_str()).is_err()).take(5).collect();
+            let missing: Vec<&&String> = listed
+                .iter()
+                .filter(|n| have.binary_search(&n.as_str()).is_err())
+                .take(5)
+                .collect();
             return Err(ierr(
                 &index,
                 format!("weight map and shard files disagree (e.g. missing {missing:?}); incomplete download?"),
@@ -281,15 +285,19 @@ fn source_tensors(dir: &Path) -> Result<Vec<HfTensor>, MappingError> {
         return Err(ierr(dir, "no model*.safetensors files"));
     }
     files.dedup();
-    let mut out = vec![];
+    let mut out: Vec<HfTensor> = vec![];
+    let mut at: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
     for f in files {
         let mut ts = read_header(&dir.join(&f))?;
         ts.sort_by(|a, b| a.name.cmp(&b.name));
         for t in ts {
             // a later file's tensor of the same name replaces the earlier one in place
-            match out.iter_mut().find(|o: &&mut HfTensor| o.name == t.name) {
-                Some(o) => *o = t,
-                None => out.push(t),
+            match at.get(&t.name) {
+                Some(&i) => out[i] = t,
+                None => {
+                    at.insert(t.name.clone(), out.len());
+                    out.push(t);
+                }
             }
         }
     }
@@ -329,12 +337,7 @@ impl MetaSource for KvSource<'_> {
 }
 
 /// The output type of one tensor (prepare_tensors' rules).
-fn tensor_type(
-    name: &str,
-    ne: &[u64],
-    ftype: FileType,
-    d: &data::ImportData,
-) -> GgmlType {
+fn tensor_type(name: &str, ne: &[u64], ftype: FileType, d: &data::ImportData) -> GgmlType {
     if ne.len() <= 1
         || name.ends_with("_norm.weight")
         || d.forced_f32(name)
@@ -344,7 +347,7 @@ fn tensor_type(
     }
     let t = ftype.ggml();
     // gguf-py raises QuantError when a row does not split into blocks; the converter falls back
-    if t == GgmlType::Q8_0 && ne[0] % 32 != 0 {
+    if t == GgmlType::Q8_0 && !ne[0].is_multiple_of(32) {
         return GgmlType::F16;
     }
     t
@@ -352,7 +355,10 @@ fn tensor_type(
 
 fn llama3_rope_freqs(hp: &HParams) -> Result<Option<Vec<f32>>, MappingError> {
     let rp = hp.rope_parameters();
-    let p = rp.get("full_attention").and_then(Json::as_object).unwrap_or(&rp);
+    let p = rp
+        .get("full_attention")
+        .and_then(Json::as_object)
+        .unwrap_or(&rp);
     if !p
         .get("rope_type")
         .and_then(Json::as_str)
@@ -467,16 +473,30 @@ pub fn plan(dir: &Path, opts: &ImportOptions) -> Result<Plan, MappingError> {
     let env = Env::new(t, &src);
 
     let tensors = plan_tensors(
-        t, &env, &r, &hp, &sources, block_count, n_layers, ftype, vocab.n_tokens, d,
+        t,
+        &env,
+        &r,
+        &hp,
+        &sources,
+        block_count,
+        n_layers,
+        ftype,
+        vocab.n_tokens,
+        d,
     )?;
 
     // gguf-py's parameter count: experts counted once per expert for the size label
-    let (mut total, mut shared, mut expert, mut exp_sum, mut exp_n) = (0u64, 0u64, 0u64, 0u64, 0u64);
+    let (mut total, mut shared, mut expert, mut exp_sum, mut exp_n) =
+        (0u64, 0u64, 0u64, 0u64, 0u64);
     for o in &tensors {
         let size: u64 = o.ne.iter().product();
         total += size;
         if o.name.contains("_exps.") && o.ne.len() >= 3 {
-            let count = if o.name.contains(".bias") { o.ne[1] } else { o.ne[2] };
+            let count = if o.name.contains(".bias") {
+                o.ne[1]
+            } else {
+                o.ne[2]
+            };
             expert += size / count.max(1);
             exp_sum += count;
             exp_n += 1;
@@ -484,7 +504,7 @@ pub fn plan(dir: &Path, opts: &ImportOptions) -> Result<Plan, MappingError> {
             shared += size;
         }
     }
-    let exp_count = if exp_n > 0 { exp_sum / exp_n } else { 0 };
+    let exp_count = exp_sum.checked_div(exp_n).unwrap_or(0);
 
     let mut info =
         naming::ModelInfo::load(dir, Some(&hp.raw), opts.model_name.as_deref(), total as i64);
@@ -545,6 +565,7 @@ fn plan_tensors(
     d: &data::ImportData,
 ) -> Result<Vec<OutTensor>, MappingError> {
     let mut out: Vec<OutTensor> = vec![];
+    let mut seen: std::collections::HashSet<String> = std::collections::HashSet::new();
     let mut push = |name: String, ne: Vec<u64>, src: Source| -> Result<(), MappingError> {
         let ty = tensor_type(&name, &ne, ftype, d);
         let row = ty
@@ -555,7 +576,7 @@ fn plan_tensors(
             .skip(1)
             .try_fold(row, |a, x| a.checked_mul(*x))
             .ok_or_else(|| terr(&name, "size overflows"))?;
-        if out.iter().any(|o| o.name == name) {
+        if !seen.insert(name.clone()) {
             return Err(terr(&name, "produced twice (duplicated HF tensors?)"));
         }
         out.push(OutTensor {
@@ -569,7 +590,11 @@ fn plan_tensors(
     };
     if r.recipe == Recipe::Llama {
         if let Some(f) = llama3_rope_freqs(hp)? {
-            push("rope_freqs.weight".into(), vec![f.len() as u64], Source::Computed(f))?;
+            push(
+                "rope_freqs.weight".into(),
+                vec![f.len() as u64],
+                Source::Computed(f),
+            )?;
         }
     }
     let tied = hp.get("tie_word_embeddings").and_then(Json::as_bool) == Some(true);
@@ -583,15 +608,16 @@ fn plan_tensors(
         .collect();
     // per block: (entry index, expert) -> tensor
     let mut pending: BTreeMap<u64, BTreeMap<(usize, u64), HfTensor>> = BTreeMap::new();
-    let check = |e: &crate::table::Entry, part: usize, bid: Option<u64>, name: &str, ne: &[u64]| {
-        match env.shape(e, part, bid) {
+    let check =
+        |e: &crate::table::Entry, part: usize, bid: Option<u64>, name: &str, ne: &[u64]| match env
+            .shape(e, part, bid)
+        {
             Ok(want) if want != ne => Err(terr(
                 name,
                 format!("ne {ne:?} but the {} table expects {want:?}", t.arch),
             )),
             _ => Ok(()),
-        }
-    };
+        };
     let hp_int = |k: &str| hp.req_int(k);
     for s in sources {
         if d.skip_suffixes.iter().any(|x| s.name.ends_with(x.as_str())) {
@@ -601,17 +627,26 @@ fn plan_tensors(
         if r.drop_mtp && s.name.starts_with("model.layers.") && bid.is_some_and(|b| b >= n_layers) {
             continue;
         }
-        if r.skip_tied_head && tied && (s.name == "lm_head.weight" || s.name == "model.lm_head.weight") {
+        if r.skip_tied_head
+            && tied
+            && (s.name == "lm_head.weight" || s.name == "model.lm_head.weight")
+        {
             continue;
         }
         let hit = t.match_hf(&s.name).ok_or_else(|| {
-            terr(&s.name, format!("cannot map this tensor with the {} table", t.arch))
+            terr(
+                &s.name,
+                format!("cannot map this tensor with the {} table", t.arch),
+            )
         })?;
         let e = hit.entry;
         let idx = hit.idx;
         if let Some(b) = idx.bid {
             if b >= block_count {
-                return Err(terr(&s.name, format!("block {b} beyond block_count {block_count}")));
+                return Err(terr(
+                    &s.name,
+                    format!("block {b} beyond block_count {block_count}"),
+                ));
             }
         }
         match e.kind {
@@ -633,7 +668,9 @@ fn plan_tensors(
                 check(e, 0, idx.bid, &name, &ne)?;
                 let permute_heads = match &e.transform {
                     Some(Transform::RopePermute(h)) => {
-                        let h = env.eval(h, idx.bid).map_err(|x| terr(&s.name, x.to_string()))?;
+                        let h = env
+                            .eval(h, idx.bid)
+                            .map_err(|x| terr(&s.name, x.to_string()))?;
                         Some(usize::try_from(h).map_err(|_| terr(&s.name, "bad head count"))?)
                     }
                     _ => None,
@@ -655,7 +692,10 @@ fn plan_tensors(
                 let qk_nope = hp_int("qk_nope_head_dim")? as usize;
                 let v_head = hp_int("v_head_dim")? as usize;
                 let [rows, lora] = s.shape[..] else {
-                    return Err(terr(&s.name, format!("kv_b_proj must be 2-D, shape {:?}", s.shape)));
+                    return Err(terr(
+                        &s.name,
+                        format!("kv_b_proj must be 2-D, shape {:?}", s.shape),
+                    ));
                 };
                 let dm = MlaDims {
                     n_head,
@@ -674,8 +714,24 @@ fn plan_tensors(
                 let ne_v = vec![lora, v_head as u64, n_head as u64];
                 check(e, 0, idx.bid, &names[0], &ne_k)?;
                 check(e, 1, idx.bid, &names[1], &ne_v)?;
-                push(names[0].clone(), ne_k, Source::KvB { t: s.clone(), d: dm, k: true })?;
-                push(names[1].clone(), ne_v, Source::KvB { t: s.clone(), d: dm, k: false })?;
+                push(
+                    names[0].clone(),
+                    ne_k,
+                    Source::KvB {
+                        t: s.clone(),
+                        d: dm,
+                        k: true,
+                    },
+                )?;
+                push(
+                    names[1].clone(),
+                    ne_v,
+                    Source::KvB {
+                        t: s.clone(),
+                        d: dm,
+                        k: false,
+                    },
+                )?;
             }
             Kind::Experts => {
                 Src::of(s)?;
@@ -683,7 +739,10 @@ fn plan_tensors(
                     return Err(terr(&s.name, "expert tensor without block/expert index"));
                 };
                 let n = n_expert.ok_or_else(|| {
-                    terr(&s.name, "per-expert tensors but no expert count in config.json")
+                    terr(
+                        &s.name,
+                        "per-expert tensors but no expert count in config.json",
+                    )
                 })?;
                 if x >= n {
                     return Err(terr(&s.name, format!("expert {x} beyond expert_count {n}")));
@@ -708,11 +767,20 @@ fn plan_tensors(
                             })
                             .collect::<Result<_, _>>()?;
                         let first = &parts[0];
-                        if parts.iter().any(|p| p.shape != first.shape || p.shape.len() != 2) {
-                            return Err(terr(&first.name, "experts of one layer differ in shape or are not 2-D"));
+                        if parts
+                            .iter()
+                            .any(|p| p.shape != first.shape || p.shape.len() != 2)
+                        {
+                            return Err(terr(
+                                &first.name,
+                                "experts of one layer differ in shape or are not 2-D",
+                            ));
                         }
                         let ne = vec![first.shape[1], first.shape[0], n];
-                        let name = entry.gguf[0].render(crate::table::Indices { bid: Some(b), xid: None });
+                        let name = entry.gguf[0].render(crate::table::Indices {
+                            bid: Some(b),
+                            xid: None,
+                        });
                         check(entry, 0, Some(b), &name, &ne)?;
                         push(name, ne, Source::Stack(parts))?;
                     }
@@ -723,7 +791,10 @@ fn plan_tensors(
     if let Some((b, l)) = pending.iter().next() {
         return Err(terr(
             &format!("block {b}"),
-            format!("{} of the layer's per-expert tensors arrived, not all (incomplete checkpoint?)", l.len()),
+            format!(
+                "{} of the layer's per-expert tensors arrived, not all (incomplete checkpoint?)",
+                l.len()
+            ),
         ));
     }
     Ok(out)
@@ -741,8 +812,12 @@ fn plan_shards(
     let (mut start, mut acc) = (0usize, 0u64);
     for (i, o) in tensors.iter().enumerate() {
         if i > start {
-            let by_n = opts.split_max_tensors.is_some_and(|n| n > 0 && i - start >= n);
-            let by_b = opts.split_max_bytes.is_some_and(|m| m > 0 && acc + o.bytes > m);
+            let by_n = opts
+                .split_max_tensors
+                .is_some_and(|n| n > 0 && i - start >= n);
+            let by_b = opts
+                .split_max_bytes
+                .is_some_and(|m| m > 0 && acc + o.bytes > m);
             if by_n || by_b {
                 ranges.push(start..i);
                 start = i;
@@ -754,7 +829,10 @@ fn plan_shards(
     ranges.push(start..tensors.len());
     let n = ranges.len();
     if n > u16::MAX as usize {
-        return Err(terr("split", format!("{n} shards exceed split.count's u16")));
+        return Err(terr(
+            "split",
+            format!("{n} shards exceed split.count's u16"),
+        ));
     }
     let werr = |e: gguf::Error| terr("header", e.to_string());
     ranges
@@ -769,7 +847,10 @@ fn plan_shards(
             if n > 1 {
                 m.set(gguf::split::KEY_NO, Value::U16(i as u16));
                 m.set(gguf::split::KEY_COUNT, Value::U16(n as u16));
-                m.set(gguf::split::KEY_TENSORS_COUNT, Value::I32(tensors.len() as i32));
+                m.set(
+                    gguf::split::KEY_TENSORS_COUNT,
+                    Value::I32(tensors.len() as i32),
+                );
             }
             let infos = tensors[range.clone()]
                 .iter()
@@ -810,7 +891,13 @@ struct Reader {
 }
 
 impl Reader {
-    fn read(&mut self, t: &HfTensor, off: u64, buf: &mut Vec<u8>, len: usize) -> Result<(), MappingError> {
+    fn read(
+        &mut self,
+        t: &HfTensor,
+        off: u64,
+        buf: &mut Vec<u8>,
+        len: usize,
+    ) -> Result<(), MappingError> {
         if !self.files.contains_key(&t.file) {
             let f = std::fs::File::open(&t.file).map_err(|e| ierr(&t.file, e.to_string()))?;
             self.files.insert(t.file.clone(), f);
@@ -837,9 +924,11 @@ fn decode(src: Src, raw: &[u8], out: &mut Vec<f32>) {
             raw.chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
         ),
-        Src::F64 => out.extend(raw.chunks_exact(8).map(|c| {
-            f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32
-        })),
+        Src::F64 => {
+            out.extend(raw.chunks_exact(8).map(|c| {
+                f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32
+            }))
+        }
     }
 }
 
@@ -926,11 +1015,31 @@ impl Plan {
                     add_one,
                     rows,
                 } => {
-                    self.stream(t, *rows, *add_one, o, &mut rd, &mut raw, &mut vals, &mut enc, &mut |b| emit(b, w))?;
+                    self.stream(
+                        t,
+                        *rows,
+                        *add_one,
+                        o,
+                        &mut rd,
+                        &mut raw,
+                        &mut vals,
+                        &mut enc,
+                        &mut |b| emit(b, w),
+                    )?;
                 }
                 Source::Stack(parts) => {
                     for t in parts {
-                        self.stream(t, None, false, o, &mut rd, &mut raw, &mut vals, &mut enc, &mut |b| emit(b, w))?;
+                        self.stream(
+                            t,
+                            None,
+                            false,
+                            o,
+                            &mut rd,
+                            &mut raw,
+                            &mut vals,
+                            &mut enc,
+                            &mut |b| emit(b, w),
+                        )?;
                     }
                 }
                 Source::Plain {
@@ -944,7 +1053,10 @@ impl Plan {
                     decode(src, &raw, &mut vals);
                     let (rows, cols) = rows_cols(t);
                     if *h == 0 || !rows.is_multiple_of(2 * h) {
-                        return Err(terr(&t.name, format!("{rows} rows do not split into {h} rope heads")));
+                        return Err(terr(
+                            &t.name,
+                            format!("{rows} rows do not split into {h} rope heads"),
+                        ));
                     }
                     let half = rows / h / 2;
                     let mut p = Vec::with_capacity(vals.len());
@@ -965,13 +1077,17 @@ impl Plan {
                     let src = Src::of(t)?;
                     rd.read(t, 0, &mut raw, (t.end - t.start) as usize)?;
                     decode(src, &raw, &mut vals);
-                    let (kb, vb) = kvb::split(&vals, *d).map_err(|e| terr(&t.name, e.to_string()))?;
+                    let (kb, vb) =
+                        kvb::split(&vals, *d).map_err(|e| terr(&t.name, e.to_string()))?;
                     encode(o.ty, if *k { &kb } else { &vb }, &mut enc)?;
                     emit(&enc, w)?;
                 }
             }
             if written != o.bytes {
-                return Err(terr(&o.name, format!("{written} bytes produced, {} planned", o.bytes)));
+                return Err(terr(
+                    &o.name,
+                    format!("{written} bytes produced, {} planned", o.bytes),
+                ));
             }
             if !progress(Progress::Tensor {
                 name: &o.name,
@@ -1041,4 +1157,3 @@ impl Plan {
         Ok(())
     }
 }
-

@@ -341,7 +341,11 @@ fn reference(id: &str, total_params: i64) -> Vec<(&'static str, String)> {
     e
 }
 
-fn references(card: &serde_yaml::Value, keys: [&str; 3], total_params: i64) -> Option<Vec<Vec<(&'static str, String)>>> {
+fn references(
+    card: &serde_yaml::Value,
+    keys: [&str; 3],
+    total_params: i64,
+) -> Option<Vec<Vec<(&'static str, String)>>> {
     let v = keys.iter().find_map(|k| card.get(*k))?;
     Some(
         yaml_list(v)
@@ -375,8 +379,16 @@ impl ModelInfo {
             m.source_doi = first(&["doi", "model_doi"]);
             m.source_uuid = first(&["uuid", "model_uuid"]);
             m.source_repo_url = first(&["repo_url", "model_repo_url"]);
-            m.base_models = references(&card, ["base_model", "base_models", "base_model_sources"], total_params);
-            m.datasets = references(&card, ["datasets", "dataset", "dataset_sources"], total_params);
+            m.base_models = references(
+                &card,
+                ["base_model", "base_models", "base_model_sources"],
+                total_params,
+            );
+            m.datasets = references(
+                &card,
+                ["datasets", "dataset", "dataset_sources"],
+                total_params,
+            );
             m.license = card.get("license").map(|l| yaml_list(l).join(","));
             m.license_name = get("license_name");
             m.license_link = get("license_link");
@@ -452,7 +464,10 @@ impl ModelInfo {
         s(kv, "source.doi", &self.source_doi);
         s(kv, "source.uuid", &self.source_uuid);
         s(kv, "source.repo_url", &self.source_repo_url);
-        for (what, list) in [("base_model", &self.base_models), ("dataset", &self.datasets)] {
+        for (what, list) in [
+            ("base_model", &self.base_models),
+            ("dataset", &self.datasets),
+        ] {
             if let Some(list) = list {
                 kv.u32(&format!("general.{what}.count"), list.len() as u64);
                 for (i, e) in list.iter().enumerate() {
@@ -507,13 +522,21 @@ fn sampling(dir: &Path) -> Vec<(&'static str, Sampling)> {
         ("xtc_threshold", &["xtc_threshold"], false),
         ("temp", &["temperature"], false),
         ("penalty_last_n", &["penalty_last_n"], true),
-        ("penalty_repeat", &["penalty_repeat", "repetition_penalty"], false),
+        (
+            "penalty_repeat",
+            &["penalty_repeat", "repetition_penalty"],
+            false,
+        ),
         ("mirostat", &["mirostat"], true),
         ("mirostat_tau", &["mirostat_tau"], false),
         ("mirostat_eta", &["mirostat_eta"], false),
     ];
     for (key, names, int) in fields {
-        let Some(v) = names.iter().find_map(|n| cfg.get(*n)).filter(|v| !v.is_null()) else {
+        let Some(v) = names
+            .iter()
+            .find_map(|n| cfg.get(*n))
+            .filter(|v| !v.is_null())
+        else {
             continue;
         };
         let s = match (v, int) {

@@ -25,8 +25,8 @@ impl HParams {
     pub fn load(dir: &Path) -> Result<HParams, MappingError> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| ierr(&path, e.to_string()))?;
-        let raw: Json = serde_json::from_str(&text)
-            .map_err(|e| ierr(&path, format!("invalid JSON: {e}")))?;
+        let raw: Json =
+            serde_json::from_str(&text).map_err(|e| ierr(&path, format!("invalid JSON: {e}")))?;
         let mut map = raw
             .as_object()
             .cloned()
@@ -49,7 +49,10 @@ impl HParams {
             return;
         };
         let derived = |v: &Json| v.is_object();
-        let order = d.iter().filter(|(_, v)| !derived(v)).chain(d.iter().filter(|(_, v)| derived(v)));
+        let order = d
+            .iter()
+            .filter(|(_, v)| !derived(v))
+            .chain(d.iter().filter(|(_, v)| derived(v)));
         for (k, v) in order {
             if self.map.get(k).is_some_and(|x| !x.is_null()) {
                 continue;
@@ -163,7 +166,10 @@ impl HParams {
         let orig = find(&["original_max_position_embeddings"]);
         if !rp.contains_key("full_attention") && !rp.contains_key("sliding_attention") {
             if let Some(l) = local {
-                rp.insert("sliding_attention".into(), serde_json::json!({ "rope_theta": l }));
+                rp.insert(
+                    "sliding_attention".into(),
+                    serde_json::json!({ "rope_theta": l }),
+                );
             }
             let ty = rp.get("type").cloned();
             for (k, v) in [
@@ -279,11 +285,7 @@ pub fn write_params(
             hp.map.insert("rms_norm_eps".into(), Json::from(1e-6));
         }
     }
-    let mut w = W {
-        kv,
-        hp: &hp,
-        arch,
-    };
+    let mut w = W { kv, hp: &hp, arch };
     text_params(&mut w, block_count, ftype, notes)?;
     let hp = &hp;
     match recipe {
@@ -308,7 +310,10 @@ pub fn write_params(
             w.u32("attention.key_length", hd);
             w.u32("attention.value_length", hd);
             let rp = hp.rope_parameters();
-            let full = rp.get("full_attention").and_then(Json::as_object).unwrap_or(&rp);
+            let full = rp
+                .get("full_attention")
+                .and_then(Json::as_object)
+                .unwrap_or(&rp);
             let theta = full
                 .get("rope_theta")
                 .map(|v| hp.float_of("rope_theta", v))
@@ -340,7 +345,10 @@ pub fn write_params(
                 w.u32("rope.dimension_count", (rope as f64 * prf) as u64);
                 w.int_from("nextn_predict_layers", &["num_nextn_predict_layers"])?;
                 w.u32("attention.indexer.head_count", hp.req_int("index_n_heads")?);
-                w.u32("attention.indexer.key_length", hp.req_int("index_head_dim")?);
+                w.u32(
+                    "attention.indexer.key_length",
+                    hp.req_int("index_head_dim")?,
+                );
                 w.u32("attention.indexer.top_k", hp.req_int("index_topk")?);
                 if let Some(types) = hp.get("indexer_types").and_then(Json::as_array) {
                     let vals = types
@@ -416,8 +424,14 @@ fn text_params(
             "hidden_dim",
         ],
     )?;
-    w.int_from("attention.head_count", &["num_attention_heads", "n_head", "n_heads"])?;
-    w.int_from("attention.head_count_kv", &["num_key_value_heads", "n_kv_heads"])?;
+    w.int_from(
+        "attention.head_count",
+        &["num_attention_heads", "n_head", "n_heads"],
+    )?;
+    w.int_from(
+        "attention.head_count_kv",
+        &["num_key_value_heads", "n_kv_heads"],
+    )?;
     if hp.map.get("is_causal") == Some(&Json::Bool(false)) {
         w.bool("attention.causal", false);
     }
@@ -455,8 +469,14 @@ fn text_params(
                     hp.int_of("original_max_position_embeddings", orig)?,
                 );
                 for (k, names) in [
-                    ("rope.scaling.yarn_ext_factor", &["extrapolation_factor"][..]),
-                    ("rope.scaling.yarn_attn_factor", &["attention_factor", "attn_factor"]),
+                    (
+                        "rope.scaling.yarn_ext_factor",
+                        &["extrapolation_factor"][..],
+                    ),
+                    (
+                        "rope.scaling.yarn_attn_factor",
+                        &["attention_factor", "attn_factor"],
+                    ),
                     ("rope.scaling.yarn_beta_fast", &["beta_fast"]),
                     ("rope.scaling.yarn_beta_slow", &["beta_slow"]),
                 ] {
@@ -493,15 +513,25 @@ fn text_params(
         let t = hp.float_of("rope_theta", t)?;
         w.f32("rope.freq_base_swa", t);
     }
-    w.float_from("attention.layer_norm_rms_epsilon", &["rms_norm_eps", "norm_eps"])?;
+    w.float_from(
+        "attention.layer_norm_rms_epsilon",
+        &["rms_norm_eps", "norm_eps"],
+    )?;
     w.float_from(
         "attention.layer_norm_epsilon",
         &["layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"],
     )?;
-    w.int_from("expert_count", &["num_local_experts", "num_experts", "n_routed_experts"])?;
+    w.int_from(
+        "expert_count",
+        &["num_local_experts", "num_experts", "n_routed_experts"],
+    )?;
     w.int_from(
         "expert_used_count",
-        &["num_experts_per_tok", "num_experts_per_token", "top_k_experts"],
+        &[
+            "num_experts_per_tok",
+            "num_experts_per_token",
+            "top_k_experts",
+        ],
     )?;
     w.int_from("expert_group_count", &["n_group"])?;
     w.int_from("expert_group_used_count", &["topk_group"])?;
@@ -559,16 +589,18 @@ fn deepseek2_params(w: &mut W) -> Result<(), MappingError> {
         hp.req_int("qk_nope_head_dim")? + rope,
     );
     w.u32("attention.value_length_mla", hp.req_int("v_head_dim")?);
-    let ff = w
-        .hp
-        .find(&["moe_intermediate_size", "intermediate_size"])
-        .ok_or_else(|| ierr(&hp.path, "missing moe_intermediate_size"))?;
+    let ff =
+        w.hp.find(&["moe_intermediate_size", "intermediate_size"])
+            .ok_or_else(|| ierr(&hp.path, "missing moe_intermediate_size"))?;
     let ff = hp.int_of("moe_intermediate_size", ff)?;
     w.u32("expert_feed_forward_length", ff);
     if let Some(n) = hp.int("n_routed_experts")? {
         w.u32("expert_count", n);
     }
-    w.u32("expert_shared_count", hp.int("n_shared_experts")?.unwrap_or(0));
+    w.u32(
+        "expert_shared_count",
+        hp.int("n_shared_experts")?.unwrap_or(0),
+    );
     if let Some(s) = hp.float("routed_scaling_factor")? {
         w.f32("expert_weights_scale", s);
     }

@@ -69,7 +69,10 @@ impl<'a> Reader<'a> {
                 self.take(n).map(drop)
             }
             5 => self.take(4).map(drop),
-            w => Err(format!("unsupported protobuf wire type {w} at byte {}", self.pos)),
+            w => Err(format!(
+                "unsupported protobuf wire type {w} at byte {}",
+                self.pos
+            )),
         }
     }
 }
@@ -170,7 +173,10 @@ mod tests {
             // every truncation is an error or a shorter valid prefix, never a panic
             let _ = parse_model(&b[..cut]);
         }
-        assert!(parse_model(&[0x0a, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01]).is_err());
+        assert!(
+            parse_model(&[0x0a, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01])
+                .is_err()
+        );
         assert!(parse_model(&[]).is_err());
         let _ = (USER_DEFINED, CONTROL, UNUSED, BYTE);
     }

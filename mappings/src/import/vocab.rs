@@ -199,7 +199,10 @@ fn gpt2_vocab(
             return Err(ierr(&tpath, "added token without id/content"));
         };
         let special = a.get("special").and_then(Json::as_bool).unwrap_or(false);
-        let normalized = a.get("normalized").and_then(Json::as_bool).unwrap_or(!special);
+        let normalized = a
+            .get("normalized")
+            .and_then(Json::as_bool)
+            .unwrap_or(!special);
         by_id.insert(id, c.to_string());
         added_by_content.insert(c.to_string(), (id, special, normalized));
     }
@@ -252,10 +255,12 @@ fn gpt2_vocab(
             ("unk", "<|endoftext|>"),
             ("eom", "<|observation|>"),
         ] {
-            let id = added_by_content
-                .get(content)
-                .map(|a| a.0)
-                .ok_or_else(|| ierr(&tpath, format!("GLM tokenizer lacks the added token {content}")))?;
+            let id = added_by_content.get(content).map(|a| a.0).ok_or_else(|| {
+                ierr(
+                    &tpath,
+                    format!("GLM tokenizer lacks the added token {content}"),
+                )
+            })?;
             sv.set(typ, id as i64)?;
         }
     }
@@ -412,7 +417,12 @@ impl SpecialVocab {
                 }
             }
             Some("Sequence") => {
-                for m in n.get("normalizers").and_then(Json::as_array).into_iter().flatten() {
+                for m in n
+                    .get("normalizers")
+                    .and_then(Json::as_array)
+                    .into_iter()
+                    .flatten()
+                {
                     self.normalizer(m);
                 }
             }
@@ -447,8 +457,8 @@ impl SpecialVocab {
                 sv.normalizer(n);
             }
         }
-        let mut cfg: Option<Map<String, Json>> = read_json(&dir.join("tokenizer_config.json"))?
-            .and_then(|c| c.as_object().cloned());
+        let mut cfg: Option<Map<String, Json>> =
+            read_json(&dir.join("tokenizer_config.json"))?.and_then(|c| c.as_object().cloned());
         if let Some(t) = tok {
             sv.post_processor(t, &mut cfg);
         }
@@ -482,7 +492,10 @@ impl SpecialVocab {
                     .filter(|v| !v.is_null())
                     .or_else(|| c.get("text_config").and_then(|t| t.get(&key)));
                 // lists (several eos ids) are not ids
-                if let Some(id) = v.and_then(Json::as_i64).filter(|_| v.is_some_and(Json::is_i64)) {
+                if let Some(id) = v
+                    .and_then(Json::as_i64)
+                    .filter(|_| v.is_some_and(Json::is_i64))
+                {
                     sv.set(&typ, id)?;
                 }
             }
@@ -535,10 +548,15 @@ impl SpecialVocab {
                             .and_then(Json::as_str)
                             .map(String::from)
                     };
-                    let single = p.get("single").and_then(Json::as_array).cloned().unwrap_or_default();
+                    let single = p
+                        .get("single")
+                        .and_then(Json::as_array)
+                        .cloned()
+                        .unwrap_or_default();
                     if single.len() > 1 {
                         if let Some(first) = special(single.first()) {
-                            let known = Some(&first) == bos.as_ref() || Some(&first) == cls.as_ref();
+                            let known =
+                                Some(&first) == bos.as_ref() || Some(&first) == cls.as_ref();
                             if cfg.is_none() {
                                 bos = Some(first.clone());
                             } else if !known {
@@ -553,7 +571,8 @@ impl SpecialVocab {
                                     }
                                 }
                             }
-                            let known = Some(&first) == bos.as_ref() || Some(&first) == cls.as_ref();
+                            let known =
+                                Some(&first) == bos.as_ref() || Some(&first) == cls.as_ref();
                             self.add_set("bos", known);
                         }
                         if let Some(last) = special(single.last()) {
@@ -564,7 +583,10 @@ impl SpecialVocab {
                                     for extra in ["eot", "eom"] {
                                         if !self.types.iter().any(|t| t == extra) {
                                             self.types.push(extra.into());
-                                            c.insert(format!("{extra}_token"), Json::from(eos.clone()));
+                                            c.insert(
+                                                format!("{extra}_token"),
+                                                Json::from(eos.clone()),
+                                            );
                                             break;
                                         }
                                     }
@@ -649,7 +671,11 @@ impl SpecialVocab {
 
 /// tokenizer.json merges as "a b" strings; pairs whose parts hold spaces get them as U+0120.
 fn merges_of(tok: &Json) -> Result<Vec<String>, String> {
-    let Some(m) = tok.get("model").and_then(|m| m.get("merges")).and_then(Json::as_array) else {
+    let Some(m) = tok
+        .get("model")
+        .and_then(|m| m.get("merges"))
+        .and_then(Json::as_array)
+    else {
         return Ok(vec![]);
     };
     m.iter()
