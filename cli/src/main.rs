@@ -34,6 +34,8 @@ enum Command {
     Verify(cmd::verify::Args),
     /// Print the HF <-> GGUF tensor-name table.
     Map(cmd::map::Args),
+    /// Quantize a model to a llama.cpp file type (byte-identical to llama-quantize).
+    Quantize(cmd::quantize::Args),
     /// Convert a GGUF model to HF-layout safetensors.
     Convert(cmd::convert::Args),
     /// Generate text from a prompt.
@@ -56,6 +58,7 @@ fn main() -> ExitCode {
         Command::Split(a) => cmd::split::run(a),
         Command::Verify(a) => cmd::verify::run(a),
         Command::Map(a) => cmd::map::run(a),
+        Command::Quantize(a) => cmd::quantize::run(a),
         Command::Convert(a) => cmd::convert::run(a),
         Command::Generate(a) => cmd::generate::run(a),
         Command::Serve(a) => cmd::serve::run(a),

@@ -7,6 +7,7 @@ pub mod generate;
 pub mod info;
 pub mod map;
 pub mod merge;
+pub mod quantize;
 pub mod serve;
 pub mod split;
 pub mod synth;
