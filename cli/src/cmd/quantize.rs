@@ -248,6 +248,20 @@ fn resolve<'m>(
     imatrix: Option<&'m Imatrix>,
     args: &Args,
 ) -> Result<Vec<OutTensor<'m>>> {
+    // As llama-quantize: the importance-matrix requirement is checked for every tensor before
+    // anything else, so its error is the one a user sees.
+    if imatrix.is_none() {
+        if let Some(p) = planned
+            .iter()
+            .find(|p| p.target != inputs[p.index].info.ty && (p.requires_imatrix || requires_imatrix(p.target)))
+        {
+            bail!(
+                "this quantization requires an importance matrix (--imatrix FILE): tensor {:?} would be {}",
+                inputs[p.index].info.name,
+                p.target
+            );
+        }
+    }
     let mut outs = Vec::with_capacity(planned.len());
     for p in planned {
         let src = inputs[p.index];

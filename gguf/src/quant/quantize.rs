@@ -38,6 +38,7 @@ pub fn can_quantize(ty: GgmlType) -> bool {
             | Q6_K
             | IQ4_NL
             | IQ4_XS
+            | IQ3_S
             | TQ1_0
             | TQ2_0
             | MXFP4
@@ -199,6 +200,13 @@ pub(crate) fn quantize_row(
             for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(136)).enumerate() {
                 let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
                 iq4_xs(xb, w, values).write(yb);
+            }
+        }
+        IQ3_S => {
+            let g = iq3s_grid()?;
+            for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(110)).enumerate() {
+                let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
+                iq3_s(xb, w, g).write(yb);
             }
         }
         _ => {
@@ -1703,6 +1711,276 @@ fn iq4_xs(x: &[f32], qw: Option<&[f32]>, values: &[i8; 16]) -> BlockIq4Xs {
         scales_l,
         qs,
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// IQ3_S: 4-value groups snapped to a 512-point grid of odd magnitudes 1..15.
+
+/// The grid with ggml's search structures (`iq3xs_init_impl(512)`): the grid points, a map from
+/// the 12-bit code of any 4 magnitudes (3 bits each) to its grid index, and for codes off the
+/// grid the candidate points of the three nearest distance levels, nearest first.
+struct Iq3Grid {
+    points: [[u8; 4]; 512],
+    map: Vec<i32>,
+    /// For an off-grid code `u`: `neighbours[offsets[u]..]` starts with the count.
+    neighbours: Vec<u16>,
+}
+
+fn iq3s_grid() -> Result<&'static Iq3Grid, QuantError> {
+    static CELL: std::sync::OnceLock<Iq3Grid> = std::sync::OnceLock::new();
+    let t = tables()?;
+    Ok(CELL.get_or_init(|| {
+        let points = *t.iq3s;
+        let mut map = vec![-1i32; 4096];
+        for (i, p) in points.iter().enumerate() {
+            let mut index = 0usize;
+            for (k, &v) in p.iter().enumerate() {
+                index |= usize::from((v - 1) / 2) << (3 * k);
+            }
+            map[index] = i as i32;
+        }
+        const NWANT: usize = 3;
+        let mut neighbours = Vec::new();
+        let mut dist2: Vec<(i32, usize)> = Vec::with_capacity(512);
+        for u in 0..4096usize {
+            if map[u] >= 0 {
+                continue;
+            }
+            let pos: [i32; 4] = std::array::from_fn(|k| 2 * ((u >> (3 * k)) & 7) as i32 + 1);
+            dist2.clear();
+            for (j, p) in points.iter().enumerate() {
+                let d2: i32 = (0..4).map(|k| (i32::from(p[k]) - pos[k]).pow(2)).sum();
+                dist2.push((d2, j));
+            }
+            dist2.sort_unstable();
+            map[u] = -(neighbours.len() as i32 + 1);
+            let start = neighbours.len();
+            neighbours.push(0);
+            let (mut d2, mut nhave, mut n) = (dist2[0].0, 1, 0u16);
+            for &(d, j) in &dist2 {
+                if d > d2 {
+                    if nhave == NWANT {
+                        break;
+                    }
+                    d2 = d;
+                    nhave += 1;
+                }
+                neighbours.push(j as u16);
+                n += 1;
+            }
+            neighbours[start] = n;
+        }
+        Iq3Grid {
+            points,
+            map,
+            neighbours,
+        }
+    }))
+}
+
+impl Iq3Grid {
+    /// `iq3_find_best_neighbour`: the candidate minimising the weighted squared error at
+    /// `scale` (first on ties); writes its magnitude codes to `l`.
+    fn best_neighbour(&self, u: usize, xval: &[f32], weight: &[f32], scale: f32, l: &mut [i8]) -> usize {
+        let start = (-self.map[u] - 1) as usize;
+        let n = usize::from(self.neighbours[start]);
+        let mut best_d2 = f32::MAX;
+        let mut best = usize::from(self.neighbours[start + 1]);
+        for &j in &self.neighbours[start + 1..start + 1 + n] {
+            let pg = &self.points[usize::from(j)];
+            let mut d2 = 0.0f32;
+            for i in 0..4 {
+                let q = f32::from(pg[i]);
+                let diff = scale * q - xval[i];
+                d2 += weight[i] * diff * diff;
+            }
+            if d2 < best_d2 {
+                best_d2 = d2;
+                best = usize::from(j);
+            }
+        }
+        for i in 0..4 {
+            l[i] = ((self.points[best][i] - 1) / 2) as i8;
+        }
+        best
+    }
+
+    fn code(l: &[i8]) -> usize {
+        let mut u = 0usize;
+        for (i, &v) in l.iter().enumerate().take(4) {
+            u |= (v as u8 as usize) << (3 * i);
+        }
+        u
+    }
+}
+
+/// `quantize_row_iq3_s_impl` for one super-block, with block size 32. Like ggml, a sub-block
+/// whose values are all zero does not advance the `qs`/`signs` write position (its scale is 0;
+/// later sub-blocks' bytes shift down) — reproduced because the bytes must match.
+fn iq3_s(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3S {
+    const BS: usize = 32;
+    const KMAXQ: i32 = 8;
+    let mut y = BlockIq3S {
+        d: fp32_to_fp16(0.0),
+        qs: [0; 64],
+        qh: [0; 8],
+        signs: [0; 32],
+        scales: [0; 4],
+    };
+    let mut sumx2 = 0.0f32;
+    for v in x {
+        sumx2 += v * v;
+    }
+    let sigma2 = 2.0 * sumx2 / QK_K as f32;
+    let mut scales = [0.0f32; QK_K / BS];
+    let mut max_scale = 0.0f32;
+    let (mut qs_at, mut signs_at) = (0usize, 0usize);
+    for ib in 0..QK_K / BS {
+        let xb = &x[BS * ib..BS * ib + BS];
+        let mut weight = [0.0f32; BS];
+        for i in 0..BS {
+            weight[i] = match qw {
+                Some(q) => q[BS * ib + i] * (sigma2 + xb[i] * xb[i]).sqrt(),
+                None => xb[i] * xb[i],
+            };
+        }
+        let mut waux = [0.0f32; BS];
+        for i in 0..BS {
+            waux[i] = weight[i].sqrt();
+        }
+        let mut xval = [0.0f32; BS];
+        let mut block_signs = [0u8; BS / 8];
+        for k in 0..BS / 8 {
+            let mut s = 0u8;
+            for i in 0..8 {
+                let v = xb[8 * k + i];
+                if v >= 0.0 {
+                    xval[8 * k + i] = v;
+                } else {
+                    xval[8 * k + i] = -v;
+                    s |= 1 << i;
+                }
+            }
+            block_signs[k] = s;
+        }
+        let mut max = xval[0];
+        for &v in &xval[1..] {
+            max = c_max(max, v);
+        }
+        let mut l = [0i8; BS];
+        if max == 0.0 {
+            scales[ib] = 0.0;
+            continue;
+        }
+        let mut best = 0.0f32;
+        let mut scale = max / (2 * KMAXQ - 1) as f32;
+        let mut is_on_grid = [false; BS / 4];
+        let mut laux = [0i8; BS];
+        let mut on_aux = [false; BS / 4];
+        for is in -9..=9 {
+            let id = ((2 * KMAXQ - 1) as f32 + is as f32 * 0.2) / max;
+            let this_scale = 1.0 / id;
+            for k in 0..BS / 4 {
+                for i in 0..4 {
+                    let v = nearest_int(0.5 * (id * xval[4 * k + i] - 1.0));
+                    laux[4 * k + i] = v.min(KMAXQ - 1).max(0) as i8;
+                }
+                let u = Iq3Grid::code(&laux[4 * k..4 * k + 4]);
+                on_aux[k] = true;
+                if g.map[u] < 0 {
+                    on_aux[k] = false;
+                    g.best_neighbour(
+                        u,
+                        &xval[4 * k..4 * k + 4],
+                        &waux[4 * k..4 * k + 4],
+                        this_scale,
+                        &mut laux[4 * k..4 * k + 4],
+                    );
+                }
+            }
+            let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
+            for i in 0..BS {
+                let w = weight[i];
+                let q = (2 * i32::from(laux[i]) + 1) as f32;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
+                scale = sumqx / sumq2;
+                best = scale * sumqx;
+                l = laux;
+                is_on_grid = on_aux;
+            }
+        }
+        let n_not_ongrid = is_on_grid.iter().filter(|b| !**b).count();
+        if n_not_ongrid > 0 && scale > 0.0 {
+            let id = 1.0 / scale;
+            for k in 0..BS / 4 {
+                let mut lk = [0i8; 4];
+                for i in 0..4 {
+                    let v = nearest_int(0.5 * (id * xval[4 * k + i] - 1.0));
+                    lk[i] = v.min(KMAXQ - 1).max(0) as i8;
+                }
+                let u = Iq3Grid::code(&lk);
+                let gi = if g.map[u] < 0 {
+                    g.best_neighbour(
+                        u,
+                        &xval[4 * k..4 * k + 4],
+                        &waux[4 * k..4 * k + 4],
+                        scale,
+                        &mut l[4 * k..4 * k + 4],
+                    )
+                } else {
+                    g.map[u] as usize
+                };
+                for i in 0..4 {
+                    l[4 * k + i] = ((g.points[gi][i] - 1) / 2) as i8;
+                }
+            }
+            let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
+            for i in 0..BS {
+                let w = weight[i];
+                let q = (2 * i32::from(l[i]) + 1) as f32;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if sumq2 > 0.0 {
+                scale = sumqx / sumq2;
+            }
+        }
+        if scale < 0.0 {
+            scale = -scale;
+            for s in block_signs.iter_mut() {
+                *s = !*s;
+            }
+        }
+        for k in 0..BS / 4 {
+            let u = Iq3Grid::code(&l[4 * k..4 * k + 4]);
+            // Every code written here came from the grid or its neighbour lists; ggml aborts
+            // otherwise. Index 0 keeps the block decodable should it ever happen.
+            let gi = g.map[u].max(0) as usize;
+            y.qs[qs_at + k] = (gi & 255) as u8;
+            let bit = ib * (BS / 4) + k;
+            y.qh[bit / 8] |= ((gi >> 8) << (bit % 8)) as u8;
+        }
+        qs_at += BS / 4;
+        y.signs[signs_at..signs_at + BS / 8].copy_from_slice(&block_signs);
+        signs_at += BS / 8;
+        scales[ib] = scale;
+        max_scale = c_max(max_scale, scale);
+    }
+    if max_scale == 0.0 {
+        return y;
+    }
+    let d = max_scale / 31.0;
+    y.d = fp32_to_fp16(d * 1.033);
+    let id = 1.0 / d;
+    for ib in (0..QK_K / BS).step_by(2) {
+        let l1 = nearest_int(0.5 * (id * scales[ib] - 1.0)).min(15).max(0);
+        let l2 = nearest_int(0.5 * (id * scales[ib + 1] - 1.0)).min(15).max(0);
+        y.scales[ib / 2] = (l1 | l2 << 4) as u8;
+    }
+    y
 }
 
 #[cfg(test)]
