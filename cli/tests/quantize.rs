@@ -217,3 +217,50 @@ fn overrides_and_dry_run() {
         .clone();
     assert_eq!(k_b["new_type"], "Q5_0");
 }
+
+#[test]
+fn with_an_importance_matrix_every_type_is_byte_identical() {
+    let g = golden();
+    let outputs = g["imatrix_outputs"].as_object().unwrap();
+    assert!(outputs.len() >= 18, "golden file lists {} types", outputs.len());
+    let dir = tempfile::tempdir().unwrap();
+    let mut bad = Vec::new();
+    for (ty, want) in outputs {
+        let out = dir.path().join(format!("{ty}.gguf"));
+        // Same relative paths as llama-quantize was given: the imatrix file name is recorded in
+        // quantize.imatrix.file.
+        let o = Command::new(env!("CARGO_BIN_EXE_gguftool"))
+            .current_dir(fx("quantize"))
+            .args(["quantize", "--imatrix", "tiny-glm5-imatrix.gguf"])
+            .arg("../gguf/tiny-glm5-BF16.gguf")
+            .arg(&out)
+            .args([ty.as_str(), "-q"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{ty}: {}", String::from_utf8_lossy(&o.stderr));
+        if sha256_hex(&out) != want["sha256"].as_str().unwrap() {
+            bad.push(ty.clone());
+        }
+        std::fs::remove_file(&out).unwrap();
+    }
+    assert!(bad.is_empty(), "differ from llama-quantize --imatrix: {bad:?}");
+}
+
+#[test]
+fn imatrix_that_misses_tensors_refuses_low_bit_types() {
+    // The fixture imatrix has no entries for the MTP block (llama-imatrix never runs it), so
+    // Q2_K_S fails exactly as in llama-quantize.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("x.gguf");
+    let o = Command::new(env!("CARGO_BIN_EXE_gguftool"))
+        .current_dir(fx("quantize"))
+        .args(["quantize", "--imatrix", "tiny-glm5-imatrix.gguf"])
+        .arg("../gguf/tiny-glm5-BF16.gguf")
+        .arg(&out)
+        .arg("Q2_K_S")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("blk.3."));
+    assert!(!out.exists());
+}

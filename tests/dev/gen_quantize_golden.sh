@@ -22,6 +22,7 @@ for t in Q8_0 Q6_K Q4_K_M; do
   cmp "$T/$t.gguf" "$HERE/fixtures/gguf/tiny-glm5-$t.gguf"
 done
 TYPES="Q8_0 Q6_K Q5_K_M Q5_K_S Q4_K_M Q4_K_S Q3_K_L Q3_K_M Q3_K_S Q2_K Q4_0 Q4_1 Q5_0 Q5_1 IQ4_NL IQ4_XS IQ3_S IQ3_M TQ1_0 TQ2_0 MXFP4_MOE F16 BF16 F32"
+TYPES_IM="Q8_0 Q6_K Q5_K_M Q5_K_S Q4_K_M Q4_K_S Q3_K_L Q3_K_M Q3_K_S Q2_K Q4_0 Q4_1 Q5_0 Q5_1 IQ4_NL IQ4_XS IQ3_S IQ3_M"
 FAIL="Q1_0 Q2_K_S IQ3_XS IQ3_XXS IQ2_M IQ2_S IQ2_XS IQ2_XXS IQ1_S IQ1_M"
 {
 echo '{'
@@ -38,6 +39,20 @@ for t in $TYPES; do
 import json,sys; r=json.load(sys.stdin)
 print(json.dumps([[t["name"], t["type"], t["sha256"]] for t in r["tensors"]]), end="")'
   printf '}'
+done
+echo
+echo '  },'
+# With the importance matrix tests/fixtures/quantize/tiny-glm5-imatrix.gguf, made by
+#   llama-imatrix -m tiny-glm5-BF16.gguf -f tests/fixtures/quantize/imatrix-calibration.txt \
+#                 -o tiny-glm5-imatrix.gguf -c 128 -t 2
+# run from tests/fixtures/quantize so the recorded quantize.imatrix.file is the relative name.
+echo '  "imatrix_command": "cd tests/fixtures/quantize && llama-quantize --imatrix tiny-glm5-imatrix.gguf ../gguf/tiny-glm5-BF16.gguf OUT TYPE 2",'
+echo '  "imatrix_outputs": {'
+first=1
+for t in $TYPES_IM; do
+  (cd "$HERE/fixtures/quantize" && "$Q" --imatrix tiny-glm5-imatrix.gguf ../gguf/tiny-glm5-BF16.gguf "$T/o.gguf" $t 2 >/dev/null 2>&1)
+  [[ $first == 1 ]] || echo ','; first=0
+  printf '    "%s": {"bytes": %s, "sha256": "%s"}' $t $(stat -c %s "$T/o.gguf") $(sha256sum "$T/o.gguf" | cut -c1-64)
 done
 echo
 echo '  },'
