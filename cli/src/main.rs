@@ -36,6 +36,8 @@ enum Command {
     Map(cmd::map::Args),
     /// Quantize a model to a llama.cpp file type (byte-identical to llama-quantize).
     Quantize(cmd::quantize::Args),
+    /// Edit metadata or tensor names (split-aware, atomic, tensor data copied untouched).
+    Edit(cmd::edit::Args),
     /// Convert a GGUF model to HF-layout safetensors.
     Convert(cmd::convert::Args),
     /// Generate text from a prompt.
@@ -59,6 +61,7 @@ fn main() -> ExitCode {
         Command::Verify(a) => cmd::verify::run(a),
         Command::Map(a) => cmd::map::run(a),
         Command::Quantize(a) => cmd::quantize::run(a),
+        Command::Edit(a) => cmd::edit::run(a),
         Command::Convert(a) => cmd::convert::run(a),
         Command::Generate(a) => cmd::generate::run(a),
         Command::Serve(a) => cmd::serve::run(a),

@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod convert;
 pub mod doctor;
+pub mod edit;
 pub mod generate;
 pub mod info;
 pub mod map;
