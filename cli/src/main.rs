@@ -50,6 +50,8 @@ enum Command {
     Synth(cmd::synth::Args),
     /// Diagnose the environment and a model (GPU, layers where CPU and GPU diverge).
     Doctor(cmd::doctor::Args),
+    /// Print a shell completion script (bash, zsh, fish, ...).
+    Completions(cmd::completions::Args),
 }
 
 fn main() -> ExitCode {
@@ -68,6 +70,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => cmd::bench::run(a),
         Command::Doctor(a) => cmd::doctor::run(a),
         Command::Synth(a) => cmd::synth::run(a),
+        Command::Completions(a) => cmd::completions::run(a),
     };
     match result {
         Ok(code) => code,
