@@ -264,3 +264,39 @@ fn imatrix_that_misses_tensors_refuses_low_bit_types() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("blk.3."));
     assert!(!out.exists());
 }
+
+/// File types whose plan needs a quantizer gguftool does not have yet (IQ2_XXS, IQ2_XS, IQ2_S,
+/// IQ1_S, IQ1_M). They must be refused with a clear message, never written wrong.
+const NOT_YET: &[&str] = &["IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M"];
+
+#[test]
+fn importance_matrix_types_are_byte_identical_or_refused() {
+    let g = golden();
+    let outputs = g["imatrix_override_outputs"].as_object().unwrap();
+    assert_eq!(outputs.len(), 9);
+    let dir = tempfile::tempdir().unwrap();
+    let mut bad = Vec::new();
+    for (ty, want) in outputs {
+        let out = dir.path().join(format!("{ty}.gguf"));
+        let o = Command::new(env!("CARGO_BIN_EXE_gguftool"))
+            .current_dir(fx("quantize"))
+            .args(["quantize", "--imatrix", "tiny-glm5-imatrix.gguf"])
+            .args(["--tensor-type", r"blk\.3\.=q8_0"])
+            .arg("../gguf/tiny-glm5-BF16.gguf")
+            .arg(&out)
+            .args([ty.as_str(), "-q"])
+            .output()
+            .unwrap();
+        if NOT_YET.contains(&ty.as_str()) {
+            assert_eq!(o.status.code(), Some(2), "{ty}");
+            assert!(String::from_utf8_lossy(&o.stderr).contains("not implemented yet"), "{ty}");
+            assert!(!out.exists());
+            continue;
+        }
+        assert!(o.status.success(), "{ty}: {}", String::from_utf8_lossy(&o.stderr));
+        if sha256_hex(&out) != want["sha256"].as_str().unwrap() {
+            bad.push(ty.clone());
+        }
+    }
+    assert!(bad.is_empty(), "differ from llama-quantize: {bad:?}");
+}

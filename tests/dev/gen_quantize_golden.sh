@@ -23,6 +23,7 @@ for t in Q8_0 Q6_K Q4_K_M; do
 done
 TYPES="Q8_0 Q6_K Q5_K_M Q5_K_S Q4_K_M Q4_K_S Q3_K_L Q3_K_M Q3_K_S Q2_K Q4_0 Q4_1 Q5_0 Q5_1 IQ4_NL IQ4_XS IQ3_S IQ3_M TQ1_0 TQ2_0 MXFP4_MOE F16 BF16 F32"
 TYPES_IM="Q8_0 Q6_K Q5_K_M Q5_K_S Q4_K_M Q4_K_S Q3_K_L Q3_K_M Q3_K_S Q2_K Q4_0 Q4_1 Q5_0 Q5_1 IQ4_NL IQ4_XS IQ3_S IQ3_M"
+TYPES_OV="IQ3_XXS IQ3_XS IQ2_XXS IQ2_XS IQ2_S IQ2_M IQ1_S IQ1_M Q2_K_S"
 FAIL="Q1_0 Q2_K_S IQ3_XS IQ3_XXS IQ2_M IQ2_S IQ2_XS IQ2_XXS IQ1_S IQ1_M"
 {
 echo '{'
@@ -51,6 +52,18 @@ echo '  "imatrix_outputs": {'
 first=1
 for t in $TYPES_IM; do
   (cd "$HERE/fixtures/quantize" && "$Q" --imatrix tiny-glm5-imatrix.gguf ../gguf/tiny-glm5-BF16.gguf "$T/o.gguf" $t 2 >/dev/null 2>&1)
+  [[ $first == 1 ]] || echo ','; first=0
+  printf '    "%s": {"bytes": %s, "sha256": "%s"}' $t $(stat -c %s "$T/o.gguf") $(sha256sum "$T/o.gguf" | cut -c1-64)
+done
+echo
+echo '  },'
+# Types that need an importance matrix for every tensor: the fixture imatrix has no entries for
+# the MTP block (llama-imatrix does not run it), so that block is pinned to Q8_0.
+echo '  "imatrix_override_command": "cd tests/fixtures/quantize && llama-quantize --imatrix tiny-glm5-imatrix.gguf --tensor-type blk\\.3\\.=q8_0 ../gguf/tiny-glm5-BF16.gguf OUT TYPE 2",'
+echo '  "imatrix_override_outputs": {'
+first=1
+for t in $TYPES_OV; do
+  (cd "$HERE/fixtures/quantize" && "$Q" --imatrix tiny-glm5-imatrix.gguf --tensor-type 'blk\.3\.=q8_0' ../gguf/tiny-glm5-BF16.gguf "$T/o.gguf" $t 2 >/dev/null 2>&1)
   [[ $first == 1 ]] || echo ','; first=0
   printf '    "%s": {"bytes": %s, "sha256": "%s"}' $t $(stat -c %s "$T/o.gguf") $(sha256sum "$T/o.gguf" | cut -c1-64)
 done

@@ -39,6 +39,7 @@ pub fn can_quantize(ty: GgmlType) -> bool {
             | IQ4_NL
             | IQ4_XS
             | IQ3_S
+            | IQ3_XXS
             | TQ1_0
             | TQ2_0
             | MXFP4
@@ -200,6 +201,13 @@ pub(crate) fn quantize_row(
             for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(136)).enumerate() {
                 let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
                 iq4_xs(xb, w, values).write(yb);
+            }
+        }
+        IQ3_XXS => {
+            let g = iq3xxs_grid()?;
+            for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(98)).enumerate() {
+                let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
+                iq3_xxs(xb, w, g).write(yb);
             }
         }
         IQ3_S => {
@@ -1716,21 +1724,19 @@ fn iq4_xs(x: &[f32], qw: Option<&[f32]>, values: &[i8; 16]) -> BlockIq4Xs {
 // ---------------------------------------------------------------------------------------------
 // IQ3_S: 4-value groups snapped to a 512-point grid of odd magnitudes 1..15.
 
-/// The grid with ggml's search structures (`iq3xs_init_impl(512)`): the grid points, a map from
-/// the 12-bit code of any 4 magnitudes (3 bits each) to its grid index, and for codes off the
-/// grid the candidate points of the three nearest distance levels, nearest first.
+/// An IQ3 grid with ggml's search structures (`iq3xs_init_impl`): the points as odd
+/// magnitudes `2l + 1`, a map from the 12-bit code of any 4 magnitudes (3 bits each) to its grid
+/// index, and for codes off the grid the candidate points of the `nwant` nearest distance
+/// levels, nearest first (ties by index).
 struct Iq3Grid {
-    points: [[u8; 4]; 512],
+    points: Vec<[u8; 4]>,
     map: Vec<i32>,
-    /// For an off-grid code `u`: `neighbours[offsets[u]..]` starts with the count.
+    /// For an off-grid code `u`: `neighbours[-map[u] - 1..]` starts with the count.
     neighbours: Vec<u16>,
 }
 
-fn iq3s_grid() -> Result<&'static Iq3Grid, QuantError> {
-    static CELL: std::sync::OnceLock<Iq3Grid> = std::sync::OnceLock::new();
-    let t = tables()?;
-    Ok(CELL.get_or_init(|| {
-        let points = *t.iq3s;
+impl Iq3Grid {
+    fn build(points: Vec<[u8; 4]>, nwant: usize) -> Iq3Grid {
         let mut map = vec![-1i32; 4096];
         for (i, p) in points.iter().enumerate() {
             let mut index = 0usize;
@@ -1739,9 +1745,8 @@ fn iq3s_grid() -> Result<&'static Iq3Grid, QuantError> {
             }
             map[index] = i as i32;
         }
-        const NWANT: usize = 3;
         let mut neighbours = Vec::new();
-        let mut dist2: Vec<(i32, usize)> = Vec::with_capacity(512);
+        let mut dist2: Vec<(i32, usize)> = Vec::with_capacity(points.len());
         for u in 0..4096usize {
             if map[u] >= 0 {
                 continue;
@@ -1759,7 +1764,7 @@ fn iq3s_grid() -> Result<&'static Iq3Grid, QuantError> {
             let (mut d2, mut nhave, mut n) = (dist2[0].0, 1, 0u16);
             for &(d, j) in &dist2 {
                 if d > d2 {
-                    if nhave == NWANT {
+                    if nhave == nwant {
                         break;
                     }
                     d2 = d;
@@ -1775,7 +1780,39 @@ fn iq3s_grid() -> Result<&'static Iq3Grid, QuantError> {
             map,
             neighbours,
         }
-    }))
+    }
+}
+
+/// IQ3_S's 512-point grid (its table already holds the odd magnitudes).
+fn iq3s_grid() -> Result<&'static Iq3Grid, QuantError> {
+    static CELL: std::sync::OnceLock<Iq3Grid> = std::sync::OnceLock::new();
+    let t = tables()?;
+    Ok(CELL.get_or_init(|| Iq3Grid::build(t.iq3s.to_vec(), 3)))
+}
+
+/// IQ3_XXS's 256-point grid: its table holds the dequantized levels 4, 12, ..., 52, 62, the
+/// k-th of which is magnitude code k (odd magnitude 2k + 1).
+fn iq3xxs_grid() -> Result<&'static Iq3Grid, QuantError> {
+    static CELL: std::sync::OnceLock<Result<Iq3Grid, String>> = std::sync::OnceLock::new();
+    let t = tables()?;
+    CELL.get_or_init(|| {
+        const LEVELS: [u8; 8] = [4, 12, 20, 28, 36, 44, 52, 62];
+        let mut points = Vec::with_capacity(256);
+        for p in t.iq3xxs.iter() {
+            let mut q = [0u8; 4];
+            for (o, v) in q.iter_mut().zip(p) {
+                let k = LEVELS
+                    .iter()
+                    .position(|l| l == v)
+                    .ok_or_else(|| format!("iq3xxs grid value {v} is not a level"))?;
+                *o = 2 * k as u8 + 1;
+            }
+            points.push(q);
+        }
+        Ok(Iq3Grid::build(points, 2))
+    })
+    .as_ref()
+    .map_err(|e| QuantError::Tables(e.clone()))
 }
 
 impl Iq3Grid {
@@ -1981,6 +2018,193 @@ fn iq3_s(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3S {
         y.scales[ib / 2] = (l1 | l2 << 4) as u8;
     }
     y
+}
+
+/// `quantize_row_iq3_xxs_impl` (grid 256) for one super-block.
+fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
+    const KMAXQ: i32 = 8;
+    const EPS: f32 = 1e-8; // GROUP_MAX_EPS_IQ3_XXS
+    let mut q3 = [0u8; 64];
+    let mut scales_and_signs = [0u32; 8];
+    let mut sumx2 = 0.0f32;
+    for v in x {
+        sumx2 += v * v;
+    }
+    let sigma2 = 2.0 * sumx2 / QK_K as f32;
+    let mut scales = [0.0f32; 8];
+    let mut max_scale = 0.0f32;
+    for ib in 0..8 {
+        let xb = &x[32 * ib..32 * ib + 32];
+        let mut weight = [0.0f32; 32];
+        for i in 0..32 {
+            weight[i] = match qw {
+                Some(q) => q[32 * ib + i] * (sigma2 + xb[i] * xb[i]).sqrt(),
+                None => xb[i] * xb[i],
+            };
+        }
+        let mut waux = [0.0f32; 32];
+        for i in 0..32 {
+            waux[i] = weight[i].sqrt();
+        }
+        let mut xval = [0.0f32; 32];
+        let mut block_signs = [0u8; 4];
+        for k in 0..4 {
+            let mut nflip = 0;
+            let mut s = 0u8;
+            for i in 0..8 {
+                let v = xb[8 * k + i];
+                if v >= 0.0 {
+                    xval[8 * k + i] = v;
+                } else {
+                    xval[8 * k + i] = -v;
+                    nflip += 1;
+                    s |= 1 << i;
+                }
+            }
+            // The signs are stored with even parity: flip the least important one.
+            if nflip % 2 == 1 {
+                let mut imin = 0usize;
+                let mut min = weight[8 * k] * xb[8 * k] * xb[8 * k];
+                for i in 1..8 {
+                    let ax = weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
+                    if ax < min {
+                        min = ax;
+                        imin = i;
+                    }
+                }
+                xval[8 * k + imin] = -xval[8 * k + imin];
+                s ^= 1 << imin;
+            }
+            block_signs[k] = s & 127;
+        }
+        let mut max = xval[0];
+        for &v in &xval[1..] {
+            max = c_max(max, v);
+        }
+        let mut l = [0i8; 32];
+        if max < EPS {
+            scales[ib] = 0.0;
+            continue;
+        }
+        let mut best = 0.0f32;
+        let mut scale = max / (2 * KMAXQ - 1) as f32;
+        let mut is_on_grid = [true; 8];
+        let mut laux = [0i8; 32];
+        let mut on_aux = [false; 8];
+        for is in -15..=15 {
+            let id = ((2 * KMAXQ - 1) as f32 + is as f32 * 0.2) / max;
+            let this_scale = 1.0 / id;
+            for k in 0..8 {
+                for i in 0..4 {
+                    let v = nearest_int(0.5 * (id * xval[4 * k + i] - 1.0));
+                    laux[4 * k + i] = v.min(KMAXQ - 1).max(0) as i8;
+                }
+                let u = Iq3Grid::code(&laux[4 * k..4 * k + 4]);
+                on_aux[k] = true;
+                if g.map[u] < 0 {
+                    on_aux[k] = false;
+                    g.best_neighbour(
+                        u,
+                        &xval[4 * k..4 * k + 4],
+                        &waux[4 * k..4 * k + 4],
+                        this_scale,
+                        &mut laux[4 * k..4 * k + 4],
+                    );
+                }
+            }
+            let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
+            for i in 0..32 {
+                let w = weight[i];
+                let q = (2 * i32::from(laux[i]) + 1) as f32;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
+                scale = sumqx / sumq2;
+                best = scale * sumqx;
+                l = laux;
+                is_on_grid = on_aux;
+            }
+        }
+        let n_not_ongrid = is_on_grid.iter().filter(|b| !**b).count();
+        if n_not_ongrid > 0 && scale > 0.0 {
+            let id = 1.0 / scale;
+            for k in 0..8 {
+                if is_on_grid[k] {
+                    continue;
+                }
+                let mut lk = [0i8; 4];
+                for i in 0..4 {
+                    let v = nearest_int(0.5 * (id * xval[4 * k + i] - 1.0));
+                    lk[i] = v.min(KMAXQ - 1).max(0) as i8;
+                }
+                let u = Iq3Grid::code(&lk);
+                let gi = if g.map[u] < 0 {
+                    g.best_neighbour(
+                        u,
+                        &xval[4 * k..4 * k + 4],
+                        &waux[4 * k..4 * k + 4],
+                        scale,
+                        &mut l[4 * k..4 * k + 4],
+                    )
+                } else {
+                    g.map[u] as usize
+                };
+                for i in 0..4 {
+                    l[4 * k + i] = ((g.points[gi][i] - 1) / 2) as i8;
+                }
+            }
+            let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
+            for i in 0..32 {
+                let w = weight[i];
+                let q = (2 * i32::from(l[i]) + 1) as f32;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if sumq2 > 0.0 {
+                scale = sumqx / sumq2;
+            }
+        }
+        if scale < 0.0 {
+            scale = -scale;
+            for s in block_signs.iter_mut() {
+                *s = !*s & 127;
+            }
+        }
+        for k in 0..8 {
+            let u = Iq3Grid::code(&l[4 * k..4 * k + 4]);
+            q3[8 * ib + k] = g.map[u].max(0) as u8;
+        }
+        scales_and_signs[ib] = u32::from(block_signs[0])
+            | u32::from(block_signs[1]) << 7
+            | u32::from(block_signs[2]) << 14
+            | u32::from(block_signs[3]) << 21;
+        scales[ib] = scale;
+        max_scale = c_max(max_scale, scale);
+    }
+    let zero = BlockIq3Xxs {
+        d: fp32_to_fp16(0.0),
+        qs: [0; 64],
+        scales_signs: [0; 32],
+    };
+    if max_scale == 0.0 {
+        return zero;
+    }
+    let d = max_scale / 31.0;
+    let id = 1.0 / d;
+    for ib in 0..8 {
+        let v = nearest_int(0.5 * (id * scales[ib] - 1.0)).min(15).max(0);
+        scales_and_signs[ib] |= (v as u32) << 28;
+    }
+    let mut ss = [0u8; 32];
+    for (c, v) in ss.chunks_exact_mut(4).zip(scales_and_signs) {
+        c.copy_from_slice(&v.to_le_bytes());
+    }
+    BlockIq3Xxs {
+        d: fp32_to_fp16(d * 1.0125),
+        qs: q3,
+        scales_signs: ss,
+    }
 }
 
 #[cfg(test)]
