@@ -71,7 +71,10 @@ fn set_delete_template_rename_on_one_file() {
     let m = f.metadata();
     assert_eq!(m.get("general.name"), Some(&Value::String("edited".into())));
     // The existing key's type (UINT32) is kept.
-    assert_eq!(m.get("tokenizer.ggml.eos_token_id"), Some(&Value::U32(1982)));
+    assert_eq!(
+        m.get("tokenizer.ggml.eos_token_id"),
+        Some(&Value::U32(1982))
+    );
     assert_eq!(m.get("my.float"), Some(&Value::F32(0.25)));
     assert!(m.get("general.size_label").is_none());
     assert_eq!(
@@ -121,7 +124,10 @@ fn split_models_are_edited_shard_by_shard() {
         .map(|i| dir.path().join(format!("s-{i:05}-of-00003.gguf")))
         .collect();
     let e = Model::open(&outs[0]).expect("edited set opens as one model");
-    assert_eq!(e.metadata().get_str("general.name").unwrap(), "split-edited");
+    assert_eq!(
+        e.metadata().get_str("general.name").unwrap(),
+        "split-edited"
+    );
     // Shard 2 was not touched: byte-identical copy.
     let orig2 = fx("gguf/split/tiny-glm5-Q4_K_M-00002-of-00003.gguf");
     assert!(std::fs::read(&orig2).unwrap() == std::fs::read(&outs[1]).unwrap());
@@ -141,12 +147,24 @@ fn in_place_only_when_the_header_fits() {
     let before = std::fs::read(&p).unwrap();
     let data_offset = GgufFile::open(&p).unwrap().data_offset() as usize;
     // A few bytes more fit the alignment padding (or not): either way the data must not move.
-    ok(&edit(&[p.as_os_str(), os("--in-place"), os("--set"), os("general.name=Tiny")]));
+    ok(&edit(&[
+        p.as_os_str(),
+        os("--in-place"),
+        os("--set"),
+        os("general.name=Tiny"),
+    ]));
     let after = std::fs::read(&p).unwrap();
     assert_eq!(after.len(), before.len());
-    assert!(after[data_offset..] == before[data_offset..], "tensor data moved");
+    assert!(
+        after[data_offset..] == before[data_offset..],
+        "tensor data moved"
+    );
     assert_eq!(
-        GgufFile::open(&p).unwrap().metadata().get_str("general.name").unwrap(),
+        GgufFile::open(&p)
+            .unwrap()
+            .metadata()
+            .get_str("general.name")
+            .unwrap(),
         "Tiny"
     );
     // 10 KB more does not fit: refused, file unchanged.
@@ -174,7 +192,13 @@ fn inconsistent_edits_are_refused_unless_forced() {
         ("--rename-tensor", "output.weight=token_embd.weight"),
         ("--rename-tensor", "nope=x"),
     ] {
-        let o = edit(&[src.as_os_str(), os("-o"), out.as_os_str(), os(flag), os(arg)]);
+        let o = edit(&[
+            src.as_os_str(),
+            os("-o"),
+            out.as_os_str(),
+            os(flag),
+            os(arg),
+        ]);
         assert_eq!(o.status.code(), Some(2), "{flag} {arg}");
         assert!(!out.exists(), "{flag} {arg}: output written");
         assert!(!dir.path().join("r.gguf.partial").exists());
@@ -189,7 +213,10 @@ fn inconsistent_edits_are_refused_unless_forced() {
         os("tokenizer.ggml.eos_token_id=1:i32"),
     ]));
     assert_eq!(
-        GgufFile::open(&out).unwrap().metadata().get("tokenizer.ggml.eos_token_id"),
+        GgufFile::open(&out)
+            .unwrap()
+            .metadata()
+            .get("tokenizer.ggml.eos_token_id"),
         Some(&Value::I32(1))
     );
 }
@@ -199,11 +226,23 @@ fn output_must_not_be_the_input_and_existing_outputs_need_force() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("m.gguf");
     std::fs::copy(fx("gguf/tiny-glm5-Q8_0.gguf"), &p).unwrap();
-    let o = edit(&[p.as_os_str(), os("-o"), p.as_os_str(), os("--set"), os("general.name=x")]);
+    let o = edit(&[
+        p.as_os_str(),
+        os("-o"),
+        p.as_os_str(),
+        os("--set"),
+        os("general.name=x"),
+    ]);
     assert_eq!(o.status.code(), Some(2));
     let other = dir.path().join("o.gguf");
     std::fs::write(&other, b"keep me").unwrap();
-    let o = edit(&[p.as_os_str(), os("-o"), other.as_os_str(), os("--set"), os("general.name=x")]);
+    let o = edit(&[
+        p.as_os_str(),
+        os("-o"),
+        other.as_os_str(),
+        os("--set"),
+        os("general.name=x"),
+    ]);
     assert_eq!(o.status.code(), Some(2));
     assert_eq!(std::fs::read(&other).unwrap(), b"keep me");
 }

@@ -40,7 +40,10 @@ fn run_ok(input: &Path, out: &Path, ty: &str, extra: &[&str]) {
 
 fn sha256_hex(p: &Path) -> String {
     let b = std::fs::read(p).expect("read output");
-    Sha256::digest(&b).iter().map(|x| format!("{x:02x}")).collect()
+    Sha256::digest(&b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
 }
 
 fn golden() -> serde_json::Value {
@@ -64,7 +67,11 @@ fn fixture_types_are_byte_identical() {
 fn every_type_llama_quantize_makes_is_byte_identical() {
     let g = golden();
     let outputs = g["outputs"].as_object().unwrap();
-    assert!(outputs.len() >= 24, "golden file lists {} types", outputs.len());
+    assert!(
+        outputs.len() >= 24,
+        "golden file lists {} types",
+        outputs.len()
+    );
     let dir = tempfile::tempdir().unwrap();
     let mut bad = Vec::new();
     for (ty, want) in outputs {
@@ -82,9 +89,11 @@ fn every_type_llama_quantize_makes_is_byte_identical() {
                 .unwrap();
             let rep: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap_or_default();
             let first = want["tensors"].as_array().unwrap().iter().find(|w| {
-                !rep["tensors"].as_array().into_iter().flatten().any(|t| {
-                    t["name"] == w[0] && t["type"] == w[1] && t["sha256"] == w[2]
-                })
+                !rep["tensors"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|t| t["name"] == w[0] && t["type"] == w[1] && t["sha256"] == w[2])
             });
             bad.push(format!("{ty} (first differing tensor {first:?})"));
         }
@@ -100,7 +109,11 @@ fn types_llama_quantize_refuses_are_refused() {
     for (ty, why) in g["refused"].as_object().unwrap() {
         let out = dir.path().join("x.gguf");
         let o = quantize(&[bf16().as_os_str(), out.as_os_str(), ty.as_ref()]);
-        assert_eq!(o.status.code(), Some(2), "{ty} should fail like llama-quantize ({why})");
+        assert_eq!(
+            o.status.code(),
+            Some(2),
+            "{ty} should fail like llama-quantize ({why})"
+        );
         let err = String::from_utf8_lossy(&o.stderr);
         if why.as_str().unwrap().contains("imatrix") {
             assert!(err.contains("importance matrix"), "{ty}: {err}");
@@ -138,7 +151,9 @@ fn split_input_and_split_output() {
         assert!(std::fs::metadata(s).unwrap().len() <= 2_100_000, "{s:?}");
     }
     let first = shards[0].clone();
-    assert!(first.to_string_lossy().ends_with(&format!("-00001-of-{:05}.gguf", shards.len())));
+    assert!(first
+        .to_string_lossy()
+        .ends_with(&format!("-00001-of-{:05}.gguf", shards.len())));
     let merged = dir.path().join("m.gguf");
     let o = Command::new(env!("CARGO_BIN_EXE_gguftool"))
         .args(["merge", "-q"])
@@ -222,7 +237,11 @@ fn overrides_and_dry_run() {
 fn with_an_importance_matrix_every_type_is_byte_identical() {
     let g = golden();
     let outputs = g["imatrix_outputs"].as_object().unwrap();
-    assert!(outputs.len() >= 18, "golden file lists {} types", outputs.len());
+    assert!(
+        outputs.len() >= 18,
+        "golden file lists {} types",
+        outputs.len()
+    );
     let dir = tempfile::tempdir().unwrap();
     let mut bad = Vec::new();
     for (ty, want) in outputs {
@@ -237,13 +256,20 @@ fn with_an_importance_matrix_every_type_is_byte_identical() {
             .args([ty.as_str(), "-q"])
             .output()
             .unwrap();
-        assert!(o.status.success(), "{ty}: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.status.success(),
+            "{ty}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         if sha256_hex(&out) != want["sha256"].as_str().unwrap() {
             bad.push(ty.clone());
         }
         std::fs::remove_file(&out).unwrap();
     }
-    assert!(bad.is_empty(), "differ from llama-quantize --imatrix: {bad:?}");
+    assert!(
+        bad.is_empty(),
+        "differ from llama-quantize --imatrix: {bad:?}"
+    );
 }
 
 #[test]
@@ -267,7 +293,9 @@ fn imatrix_that_misses_tensors_refuses_low_bit_types() {
 
 /// File types whose plan needs a quantizer gguftool does not have yet (IQ2_XXS, IQ2_XS, IQ2_S,
 /// IQ1_S, IQ1_M). They must be refused with a clear message, never written wrong.
-const NOT_YET: &[&str] = &["IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M"];
+const NOT_YET: &[&str] = &[
+    "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M",
+];
 
 #[test]
 fn importance_matrix_types_are_byte_identical_or_refused() {
@@ -289,11 +317,18 @@ fn importance_matrix_types_are_byte_identical_or_refused() {
             .unwrap();
         if NOT_YET.contains(&ty.as_str()) {
             assert_eq!(o.status.code(), Some(2), "{ty}");
-            assert!(String::from_utf8_lossy(&o.stderr).contains("not implemented yet"), "{ty}");
+            assert!(
+                String::from_utf8_lossy(&o.stderr).contains("not implemented yet"),
+                "{ty}"
+            );
             assert!(!out.exists());
             continue;
         }
-        assert!(o.status.success(), "{ty}: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.status.success(),
+            "{ty}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         if sha256_hex(&out) != want["sha256"].as_str().unwrap() {
             bad.push(ty.clone());
         }

@@ -324,9 +324,19 @@ fn metadata_changes_are_differences() {
         let m = findings_of_kind(&r, "against.metadata");
         let msgs: Vec<&str> = m.iter().map(|f| f["message"].as_str().unwrap()).collect();
         assert_eq!(msgs.len(), 3, "{msgs:?}");
-        assert!(msgs.iter().any(|s| s.starts_with("key general.name changed")), "{msgs:?}");
-        assert!(msgs.iter().any(|s| s.starts_with("key general.size_label")), "{msgs:?}");
-        assert!(msgs.iter().any(|s| s.starts_with("key general.url")), "{msgs:?}");
+        assert!(
+            msgs.iter()
+                .any(|s| s.starts_with("key general.name changed")),
+            "{msgs:?}"
+        );
+        assert!(
+            msgs.iter().any(|s| s.starts_with("key general.size_label")),
+            "{msgs:?}"
+        );
+        assert!(
+            msgs.iter().any(|s| s.starts_with("key general.url")),
+            "{msgs:?}"
+        );
         // No tensor differs.
         assert!(findings_of_kind(&r, "against").is_empty());
     }
@@ -360,7 +370,10 @@ fn value_level_comparison_of_two_models() {
         let t = bf16.tensor(name).unwrap();
         let x = gguf::quant::dequantize_to_vec(t.info.ty, bf16.data(&t)).unwrap();
         let absmax = x.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
-        assert!(max > 0.0 && max <= absmax / 127.0, "{name}: {max} vs {absmax}");
+        assert!(
+            max > 0.0 && max <= absmax / 127.0,
+            "{name}: {max} vs {absmax}"
+        );
         assert!(rmse <= max, "{name}");
         assert!(cos > 0.999 && cos <= 1.0 + 1e-12, "{name}: {cos}");
     }

@@ -132,11 +132,23 @@ pub fn protected_reason(key: &str, arch: Option<&str>) -> Option<String> {
 /// One requested change.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Edit {
-    Set { key: String, text: String, ty: Option<ValueType> },
+    Set {
+        key: String,
+        text: String,
+        ty: Option<ValueType>,
+    },
     /// A value given directly (e.g. a chat template read from a file).
-    SetValue { key: String, value: Value },
-    Delete { key: String },
-    RenameTensor { from: String, to: String },
+    SetValue {
+        key: String,
+        value: Value,
+    },
+    Delete {
+        key: String,
+    },
+    RenameTensor {
+        from: String,
+        to: String,
+    },
 }
 
 /// Apply a metadata edit to `m`; `force` lifts the consistency refusals (not the type checks).
@@ -244,7 +256,11 @@ pub struct Rewrite {
     pub fits_in_place: bool,
 }
 
-pub fn rewrite(old: &Header, metadata: &Metadata, tensors: Vec<TensorInfo>) -> Result<Rewrite, EditError> {
+pub fn rewrite(
+    old: &Header,
+    metadata: &Metadata,
+    tensors: Vec<TensorInfo>,
+) -> Result<Rewrite, EditError> {
     let layout = Layout::with_offsets(old.version, metadata, tensors)
         .map_err(|e| EditError::Layout(e.to_string()))?;
     if layout.alignment != old.alignment {
@@ -268,7 +284,10 @@ mod tests {
     fn suffixes_only_when_they_name_a_type() {
         assert_eq!(split_type_suffix("5:u32"), ("5", Some(ValueType::U32)));
         assert_eq!(split_type_suffix("https://x.org"), ("https://x.org", None));
-        assert_eq!(split_type_suffix("a:b:str"), ("a:b", Some(ValueType::String)));
+        assert_eq!(
+            split_type_suffix("a:b:str"),
+            ("a:b", Some(ValueType::String))
+        );
         assert_eq!(split_type_suffix("x:BOOL"), ("x", Some(ValueType::Bool)));
     }
 
@@ -298,12 +317,23 @@ mod tests {
             text: "7".into(),
             ty: Some(ValueType::I32),
         };
-        assert!(matches!(apply_metadata(&mut m, &retype, false, A), Err(EditError::Protected { .. })));
+        assert!(matches!(
+            apply_metadata(&mut m, &retype, false, A),
+            Err(EditError::Protected { .. })
+        ));
         apply_metadata(&mut m, &retype, true, A).unwrap();
         assert_eq!(m.get("tokenizer.ggml.eos_token_id"), Some(&Value::I32(7)));
-        for k in ["split.count", "general.alignment", "glm-dsa.block_count", "general.architecture"] {
+        for k in [
+            "split.count",
+            "general.alignment",
+            "glm-dsa.block_count",
+            "general.architecture",
+        ] {
             assert!(
-                matches!(apply_metadata(&mut m, &set(k, "1"), false, A), Err(EditError::Protected { .. })),
+                matches!(
+                    apply_metadata(&mut m, &set(k, "1"), false, A),
+                    Err(EditError::Protected { .. })
+                ),
                 "{k}"
             );
         }
@@ -322,8 +352,14 @@ mod tests {
             offset: 0,
         };
         let mut ts = vec![t("a"), t("b")];
-        assert!(matches!(rename_tensor(&mut ts, "a", "b"), Err(EditError::TensorExists(_))));
-        assert!(matches!(rename_tensor(&mut ts, "x", "y"), Err(EditError::NoSuchTensor(_))));
+        assert!(matches!(
+            rename_tensor(&mut ts, "a", "b"),
+            Err(EditError::TensorExists(_))
+        ));
+        assert!(matches!(
+            rename_tensor(&mut ts, "x", "y"),
+            Err(EditError::NoSuchTensor(_))
+        ));
         assert!(matches!(
             rename_tensor(&mut ts, "a", &"n".repeat(64)),
             Err(EditError::NameTooLong { .. })

@@ -197,7 +197,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
         }
         eprintln!(
             "{} {}",
-            if args.in_place { "edited in place:" } else { "wrote" },
+            if args.in_place {
+                "edited in place:"
+            } else {
+                "wrote"
+            },
             outputs
                 .iter()
                 .map(|p| p.display().to_string())
@@ -237,7 +241,10 @@ fn output_paths(model: &Model, out: Option<&Path>, in_place: bool) -> Result<Vec
     };
     for p in &paths {
         if shards.iter().any(|f| util::same_file(f.path(), p)) {
-            bail!("{} is an input file (use --in-place to edit it)", p.display());
+            bail!(
+                "{} is an input file (use --in-place to edit it)",
+                p.display()
+            );
         }
     }
     Ok(paths)
@@ -308,7 +315,10 @@ fn diff_summary(
         }
         for (a, b) in f.tensors().iter().zip(&tables[i]) {
             if a.name != b.name {
-                out.push(format!("tensor {:?} renamed to {:?}{where_}", a.name, b.name));
+                out.push(format!(
+                    "tensor {:?} renamed to {:?}{where_}",
+                    a.name, b.name
+                ));
             }
         }
     }

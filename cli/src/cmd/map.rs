@@ -70,8 +70,10 @@ fn hf_names(path: &Path) -> Result<(Vec<String>, Option<String>)> {
     let index = path.join("model.safetensors.index.json");
     if path.is_dir() && index.is_file() {
         let read = |p: &Path| -> Result<serde_json::Value> {
-            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", p.display()))
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            serde_json::from_str(&text)
+                .with_context(|| format!("{} is not valid JSON", p.display()))
         };
         let idx = read(&index)?;
         let map = idx["weight_map"]

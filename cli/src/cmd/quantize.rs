@@ -11,9 +11,7 @@ use gguf::copy::{write_zeros_at, Copier};
 use gguf::quant::quantize::{can_quantize, requires_imatrix};
 use gguf::quant::quantize_fast::quantize_rows_par;
 use gguf::quant::quantize_imatrix::Imatrix;
-use gguf::quant::quantize_mix::{
-    plan, FileType, MixHparams, MixOptions, MixTensor, PlannedTensor,
-};
+use gguf::quant::quantize_mix::{plan, FileType, MixHparams, MixOptions, MixTensor, PlannedTensor};
 use gguf::reader::align_up;
 use gguf::writer::Layout;
 use gguf::{split, GgmlType, Metadata, Model, TensorInfo, TensorRef, Value};
@@ -112,7 +110,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let t0 = Instant::now();
     let ftype = FileType::parse(&args.ftype).with_context(|| {
         let names: Vec<&str> = FileType::all().map(FileType::name).collect();
-        format!("unknown file type {:?} (one of {})", args.ftype, names.join(", "))
+        format!(
+            "unknown file type {:?} (one of {})",
+            args.ftype,
+            names.join(", ")
+        )
     })?;
     let mut opts = MixOptions {
         pure: args.pure,
@@ -251,10 +253,10 @@ fn resolve<'m>(
     // As llama-quantize: the importance-matrix requirement is checked for every tensor before
     // anything else, so its error is the one a user sees.
     if imatrix.is_none() {
-        if let Some(p) = planned
-            .iter()
-            .find(|p| p.target != inputs[p.index].info.ty && (p.requires_imatrix || requires_imatrix(p.target)))
-        {
+        if let Some(p) = planned.iter().find(|p| {
+            p.target != inputs[p.index].info.ty
+                && (p.requires_imatrix || requires_imatrix(p.target))
+        }) {
             bail!(
                 "this quantization requires an importance matrix (--imatrix FILE): tensor {:?} would be {}",
                 inputs[p.index].info.name,
@@ -275,7 +277,10 @@ fn resolve<'m>(
                     let ne2 = src.info.dims.get(2).copied().unwrap_or(1);
                     if v.len() as u64 == ne0 * ne2 {
                         im = Some(v.as_slice());
-                    } else if !matches!(name.as_str(), "token_embd.weight" | "per_layer_token_embd.weight") {
+                    } else if !matches!(
+                        name.as_str(),
+                        "token_embd.weight" | "per_layer_token_embd.weight"
+                    ) {
                         bail!(
                             "tensor {name:?}: importance matrix has {} values, the tensor needs {}",
                             v.len(),
@@ -364,7 +369,11 @@ fn output_metadata(
 }
 
 /// Output files and their layouts: one file, or gguf-split-style shards.
-fn lay_out(metadata: &Metadata, outs: &[OutTensor<'_>], args: &Args) -> Result<Vec<(PathBuf, Layout)>> {
+fn lay_out(
+    metadata: &Metadata,
+    outs: &[OutTensor<'_>],
+    args: &Args,
+) -> Result<Vec<(PathBuf, Layout)>> {
     let infos: Vec<TensorInfo> = outs
         .iter()
         .map(|o| TensorInfo {
@@ -375,7 +384,10 @@ fn lay_out(metadata: &Metadata, outs: &[OutTensor<'_>], args: &Args) -> Result<V
         })
         .collect();
     let Some(max) = &args.split_max_size else {
-        return Ok(vec![(args.output.clone(), Layout::new(3, metadata, infos)?)]);
+        return Ok(vec![(
+            args.output.clone(),
+            Layout::new(3, metadata, infos)?,
+        )]);
     };
     let max = util::parse_size(max)?;
     let sizes: Vec<u64> = infos.iter().map(TensorInfo::n_bytes).collect();
@@ -440,7 +452,9 @@ fn write_tensor(
     let data = model.data(&o.src);
     let n_per_row = info.dims.first().copied().unwrap_or(1) as usize;
     let rows_per_expert = info.dims.get(1).copied().unwrap_or(1).max(1) as usize;
-    let n_rows = (info.n_elements() as usize).checked_div(n_per_row).unwrap_or(0);
+    let n_rows = (info.n_elements() as usize)
+        .checked_div(n_per_row)
+        .unwrap_or(0);
     let src_row = info.ty.row_bytes(n_per_row as u64).context("bad row")? as usize;
     let dst_row = o.target.row_bytes(n_per_row as u64).context("bad row")? as usize;
     let slab_rows = (SLAB_ELEMS / n_per_row.max(1)).max(1);

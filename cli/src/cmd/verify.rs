@@ -376,7 +376,11 @@ pub fn diff_meta(a: &[MetaRecord], b: &[MetaRecord]) -> Vec<String> {
     let short = |v: &serde_json::Value| {
         let s = v.to_string();
         if s.chars().count() > 80 {
-            format!("{}... ({} chars)", s.chars().take(77).collect::<String>(), s.chars().count())
+            format!(
+                "{}... ({} chars)",
+                s.chars().take(77).collect::<String>(),
+                s.chars().count()
+            )
         } else {
             s
         }
@@ -384,7 +388,12 @@ pub fn diff_meta(a: &[MetaRecord], b: &[MetaRecord]) -> Vec<String> {
     let mut out = Vec::new();
     for r in a {
         match bmap.get(r.key.as_str()) {
-            None => out.push(format!("key {} removed (was {} {})", r.key, r.ty, short(&r.value))),
+            None => out.push(format!(
+                "key {} removed (was {} {})",
+                r.key,
+                r.ty,
+                short(&r.value)
+            )),
             Some(o) if o.sha256 != r.sha256 => out.push(format!(
                 "key {} changed: {} {} -> {} {}",
                 r.key,

@@ -90,7 +90,9 @@ pub(crate) fn check(
         });
     }
     let bs = ty.block_size();
-    if n_per_row % bs != 0 || (n_per_row == 0 && !src.is_empty()) || src.len() % n_per_row.max(1) != 0
+    if n_per_row % bs != 0
+        || (n_per_row == 0 && !src.is_empty())
+        || src.len() % n_per_row.max(1) != 0
     {
         return Err(QuantError::PartialRow {
             ty,
@@ -198,7 +200,11 @@ pub(crate) fn quantize_row(
         IQ4_XS => {
             let t = tables()?;
             let values = &t.kvalues_iq4nl;
-            for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(136)).enumerate() {
+            for (i, (xb, yb)) in x
+                .chunks_exact(QK_K)
+                .zip(y.chunks_exact_mut(136))
+                .enumerate()
+            {
                 let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
                 iq4_xs(xb, w, values).write(yb);
             }
@@ -212,7 +218,11 @@ pub(crate) fn quantize_row(
         }
         IQ3_S => {
             let g = iq3s_grid()?;
-            for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(110)).enumerate() {
+            for (i, (xb, yb)) in x
+                .chunks_exact(QK_K)
+                .zip(y.chunks_exact_mut(110))
+                .enumerate()
+            {
                 let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
                 iq3_s(xb, w, g).write(yb);
             }
@@ -235,12 +245,7 @@ fn blocks<B: Block>(x: &[f32], y: &mut [u8], f: impl Fn(&[f32]) -> B) {
 }
 
 /// The legacy 32-blocks' weighted path: `sigma2` over the whole row, then per block.
-fn weighted_legacy<B: Block>(
-    x: &[f32],
-    qw: &[f32],
-    y: &mut [u8],
-    f: impl Fn(&[f32], &[f32]) -> B,
-) {
+fn weighted_legacy<B: Block>(x: &[f32], qw: &[f32], y: &mut [u8], f: impl Fn(&[f32], &[f32]) -> B) {
     let mut sum_x2 = 0.0f32;
     for v in x {
         sum_x2 += v * v;
@@ -299,7 +304,12 @@ pub(crate) fn fp32_to_fp16(f: f32) -> u16 {
     let exp_bits = (bits >> 13) & 0x0000_7c00;
     let mantissa_bits = bits & 0x0000_0fff;
     let nonsign = exp_bits + mantissa_bits;
-    ((sign >> 16) | if shl1_w > 0xff00_0000 { 0x7e00 } else { nonsign }) as u16
+    ((sign >> 16)
+        | if shl1_w > 0xff00_0000 {
+            0x7e00
+        } else {
+            nonsign
+        }) as u16
 }
 
 /// ggml's `GGML_FP32_TO_BF16`: round to nearest even, NaN forced quiet.
@@ -600,7 +610,13 @@ fn tq2_0(x: &[f32]) -> BlockTq2_0 {
 
 /// `make_qx_quants`: symmetric quants in [-nmax, nmax) stored +nmax, scale refined by a
 /// weighted least-squares search over 19 candidate inverse scales.
-fn make_qx_quants(nmax: i32, x: &[f32], l_out: &mut [i8], rmse_type: i32, qw: Option<&[f32]>) -> f32 {
+fn make_qx_quants(
+    nmax: i32,
+    x: &[f32],
+    l_out: &mut [i8],
+    rmse_type: i32,
+    qw: Option<&[f32]>,
+) -> f32 {
     let n = x.len();
     let (amax, max) = {
         let (mut amax, mut max) = (0.0f32, 0.0f32);
@@ -1214,7 +1230,13 @@ fn get_scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
 
 /// Sub-block scales/mins of a Q4_K/Q5_K super-block without weights: per-32 `av_x + |x|`
 /// weights, then the 6-bit codes scaled by the largest scale and min.
-fn kx_scales_ref(x: &[f32], nmax: i32, rmin: f32, nstep: i32, l: &mut [u8; QK_K]) -> ([u8; 12], u16, u16) {
+fn kx_scales_ref(
+    x: &[f32],
+    nmax: i32,
+    rmin: f32,
+    nstep: i32,
+    l: &mut [u8; QK_K],
+) -> ([u8; 12], u16, u16) {
     let mut mins = [0.0f32; 8];
     let mut scales = [0.0f32; 8];
     let (mut max_scale, mut max_min) = (0.0f32, 0.0f32);
@@ -1249,7 +1271,11 @@ fn kx_scales_ref(x: &[f32], nmax: i32, rmin: f32, nstep: i32, l: &mut [u8; QK_K]
             max_min = m;
         }
     }
-    let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
     let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
     let mut ls = [0u8; 8];
     let mut lm = [0u8; 8];
@@ -1438,7 +1464,13 @@ fn q6_k(x: &[f32], qw: Option<&[f32]>) -> BlockQ6K {
     let (mut max_scale, mut max_abs_scale) = (0.0f32, 0.0f32);
     for ib in 0..16 {
         let w = qw.map(|q| &q[16 * ib..16 * ib + 16]);
-        let scale = make_qx_quants(32, &x[16 * ib..16 * ib + 16], &mut l[16 * ib..16 * ib + 16], 1, w);
+        let scale = make_qx_quants(
+            32,
+            &x[16 * ib..16 * ib + 16],
+            &mut l[16 * ib..16 * ib + 16],
+            1,
+            w,
+        );
         scales[ib] = scale;
         let abs_scale = scale.abs();
         if abs_scale > max_abs_scale {
@@ -1681,7 +1713,12 @@ fn iq4_xs(x: &[f32], qw: Option<&[f32]>, values: &[i8; 16]) -> BlockIq4Xs {
     for ib in 0..8 {
         let xb = &x[32 * ib..32 * ib + 32];
         let mut weight = [0.0f32; 32];
-        iq4_weights(xb, qw.map(|q| &q[32 * ib..32 * ib + 32]), sigma2, &mut weight);
+        iq4_weights(
+            xb,
+            qw.map(|q| &q[32 * ib..32 * ib + 32]),
+            sigma2,
+            &mut weight,
+        );
         let d = iq4_block_scale(xb, &weight, values, ntry, &mut l[32 * ib..32 * ib + 32]);
         scales[ib] = d;
         let abs_d = d.abs();
@@ -1818,7 +1855,14 @@ fn iq3xxs_grid() -> Result<&'static Iq3Grid, QuantError> {
 impl Iq3Grid {
     /// `iq3_find_best_neighbour`: the candidate minimising the weighted squared error at
     /// `scale` (first on ties); writes its magnitude codes to `l`.
-    fn best_neighbour(&self, u: usize, xval: &[f32], weight: &[f32], scale: f32, l: &mut [i8]) -> usize {
+    fn best_neighbour(
+        &self,
+        u: usize,
+        xval: &[f32],
+        weight: &[f32],
+        scale: f32,
+        l: &mut [i8],
+    ) -> usize {
         let start = (-self.map[u] - 1) as usize;
         let n = usize::from(self.neighbours[start]);
         let mut best_d2 = f32::MAX;
@@ -2014,7 +2058,9 @@ fn iq3_s(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3S {
     let id = 1.0 / d;
     for ib in (0..QK_K / BS).step_by(2) {
         let l1 = nearest_int(0.5 * (id * scales[ib] - 1.0)).min(15).max(0);
-        let l2 = nearest_int(0.5 * (id * scales[ib + 1] - 1.0)).min(15).max(0);
+        let l2 = nearest_int(0.5 * (id * scales[ib + 1] - 1.0))
+            .min(15)
+            .max(0);
         y.scales[ib / 2] = (l1 | l2 << 4) as u8;
     }
     y
@@ -2233,7 +2279,15 @@ mod tests {
 
     #[test]
     fn nearest_int_is_round_half_even() {
-        for (f, i) in [(0.5f32, 0), (1.5, 2), (2.5, 2), (-0.5, 0), (-1.5, -2), (3.49, 3), (-7.6, -8)] {
+        for (f, i) in [
+            (0.5f32, 0),
+            (1.5, 2),
+            (2.5, 2),
+            (-0.5, 0),
+            (-1.5, -2),
+            (3.49, 3),
+            (-7.6, -8),
+        ] {
             assert_eq!(nearest_int(f), i, "{f}");
         }
     }

@@ -60,7 +60,9 @@ mod tests {
         let mut s = seed;
         (0..n)
             .map(|i| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 let u = ((s >> 40) as f32) / (1u64 << 24) as f32 - 0.5;
                 if (256..288).contains(&i) || i % 97 == 0 {
                     0.0

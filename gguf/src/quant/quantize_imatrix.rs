@@ -37,8 +37,12 @@ impl Imatrix {
             .and_then(|a| a.as_strings())
             .map(|v| v.into_iter().map(str::to_string).collect());
         let u32_key = |k: &str| m.get(k).and_then(|v| v.as_u64()).map(|v| v as u32);
-        let (chunk_count, chunk_size) = (u32_key("imatrix.chunk_count"), u32_key("imatrix.chunk_size"));
-        let (Some(datasets), Some(chunk_count), Some(chunk_size)) = (datasets, chunk_count, chunk_size)
+        let (chunk_count, chunk_size) = (
+            u32_key("imatrix.chunk_count"),
+            u32_key("imatrix.chunk_size"),
+        );
+        let (Some(datasets), Some(chunk_count), Some(chunk_size)) =
+            (datasets, chunk_count, chunk_size)
         else {
             return Err(bad(
                 path,
@@ -59,7 +63,10 @@ impl Imatrix {
         let f32s = |i: usize| -> Result<Vec<f32>> {
             let t = &f.tensors()[i];
             if t.ty != GgmlType::F32 {
-                return Err(bad(path, format!("tensor {:?} is {}, not F32", t.name, t.ty)));
+                return Err(bad(
+                    path,
+                    format!("tensor {:?} is {}, not F32", t.name, t.ty),
+                ));
             }
             Ok(f.tensor_data(t)
                 .chunks_exact(4)
@@ -69,7 +76,10 @@ impl Imatrix {
         let mut entries = BTreeMap::new();
         for (name, (s, c)) in pairs {
             let (Some(s), Some(c)) = (s, c) else {
-                return Err(bad(path, format!("{name}: sums without counts or counts without sums")));
+                return Err(bad(
+                    path,
+                    format!("{name}: sums without counts or counts without sums"),
+                ));
             };
             let sums = f32s(s)?;
             // llama.cpp rounds the stored counts to integers (lround) before dividing.
@@ -77,7 +87,11 @@ impl Imatrix {
             if counts.is_empty() || sums.len() % counts.len() != 0 {
                 return Err(bad(
                     path,
-                    format!("{name}: {} sums do not split over {} counts", sums.len(), counts.len()),
+                    format!(
+                        "{name}: {} sums do not split over {} counts",
+                        sums.len(),
+                        counts.len()
+                    ),
                 ));
             }
             let ne0 = sums.len() / counts.len();
@@ -85,7 +99,11 @@ impl Imatrix {
             for (j, &cnt) in counts.iter().enumerate() {
                 let count = cnt as f32;
                 for i in 0..ne0 {
-                    e[j * ne0 + i] = if count > 0.0 { sums[j * ne0 + i] / count } else { 1.0 };
+                    e[j * ne0 + i] = if count > 0.0 {
+                        sums[j * ne0 + i] / count
+                    } else {
+                        1.0
+                    };
                 }
             }
             if let Some(v) = e.iter().find(|v| !v.is_finite()) {

@@ -166,9 +166,17 @@ impl std::fmt::Display for FileType {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum MixError {
-    #[error("tensor {tensor:?}: {ncols} columns fit no block of {ty}, and {ty} has no fallback type")]
-    NoFallback { tensor: String, ty: GgmlType, ncols: u64 },
-    #[error("tensor {tensor:?}: cannot tell its layer (needed for {ftype} with {n_expert} experts)")]
+    #[error(
+        "tensor {tensor:?}: {ncols} columns fit no block of {ty}, and {ty} has no fallback type"
+    )]
+    NoFallback {
+        tensor: String,
+        ty: GgmlType,
+        ncols: u64,
+    },
+    #[error(
+        "tensor {tensor:?}: cannot tell its layer (needed for {ftype} with {n_expert} experts)"
+    )]
     NoLayer {
         tensor: String,
         ftype: FileType,
@@ -243,10 +251,11 @@ impl MixHparams {
                     .ok_or_else(|| bad("not a non-negative 32-bit integer")),
             }
         };
-        let n_layer = first_u32(&format!("{arch}.block_count"))?.ok_or_else(|| MixError::Metadata {
-            key: format!("{arch}.block_count"),
-            problem: "missing".into(),
-        })?;
+        let n_layer =
+            first_u32(&format!("{arch}.block_count"))?.ok_or_else(|| MixError::Metadata {
+                key: format!("{arch}.block_count"),
+                problem: "missing".into(),
+            })?;
         let n_head = first_u32(&format!("{arch}.attention.head_count"))?.unwrap_or(0);
         let n_head_kv = first_u32(&format!("{arch}.attention.head_count_kv"))?.unwrap_or(n_head);
         let n_expert = first_u32(&format!("{arch}.expert_count"))?.unwrap_or(0);
@@ -443,11 +452,7 @@ const NEVER_QUANTIZED_GLM5_NEXT: &[&str] = &[
 /// exclusion list.
 fn allows_quantization(opts: &MixOptions, arch: &str, t: &MixTensor<'_>) -> bool {
     // ggml_n_dims: trailing dimensions of 1 do not count.
-    let n_dims = t
-        .dims
-        .iter()
-        .rposition(|&d| d != 1)
-        .map_or(1, |p| p + 1);
+    let n_dims = t.dims.iter().rposition(|&d| d != 1).map_or(1, |p| p + 1);
     if n_dims < 2 {
         return false;
     }
@@ -472,7 +477,13 @@ fn fallback(name: &str, ncols: u64, target: GgmlType) -> Result<(GgmlType, bool)
         return Ok((target, false));
     }
     let mut ret = match target {
-        T::IQ1_S | T::IQ1_M | T::IQ2_XXS | T::IQ2_XS | T::IQ2_S | T::IQ3_XXS | T::IQ3_S
+        T::IQ1_S
+        | T::IQ1_M
+        | T::IQ2_XXS
+        | T::IQ2_XS
+        | T::IQ2_S
+        | T::IQ3_XXS
+        | T::IQ3_S
         | T::IQ4_XS => T::IQ4_NL,
         T::Q2_K | T::Q3_K | T::TQ1_0 | T::TQ2_0 => T::Q4_0,
         T::Q4_K => T::Q5_0,
@@ -683,7 +694,11 @@ impl State<'_> {
                     new_type = T::Q4_K;
                 }
             } else if ftype == F::IQ3_XXS && !imat {
-                new_type = if i_layer < n_layer / 8 { T::Q4_K } else { T::Q3_K };
+                new_type = if i_layer < n_layer / 8 {
+                    T::Q4_K
+                } else {
+                    T::Q3_K
+                };
             } else if ftype == F::Q3_K_M {
                 new_type = if i_layer < n_layer / 16 {
                     T::Q5_K
@@ -881,12 +896,24 @@ mod tests {
 
     #[test]
     fn order_is_layer_then_name() {
-        let names = ["blk.10.a", "output.weight", "blk.2.b", "blk.2.a", "token_embd.weight"];
+        let names = [
+            "blk.10.a",
+            "output.weight",
+            "blk.2.b",
+            "blk.2.a",
+            "token_embd.weight",
+        ];
         let o = output_order(&names);
         let sorted: Vec<&str> = o.iter().map(|&i| names[i]).collect();
         assert_eq!(
             sorted,
-            ["output.weight", "token_embd.weight", "blk.2.a", "blk.2.b", "blk.10.a"]
+            [
+                "output.weight",
+                "token_embd.weight",
+                "blk.2.a",
+                "blk.2.b",
+                "blk.10.a"
+            ]
         );
     }
 
