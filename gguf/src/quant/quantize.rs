@@ -11,6 +11,9 @@
 //! Each type has its no-importance-matrix path (ggml's `quantize_row_*_ref`) and, where ggml
 //! has one, the weighted path used with an importance matrix (`quantize_row_*_impl`).
 
+// Index loops mirror ggml's so each line can be checked against the C it ports.
+#![allow(clippy::needless_range_loop)]
+
 use super::blocks::*;
 use super::floats::f16_to_f32;
 use super::tables::tables;
@@ -90,9 +93,9 @@ pub(crate) fn check(
         });
     }
     let bs = ty.block_size();
-    if n_per_row % bs != 0
+    if !n_per_row.is_multiple_of(bs)
         || (n_per_row == 0 && !src.is_empty())
-        || src.len() % n_per_row.max(1) != 0
+        || !src.len().is_multiple_of(n_per_row.max(1))
     {
         return Err(QuantError::PartialRow {
             ty,
@@ -299,7 +302,7 @@ pub(crate) fn fp32_to_fp16(f: f32) -> u16 {
     if bias < 0x7100_0000 {
         bias = 0x7100_0000;
     }
-    base = f32::from_bits((bias >> 1) + 0x0780_0000) + base;
+    base += f32::from_bits((bias >> 1) + 0x0780_0000);
     let bits = base.to_bits();
     let exp_bits = (bits >> 13) & 0x0000_7c00;
     let mantissa_bits = bits & 0x0000_0fff;
@@ -325,7 +328,7 @@ pub(crate) fn fp32_to_bf16(s: f32) -> u16 {
 /// the low byte.
 #[inline]
 fn c_f32_to_i8(f: f32) -> i8 {
-    let i = if f.is_nan() || f >= 2_147_483_648.0 || f < -2_147_483_648.0 {
+    let i = if !(-2_147_483_648.0..2_147_483_648.0).contains(&f) {
         i32::MIN
     } else {
         f as i32
@@ -562,7 +565,7 @@ fn tq1_byte(trits: impl Iterator<Item = i64>, extra_shift: bool) -> u8 {
     if extra_shift {
         q = q.wrapping_mul(3);
     }
-    ((u16::from(q) * 256 + 242) / 243) as u8
+    (u16::from(q) * 256).div_ceil(243) as u8
 }
 
 fn tq1_0(x: &[f32]) -> BlockTq1_0 {
@@ -637,7 +640,7 @@ fn make_qx_quants(
     if rmse_type == 0 {
         for i in 0..n {
             let l = nearest_int(iscale * x[i]);
-            l_out[i] = (nmax + l.min(nmax - 1).max(-nmax)) as i8;
+            l_out[i] = (nmax + l.clamp(-nmax, nmax - 1)) as i8;
         }
         return 1.0 / iscale;
     }
@@ -660,7 +663,7 @@ fn make_qx_quants(
     let mut sumlx = 0.0f32;
     let mut suml2 = 0.0f32;
     for i in 0..n {
-        let l = nearest_int(iscale * x[i]).min(nmax - 1).max(-nmax);
+        let l = nearest_int(iscale * x[i]).clamp(-nmax, nmax - 1);
         l_out[i] = (l + nmax) as i8;
         let w = weight(i);
         let lf = l as f32;
@@ -684,7 +687,7 @@ fn make_qx_quants(
         sumlx = 0.0;
         suml2 = 0.0;
         for i in 0..n {
-            let l = nearest_int(iscale * x[i]).min(nmax - 1).max(-nmax);
+            let l = nearest_int(iscale * x[i]).clamp(-nmax, nmax - 1);
             let w = weight(i);
             let lf = l as f32;
             sumlx += w * x[i] * lf;
@@ -693,7 +696,7 @@ fn make_qx_quants(
         if suml2 > 0.0 && sumlx * sumlx > best * suml2 {
             for i in 0..n {
                 let l = nearest_int(iscale * x[i]);
-                l_out[i] = (nmax + l.min(nmax - 1).max(-nmax)) as i8;
+                l_out[i] = (nmax + l.clamp(-nmax, nmax - 1)) as i8;
             }
             scale = sumlx / suml2;
             best = scale * sumlx;
@@ -721,7 +724,7 @@ fn make_q3_quants(nmax: i32, x: &[f32], l_out: &mut [i8]) -> f32 {
     let mut sumlx = 0.0f32;
     let mut suml2 = 0.0f32;
     for i in 0..n {
-        let l = nearest_int(iscale * x[i]).min(nmax - 1).max(-nmax);
+        let l = nearest_int(iscale * x[i]).clamp(-nmax, nmax - 1);
         l_out[i] = l as i8;
         let w = x[i] * x[i];
         let lf = l as f32;
@@ -736,7 +739,7 @@ fn make_q3_quants(nmax: i32, x: &[f32], l_out: &mut [i8]) -> f32 {
             let mut slx = sumlx - w * x[i] * li;
             if slx > 0.0 {
                 let mut sl2 = suml2 - w * li * li;
-                let new_l = nearest_int(x[i] * sl2 / slx).min(nmax - 1).max(-nmax);
+                let new_l = nearest_int(x[i] * sl2 / slx).clamp(-nmax, nmax - 1);
                 if new_l != i32::from(l_out[i]) {
                     let nl = new_l as f32;
                     slx += w * x[i] * nl;
@@ -813,7 +816,7 @@ fn make_qkx_quants(
     let mut best_error = 0.0f32;
     for i in 0..n {
         let l = nearest_int(iscale * (x[i] - min));
-        l_out[i] = l.min(nmax).max(0) as u8;
+        l_out[i] = l.clamp(0, nmax) as u8;
         let diff = scale * f32::from(l_out[i]) + min - x[i];
         let diff = if use_mad { diff.abs() } else { diff * diff };
         best_error += w(i) * diff;
@@ -826,7 +829,7 @@ fn make_qkx_quants(
         iscale = (rmin + rdelta * is as f32 + nmax as f32) / (max - min);
         let (mut sum_l, mut sum_l2, mut sum_xl) = (0.0f32, 0.0f32, 0.0f32);
         for i in 0..n {
-            let l = nearest_int(iscale * (x[i] - min)).min(nmax).max(0);
+            let l = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
             laux[i] = l as u8;
             let wi = w(i);
             let lf = l as f32;
@@ -1023,7 +1026,7 @@ fn requantize_q2(x: &[f32], l: &mut [u8; QK_K], sc: &[u8; 16], dm: f32, mm: f32)
         }
         let m = mm * f32::from(sc[j] >> 4);
         for ii in 0..16 {
-            let v = nearest_int((x[16 * j + ii] + m) / d).min(3).max(0);
+            let v = nearest_int((x[16 * j + ii] + m) / d).clamp(0, 3);
             l[16 * j + ii] = v as u8;
         }
     }
@@ -1114,7 +1117,7 @@ fn finish_q3(x: &[f32], l: &mut [i8; QK_K], scales: [u8; 12], d16: u16) -> Block
             continue;
         }
         for ii in 0..16 {
-            let v = nearest_int(x[16 * j + ii] / d).min(3).max(-4);
+            let v = nearest_int(x[16 * j + ii] / d).clamp(-4, 3);
             l[16 * j + ii] = (v + 4) as i8;
         }
     }
@@ -1158,7 +1161,7 @@ fn q3_k(x: &[f32]) -> BlockQ3K {
         let packed = pack_q3_scales(|j| {
             // C: int8_t l = nearest_int(..); l = MAX(-32, MIN(31, l)) + 32;
             let v = nearest_int(iscale * scales[j]) as i8;
-            i32::from(v).min(31).max(-32) + 32
+            i32::from(v).clamp(-32, 31) + 32
         });
         (packed, fp32_to_fp16(1.0 / iscale))
     } else {
@@ -1363,7 +1366,7 @@ fn requantize_kx(x: &[f32], l: &mut [u8; QK_K], scales: &[u8; 12], d: u16, dmin:
         }
         let dm = h2f(dmin) * f32::from(m);
         for ii in 0..32 {
-            let v = nearest_int((x[32 * j + ii] + dm) / d).min(nmax).max(0);
+            let v = nearest_int((x[32 * j + ii] + dm) / d).clamp(0, nmax);
             l[32 * j + ii] = v as u8;
         }
     }
@@ -1498,7 +1501,7 @@ fn q6_k(x: &[f32], qw: Option<&[f32]>) -> BlockQ6K {
             continue;
         }
         for ii in 0..16 {
-            let v = nearest_int(x[16 * j + ii] / d).min(31).max(-32);
+            let v = nearest_int(x[16 * j + ii] / d).clamp(-32, 31);
             l[16 * j + ii] = (v + 32) as i8;
         }
     }
@@ -1733,7 +1736,7 @@ fn iq4_xs(x: &[f32], qw: Option<&[f32]>, values: &[i8; 16]) -> BlockIq4Xs {
     let mut scales_h = 0u16;
     let mut scales_l = [0u8; 4];
     for ib in 0..8 {
-        let ls = nearest_int(id * scales[ib]).min(31).max(-32);
+        let ls = nearest_int(id * scales[ib]).clamp(-32, 31);
         let dl = d * ls as f32;
         let idl = if dl != 0.0 { 1.0 / dl } else { 0.0 };
         for j in 0..32 {
@@ -1964,7 +1967,7 @@ fn iq3_s(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3S {
             for k in 0..BS / 4 {
                 for i in 0..4 {
                     let v = nearest_int(0.5 * (id * xval[4 * k + i] - 1.0));
-                    laux[4 * k + i] = v.min(KMAXQ - 1).max(0) as i8;
+                    laux[4 * k + i] = v.clamp(0, KMAXQ - 1) as i8;
                 }
                 let u = Iq3Grid::code(&laux[4 * k..4 * k + 4]);
                 on_aux[k] = true;
@@ -2000,7 +2003,7 @@ fn iq3_s(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3S {
                 let mut lk = [0i8; 4];
                 for i in 0..4 {
                     let v = nearest_int(0.5 * (id * xval[4 * k + i] - 1.0));
-                    lk[i] = v.min(KMAXQ - 1).max(0) as i8;
+                    lk[i] = v.clamp(0, KMAXQ - 1) as i8;
                 }
                 let u = Iq3Grid::code(&lk);
                 let gi = if g.map[u] < 0 {
@@ -2057,10 +2060,8 @@ fn iq3_s(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3S {
     y.d = fp32_to_fp16(d * 1.033);
     let id = 1.0 / d;
     for ib in (0..QK_K / BS).step_by(2) {
-        let l1 = nearest_int(0.5 * (id * scales[ib] - 1.0)).min(15).max(0);
-        let l2 = nearest_int(0.5 * (id * scales[ib + 1] - 1.0))
-            .min(15)
-            .max(0);
+        let l1 = nearest_int(0.5 * (id * scales[ib] - 1.0)).clamp(0, 15);
+        let l2 = nearest_int(0.5 * (id * scales[ib + 1] - 1.0)).clamp(0, 15);
         y.scales[ib / 2] = (l1 | l2 << 4) as u8;
     }
     y
@@ -2143,7 +2144,7 @@ fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
             for k in 0..8 {
                 for i in 0..4 {
                     let v = nearest_int(0.5 * (id * xval[4 * k + i] - 1.0));
-                    laux[4 * k + i] = v.min(KMAXQ - 1).max(0) as i8;
+                    laux[4 * k + i] = v.clamp(0, KMAXQ - 1) as i8;
                 }
                 let u = Iq3Grid::code(&laux[4 * k..4 * k + 4]);
                 on_aux[k] = true;
@@ -2182,7 +2183,7 @@ fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
                 let mut lk = [0i8; 4];
                 for i in 0..4 {
                     let v = nearest_int(0.5 * (id * xval[4 * k + i] - 1.0));
-                    lk[i] = v.min(KMAXQ - 1).max(0) as i8;
+                    lk[i] = v.clamp(0, KMAXQ - 1) as i8;
                 }
                 let u = Iq3Grid::code(&lk);
                 let gi = if g.map[u] < 0 {
@@ -2239,7 +2240,7 @@ fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
     let d = max_scale / 31.0;
     let id = 1.0 / d;
     for ib in 0..8 {
-        let v = nearest_int(0.5 * (id * scales[ib] - 1.0)).min(15).max(0);
+        let v = nearest_int(0.5 * (id * scales[ib] - 1.0)).clamp(0, 15);
         scales_and_signs[ib] |= (v as u32) << 28;
     }
     let mut ss = [0u8; 32];
@@ -2311,7 +2312,7 @@ mod tests {
         let mut out = [0u8; 18];
         quantize_rows(GgmlType::Q4_0, &x, 32, None, &mut out).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(u16::from_le_bytes([out[0], out[1]]), 0x3c00);
-        assert_eq!(out[2], 0 | (11 << 4)); // x0 = -8 -> 0; x16 = 3.4 -> 11
+        assert_eq!(out[2], 11 << 4); // x0 = -8 -> 0; x16 = 3.4 -> 11
         assert_eq!(out[3] & 0xf, 15);
         assert_eq!(out[4], 8 | (8 << 4));
     }

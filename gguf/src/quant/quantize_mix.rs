@@ -9,6 +9,10 @@
 //! generic hyper-parameters (block, head, expert counts) — read here, not through a model spec,
 //! because llama.cpp reads them generically for every architecture.
 
+// The rule chains keep llama.cpp's branch order (some branches give the same type) so they can
+// be compared with llama-quant.cpp line by line.
+#![allow(clippy::if_same_then_else)]
+
 use crate::metadata::Metadata;
 use crate::value::Value;
 use crate::GgmlType;
@@ -269,11 +273,7 @@ impl MixHparams {
     }
 
     fn n_gqa(&self) -> u32 {
-        if self.n_head_kv == 0 {
-            0
-        } else {
-            self.n_head / self.n_head_kv
-        }
+        self.n_head.checked_div(self.n_head_kv).unwrap_or(0)
     }
 
     /// llama.cpp's LLM_TYPE_70B: a llama with 80 layers and grouped-query attention.
@@ -473,7 +473,7 @@ fn allows_quantization(opts: &MixOptions, arch: &str, t: &MixTensor<'_>) -> bool
 fn fallback(name: &str, ncols: u64, target: GgmlType) -> Result<(GgmlType, bool), MixError> {
     use GgmlType as T;
     let bs = target.block_size() as u64;
-    if ncols % bs == 0 {
+    if ncols.is_multiple_of(bs) {
         return Ok((target, false));
     }
     let mut ret = match target {
@@ -498,7 +498,7 @@ fn fallback(name: &str, ncols: u64, target: GgmlType) -> Result<(GgmlType, bool)
             })
         }
     };
-    if ncols % ret.block_size() as u64 != 0 {
+    if !ncols.is_multiple_of(ret.block_size() as u64) {
         ret = T::F16;
     }
     Ok((ret, true))
