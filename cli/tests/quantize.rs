@@ -233,29 +233,37 @@ fn overrides_and_dry_run() {
     assert_eq!(k_b["new_type"], "Q5_0");
 }
 
-#[test]
-fn with_an_importance_matrix_every_type_is_byte_identical() {
+/// `quantize --imatrix tiny-glm5-imatrix.gguf [EXTRA] ../gguf/tiny-glm5-BF16.gguf OUT TYPE`
+/// run from tests/fixtures/quantize: the same relative paths llama-quantize was given, since the
+/// imatrix file name is recorded in quantize.imatrix.file.
+fn quantize_with_imatrix(extra: &[&str], out: &Path, ty: &str) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_gguftool"))
+        .current_dir(fx("quantize"))
+        .args(["quantize", "--imatrix", "tiny-glm5-imatrix.gguf"])
+        .args(extra)
+        .arg("../gguf/tiny-glm5-BF16.gguf")
+        .arg(out)
+        .args([ty, "-q"])
+        .output()
+        .unwrap()
+}
+
+/// Types of a golden section whose output's sha256 differs; types in `refused` must instead
+/// fail with "not implemented yet" and leave nothing behind.
+fn differing(section: &str, extra: &[&str], refused: &[&str]) -> Vec<String> {
     let g = golden();
-    let outputs = g["imatrix_outputs"].as_object().unwrap();
-    assert!(
-        outputs.len() >= 18,
-        "golden file lists {} types",
-        outputs.len()
-    );
     let dir = tempfile::tempdir().unwrap();
     let mut bad = Vec::new();
-    for (ty, want) in outputs {
+    for (ty, want) in g[section].as_object().unwrap() {
         let out = dir.path().join(format!("{ty}.gguf"));
-        // Same relative paths as llama-quantize was given: the imatrix file name is recorded in
-        // quantize.imatrix.file.
-        let o = Command::new(env!("CARGO_BIN_EXE_gguftool"))
-            .current_dir(fx("quantize"))
-            .args(["quantize", "--imatrix", "tiny-glm5-imatrix.gguf"])
-            .arg("../gguf/tiny-glm5-BF16.gguf")
-            .arg(&out)
-            .args([ty.as_str(), "-q"])
-            .output()
-            .unwrap();
+        let o = quantize_with_imatrix(extra, &out, ty);
+        if refused.contains(&ty.as_str()) {
+            assert_eq!(o.status.code(), Some(2), "{ty}");
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(err.contains("not implemented yet"), "{ty}: {err}");
+            assert!(!out.exists());
+            continue;
+        }
         assert!(
             o.status.success(),
             "{ty}: {}",
@@ -266,6 +274,13 @@ fn with_an_importance_matrix_every_type_is_byte_identical() {
         }
         std::fs::remove_file(&out).unwrap();
     }
+    bad
+}
+
+#[test]
+fn with_an_importance_matrix_every_type_is_byte_identical() {
+    assert_eq!(golden()["imatrix_outputs"].as_object().unwrap().len(), 18);
+    let bad = differing("imatrix_outputs", &[], &[]);
     assert!(
         bad.is_empty(),
         "differ from llama-quantize --imatrix: {bad:?}"
@@ -278,60 +293,32 @@ fn imatrix_that_misses_tensors_refuses_low_bit_types() {
     // Q2_K_S fails exactly as in llama-quantize.
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("x.gguf");
-    let o = Command::new(env!("CARGO_BIN_EXE_gguftool"))
-        .current_dir(fx("quantize"))
-        .args(["quantize", "--imatrix", "tiny-glm5-imatrix.gguf"])
-        .arg("../gguf/tiny-glm5-BF16.gguf")
-        .arg(&out)
-        .arg("Q2_K_S")
-        .output()
-        .unwrap();
+    let o = quantize_with_imatrix(&[], &out, "Q2_K_S");
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("blk.3."));
     assert!(!out.exists());
 }
 
 /// File types whose plan needs a quantizer gguftool does not have yet (IQ2_XXS, IQ2_XS, IQ2_S,
-/// IQ1_S, IQ1_M). They must be refused with a clear message, never written wrong.
+/// IQ1_S, IQ1_M; the IQ3_XXS file type uses IQ2_S for attn_k). They must be refused with a
+/// clear message, never written wrong.
 const NOT_YET: &[&str] = &[
     "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M",
 ];
 
 #[test]
 fn importance_matrix_types_are_byte_identical_or_refused() {
-    let g = golden();
-    let outputs = g["imatrix_override_outputs"].as_object().unwrap();
-    assert_eq!(outputs.len(), 9);
-    let dir = tempfile::tempdir().unwrap();
-    let mut bad = Vec::new();
-    for (ty, want) in outputs {
-        let out = dir.path().join(format!("{ty}.gguf"));
-        let o = Command::new(env!("CARGO_BIN_EXE_gguftool"))
-            .current_dir(fx("quantize"))
-            .args(["quantize", "--imatrix", "tiny-glm5-imatrix.gguf"])
-            .args(["--tensor-type", r"blk\.3\.=q8_0"])
-            .arg("../gguf/tiny-glm5-BF16.gguf")
-            .arg(&out)
-            .args([ty.as_str(), "-q"])
-            .output()
-            .unwrap();
-        if NOT_YET.contains(&ty.as_str()) {
-            assert_eq!(o.status.code(), Some(2), "{ty}");
-            assert!(
-                String::from_utf8_lossy(&o.stderr).contains("not implemented yet"),
-                "{ty}"
-            );
-            assert!(!out.exists());
-            continue;
-        }
-        assert!(
-            o.status.success(),
-            "{ty}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        if sha256_hex(&out) != want["sha256"].as_str().unwrap() {
-            bad.push(ty.clone());
-        }
-    }
+    assert_eq!(
+        golden()["imatrix_override_outputs"]
+            .as_object()
+            .unwrap()
+            .len(),
+        9
+    );
+    let bad = differing(
+        "imatrix_override_outputs",
+        &["--tensor-type", r"blk\.3\.=q8_0"],
+        NOT_YET,
+    );
     assert!(bad.is_empty(), "differ from llama-quantize: {bad:?}");
 }

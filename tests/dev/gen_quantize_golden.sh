@@ -25,6 +25,21 @@ TYPES="Q8_0 Q6_K Q5_K_M Q5_K_S Q4_K_M Q4_K_S Q3_K_L Q3_K_M Q3_K_S Q2_K Q4_0 Q4_1
 TYPES_IM="Q8_0 Q6_K Q5_K_M Q5_K_S Q4_K_M Q4_K_S Q3_K_L Q3_K_M Q3_K_S Q2_K Q4_0 Q4_1 Q5_0 Q5_1 IQ4_NL IQ4_XS IQ3_S IQ3_M"
 TYPES_OV="IQ3_XXS IQ3_XS IQ2_XXS IQ2_XS IQ2_S IQ2_M IQ1_S IQ1_M Q2_K_S"
 FAIL="Q1_0 Q2_K_S IQ3_XS IQ3_XXS IQ2_M IQ2_S IQ2_XS IQ2_XXS IQ1_S IQ1_M"
+# One JSON object of `"TYPE": {bytes, sha256}` for llama-quantize --imatrix runs from the
+# fixtures folder; arguments before `--` are passed to llama-quantize.
+imatrix_section() {
+  local extra=() first=1 t
+  if [[ " $* " == *" -- "* ]]; then
+    while [[ $1 != -- ]]; do extra+=("$1"); shift; done; shift
+  fi
+  for t in "$@"; do
+    (cd "$HERE/fixtures/quantize" && "$Q" --imatrix tiny-glm5-imatrix.gguf "${extra[@]}" ../gguf/tiny-glm5-BF16.gguf "$T/o.gguf" $t 2 >/dev/null 2>&1)
+    [[ $first == 1 ]] || echo ','; first=0
+    printf '    "%s": {"bytes": %s, "sha256": "%s"}' $t $(stat -c %s "$T/o.gguf") $(sha256sum "$T/o.gguf" | cut -c1-64)
+  done
+  echo
+  echo '  },'
+}
 {
 echo '{'
 echo '  "tool": "llama-quantize, llama.cpp source of 2026-10-01 (trimmed tarball), CPU build as in tests/dev/gen_quantize_golden.sh",'
@@ -49,26 +64,12 @@ echo '  },'
 # run from tests/fixtures/quantize so the recorded quantize.imatrix.file is the relative name.
 echo '  "imatrix_command": "cd tests/fixtures/quantize && llama-quantize --imatrix tiny-glm5-imatrix.gguf ../gguf/tiny-glm5-BF16.gguf OUT TYPE 2",'
 echo '  "imatrix_outputs": {'
-first=1
-for t in $TYPES_IM; do
-  (cd "$HERE/fixtures/quantize" && "$Q" --imatrix tiny-glm5-imatrix.gguf ../gguf/tiny-glm5-BF16.gguf "$T/o.gguf" $t 2 >/dev/null 2>&1)
-  [[ $first == 1 ]] || echo ','; first=0
-  printf '    "%s": {"bytes": %s, "sha256": "%s"}' $t $(stat -c %s "$T/o.gguf") $(sha256sum "$T/o.gguf" | cut -c1-64)
-done
-echo
-echo '  },'
+imatrix_section $TYPES_IM
 # Types that need an importance matrix for every tensor: the fixture imatrix has no entries for
 # the MTP block (llama-imatrix does not run it), so that block is pinned to Q8_0.
 echo '  "imatrix_override_command": "cd tests/fixtures/quantize && llama-quantize --imatrix tiny-glm5-imatrix.gguf --tensor-type blk\\.3\\.=q8_0 ../gguf/tiny-glm5-BF16.gguf OUT TYPE 2",'
 echo '  "imatrix_override_outputs": {'
-first=1
-for t in $TYPES_OV; do
-  (cd "$HERE/fixtures/quantize" && "$Q" --imatrix tiny-glm5-imatrix.gguf --tensor-type 'blk\.3\.=q8_0' ../gguf/tiny-glm5-BF16.gguf "$T/o.gguf" $t 2 >/dev/null 2>&1)
-  [[ $first == 1 ]] || echo ','; first=0
-  printf '    "%s": {"bytes": %s, "sha256": "%s"}' $t $(stat -c %s "$T/o.gguf") $(sha256sum "$T/o.gguf" | cut -c1-64)
-done
-echo
-echo '  },'
+imatrix_section --tensor-type 'blk\.3\.=q8_0' -- $TYPES_OV
 echo '  "refused": {'
 first=1
 for t in $FAIL; do

@@ -1898,12 +1898,170 @@ impl Iq3Grid {
     }
 }
 
+/// Per-element weights of a 32-element IQ3 sub-block and their square roots (the neighbour
+/// search's weights).
+fn iq3_weights(xb: &[f32], qw: Option<&[f32]>, sigma2: f32) -> ([f32; 32], [f32; 32]) {
+    let mut weight = [0.0f32; 32];
+    for i in 0..32 {
+        weight[i] = match qw {
+            Some(q) => q[i] * (sigma2 + xb[i] * xb[i]).sqrt(),
+            None => xb[i] * xb[i],
+        };
+    }
+    let mut waux = [0.0f32; 32];
+    for i in 0..32 {
+        waux[i] = weight[i].sqrt();
+    }
+    (weight, waux)
+}
+
+/// How the two IQ3 quantizers differ in their scale search.
+struct Iq3Search {
+    /// Inverse-scale steps `is` tried: `-steps..=steps`.
+    steps: i32,
+    /// Whether a group counts as on the grid before any candidate scale was accepted.
+    on_grid_init: bool,
+    /// Whether the final pass re-snaps only the groups that were off the grid.
+    skip_on_grid: bool,
+}
+
+/// `sum w * x * q` and `sum w * q * q` for magnitude codes `l` (q = 2l + 1).
+fn iq3_sums(weight: &[f32; 32], xval: &[f32; 32], l: &[i8; 32]) -> (f32, f32) {
+    let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
+    for i in 0..32 {
+        let w = weight[i];
+        let q = (2 * i32::from(l[i]) + 1) as f32;
+        sumqx += w * xval[i] * q;
+        sumq2 += w * q * q;
+    }
+    (sumqx, sumq2)
+}
+
+/// Magnitude codes of the 4 values of group `k` at inverse scale `id`, clamped to 0..=7.
+fn iq3_codes(xval: &[f32; 32], k: usize, id: f32) -> [i8; 4] {
+    std::array::from_fn(|i| nearest_int(0.5 * (id * xval[4 * k + i] - 1.0)).clamp(0, 7) as i8)
+}
+
+/// The scale search shared by IQ3_XXS and IQ3_S for one sub-block of magnitudes `xval`
+/// (largest `max` > 0): the best of the candidate scales, groups snapped to the grid, then the
+/// off-grid groups re-snapped at the chosen scale and the scale refitted. Returns the scale and
+/// the magnitude codes (every group on the grid).
+fn iq3_search(
+    g: &Iq3Grid,
+    xval: &[f32; 32],
+    weight: &[f32; 32],
+    waux: &[f32; 32],
+    max: f32,
+    how: &Iq3Search,
+) -> (f32, [i8; 32]) {
+    const KMAXQ: i32 = 8;
+    let mut l = [0i8; 32];
+    let mut best = 0.0f32;
+    let mut scale = max / (2 * KMAXQ - 1) as f32;
+    let mut is_on_grid = [how.on_grid_init; 8];
+    let mut laux = [0i8; 32];
+    let mut on_aux = [false; 8];
+    for is in -how.steps..=how.steps {
+        let id = ((2 * KMAXQ - 1) as f32 + is as f32 * 0.2) / max;
+        let this_scale = 1.0 / id;
+        for k in 0..8 {
+            laux[4 * k..4 * k + 4].copy_from_slice(&iq3_codes(xval, k, id));
+            let u = Iq3Grid::code(&laux[4 * k..4 * k + 4]);
+            on_aux[k] = g.map[u] >= 0;
+            if !on_aux[k] {
+                g.best_neighbour(
+                    u,
+                    &xval[4 * k..4 * k + 4],
+                    &waux[4 * k..4 * k + 4],
+                    this_scale,
+                    &mut laux[4 * k..4 * k + 4],
+                );
+            }
+        }
+        let (sumqx, sumq2) = iq3_sums(weight, xval, &laux);
+        if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
+            scale = sumqx / sumq2;
+            best = scale * sumqx;
+            l = laux;
+            is_on_grid = on_aux;
+        }
+    }
+    if is_on_grid.iter().any(|b| !*b) && scale > 0.0 {
+        let id = 1.0 / scale;
+        for k in 0..8 {
+            if how.skip_on_grid && is_on_grid[k] {
+                continue;
+            }
+            let u = Iq3Grid::code(&iq3_codes(xval, k, id));
+            let gi = if g.map[u] < 0 {
+                g.best_neighbour(
+                    u,
+                    &xval[4 * k..4 * k + 4],
+                    &waux[4 * k..4 * k + 4],
+                    scale,
+                    &mut l[4 * k..4 * k + 4],
+                )
+            } else {
+                g.map[u] as usize
+            };
+            for i in 0..4 {
+                l[4 * k + i] = ((g.points[gi][i] - 1) / 2) as i8;
+            }
+        }
+        let (sumqx, sumq2) = iq3_sums(weight, xval, &l);
+        if sumq2 > 0.0 {
+            scale = sumqx / sumq2;
+        }
+    }
+    (scale, l)
+}
+
+/// Magnitudes and sign bits (per 8 values) of a sub-block.
+fn iq3_signs(xb: &[f32]) -> ([f32; 32], [u8; 4], [u32; 4]) {
+    let mut xval = [0.0f32; 32];
+    let mut signs = [0u8; 4];
+    let mut nflip = [0u32; 4];
+    for k in 0..4 {
+        for i in 0..8 {
+            let v = xb[8 * k + i];
+            if v >= 0.0 {
+                xval[8 * k + i] = v;
+            } else {
+                xval[8 * k + i] = -v;
+                nflip[k] += 1;
+                signs[k] |= 1 << i;
+            }
+        }
+    }
+    (xval, signs, nflip)
+}
+
+fn iq3_sigma2(x: &[f32]) -> f32 {
+    let mut sumx2 = 0.0f32;
+    for v in x {
+        sumx2 += v * v;
+    }
+    2.0 * sumx2 / QK_K as f32
+}
+
+/// The largest magnitude (ggml's `MAX` chain from the first element).
+fn iq3_max(xval: &[f32; 32]) -> f32 {
+    let mut max = xval[0];
+    for &v in &xval[1..] {
+        max = c_max(max, v);
+    }
+    max
+}
+
 /// `quantize_row_iq3_s_impl` for one super-block, with block size 32. Like ggml, a sub-block
 /// whose values are all zero does not advance the `qs`/`signs` write position (its scale is 0;
 /// later sub-blocks' bytes shift down) — reproduced because the bytes must match.
 fn iq3_s(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3S {
-    const BS: usize = 32;
-    const KMAXQ: i32 = 8;
+    const HOW: Iq3Search = Iq3Search {
+        steps: 9,
+        on_grid_init: false,
+        skip_on_grid: false,
+    };
     let mut y = BlockIq3S {
         d: fp32_to_fp16(0.0),
         qs: [0; 64],
@@ -1911,145 +2069,37 @@ fn iq3_s(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3S {
         signs: [0; 32],
         scales: [0; 4],
     };
-    let mut sumx2 = 0.0f32;
-    for v in x {
-        sumx2 += v * v;
-    }
-    let sigma2 = 2.0 * sumx2 / QK_K as f32;
-    let mut scales = [0.0f32; QK_K / BS];
+    let sigma2 = iq3_sigma2(x);
+    let mut scales = [0.0f32; 8];
     let mut max_scale = 0.0f32;
     let (mut qs_at, mut signs_at) = (0usize, 0usize);
-    for ib in 0..QK_K / BS {
-        let xb = &x[BS * ib..BS * ib + BS];
-        let mut weight = [0.0f32; BS];
-        for i in 0..BS {
-            weight[i] = match qw {
-                Some(q) => q[BS * ib + i] * (sigma2 + xb[i] * xb[i]).sqrt(),
-                None => xb[i] * xb[i],
-            };
-        }
-        let mut waux = [0.0f32; BS];
-        for i in 0..BS {
-            waux[i] = weight[i].sqrt();
-        }
-        let mut xval = [0.0f32; BS];
-        let mut block_signs = [0u8; BS / 8];
-        for k in 0..BS / 8 {
-            let mut s = 0u8;
-            for i in 0..8 {
-                let v = xb[8 * k + i];
-                if v >= 0.0 {
-                    xval[8 * k + i] = v;
-                } else {
-                    xval[8 * k + i] = -v;
-                    s |= 1 << i;
-                }
-            }
-            block_signs[k] = s;
-        }
-        let mut max = xval[0];
-        for &v in &xval[1..] {
-            max = c_max(max, v);
-        }
-        let mut l = [0i8; BS];
+    for ib in 0..8 {
+        let xb = &x[32 * ib..32 * ib + 32];
+        let (weight, waux) = iq3_weights(xb, qw.map(|q| &q[32 * ib..32 * ib + 32]), sigma2);
+        let (xval, mut block_signs, _) = iq3_signs(xb);
+        let max = iq3_max(&xval);
         if max == 0.0 {
             scales[ib] = 0.0;
             continue;
         }
-        let mut best = 0.0f32;
-        let mut scale = max / (2 * KMAXQ - 1) as f32;
-        let mut is_on_grid = [false; BS / 4];
-        let mut laux = [0i8; BS];
-        let mut on_aux = [false; BS / 4];
-        for is in -9..=9 {
-            let id = ((2 * KMAXQ - 1) as f32 + is as f32 * 0.2) / max;
-            let this_scale = 1.0 / id;
-            for k in 0..BS / 4 {
-                for i in 0..4 {
-                    let v = nearest_int(0.5 * (id * xval[4 * k + i] - 1.0));
-                    laux[4 * k + i] = v.clamp(0, KMAXQ - 1) as i8;
-                }
-                let u = Iq3Grid::code(&laux[4 * k..4 * k + 4]);
-                on_aux[k] = true;
-                if g.map[u] < 0 {
-                    on_aux[k] = false;
-                    g.best_neighbour(
-                        u,
-                        &xval[4 * k..4 * k + 4],
-                        &waux[4 * k..4 * k + 4],
-                        this_scale,
-                        &mut laux[4 * k..4 * k + 4],
-                    );
-                }
-            }
-            let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
-            for i in 0..BS {
-                let w = weight[i];
-                let q = (2 * i32::from(laux[i]) + 1) as f32;
-                sumqx += w * xval[i] * q;
-                sumq2 += w * q * q;
-            }
-            if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
-                scale = sumqx / sumq2;
-                best = scale * sumqx;
-                l = laux;
-                is_on_grid = on_aux;
-            }
-        }
-        let n_not_ongrid = is_on_grid.iter().filter(|b| !**b).count();
-        if n_not_ongrid > 0 && scale > 0.0 {
-            let id = 1.0 / scale;
-            for k in 0..BS / 4 {
-                let mut lk = [0i8; 4];
-                for i in 0..4 {
-                    let v = nearest_int(0.5 * (id * xval[4 * k + i] - 1.0));
-                    lk[i] = v.clamp(0, KMAXQ - 1) as i8;
-                }
-                let u = Iq3Grid::code(&lk);
-                let gi = if g.map[u] < 0 {
-                    g.best_neighbour(
-                        u,
-                        &xval[4 * k..4 * k + 4],
-                        &waux[4 * k..4 * k + 4],
-                        scale,
-                        &mut l[4 * k..4 * k + 4],
-                    )
-                } else {
-                    g.map[u] as usize
-                };
-                for i in 0..4 {
-                    l[4 * k + i] = ((g.points[gi][i] - 1) / 2) as i8;
-                }
-            }
-            let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
-            for i in 0..BS {
-                let w = weight[i];
-                let q = (2 * i32::from(l[i]) + 1) as f32;
-                sumqx += w * xval[i] * q;
-                sumq2 += w * q * q;
-            }
-            if sumq2 > 0.0 {
-                scale = sumqx / sumq2;
-            }
-        }
+        let (mut scale, l) = iq3_search(g, &xval, &weight, &waux, max, &HOW);
         if scale < 0.0 {
             scale = -scale;
             for s in block_signs.iter_mut() {
                 *s = !*s;
             }
         }
-        for k in 0..BS / 4 {
-            let u = Iq3Grid::code(&l[4 * k..4 * k + 4]);
-            // Every code written here came from the grid or its neighbour lists; ggml aborts
-            // otherwise. Index 0 keeps the block decodable should it ever happen.
-            let gi = g.map[u].max(0) as usize;
+        for k in 0..8 {
+            // Every code here came from the grid or its neighbour lists (ggml aborts
+            // otherwise); index 0 keeps the block decodable should it ever happen.
+            let gi = g.map[Iq3Grid::code(&l[4 * k..4 * k + 4])].max(0) as usize;
             y.qs[qs_at + k] = (gi & 255) as u8;
-            let bit = ib * (BS / 4) + k;
+            let bit = ib * 8 + k;
             y.qh[bit / 8] |= ((gi >> 8) << (bit % 8)) as u8;
         }
-        qs_at += BS / 4;
-        y.signs[signs_at..signs_at + BS / 8].copy_from_slice(&block_signs);
-        signs_at += BS / 8;
+        qs_at += 8;
+        y.signs[signs_at..signs_at + 4].copy_from_slice(&block_signs);
+        signs_at += 4;
         scales[ib] = scale;
         max_scale = c_max(max_scale, scale);
     }
@@ -2059,7 +2109,7 @@ fn iq3_s(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3S {
     let d = max_scale / 31.0;
     y.d = fp32_to_fp16(d * 1.033);
     let id = 1.0 / d;
-    for ib in (0..QK_K / BS).step_by(2) {
+    for ib in (0..8).step_by(2) {
         let l1 = nearest_int(0.5 * (id * scales[ib] - 1.0)).clamp(0, 15);
         let l2 = nearest_int(0.5 * (id * scales[ib + 1] - 1.0)).clamp(0, 15);
         y.scales[ib / 2] = (l1 | l2 << 4) as u8;
@@ -2069,47 +2119,24 @@ fn iq3_s(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3S {
 
 /// `quantize_row_iq3_xxs_impl` (grid 256) for one super-block.
 fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
-    const KMAXQ: i32 = 8;
+    const HOW: Iq3Search = Iq3Search {
+        steps: 15,
+        on_grid_init: true,
+        skip_on_grid: true,
+    };
     const EPS: f32 = 1e-8; // GROUP_MAX_EPS_IQ3_XXS
     let mut q3 = [0u8; 64];
     let mut scales_and_signs = [0u32; 8];
-    let mut sumx2 = 0.0f32;
-    for v in x {
-        sumx2 += v * v;
-    }
-    let sigma2 = 2.0 * sumx2 / QK_K as f32;
+    let sigma2 = iq3_sigma2(x);
     let mut scales = [0.0f32; 8];
     let mut max_scale = 0.0f32;
     for ib in 0..8 {
         let xb = &x[32 * ib..32 * ib + 32];
-        let mut weight = [0.0f32; 32];
-        for i in 0..32 {
-            weight[i] = match qw {
-                Some(q) => q[32 * ib + i] * (sigma2 + xb[i] * xb[i]).sqrt(),
-                None => xb[i] * xb[i],
-            };
-        }
-        let mut waux = [0.0f32; 32];
-        for i in 0..32 {
-            waux[i] = weight[i].sqrt();
-        }
-        let mut xval = [0.0f32; 32];
-        let mut block_signs = [0u8; 4];
+        let (weight, waux) = iq3_weights(xb, qw.map(|q| &q[32 * ib..32 * ib + 32]), sigma2);
+        let (mut xval, mut block_signs, nflip) = iq3_signs(xb);
+        // The signs are stored with even parity: flip the least important value of an odd set.
         for k in 0..4 {
-            let mut nflip = 0;
-            let mut s = 0u8;
-            for i in 0..8 {
-                let v = xb[8 * k + i];
-                if v >= 0.0 {
-                    xval[8 * k + i] = v;
-                } else {
-                    xval[8 * k + i] = -v;
-                    nflip += 1;
-                    s |= 1 << i;
-                }
-            }
-            // The signs are stored with even parity: flip the least important one.
-            if nflip % 2 == 1 {
+            if nflip[k] % 2 == 1 {
                 let mut imin = 0usize;
                 let mut min = weight[8 * k] * xb[8 * k] * xb[8 * k];
                 for i in 1..8 {
@@ -2120,98 +2147,16 @@ fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
                     }
                 }
                 xval[8 * k + imin] = -xval[8 * k + imin];
-                s ^= 1 << imin;
+                block_signs[k] ^= 1 << imin;
             }
-            block_signs[k] = s & 127;
+            block_signs[k] &= 127;
         }
-        let mut max = xval[0];
-        for &v in &xval[1..] {
-            max = c_max(max, v);
-        }
-        let mut l = [0i8; 32];
+        let max = iq3_max(&xval);
         if max < EPS {
             scales[ib] = 0.0;
             continue;
         }
-        let mut best = 0.0f32;
-        let mut scale = max / (2 * KMAXQ - 1) as f32;
-        let mut is_on_grid = [true; 8];
-        let mut laux = [0i8; 32];
-        let mut on_aux = [false; 8];
-        for is in -15..=15 {
-            let id = ((2 * KMAXQ - 1) as f32 + is as f32 * 0.2) / max;
-            let this_scale = 1.0 / id;
-            for k in 0..8 {
-                for i in 0..4 {
-                    let v = nearest_int(0.5 * (id * xval[4 * k + i] - 1.0));
-                    laux[4 * k + i] = v.clamp(0, KMAXQ - 1) as i8;
-                }
-                let u = Iq3Grid::code(&laux[4 * k..4 * k + 4]);
-                on_aux[k] = true;
-                if g.map[u] < 0 {
-                    on_aux[k] = false;
-                    g.best_neighbour(
-                        u,
-                        &xval[4 * k..4 * k + 4],
-                        &waux[4 * k..4 * k + 4],
-                        this_scale,
-                        &mut laux[4 * k..4 * k + 4],
-                    );
-                }
-            }
-            let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
-            for i in 0..32 {
-                let w = weight[i];
-                let q = (2 * i32::from(laux[i]) + 1) as f32;
-                sumqx += w * xval[i] * q;
-                sumq2 += w * q * q;
-            }
-            if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
-                scale = sumqx / sumq2;
-                best = scale * sumqx;
-                l = laux;
-                is_on_grid = on_aux;
-            }
-        }
-        let n_not_ongrid = is_on_grid.iter().filter(|b| !**b).count();
-        if n_not_ongrid > 0 && scale > 0.0 {
-            let id = 1.0 / scale;
-            for k in 0..8 {
-                if is_on_grid[k] {
-                    continue;
-                }
-                let mut lk = [0i8; 4];
-                for i in 0..4 {
-                    let v = nearest_int(0.5 * (id * xval[4 * k + i] - 1.0));
-                    lk[i] = v.clamp(0, KMAXQ - 1) as i8;
-                }
-                let u = Iq3Grid::code(&lk);
-                let gi = if g.map[u] < 0 {
-                    g.best_neighbour(
-                        u,
-                        &xval[4 * k..4 * k + 4],
-                        &waux[4 * k..4 * k + 4],
-                        scale,
-                        &mut l[4 * k..4 * k + 4],
-                    )
-                } else {
-                    g.map[u] as usize
-                };
-                for i in 0..4 {
-                    l[4 * k + i] = ((g.points[gi][i] - 1) / 2) as i8;
-                }
-            }
-            let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
-            for i in 0..32 {
-                let w = weight[i];
-                let q = (2 * i32::from(l[i]) + 1) as f32;
-                sumqx += w * xval[i] * q;
-                sumq2 += w * q * q;
-            }
-            if sumq2 > 0.0 {
-                scale = sumqx / sumq2;
-            }
-        }
+        let (mut scale, l) = iq3_search(g, &xval, &weight, &waux, max, &HOW);
         if scale < 0.0 {
             scale = -scale;
             for s in block_signs.iter_mut() {
@@ -2219,8 +2164,7 @@ fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
             }
         }
         for k in 0..8 {
-            let u = Iq3Grid::code(&l[4 * k..4 * k + 4]);
-            q3[8 * ib + k] = g.map[u].max(0) as u8;
+            q3[8 * ib + k] = g.map[Iq3Grid::code(&l[4 * k..4 * k + 4])].max(0) as u8;
         }
         scales_and_signs[ib] = u32::from(block_signs[0])
             | u32::from(block_signs[1]) << 7
@@ -2229,13 +2173,12 @@ fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
         scales[ib] = scale;
         max_scale = c_max(max_scale, scale);
     }
-    let zero = BlockIq3Xxs {
-        d: fp32_to_fp16(0.0),
-        qs: [0; 64],
-        scales_signs: [0; 32],
-    };
     if max_scale == 0.0 {
-        return zero;
+        return BlockIq3Xxs {
+            d: fp32_to_fp16(0.0),
+            qs: [0; 64],
+            scales_signs: [0; 32],
+        };
     }
     let d = max_scale / 31.0;
     let id = 1.0 / d;
