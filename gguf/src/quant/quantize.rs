@@ -1032,42 +1032,64 @@ fn requantize_q2(x: &[f32], l: &mut [u8; QK_K], sc: &[u8; 16], dm: f32, mm: f32)
     }
 }
 
-fn q2_k_weighted(x: &[f32], qw: &[f32]) -> BlockQ2K {
-    let mut l = [0u8; QK_K];
-    let mut mins = [0.0f32; 16];
-    let mut scales = [0.0f32; 16];
-    let mut sw = [0.0f32; 16];
-    let mut sumx2 = 0.0f32;
-    for v in x {
-        sumx2 += v * v;
-    }
-    let sigma2 = sumx2 / QK_K as f32;
-    for j in 0..16 {
-        let mut weight = [0.0f32; 16];
-        for k in 0..16 {
-            weight[k] = qw[16 * j + k] * (sigma2 + x[16 * j + k] * x[16 * j + k]).sqrt();
+/// The K-quants' weighted scale/min search (`quantize_row_q{2,4,5}_K_impl`): per sub-block of
+/// `SUB` values a least-squares search with the weights `weight(j, xs, out)` gives, then the
+/// `NSUB` scales and mins themselves quantized to `[0, nscale]` by `make_qp_quants`, weighted by
+/// each sub-block's weight sum. Returns the scale codes, min codes, and their two scales.
+fn kx_weighted_search<const NSUB: usize, const SUB: usize>(
+    x: &[f32],
+    nmax: i32,
+    nscale: i32,
+    l: &mut [u8; QK_K],
+    weight: impl Fn(usize, &[f32], &mut [f32; SUB]),
+) -> ([u8; NSUB], [u8; NSUB], f32, f32) {
+    let mut mins = [0.0f32; NSUB];
+    let mut scales = [0.0f32; NSUB];
+    let mut sw = [0.0f32; NSUB];
+    for j in 0..NSUB {
+        let xs = &x[SUB * j..SUB * j + SUB];
+        let mut w = [0.0f32; SUB];
+        weight(j, xs, &mut w);
+        for v in w {
+            sw[j] += v;
         }
-        for w in weight {
-            sw[j] += w;
-        }
-        let (s, m) = make_qkx_quants(
-            3,
-            &x[16 * j..16 * j + 16],
-            Some(&weight),
-            &mut l[16 * j..16 * j + 16],
+        let (sc, m) = make_qkx_quants(
+            nmax,
+            xs,
+            Some(&w),
+            &mut l[SUB * j..SUB * j + SUB],
             -0.9,
             0.05,
             36,
             false,
             true,
         );
-        scales[j] = s;
+        scales[j] = sc;
         mins[j] = m;
     }
-    let mut ls = [0u8; 16];
-    let mut lm = [0u8; 16];
-    let dm = make_qp_quants(15, &scales, &mut ls, &sw);
-    let mm = make_qp_quants(15, &mins, &mut lm, &sw);
+    let mut ls = [0u8; NSUB];
+    let mut lm = [0u8; NSUB];
+    let d = make_qp_quants(nscale, &scales, &mut ls, &sw);
+    let m = make_qp_quants(nscale, &mins, &mut lm, &sw);
+    (ls, lm, d, m)
+}
+
+fn sum_squares(x: &[f32]) -> f32 {
+    let mut s = 0.0f32;
+    for v in x {
+        s += v * v;
+    }
+    s
+}
+
+fn q2_k_weighted(x: &[f32], qw: &[f32]) -> BlockQ2K {
+    let mut l = [0u8; QK_K];
+    let sigma2 = sum_squares(x) / QK_K as f32;
+    let (ls, lm, dm, mm) = kx_weighted_search::<16, 16>(x, 3, 15, &mut l, |j, xs, w| {
+        for k in 0..16 {
+            w[k] = qw[16 * j + k] * (sigma2 + xs[k] * xs[k]).sqrt();
+        }
+    });
     let d = fp32_to_fp16(dm);
     let dmin = fp32_to_fp16(mm);
     let mut sc = [0u8; 16];
@@ -1302,47 +1324,17 @@ fn kx_scales_weighted(
     l: &mut [u8; QK_K],
     clamp63: bool,
 ) -> ([u8; 12], u16, u16) {
-    let mut sum_x2 = 0.0f32;
-    for v in x {
-        sum_x2 += v * v;
-    }
-    let sigma2 = 2.0 * sum_x2 / QK_K as f32;
+    let sigma2 = 2.0 * sum_squares(x) / QK_K as f32;
     let av_x = sigma2.sqrt();
-    let mut mins = [0.0f32; 8];
-    let mut scales = [0.0f32; 8];
-    let mut sw = [0.0f32; 8];
-    for j in 0..8 {
-        let xs = &x[32 * j..32 * j + 32];
-        let mut weights = [0.0f32; 32];
-        for k in 0..32 {
-            weights[k] = match qw {
-                Some(q) => q[32 * j + k] * (sigma2 + xs[k] * xs[k]).sqrt(),
-                None => av_x + xs[k].abs(),
-            };
-        }
-        let mut sumw = 0.0f32;
-        for w in weights {
-            sumw += w;
-        }
-        sw[j] = sumw;
-        let (s, m) = make_qkx_quants(
-            nmax,
-            xs,
-            Some(&weights),
-            &mut l[32 * j..32 * j + 32],
-            -0.9,
-            0.05,
-            36,
-            false,
-            true,
-        );
-        scales[j] = s;
-        mins[j] = m;
-    }
-    let mut ls = [0u8; 8];
-    let mut lm = [0u8; 8];
-    let d_block = make_qp_quants(63, &scales, &mut ls, &sw);
-    let m_block = make_qp_quants(63, &mins, &mut lm, &sw);
+    let (mut ls, mut lm, d_block, m_block) =
+        kx_weighted_search::<8, 32>(x, nmax, 63, l, |j, xs, w| {
+            for k in 0..32 {
+                w[k] = match qw {
+                    Some(q) => q[32 * j + k] * (sigma2 + xs[k] * xs[k]).sqrt(),
+                    None => av_x + xs[k].abs(),
+                };
+            }
+        });
     if clamp63 {
         for j in 0..8 {
             ls[j] = ls[j].min(63);
