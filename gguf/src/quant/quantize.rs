@@ -1398,56 +1398,52 @@ fn pack_q5k(l: &[u8; QK_K]) -> ([u8; 32], [u8; 128]) {
     (qh, ql)
 }
 
-fn q4_k(x: &[f32]) -> BlockQ4K {
-    let mut l = [0u8; QK_K];
-    let (scales, d, dmin) = kx_scales_ref(x, 15, -1.0, 20, &mut l);
-    requantize_kx(x, &mut l, &scales, d, dmin, 15);
+/// Quants from the stored scales, packed into a Q4_K block.
+fn finish_q4k(x: &[f32], l: &mut [u8; QK_K], (scales, d, dmin): ([u8; 12], u16, u16)) -> BlockQ4K {
+    requantize_kx(x, l, &scales, d, dmin, 15);
     BlockQ4K {
         d,
         dmin,
         scales,
-        qs: pack_q4k(&l),
+        qs: pack_q4k(l),
     }
+}
+
+/// Quants from the stored scales, packed into a Q5_K block.
+fn finish_q5k(x: &[f32], l: &mut [u8; QK_K], (scales, d, dmin): ([u8; 12], u16, u16)) -> BlockQ5K {
+    requantize_kx(x, l, &scales, d, dmin, 31);
+    let (qh, qs) = pack_q5k(l);
+    BlockQ5K {
+        d,
+        dmin,
+        scales,
+        qh,
+        qs,
+    }
+}
+
+fn q4_k(x: &[f32]) -> BlockQ4K {
+    let mut l = [0u8; QK_K];
+    let sd = kx_scales_ref(x, 15, -1.0, 20, &mut l);
+    finish_q4k(x, &mut l, sd)
 }
 
 fn q4_k_weighted(x: &[f32], qw: Option<&[f32]>) -> BlockQ4K {
     let mut l = [0u8; QK_K];
-    let (scales, d, dmin) = kx_scales_weighted(x, qw, 15, &mut l, false);
-    requantize_kx(x, &mut l, &scales, d, dmin, 15);
-    BlockQ4K {
-        d,
-        dmin,
-        scales,
-        qs: pack_q4k(&l),
-    }
+    let sd = kx_scales_weighted(x, qw, 15, &mut l, false);
+    finish_q4k(x, &mut l, sd)
 }
 
 fn q5_k(x: &[f32]) -> BlockQ5K {
     let mut l = [0u8; QK_K];
-    let (scales, d, dmin) = kx_scales_ref(x, 31, -0.5, 15, &mut l);
-    requantize_kx(x, &mut l, &scales, d, dmin, 31);
-    let (qh, qs) = pack_q5k(&l);
-    BlockQ5K {
-        d,
-        dmin,
-        scales,
-        qh,
-        qs,
-    }
+    let sd = kx_scales_ref(x, 31, -0.5, 15, &mut l);
+    finish_q5k(x, &mut l, sd)
 }
 
 fn q5_k_weighted(x: &[f32], qw: Option<&[f32]>) -> BlockQ5K {
     let mut l = [0u8; QK_K];
-    let (scales, d, dmin) = kx_scales_weighted(x, qw, 31, &mut l, true);
-    requantize_kx(x, &mut l, &scales, d, dmin, 31);
-    let (qh, qs) = pack_q5k(&l);
-    BlockQ5K {
-        d,
-        dmin,
-        scales,
-        qh,
-        qs,
-    }
+    let sd = kx_scales_weighted(x, qw, 31, &mut l, true);
+    finish_q5k(x, &mut l, sd)
 }
 
 // ---------------------------------------------------------------------------------------------
