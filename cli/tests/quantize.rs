@@ -299,12 +299,10 @@ fn imatrix_that_misses_tensors_refuses_low_bit_types() {
     assert!(!out.exists());
 }
 
-/// File types whose plan needs a quantizer gguftool does not have yet (IQ2_XXS, IQ2_XS, IQ2_S,
-/// IQ1_S, IQ1_M; the IQ3_XXS file type uses IQ2_S for attn_k). They must be refused with a
-/// clear message, never written wrong.
-const NOT_YET: &[&str] = &[
-    "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M",
-];
+/// File types whose plan needs a quantizer gguftool does not have yet (IQ2_XS, IQ2_S, IQ1_S,
+/// IQ1_M; the IQ3_XXS file type uses IQ2_S for attn_k). They must be refused with a clear
+/// message, never written wrong.
+const NOT_YET: &[&str] = &["IQ3_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M"];
 
 #[test]
 fn importance_matrix_types_are_byte_identical_or_refused() {

@@ -43,6 +43,7 @@ pub fn can_quantize(ty: GgmlType) -> bool {
             | IQ4_XS
             | IQ3_S
             | IQ3_XXS
+            | IQ2_XXS
             | TQ1_0
             | TQ2_0
             | MXFP4
@@ -210,6 +211,16 @@ pub(crate) fn quantize_row(
             {
                 let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
                 iq4_xs(xb, w, values).write(yb);
+            }
+        }
+        IQ2_XXS => {
+            let g = iq2xxs_grid()?;
+            let w = qw.ok_or(QuantError::Unsupported {
+                ty,
+                what: "quantization without an importance matrix",
+            })?;
+            for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(66)).enumerate() {
+                iq2_xxs(xb, &w[QK_K * i..QK_K * i + QK_K], g).write(yb);
             }
         }
         IQ3_XXS => {
@@ -2122,23 +2133,7 @@ fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
         let xb = &x[32 * ib..32 * ib + 32];
         let (weight, waux) = iq3_weights(xb, qw.map(|q| &q[32 * ib..32 * ib + 32]), sigma2);
         let (mut xval, mut block_signs, nflip) = iq3_signs(xb);
-        // The signs are stored with even parity: flip the least important value of an odd set.
-        for k in 0..4 {
-            if nflip[k] % 2 == 1 {
-                let mut imin = 0usize;
-                let mut min = weight[8 * k] * xb[8 * k] * xb[8 * k];
-                for i in 1..8 {
-                    let ax = weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
-                    if ax < min {
-                        min = ax;
-                        imin = i;
-                    }
-                }
-                xval[8 * k + imin] = -xval[8 * k + imin];
-                block_signs[k] ^= 1 << imin;
-            }
-            block_signs[k] &= 127;
-        }
+        even_sign_parity(xb, &weight, &mut xval, &mut block_signs, &nflip);
         let max = iq3_max(&xval);
         if max < EPS {
             scales[ib] = 0.0;
@@ -2182,6 +2177,289 @@ fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
         d: fp32_to_fp16(d * 1.0125),
         qs: q3,
         scales_signs: ss,
+    }
+}
+
+/// IQ2_XXS/IQ3_XXS store 7 sign bits per 8 values, the eighth implied by even parity: in a
+/// group with an odd number of negatives the value that matters least (smallest `w x²`) has its
+/// sign flipped. The stored sign bytes keep 7 bits.
+fn even_sign_parity(
+    xb: &[f32],
+    weight: &[f32; 32],
+    xval: &mut [f32; 32],
+    signs: &mut [u8; 4],
+    nflip: &[u32; 4],
+) {
+    for k in 0..4 {
+        if nflip[k] % 2 == 1 {
+            let mut imin = 0usize;
+            let mut min = weight[8 * k] * xb[8 * k] * xb[8 * k];
+            for i in 1..8 {
+                let ax = weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
+                if ax < min {
+                    min = ax;
+                    imin = i;
+                }
+            }
+            xval[8 * k + imin] = -xval[8 * k + imin];
+            signs[k] ^= 1 << imin;
+        }
+        signs[k] &= 127;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// IQ2: 8-value groups snapped to a grid of magnitudes 1, 3, 5 (ggml's `iq2xs_init_impl`).
+
+/// An IQ2/IQ1 grid with ggml's search structures: points as odd magnitudes `2l + 1` (l <= 2),
+/// a map from the 16-bit code of 8 magnitudes (2 bits each) to the grid index, and for codes
+/// off the grid the candidates of the `nwant` nearest distance levels, nearest first.
+struct Iq2Grid {
+    points: Vec<[u8; 8]>,
+    map: Vec<i32>,
+    neighbours: Vec<u16>,
+}
+
+/// ggml's `kmap_size`: every code whose 2-bit fields are at most 2, plus two.
+const IQ2_MAP_SIZE: usize = 43692;
+
+impl Iq2Grid {
+    fn build(points: Vec<[u8; 8]>, nwant: usize) -> Iq2Grid {
+        let mut map = vec![-1i32; IQ2_MAP_SIZE];
+        for (i, p) in points.iter().enumerate() {
+            let mut index = 0usize;
+            for (k, &v) in p.iter().enumerate() {
+                index |= usize::from((v - 1) / 2) << (2 * k);
+            }
+            map[index] = i as i32;
+        }
+        let mut neighbours = Vec::new();
+        let mut dist2: Vec<(i32, usize)> = Vec::with_capacity(points.len());
+        for u in 0..IQ2_MAP_SIZE {
+            if map[u] >= 0 {
+                continue;
+            }
+            let pos: [i32; 8] = std::array::from_fn(|k| 2 * ((u >> (2 * k)) & 3) as i32 + 1);
+            dist2.clear();
+            for (j, p) in points.iter().enumerate() {
+                let d2: i32 = (0..8).map(|k| (i32::from(p[k]) - pos[k]).pow(2)).sum();
+                dist2.push((d2, j));
+            }
+            dist2.sort_unstable();
+            map[u] = -(neighbours.len() as i32 + 1);
+            let start = neighbours.len();
+            neighbours.push(0);
+            let (mut d2, mut nhave, mut n) = (dist2[0].0, 1, 0u16);
+            for &(d, j) in &dist2 {
+                if d > d2 {
+                    if nhave == nwant {
+                        break;
+                    }
+                    d2 = d;
+                    nhave += 1;
+                }
+                neighbours.push(j as u16);
+                n += 1;
+            }
+            neighbours[start] = n;
+        }
+        Iq2Grid {
+            points,
+            map,
+            neighbours,
+        }
+    }
+
+    /// Points from a dequantization table whose byte values are the levels of magnitude codes
+    /// 0, 1, 2 (`levels[l]`).
+    fn from_table(rows: &[[u8; 8]], levels: [u8; 3], nwant: usize) -> Result<Iq2Grid, String> {
+        let mut points = Vec::with_capacity(rows.len());
+        for r in rows {
+            let mut p = [0u8; 8];
+            for (o, v) in p.iter_mut().zip(r) {
+                let l = levels
+                    .iter()
+                    .position(|x| x == v)
+                    .ok_or_else(|| format!("grid value {v} is not a level"))?;
+                *o = 2 * l as u8 + 1;
+            }
+            points.push(p);
+        }
+        Ok(Self::build(points, nwant))
+    }
+
+    fn code(l: &[i8]) -> usize {
+        let mut u = 0usize;
+        for (i, &v) in l.iter().enumerate().take(8) {
+            u |= (v as u8 as usize) << (2 * i);
+        }
+        u
+    }
+
+    /// `iq2_find_best_neighbour`.
+    fn best_neighbour(
+        &self,
+        u: usize,
+        xval: &[f32],
+        weight: &[f32],
+        scale: f32,
+        l: &mut [i8],
+    ) -> usize {
+        let start = (-self.map[u] - 1) as usize;
+        let n = usize::from(self.neighbours[start]);
+        let mut best_d2 = f32::MAX;
+        let mut best = usize::from(self.neighbours[start + 1]);
+        for &j in &self.neighbours[start + 1..start + 1 + n] {
+            let pg = &self.points[usize::from(j)];
+            let mut d2 = 0.0f32;
+            for i in 0..8 {
+                let q = f32::from(pg[i]);
+                let diff = scale * q - xval[i];
+                d2 += weight[i] * diff * diff;
+            }
+            if d2 < best_d2 {
+                best_d2 = d2;
+                best = usize::from(j);
+            }
+        }
+        for i in 0..8 {
+            l[i] = ((self.points[best][i] - 1) / 2) as i8;
+        }
+        best
+    }
+
+    /// Grid index of the 8 magnitude codes of group `k` at inverse scale `id` (snapped to the
+    /// best neighbour when off the grid, which also rewrites `l`).
+    fn snap(
+        &self,
+        xval: &[f32],
+        waux: &[f32],
+        k: usize,
+        id: f32,
+        scale: f32,
+        l: &mut [i8],
+    ) -> usize {
+        const KMAXQ: i32 = 3;
+        for i in 0..8 {
+            l[8 * k + i] =
+                nearest_int(0.5 * (id * xval[8 * k + i] - 1.0)).clamp(0, KMAXQ - 1) as i8;
+        }
+        let u = Self::code(&l[8 * k..8 * k + 8]);
+        if self.map[u] >= 0 {
+            return self.map[u] as usize;
+        }
+        self.best_neighbour(
+            u,
+            &xval[8 * k..8 * k + 8],
+            &waux[8 * k..8 * k + 8],
+            scale,
+            &mut l[8 * k..8 * k + 8],
+        )
+    }
+}
+
+fn iq2xxs_grid() -> Result<&'static Iq2Grid, QuantError> {
+    static CELL: std::sync::OnceLock<Result<Iq2Grid, String>> = std::sync::OnceLock::new();
+    let t = tables()?;
+    CELL.get_or_init(|| Iq2Grid::from_table(&t.iq2xxs[..], [0x08, 0x19, 0x2b], 2))
+        .as_ref()
+        .map_err(|e| QuantError::Tables(e.clone()))
+}
+
+/// `quantize_row_iq2_xxs_impl` for one super-block (needs importance weights).
+fn iq2_xxs(x: &[f32], qw: &[f32], g: &Iq2Grid) -> BlockIq2Xxs {
+    const KMAXQ: i32 = 3;
+    let mut q2 = [0u32; 16];
+    let sigma2 = sum_squares(x) / QK_K as f32;
+    let mut scales = [0.0f32; 8];
+    let mut max_scale = 0.0f32;
+    for ib in 0..8 {
+        let xb = &x[32 * ib..32 * ib + 32];
+        let mut weight = [0.0f32; 32];
+        for i in 0..32 {
+            weight[i] = qw[32 * ib + i] * (sigma2 + xb[i] * xb[i]).sqrt();
+        }
+        let mut waux = [0.0f32; 32];
+        for i in 0..32 {
+            waux[i] = weight[i].sqrt();
+        }
+        let (mut xval, mut block_signs, nflip) = iq3_signs(xb);
+        even_sign_parity(xb, &weight, &mut xval, &mut block_signs, &nflip);
+        let max = iq3_max(&xval);
+        if max < GROUP_MAX_EPS {
+            scales[ib] = 0.0;
+            continue;
+        }
+        let mut lu = [0u8; 32];
+        let mut scale = make_qp_quants(KMAXQ + 1, &xval, &mut lu, &weight);
+        let mut l: [i8; 32] = std::array::from_fn(|i| lu[i] as i8);
+        let eff_max = scale * KMAXQ as f32;
+        if eff_max <= 0.0 {
+            scales[ib] = 0.0;
+            continue;
+        }
+        let mut best = 0.0f32;
+        let mut laux = [0i8; 32];
+        for is in -6..=6 {
+            let id = ((2 * KMAXQ - 1) as f32 + is as f32 * 0.1) / eff_max;
+            let this_scale = 1.0 / id;
+            for k in 0..4 {
+                g.snap(&xval, &waux, k, id, this_scale, &mut laux);
+            }
+            let (sumqx, sumq2) = iq3_sums(&weight, &xval, &laux);
+            if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
+                scale = sumqx / sumq2;
+                best = scale * sumqx;
+                l = laux;
+            }
+        }
+        if scale > 0.0 {
+            let id = 1.0 / scale;
+            for k in 0..4 {
+                let gi = g.snap(&xval, &waux, k, id, scale, &mut l);
+                for i in 0..8 {
+                    l[8 * k + i] = ((g.points[gi][i] - 1) / 2) as i8;
+                }
+            }
+            let (sumqx, sumq2) = iq3_sums(&weight, &xval, &l);
+            if sumq2 > 0.0 {
+                scale = sumqx / sumq2;
+            }
+        }
+        if scale < 0.0 {
+            scale = -scale;
+            for s in block_signs.iter_mut() {
+                *s = !*s & 127;
+            }
+        }
+        for k in 0..4 {
+            let gi = g.map[Iq2Grid::code(&l[8 * k..8 * k + 8])].max(0) as u32;
+            q2[2 * ib] |= gi << (8 * k);
+            q2[2 * ib + 1] |= u32::from(block_signs[k]) << (7 * k);
+        }
+        scales[ib] = scale;
+        max_scale = c_max(max_scale, scale);
+    }
+    if max_scale == 0.0 {
+        return BlockIq2Xxs {
+            d: fp32_to_fp16(0.0),
+            qs: [0; 32],
+        };
+    }
+    let d = max_scale / 31.0;
+    let id = 1.0 / d;
+    for ib in 0..8 {
+        let v = nearest_int(0.5 * (id * scales[ib] - 1.0)).clamp(0, 15);
+        q2[2 * ib + 1] |= (v as u32) << 28;
+    }
+    let mut qs = [0u16; 32];
+    for (i, v) in q2.iter().enumerate() {
+        qs[2 * i] = (*v & 0xffff) as u16;
+        qs[2 * i + 1] = (*v >> 16) as u16;
+    }
+    BlockIq2Xxs {
+        d: fp32_to_fp16(d),
+        qs,
     }
 }
 
