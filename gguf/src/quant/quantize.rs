@@ -1763,37 +1763,45 @@ fn iq4_xs(x: &[f32], qw: Option<&[f32]>, values: &[i8; 16]) -> BlockIq4Xs {
 // ---------------------------------------------------------------------------------------------
 // IQ3_S: 4-value groups snapped to a 512-point grid of odd magnitudes 1..15.
 
-/// An IQ3 grid with ggml's search structures (`iq3xs_init_impl`): the points as odd
-/// magnitudes `2l + 1`, a map from the 12-bit code of any 4 magnitudes (3 bits each) to its grid
-/// index, and for codes off the grid the candidate points of the `nwant` nearest distance
-/// levels, nearest first (ties by index).
-struct Iq3Grid {
-    points: Vec<[u8; 4]>,
+/// A codebook grid with ggml's search structures (`iq3xs_init_impl`, `iq2xs_init_impl`): the
+/// points as odd magnitudes `2l + 1` in groups of `N`, a map from the code of any `N`
+/// magnitudes (`BITS` bits each) to its grid index, and for codes off the grid the candidate
+/// points of the `nwant` nearest distance levels, nearest first (ties by index).
+struct Grid<const N: usize, const BITS: usize> {
+    points: Vec<[u8; N]>,
     map: Vec<i32>,
     /// For an off-grid code `u`: `neighbours[-map[u] - 1..]` starts with the count.
     neighbours: Vec<u16>,
 }
 
-impl Iq3Grid {
-    fn build(points: Vec<[u8; 4]>, nwant: usize) -> Iq3Grid {
-        let mut map = vec![-1i32; 4096];
+/// IQ3 grids: 4 magnitudes of 3 bits.
+type Iq3Grid = Grid<4, 3>;
+/// IQ2 grids: 8 magnitudes of 2 bits.
+type Iq2Grid = Grid<8, 2>;
+
+impl<const N: usize, const BITS: usize> Grid<N, BITS> {
+    /// `map_size` codes are searched, as ggml's `kmap_size` says (for IQ2 it stops just past
+    /// the codes whose fields are all at most 2).
+    fn build(points: Vec<[u8; N]>, nwant: usize, map_size: usize) -> Self {
+        let mask = (1usize << BITS) - 1;
+        let mut map = vec![-1i32; map_size];
         for (i, p) in points.iter().enumerate() {
             let mut index = 0usize;
             for (k, &v) in p.iter().enumerate() {
-                index |= usize::from((v - 1) / 2) << (3 * k);
+                index |= usize::from((v - 1) / 2) << (BITS * k);
             }
             map[index] = i as i32;
         }
         let mut neighbours = Vec::new();
         let mut dist2: Vec<(i32, usize)> = Vec::with_capacity(points.len());
-        for u in 0..4096usize {
+        for u in 0..map_size {
             if map[u] >= 0 {
                 continue;
             }
-            let pos: [i32; 4] = std::array::from_fn(|k| 2 * ((u >> (3 * k)) & 7) as i32 + 1);
+            let pos: [i32; N] = std::array::from_fn(|k| 2 * ((u >> (BITS * k)) & mask) as i32 + 1);
             dist2.clear();
             for (j, p) in points.iter().enumerate() {
-                let d2: i32 = (0..4).map(|k| (i32::from(p[k]) - pos[k]).pow(2)).sum();
+                let d2: i32 = (0..N).map(|k| (i32::from(p[k]) - pos[k]).pow(2)).sum();
                 dist2.push((d2, j));
             }
             dist2.sort_unstable();
@@ -1814,48 +1822,45 @@ impl Iq3Grid {
             }
             neighbours[start] = n;
         }
-        Iq3Grid {
+        Grid {
             points,
             map,
             neighbours,
         }
     }
-}
 
-/// IQ3_S's 512-point grid (its table already holds the odd magnitudes).
-fn iq3s_grid() -> Result<&'static Iq3Grid, QuantError> {
-    static CELL: std::sync::OnceLock<Iq3Grid> = std::sync::OnceLock::new();
-    let t = tables()?;
-    Ok(CELL.get_or_init(|| Iq3Grid::build(t.iq3s.to_vec(), 3)))
-}
-
-/// IQ3_XXS's 256-point grid: its table holds the dequantized levels 4, 12, ..., 52, 62, the
-/// k-th of which is magnitude code k (odd magnitude 2k + 1).
-fn iq3xxs_grid() -> Result<&'static Iq3Grid, QuantError> {
-    static CELL: std::sync::OnceLock<Result<Iq3Grid, String>> = std::sync::OnceLock::new();
-    let t = tables()?;
-    CELL.get_or_init(|| {
-        const LEVELS: [u8; 8] = [4, 12, 20, 28, 36, 44, 52, 62];
-        let mut points = Vec::with_capacity(256);
-        for p in t.iq3xxs.iter() {
-            let mut q = [0u8; 4];
-            for (o, v) in q.iter_mut().zip(p) {
-                let k = LEVELS
+    /// Points from a dequantization table whose byte values are the levels of the magnitude
+    /// codes (`levels[l]`).
+    fn from_levels(
+        rows: &[[u8; N]],
+        levels: &[u8],
+        nwant: usize,
+        map_size: usize,
+    ) -> Result<Self, String> {
+        let mut points = Vec::with_capacity(rows.len());
+        for r in rows {
+            let mut p = [0u8; N];
+            for (o, v) in p.iter_mut().zip(r) {
+                let l = levels
                     .iter()
-                    .position(|l| l == v)
-                    .ok_or_else(|| format!("iq3xxs grid value {v} is not a level"))?;
-                *o = 2 * k as u8 + 1;
+                    .position(|x| x == v)
+                    .ok_or_else(|| format!("grid value {v} is not a level"))?;
+                *o = 2 * l as u8 + 1;
             }
-            points.push(q);
+            points.push(p);
         }
-        Ok(Iq3Grid::build(points, 2))
-    })
-    .as_ref()
-    .map_err(|e| QuantError::Tables(e.clone()))
-}
+        Ok(Self::build(points, nwant, map_size))
+    }
 
-impl Iq3Grid {
-    /// `iq3_find_best_neighbour`: the candidate minimising the weighted squared error at
+    fn code(l: &[i8]) -> usize {
+        let mut u = 0usize;
+        for (i, &v) in l.iter().enumerate().take(N) {
+            u |= (v as u8 as usize) << (BITS * i);
+        }
+        u
+    }
+
+    /// `iq{2,3}_find_best_neighbour`: the candidate minimising the weighted squared error at
     /// `scale` (first on ties); writes its magnitude codes to `l`.
     fn best_neighbour(
         &self,
@@ -1872,7 +1877,7 @@ impl Iq3Grid {
         for &j in &self.neighbours[start + 1..start + 1 + n] {
             let pg = &self.points[usize::from(j)];
             let mut d2 = 0.0f32;
-            for i in 0..4 {
+            for i in 0..N {
                 let q = f32::from(pg[i]);
                 let diff = scale * q - xval[i];
                 d2 += weight[i] * diff * diff;
@@ -1882,19 +1887,30 @@ impl Iq3Grid {
                 best = usize::from(j);
             }
         }
-        for i in 0..4 {
+        for i in 0..N {
             l[i] = ((self.points[best][i] - 1) / 2) as i8;
         }
         best
     }
+}
 
-    fn code(l: &[i8]) -> usize {
-        let mut u = 0usize;
-        for (i, &v) in l.iter().enumerate().take(4) {
-            u |= (v as u8 as usize) << (3 * i);
-        }
-        u
-    }
+/// IQ3_S's 512-point grid (its table already holds the odd magnitudes).
+fn iq3s_grid() -> Result<&'static Iq3Grid, QuantError> {
+    static CELL: std::sync::OnceLock<Iq3Grid> = std::sync::OnceLock::new();
+    let t = tables()?;
+    Ok(CELL.get_or_init(|| Iq3Grid::build(t.iq3s.to_vec(), 3, 4096)))
+}
+
+/// IQ3_XXS's 256-point grid: its table holds the dequantized levels 4, 12, ..., 52, 62, the
+/// k-th of which is magnitude code k (odd magnitude 2k + 1).
+fn iq3xxs_grid() -> Result<&'static Iq3Grid, QuantError> {
+    static CELL: std::sync::OnceLock<Result<Iq3Grid, String>> = std::sync::OnceLock::new();
+    let t = tables()?;
+    CELL.get_or_init(|| {
+        Iq3Grid::from_levels(&t.iq3xxs[..], &[4, 12, 20, 28, 36, 44, 52, 62], 2, 4096)
+    })
+    .as_ref()
+    .map_err(|e| QuantError::Tables(e.clone()))
 }
 
 /// Per-element weights of a 32-element IQ3 sub-block and their square roots (the neighbour
@@ -2211,123 +2227,10 @@ fn even_sign_parity(
 // ---------------------------------------------------------------------------------------------
 // IQ2: 8-value groups snapped to a grid of magnitudes 1, 3, 5 (ggml's `iq2xs_init_impl`).
 
-/// An IQ2/IQ1 grid with ggml's search structures: points as odd magnitudes `2l + 1` (l <= 2),
-/// a map from the 16-bit code of 8 magnitudes (2 bits each) to the grid index, and for codes
-/// off the grid the candidates of the `nwant` nearest distance levels, nearest first.
-struct Iq2Grid {
-    points: Vec<[u8; 8]>,
-    map: Vec<i32>,
-    neighbours: Vec<u16>,
-}
-
-/// ggml's `kmap_size`: every code whose 2-bit fields are at most 2, plus two.
+/// ggml's IQ2 `kmap_size`: every code whose 2-bit fields are at most 2, plus two.
 const IQ2_MAP_SIZE: usize = 43692;
 
 impl Iq2Grid {
-    fn build(points: Vec<[u8; 8]>, nwant: usize) -> Iq2Grid {
-        let mut map = vec![-1i32; IQ2_MAP_SIZE];
-        for (i, p) in points.iter().enumerate() {
-            let mut index = 0usize;
-            for (k, &v) in p.iter().enumerate() {
-                index |= usize::from((v - 1) / 2) << (2 * k);
-            }
-            map[index] = i as i32;
-        }
-        let mut neighbours = Vec::new();
-        let mut dist2: Vec<(i32, usize)> = Vec::with_capacity(points.len());
-        for u in 0..IQ2_MAP_SIZE {
-            if map[u] >= 0 {
-                continue;
-            }
-            let pos: [i32; 8] = std::array::from_fn(|k| 2 * ((u >> (2 * k)) & 3) as i32 + 1);
-            dist2.clear();
-            for (j, p) in points.iter().enumerate() {
-                let d2: i32 = (0..8).map(|k| (i32::from(p[k]) - pos[k]).pow(2)).sum();
-                dist2.push((d2, j));
-            }
-            dist2.sort_unstable();
-            map[u] = -(neighbours.len() as i32 + 1);
-            let start = neighbours.len();
-            neighbours.push(0);
-            let (mut d2, mut nhave, mut n) = (dist2[0].0, 1, 0u16);
-            for &(d, j) in &dist2 {
-                if d > d2 {
-                    if nhave == nwant {
-                        break;
-                    }
-                    d2 = d;
-                    nhave += 1;
-                }
-                neighbours.push(j as u16);
-                n += 1;
-            }
-            neighbours[start] = n;
-        }
-        Iq2Grid {
-            points,
-            map,
-            neighbours,
-        }
-    }
-
-    /// Points from a dequantization table whose byte values are the levels of magnitude codes
-    /// 0, 1, 2 (`levels[l]`).
-    fn from_table(rows: &[[u8; 8]], levels: [u8; 3], nwant: usize) -> Result<Iq2Grid, String> {
-        let mut points = Vec::with_capacity(rows.len());
-        for r in rows {
-            let mut p = [0u8; 8];
-            for (o, v) in p.iter_mut().zip(r) {
-                let l = levels
-                    .iter()
-                    .position(|x| x == v)
-                    .ok_or_else(|| format!("grid value {v} is not a level"))?;
-                *o = 2 * l as u8 + 1;
-            }
-            points.push(p);
-        }
-        Ok(Self::build(points, nwant))
-    }
-
-    fn code(l: &[i8]) -> usize {
-        let mut u = 0usize;
-        for (i, &v) in l.iter().enumerate().take(8) {
-            u |= (v as u8 as usize) << (2 * i);
-        }
-        u
-    }
-
-    /// `iq2_find_best_neighbour`.
-    fn best_neighbour(
-        &self,
-        u: usize,
-        xval: &[f32],
-        weight: &[f32],
-        scale: f32,
-        l: &mut [i8],
-    ) -> usize {
-        let start = (-self.map[u] - 1) as usize;
-        let n = usize::from(self.neighbours[start]);
-        let mut best_d2 = f32::MAX;
-        let mut best = usize::from(self.neighbours[start + 1]);
-        for &j in &self.neighbours[start + 1..start + 1 + n] {
-            let pg = &self.points[usize::from(j)];
-            let mut d2 = 0.0f32;
-            for i in 0..8 {
-                let q = f32::from(pg[i]);
-                let diff = scale * q - xval[i];
-                d2 += weight[i] * diff * diff;
-            }
-            if d2 < best_d2 {
-                best_d2 = d2;
-                best = usize::from(j);
-            }
-        }
-        for i in 0..8 {
-            l[i] = ((self.points[best][i] - 1) / 2) as i8;
-        }
-        best
-    }
-
     /// Grid index of the 8 magnitude codes of group `k` at inverse scale `id` (snapped to the
     /// best neighbour when off the grid, which also rewrites `l`).
     fn snap(
@@ -2361,7 +2264,7 @@ impl Iq2Grid {
 fn iq2xxs_grid() -> Result<&'static Iq2Grid, QuantError> {
     static CELL: std::sync::OnceLock<Result<Iq2Grid, String>> = std::sync::OnceLock::new();
     let t = tables()?;
-    CELL.get_or_init(|| Iq2Grid::from_table(&t.iq2xxs[..], [0x08, 0x19, 0x2b], 2))
+    CELL.get_or_init(|| Iq2Grid::from_levels(&t.iq2xxs[..], &[0x08, 0x19, 0x2b], 2, IQ2_MAP_SIZE))
         .as_ref()
         .map_err(|e| QuantError::Tables(e.clone()))
 }
