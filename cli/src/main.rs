@@ -34,6 +34,10 @@ enum Command {
     Verify(cmd::verify::Args),
     /// Print the HF <-> GGUF tensor-name table.
     Map(cmd::map::Args),
+    /// Quantize a model to a llama.cpp file type (byte-identical to llama-quantize).
+    Quantize(cmd::quantize::Args),
+    /// Edit metadata or tensor names (split-aware, atomic, tensor data copied untouched).
+    Edit(cmd::edit::Args),
     /// Convert a GGUF model to HF-layout safetensors.
     Convert(cmd::convert::Args),
     /// Generate text from a prompt.
@@ -46,6 +50,8 @@ enum Command {
     Synth(cmd::synth::Args),
     /// Diagnose the environment and a model (GPU, layers where CPU and GPU diverge).
     Doctor(cmd::doctor::Args),
+    /// Print a shell completion script (bash, zsh, fish, ...).
+    Completions(cmd::completions::Args),
 }
 
 fn main() -> ExitCode {
@@ -56,12 +62,15 @@ fn main() -> ExitCode {
         Command::Split(a) => cmd::split::run(a),
         Command::Verify(a) => cmd::verify::run(a),
         Command::Map(a) => cmd::map::run(a),
+        Command::Quantize(a) => cmd::quantize::run(a),
+        Command::Edit(a) => cmd::edit::run(a),
         Command::Convert(a) => cmd::convert::run(a),
         Command::Generate(a) => cmd::generate::run(a),
         Command::Serve(a) => cmd::serve::run(a),
         Command::Bench(a) => cmd::bench::run(a),
         Command::Doctor(a) => cmd::doctor::run(a),
         Command::Synth(a) => cmd::synth::run(a),
+        Command::Completions(a) => cmd::completions::run(a),
     };
     match result {
         Ok(code) => code,
