@@ -53,11 +53,13 @@ fn assert_refused(out: &Output, target: &Path, what: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(!target.exists(), "{what}: output left behind");
-    let partial = target.with_file_name(format!(
-        "{}.partial",
-        target.file_name().unwrap().to_str().unwrap()
-    ));
-    assert!(!partial.exists(), "{what}: partial file left behind");
+    let dir = target.parent().unwrap();
+    let left: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".partial"))
+        .collect();
+    assert!(left.is_empty(), "{what}: temporary left behind: {left:?}");
 }
 
 #[test]
@@ -324,72 +326,4 @@ fn refuses_existing_output_and_output_equal_to_input() {
     let o = run(&[&"merge", &s[0], &"-o", &out, &"--force", &"--quiet"]);
     assert!(o.status.success());
     assert_eq!(std::fs::metadata(&out).unwrap().len(), 4881024);
-}
-
-#[test]
-fn interrupted_merge_leaves_nothing() {
-    // A 3-shard model large enough (3 x 64 MiB) that SIGINT lands while the merge is writing:
-    // the signal is sent as soon as OUT.partial appears.
-    let d = tempfile::tempdir().unwrap();
-    let big = d.path().join("big.gguf");
-    let data = vec![0u8; 64 << 20];
-    let n = (data.len() / 4) as u64;
-    let mut meta = gguf::Metadata::new(&big);
-    meta.set("general.architecture", gguf::Value::String("llama".into()));
-    let bytes = gguf::writer::build(
-        &meta,
-        &[
-            ("a", &[n], gguf::GgmlType::F32, &data),
-            ("b", &[n], gguf::GgmlType::F32, &data),
-            ("c", &[n], gguf::GgmlType::F32, &data),
-        ],
-    )
-    .unwrap();
-    std::fs::write(&big, bytes).unwrap();
-    let prefix = d.path().join("big");
-    let o = run(&[
-        &"split",
-        &big,
-        &"-o",
-        &prefix,
-        &"--max-tensors",
-        &"1",
-        &"--quiet",
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let out = d.path().join("m.gguf");
-    let partial = d.path().join("m.gguf.partial");
-    let first = d.path().join("big-00001-of-00003.gguf");
-    let mut child = bin()
-        .args([
-            "merge",
-            first.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-            "--quiet",
-        ])
-        .spawn()
-        .unwrap();
-    let t0 = std::time::Instant::now();
-    while !partial.exists() && t0.elapsed() < std::time::Duration::from_secs(30) {
-        if child.try_wait().unwrap().is_some() {
-            break;
-        }
-        std::thread::yield_now();
-    }
-    // SAFETY: plain kill(2) on our own child's pid.
-    unsafe {
-        libc::kill(child.id() as i32, libc::SIGINT);
-    }
-    let status = child.wait().unwrap();
-    if status.success() {
-        // The merge won the race: then the output must be complete.
-        assert_eq!(
-            std::fs::metadata(&out).unwrap().len(),
-            std::fs::metadata(&big).unwrap().len()
-        );
-    } else {
-        assert!(!out.exists(), "interrupted merge left OUT");
-    }
-    assert!(!partial.exists(), "interrupted merge left OUT.partial");
 }

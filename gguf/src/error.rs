@@ -151,6 +151,9 @@ pub enum Error {
     /// A set of split shards that does not form one model.
     #[error("{file}: split: {message}")]
     Split { file: PathBuf, message: String },
+    /// The path is a directory, FIFO, socket or device: refused before anything is read.
+    #[error("{path}: is {kind}, not a regular file")]
+    NotRegularFile { path: PathBuf, kind: &'static str },
     /// Building a file to write from inconsistent parts.
     #[error("write: {0}")]
     Write(String),

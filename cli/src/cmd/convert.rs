@@ -4,10 +4,11 @@
 
 use crate::util::{
     check_interrupted, count_progress, human_bytes, install_interrupt_handler, parse_size,
+    AtomicDir,
 };
 use anyhow::{Context, Result};
-use mappings::export::{export_safetensors, ExportOptions, OutDtype, Progress};
-use std::path::PathBuf;
+use mappings::export::{export_safetensors_into, ExportOptions, OutDtype, Progress};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -26,7 +27,8 @@ enum Dtype {
 pub struct Args {
     /// A GGUF file or any shard of a split model.
     model: PathBuf,
-    /// Output directory (written as OUT_DIR.partial, renamed when complete).
+    /// Output directory (written aside, swapped in when complete). `--force` replaces only a
+    /// directory gguftool wrote (it holds a `.gguftool-output` marker) or an empty one.
     out_dir: PathBuf,
     /// Output format.
     #[arg(long, value_enum, default_value = "safetensors")]
@@ -44,7 +46,7 @@ pub struct Args {
     /// With --tp: the rank to write.
     #[arg(long, value_name = "R", requires = "tp")]
     rank: Option<usize>,
-    /// Replace an existing OUT_DIR.
+    /// Replace an existing OUT_DIR that gguftool wrote (or an empty one).
     #[arg(long)]
     force: bool,
     /// No progress bar.
@@ -57,8 +59,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<ExitCode> {
     let Format::Safetensors = args.to;
-    let model = gguf::Model::open(&args.model)
-        .with_context(|| format!("cannot open {}", args.model.display()))?;
+    let model = gguf::Model::open(&args.model)?;
     let opts = ExportOptions {
         dtype: match args.dtype {
             Dtype::Bf16 => OutDtype::Bf16,
@@ -69,16 +70,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
         tp: args.tp.zip(args.rank),
         overwrite: args.force,
     };
-    if args.out_dir.exists() && !args.force {
-        anyhow::bail!(
-            "{} exists (use --force to replace it)",
-            args.out_dir.display()
-        );
-    }
     install_interrupt_handler();
+    let inputs: Vec<&Path> = model.shards().iter().map(|f| f.path()).collect();
+    let out = AtomicDir::create(&args.out_dir, args.force, &inputs)?;
     let mut bar = None;
     let quiet = args.quiet;
-    let summary = export_safetensors(&model, &args.out_dir, &opts, &mut |p| {
+    let summary = export_safetensors_into(&model, out.path(), &opts, &mut |p| {
         match p {
             Progress::Start { tensors, .. } => {
                 bar = Some(count_progress(tensors as u64, quiet, "writing tensors"));
@@ -94,12 +91,15 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    let summary = summary.with_context(|| {
+    check_interrupted()?;
+    let mut summary = summary.with_context(|| {
         format!(
             "converting {} failed; nothing was written",
             args.model.display()
         )
     })?;
+    out.commit()?;
+    summary.out_dir = args.out_dir.clone();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {

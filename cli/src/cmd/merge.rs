@@ -10,7 +10,7 @@ use gguf::writer::Layout;
 use gguf::{split, GgufFile, Metadata, Model, TensorInfo, Value};
 use serde_json::json;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -43,15 +43,11 @@ pub struct Args {
 pub fn run(args: Args) -> Result<ExitCode> {
     util::install_interrupt_handler();
     let t0 = Instant::now();
+    // A target that can never be written (a directory, a device, a FIFO) fails before any work.
+    util::check_output_file(&args.output, args.force)?;
     let model = open_set(&args.shards)?;
-    for f in model.shards() {
-        if util::same_file(f.path(), &args.output) {
-            bail!(
-                "output {} is one of the input shards",
-                args.output.display()
-            );
-        }
-    }
+    let inputs: Vec<&Path> = model.shards().iter().map(|f| f.path()).collect();
+    util::refuse_input_as_output(&args.output, &inputs)?;
     check_foreign(&model)?;
 
     let (meta, tensors) = merged_header(&model, args.keep_split_keys)?;

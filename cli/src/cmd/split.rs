@@ -2,7 +2,7 @@
 //! metadata as llama-gguf-split), all-or-nothing: shards appear under their names only when
 //! every one is complete.
 
-use crate::util::{self, human_bytes, PartialFile};
+use crate::util::{self, human_bytes, PartialFile, PartialSet};
 use anyhow::{bail, Context, Result};
 use gguf::copy::{write_zeros_at, Copier};
 use gguf::reader::align_up;
@@ -10,7 +10,7 @@ use gguf::writer::Layout;
 use gguf::{split, Metadata, Model, TensorInfo, Value};
 use serde_json::json;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(clap::Args)]
@@ -113,12 +113,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
             return Ok(ExitCode::SUCCESS);
         }
     }
+    let inputs: Vec<&Path> = model.shards().iter().map(|f| f.path()).collect();
     for p in &paths {
-        for f in model.shards() {
-            if util::same_file(f.path(), p) {
-                bail!("output {} is an input file", p.display());
-            }
-        }
+        util::check_output_file(p, args.force)?;
+        util::refuse_input_as_output(p, &inputs)?;
     }
     if let Some(free) = util::free_space(&paths[0]) {
         if free < total {
@@ -132,10 +130,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
     let pb = util::byte_progress(total, args.quiet || args.json, "splitting");
     let mut copier = Copier::new();
-    let mut outs = Vec::with_capacity(n);
+    let mut outs = PartialSet::default();
     let mut k = 0usize;
     for (p, layout) in paths.iter().zip(&layouts) {
-        let out = PartialFile::create(p, args.force)?;
+        let out = outs.push(PartialFile::create(p, args.force)?);
         let mut header = Vec::with_capacity(layout.data_offset as usize);
         layout.write_header(&mut header)?;
         out.file.write_all_at(&header, 0)?;
@@ -163,13 +161,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
             write_zeros_at(&out.file, off + t.n_bytes(), pad)?;
             pb.inc(pad);
         }
-        outs.push(out);
     }
     pb.finish_and_clear();
     // Rename only when every shard is complete: a failure above drops (removes) all partials.
-    for out in outs {
-        out.commit()?;
-    }
+    outs.commit()?;
     if !args.quiet && !args.json {
         eprintln!(
             "wrote {n} shards ({}) with prefix {}",
