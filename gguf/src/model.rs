@@ -418,6 +418,14 @@ fn check_split_set(shards: Vec<GgufFile>) -> Result<Vec<GgufFile>> {
             })
         }
     }
+    let ids: Vec<(&Path, Option<&str>)> = sorted
+        .iter()
+        .map(|f| {
+            let id = f.metadata().get(split::KEY_SET_ID).and_then(|v| v.as_str());
+            (f.path(), id)
+        })
+        .collect();
+    split::check_set_ids(&ids).map_err(|(file, message)| Error::Split { file, message })?;
     for f in &sorted[1..] {
         if let Some(n) = f.split_info()?.and_then(|s| s.tensors_count) {
             if n != total {

@@ -22,11 +22,17 @@ pub struct Args {
     #[arg(short, long)]
     output: String,
     /// Largest tensor data per shard (decimal units: 50G = 50*10^9 bytes, as gguf-split).
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", visible_alias = "split-max-size")]
     max_size: Option<String>,
     /// Most tensors per shard.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", visible_alias = "split-max-tensors")]
     max_tensors: Option<usize>,
+    /// Mark every shard with a set identifier (`split.set_id`, a key llama.cpp ignores) so that
+    /// merge, verify and the loaders refuse a shard of another model. Without a value it is
+    /// derived from the model and the plan. Off by default: the shards are then byte-identical
+    /// to llama-gguf-split's.
+    #[arg(long, value_name = "ID", num_args = 0..=1, default_missing_value = "")]
+    set_id: Option<String>,
     /// Print the plan, write nothing.
     #[arg(long)]
     dry_run: bool,
@@ -58,6 +64,18 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
     let mut base = model.metadata().clone();
     base.retain(|k, _| !k.starts_with("split."));
+    let set_id = match args.set_id.as_deref() {
+        None => None,
+        Some("") => Some(split::derive_set_id(
+            &base,
+            tensors.iter().map(|t| (t.info, model.data(t))),
+            &plan,
+        )),
+        Some(id) if id.chars().all(|c| c.is_ascii_graphic()) && id.len() <= 128 => {
+            Some(id.to_string())
+        }
+        Some(id) => bail!("--set-id {id:?}: use up to 128 printable ASCII characters"),
+    };
     let mut layouts = Vec::with_capacity(n);
     for (i, range) in plan.iter().enumerate() {
         let mut meta = if i == 0 {
@@ -69,6 +87,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         meta.set(split::KEY_NO, Value::U16(i as u16));
         meta.set(split::KEY_TENSORS_COUNT, Value::I32(total_tensors));
         meta.set(split::KEY_COUNT, Value::U16(n as u16));
+        if let Some(id) = &set_id {
+            meta.set(split::KEY_SET_ID, Value::String(id.clone()));
+        }
         if i > 0 {
             if let Some(a) = base.get("general.alignment") {
                 // Shards after the first need the alignment too, or readers assume 32.
@@ -96,7 +117,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             println!(
                 "{}",
                 serde_json::to_string_pretty(
-                    &json!({"shards": shards, "bytes": total, "dry_run": args.dry_run})
+                    &json!({"shards": shards, "bytes": total, "dry_run": args.dry_run, "set_id": set_id})
                 )?
             );
         } else {
