@@ -335,20 +335,46 @@ fn split_aliases_of_gguf_split_give_the_same_shards() {
     let src = fx("gguf/tiny-glm5-Q4_K_M.gguf");
     let o = run(&[&"split", &src, &"-o", &a, &"--max-tensors", &"32", &"-q"]);
     assert!(o.status.success());
-    let o = run(&[&"split", &src, &"-o", &b, &"--split-max-tensors", &"32", &"-q"]);
+    let o = run(&[
+        &"split",
+        &src,
+        &"-o",
+        &b,
+        &"--split-max-tensors",
+        &"32",
+        &"-q",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     for k in 1..=3 {
         let name = |p: &Path| PathBuf::from(format!("{}-0000{k}-of-00003.gguf", p.display()));
         assert_eq!(sha256_hex(&name(&a)), sha256_hex(&name(&b)));
     }
-    let o = run(&[&"split", &src, &"-o", &b, &"--split-max-size", &"2M", &"-q", &"--dry-run"]);
+    let o = run(&[
+        &"split",
+        &src,
+        &"-o",
+        &b,
+        &"--split-max-size",
+        &"2M",
+        &"-q",
+        &"--dry-run",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
 /// Split `src` with --set-id into `dir/prefix`; returns the shard paths.
 fn split_with_set_id(src: &Path, dir: &Path, prefix: &str) -> Vec<PathBuf> {
     let p = dir.join(prefix);
-    let o = run(&[&"split", &src, &"-o", &p, &"--max-tensors", &"32", &"--set-id", &"-q"]);
+    let o = run(&[
+        &"split",
+        &src,
+        &"-o",
+        &p,
+        &"--max-tensors",
+        &"32",
+        &"--set-id",
+        &"-q",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     (1..=3)
         .map(|k| PathBuf::from(format!("{}-0000{k}-of-00003.gguf", p.display())))
@@ -369,7 +395,10 @@ fn set_id_is_checked_and_removed_by_merge() {
     let out = d.path().join("m.gguf");
     let o = run(&[&"merge", &ours[0], &"-o", &out, &"-q"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert_eq!(sha256_hex(&out), sha256_hex(&fx("gguf/tiny-glm5-Q4_K_M.gguf")));
+    assert_eq!(
+        sha256_hex(&out),
+        sha256_hex(&fx("gguf/tiny-glm5-Q4_K_M.gguf"))
+    );
     // ...nor into llama-gguf-split's merged form.
     let k = d.path().join("k.gguf");
     let o = run(&[&"merge", &ours[0], &"-o", &k, &"--keep-split-keys", &"-q"]);

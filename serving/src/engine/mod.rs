@@ -33,6 +33,21 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Longest sequence (prompt + generated); at most the model's context length.
     pub context_length: usize,
+    /// Makes the error of a request whose logits came out non-finite (NaN / infinity), given
+    /// the sequence's tokens; without it the error names only the position. The request fails
+    /// either way: nothing is ever sampled from such logits.
+    pub on_non_finite: Option<NonFiniteHook>,
+}
+
+/// See [`EngineConfig::on_non_finite`] (e.g. a re-run of the CPU reference that names the first
+/// bad layer: `runtime::numerics`).
+#[derive(Clone)]
+pub struct NonFiniteHook(pub Arc<dyn Fn(&[u32]) -> String + Send + Sync>);
+
+impl std::fmt::Debug for NonFiniteHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NonFiniteHook")
+    }
 }
 
 impl EngineConfig {
@@ -43,6 +58,7 @@ impl EngineConfig {
             max_running: 16,
             prefill_chunk: 512,
             context_length: model.context_length(),
+            on_non_finite: None,
         }
     }
 }
@@ -554,6 +570,27 @@ impl Scheduler {
         for (i, (a, w)) in self.running.iter_mut().zip(&work).enumerate() {
             let Some(w) = *w else { continue };
             let Some(logits) = outputs.next() else { break };
+            if runtime::numerics::first_non_finite(&logits).is_some() {
+                let mut tokens = match w {
+                    Work::Prefill { to, .. } => a.job.req.prompt[..to].to_vec(),
+                    Work::Decode => a.job.req.prompt.clone(),
+                };
+                if let Work::Decode = w {
+                    tokens.push(a.next[0]);
+                }
+                let msg = match &self.config.on_non_finite {
+                    Some(h) => (h.0)(&tokens),
+                    None => format!(
+                        "the model produced non-finite logits (NaN or infinity) at token {}",
+                        tokens.len().saturating_sub(1)
+                    ),
+                };
+                tracing::error!("{msg}");
+                self.metrics.record_finished("error");
+                let _ = a.job.tx.send(Event::Failed(msg));
+                finished.push(i);
+                continue;
+            }
             let done = match w {
                 Work::Prefill { from, to } => {
                     self.metrics

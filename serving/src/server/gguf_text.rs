@@ -1,13 +1,16 @@
 //! [`TextCodec`] over a GGUF model's own tokenizer and chat template.
 
-use super::text::{Message, TextCodec};
+use super::text::{Bounded, Message, TextCodec};
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::tokenizer::Tokenizer;
 use crate::ServingError;
+use std::sync::Arc;
 
-/// The tokenizer and (when the GGUF has one) the chat template of a model.
+/// The tokenizer and (when the GGUF has one) the chat template of a model. The template escapes
+/// control-token text in everything the client sends, and chat prompts are tokenized with
+/// [`Tokenizer::encode_chat`], so a message cannot smuggle in `<|assistant|>`.
 pub struct GgufText {
-    tok: Tokenizer,
+    tok: Arc<Tokenizer>,
     template: Option<ChatTemplate>,
     /// Why there is no template, reported to chat requests.
     template_error: Option<String>,
@@ -17,9 +20,13 @@ impl GgufText {
     /// A model without a usable chat template still serves `/v1/completions`; chat requests
     /// then get a 400 naming the reason.
     pub fn from_gguf(meta: &gguf::Metadata) -> Result<Self, ServingError> {
-        let tok = Tokenizer::from_gguf(meta)?;
+        let tok = Arc::new(Tokenizer::from_gguf(meta)?);
         let (template, template_error) = match ChatTemplate::from_gguf(meta) {
-            Ok(t) => (Some(t), None),
+            Ok(mut t) => {
+                let esc = Arc::clone(&tok);
+                t.set_content_escaper(Arc::new(move |s| esc.escape_control_text(s)));
+                (Some(t), None)
+            }
             Err(e) => (None, Some(e.to_string())),
         };
         Ok(GgufText {
@@ -43,6 +50,21 @@ impl TextCodec for GgufText {
     fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, String> {
         self.tok
             .encode(text, parse_special)
+            .map_err(|e| e.to_string())
+    }
+    fn encode_bounded(
+        &self,
+        text: &str,
+        parse_special: bool,
+        limit: usize,
+    ) -> Result<Bounded, String> {
+        self.tok
+            .encode_bounded(text, parse_special, limit)
+            .map_err(|e| e.to_string())
+    }
+    fn encode_chat(&self, rendered: &str, limit: usize) -> Result<Bounded, String> {
+        self.tok
+            .encode_chat(rendered, limit)
             .map_err(|e| e.to_string())
     }
     fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {

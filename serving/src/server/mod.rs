@@ -82,9 +82,11 @@ pub fn cpu_backend(
     model_backend(&model, lm, name, metrics, configure)
 }
 
-/// A backend serving `lm` (any device), with the tokenizer and chat template of `model`.
+/// A backend serving `lm` (any device), with the tokenizer and chat template of `model`. A
+/// request whose logits come out non-finite fails with the first bad layer as located by the CPU
+/// reference ([`runtime::numerics`]).
 pub fn model_backend(
-    model: &gguf::Model,
+    model: &Arc<gguf::Model>,
     lm: Arc<dyn runtime::LanguageModel>,
     name: &str,
     metrics: Arc<Metrics>,
@@ -95,6 +97,18 @@ pub fn model_backend(
         tracing::warn!("chat completions disabled: {e}");
     }
     let mut cfg = EngineConfig::for_model(lm.as_ref());
+    let diag_model = Arc::clone(model);
+    cfg.on_non_finite = Some(crate::engine::NonFiniteHook(Arc::new(
+        move |tokens: &[u32]| {
+            let d = runtime::numerics::locate_non_finite(Arc::clone(&diag_model), tokens)
+                .unwrap_or(runtime::numerics::Diagnosis::TooLarge);
+            runtime::numerics::non_finite_message(
+                "the serving device",
+                tokens.len().saturating_sub(1),
+                &d,
+            )
+        },
+    )));
     configure(&mut cfg);
     let engine = Engine::start(lm, cfg, metrics).map_err(crate::ServingError::Thread)?;
     Ok(Backend::new(engine, Arc::new(codec), name))
@@ -364,10 +378,22 @@ async fn tokenize(State(s): State<Arc<AppState>>, req: Request) -> Result<Json<V
     let parse_special = f.boolean("parse_special")?.unwrap_or(true);
     let with_pieces = f.boolean("with_pieces")?.unwrap_or(false);
     let codec = b.codec.clone();
-    let ids = tokio::task::spawn_blocking(move || codec.encode(&content, parse_special))
-        .await
-        .map_err(|_| ApiError::internal("tokenizer task failed"))?
-        .map_err(ApiError::bad_request)?;
+    // Bounded like prompts: counting a text far beyond the context is not worth seconds of CPU.
+    let limit = b.engine.context_length();
+    let ids =
+        tokio::task::spawn_blocking(move || codec.encode_bounded(&content, parse_special, limit))
+            .await
+            .map_err(|_| ApiError::internal("tokenizer task failed"))?
+            .map_err(ApiError::bad_request)?;
+    let ids = match ids {
+        text::Bounded::Complete(ids) => ids,
+        text::Bounded::Exceeds { limit } => {
+            return Err(ApiError::invalid(
+                "content",
+                format!("the text is longer than the context of {limit} tokens"),
+            ))
+        }
+    };
     let tokens: Vec<Value> = if with_pieces {
         ids.iter()
             .map(|&id| {
