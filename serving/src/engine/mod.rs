@@ -33,14 +33,12 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Longest sequence (prompt + generated); at most the model's context length.
     pub context_length: usize,
-    /// Makes the error of a request whose logits came out non-finite (NaN / infinity), given
-    /// the sequence's tokens; without it the error names only the position. The request fails
-    /// either way: nothing is ever sampled from such logits.
-    pub on_non_finite: Option<NonFiniteHook>,
 }
 
-/// See [`EngineConfig::on_non_finite`] (e.g. a re-run of the CPU reference that names the first
-/// bad layer: `runtime::numerics`).
+/// Makes the error of a request whose logits came out non-finite (NaN / infinity), given the
+/// sequence's tokens (e.g. a re-run of the CPU reference naming the first bad layer:
+/// `runtime::numerics`); see [`Engine::start_with_hook`]. Without one the error names only the
+/// position. The request fails either way: nothing is ever sampled from such logits.
 #[derive(Clone)]
 pub struct NonFiniteHook(pub Arc<dyn Fn(&[u32]) -> String + Send + Sync>);
 
@@ -58,7 +56,6 @@ impl EngineConfig {
             max_running: 16,
             prefill_chunk: 512,
             context_length: model.context_length(),
-            on_non_finite: None,
         }
     }
 }
@@ -234,8 +231,18 @@ impl Engine {
     /// Start the scheduler thread over `model`.
     pub fn start(
         model: Arc<dyn LanguageModel>,
+        config: EngineConfig,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<Engine> {
+        Self::start_with_hook(model, config, metrics, None)
+    }
+
+    /// [`start`](Self::start) with a [`NonFiniteHook`] for requests whose logits are NaN/inf.
+    pub fn start_with_hook(
+        model: Arc<dyn LanguageModel>,
         mut config: EngineConfig,
         metrics: Arc<Metrics>,
+        on_non_finite: Option<NonFiniteHook>,
     ) -> std::io::Result<Engine> {
         config.context_length = config
             .context_length
@@ -256,6 +263,7 @@ impl Engine {
             model,
             shared: shared.clone(),
             config: config.clone(),
+            on_non_finite,
             metrics: metrics.clone(),
             running: Vec::new(),
         };
@@ -394,6 +402,7 @@ struct Scheduler {
     model: Arc<dyn LanguageModel>,
     shared: Arc<Shared>,
     config: EngineConfig,
+    on_non_finite: Option<NonFiniteHook>,
     metrics: Arc<Metrics>,
     running: Vec<Active>,
 }
@@ -578,7 +587,7 @@ impl Scheduler {
                 if let Work::Decode = w {
                     tokens.push(a.next[0]);
                 }
-                let msg = match &self.config.on_non_finite {
+                let msg = match &self.on_non_finite {
                     Some(h) => (h.0)(&tokens),
                     None => format!(
                         "the model produced non-finite logits (NaN or infinity) at token {}",

@@ -174,7 +174,7 @@ impl PreTokenizer {
     #[cfg(test)]
     pub(crate) fn split<'t>(&self, text: &'t str) -> Result<Vec<&'t str>, ServingError> {
         let mut out = Vec::new();
-        self.for_each_piece(text, &mut |p| {
+        let _complete = self.for_each_piece(text, &mut |p| {
             out.push(p);
             std::ops::ControlFlow::Continue(())
         })?;
@@ -245,10 +245,9 @@ mod tests {
     }
 
     /// The original patterns run by fancy-regex, as the oracle for the linear rewrite.
-    fn oracle_split<'t>(patterns: &[&str], text: &'t str) -> Vec<&'t str> {
+    fn oracle_split<'t>(res: &[fancy_regex::Regex], text: &'t str) -> Vec<&'t str> {
         let mut pieces = vec![text];
-        for p in patterns {
-            let re = fancy_regex::Regex::new(p).unwrap();
+        for re in res {
             let mut next = Vec::new();
             for piece in pieces {
                 let mut last = 0;
@@ -271,18 +270,42 @@ mod tests {
         pieces
     }
 
-    fn table() -> Vec<(&'static str, PreSpec)> {
-        KNOWN.split(", ").map(|n| (n, lookup(n).unwrap())).collect()
+    struct Compiled {
+        name: &'static str,
+        linear: PreTokenizer,
+        oracle: Vec<fancy_regex::Regex>,
+    }
+
+    /// Every table entry compiled once (Unicode classes make compilation the slow part).
+    fn table() -> &'static [Compiled] {
+        static T: std::sync::OnceLock<Vec<Compiled>> = std::sync::OnceLock::new();
+        T.get_or_init(|| {
+            KNOWN
+                .split(", ")
+                .map(|name| {
+                    let s = lookup(name).unwrap();
+                    Compiled {
+                        name,
+                        linear: PreTokenizer::new(s.regexes).unwrap(),
+                        oracle: s
+                            .regexes
+                            .iter()
+                            .map(|p| fancy_regex::Regex::new(p).unwrap())
+                            .collect(),
+                    }
+                })
+                .collect()
+        })
     }
 
     #[test]
     fn no_table_entry_needs_the_backtracking_engine() {
-        for (name, s) in table() {
-            let p = PreTokenizer::new(s.regexes).unwrap();
-            for m in &p.regexes {
+        for c in table() {
+            for m in &c.linear.regexes {
                 assert!(
                     !matches!(m, Matcher::Backtracking(_)),
-                    "{name} would backtrack"
+                    "{} would backtrack",
+                    c.name
                 );
             }
         }
@@ -310,13 +333,13 @@ mod tests {
             "a\u{2028}\u{2028}b",
             "",
         ];
-        for (name, s) in table() {
-            let p = PreTokenizer::new(s.regexes).unwrap();
+        for t in table() {
             for c in cases {
                 assert_eq!(
-                    p.split(c).unwrap(),
-                    oracle_split(s.regexes, c),
-                    "{name}: {c:?}"
+                    t.linear.split(c).unwrap(),
+                    oracle_split(&t.oracle, c),
+                    "{}: {c:?}",
+                    t.name
                 );
             }
         }
@@ -328,12 +351,11 @@ mod tests {
         fn linear_rewrite_equals_the_backtracking_oracle(
             text in "[a-zA-Z0-9 \t\r\n'!?.,\u{a0}\u{3000}\u{2028}éß日本ー_-]{0,40}"
         ) {
-            for (name, s) in table() {
-                let p = PreTokenizer::new(s.regexes).unwrap();
+            for t in table() {
                 proptest::prop_assert_eq!(
-                    p.split(&text).unwrap(),
-                    oracle_split(s.regexes, &text),
-                    "{}", name
+                    t.linear.split(&text).unwrap(),
+                    oracle_split(&t.oracle, &text),
+                    "{}", t.name
                 );
             }
         }
