@@ -13,7 +13,9 @@ use std::time::Duration;
 fn raw(addr: SocketAddr, bytes: &[u8]) -> String {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    s.write_all(bytes).unwrap();
+    // The server may answer and close before reading everything (431): a failed write is not
+    // an error here; the answer is already in the receive queue.
+    let _ = s.write_all(bytes);
     let mut out = Vec::new();
     let _ = s.read_to_end(&mut out);
     String::from_utf8_lossy(&out).into_owned()
@@ -27,7 +29,7 @@ fn json_body(resp: &str) -> serde_json::Value {
 #[test]
 fn oversized_headers_get_a_json_431() {
     let s = start(Options::default());
-    let big = "x".repeat(200 << 10);
+    let big = "x".repeat(100 << 10);
     let resp = raw(
         s.addr,
         format!("GET /health HTTP/1.1\r\nHost: a\r\nX-Big: {big}\r\n\r\n").as_bytes(),
