@@ -20,3 +20,40 @@ pub fn fixture(rel: &str) -> PathBuf {
     );
     p
 }
+
+/// Write a copy of the GGUF `src` to `dst` with `edit` applied to its metadata and `patch` to
+/// each tensor's bytes (by name): how tests build broken models (a hostile chat template, NaN
+/// weights, an out-of-range hyper-parameter) from a fixture.
+pub fn rewrite_gguf(
+    src: &std::path::Path,
+    dst: &std::path::Path,
+    edit: impl FnOnce(&mut gguf::Metadata),
+    patch: impl Fn(&str, &mut Vec<u8>),
+) {
+    let m = gguf::GgufFile::open(src).unwrap();
+    let mut meta = m.metadata().clone();
+    edit(&mut meta);
+    let tensors: Vec<(String, Vec<u64>, gguf::GgmlType, Vec<u8>)> = m
+        .tensors()
+        .iter()
+        .map(|t| {
+            let mut b = m.tensor_data(t).to_vec();
+            patch(&t.name, &mut b);
+            (t.name.clone(), t.dims.clone(), t.ty, b)
+        })
+        .collect();
+    let refs: Vec<(&str, &[u64], gguf::GgmlType, &[u8])> = tensors
+        .iter()
+        .map(|(n, d, t, b)| (n.as_str(), d.as_slice(), *t, b.as_slice()))
+        .collect();
+    std::fs::write(dst, gguf::writer::build(&meta, &refs).unwrap()).unwrap();
+}
+
+/// Fill the first 4 KiB of a BF16 tensor with quiet NaNs (what the doctor acceptance check
+/// does to `blk.1.attn_q_b.weight`).
+pub fn nan_fill_bf16(bytes: &mut [u8]) {
+    let n = bytes.len().min(4096);
+    for pair in bytes[..n].chunks_exact_mut(2) {
+        pair.copy_from_slice(&[0xc0, 0x7f]);
+    }
+}

@@ -2,43 +2,12 @@
 //! message instead of aborting, hyper-parameters outside their range are refused at load, and
 //! NaN weights stop generation with the first bad layer named instead of printing garbage.
 
-use std::path::{Path, PathBuf};
+use gguftool_tests::{fixture, nan_fill_bf16, rewrite_gguf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_gguftool"))
-}
-
-fn fx(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures")
-        .join(rel)
-}
-
-/// A copy of `src` with `edit` applied to its metadata and `patch` to its tensors' bytes.
-fn rewrite(
-    src: &Path,
-    dst: &Path,
-    edit: impl FnOnce(&mut gguf::Metadata),
-    patch: impl Fn(&str, &mut Vec<u8>),
-) {
-    let m = gguf::GgufFile::open(src).unwrap();
-    let mut meta = m.metadata().clone();
-    edit(&mut meta);
-    let tensors: Vec<(String, Vec<u64>, gguf::GgmlType, Vec<u8>)> = m
-        .tensors()
-        .iter()
-        .map(|t| {
-            let mut b = m.tensor_data(t).to_vec();
-            patch(&t.name, &mut b);
-            (t.name.clone(), t.dims.clone(), t.ty, b)
-        })
-        .collect();
-    let refs: Vec<(&str, &[u64], gguf::GgmlType, &[u8])> = tensors
-        .iter()
-        .map(|(n, d, t, b)| (n.as_str(), d.as_slice(), *t, b.as_slice()))
-        .collect();
-    std::fs::write(dst, gguf::writer::build(&meta, &refs).unwrap()).unwrap();
 }
 
 fn generate(model: &Path, extra: &[&str]) -> Output {
@@ -65,8 +34,8 @@ fn stderr(o: &Output) -> String {
 fn a_hostile_chat_template_is_an_error_not_an_abort() {
     let d = tempfile::tempdir().unwrap();
     let m = d.path().join("hostile.gguf");
-    rewrite(
-        &fx("gguf/tiny-glm5-Q4_K_M.gguf"),
+    rewrite_gguf(
+        &fixture("gguf/tiny-glm5-Q4_K_M.gguf"),
         &m,
         |meta| {
             meta.set(
@@ -97,8 +66,8 @@ fn out_of_range_hyper_parameters_are_refused_at_load() {
         ),
     ] {
         let m = d.path().join("bad.gguf");
-        rewrite(
-            &fx("gguf/tiny-glm5-Q4_K_M.gguf"),
+        rewrite_gguf(
+            &fixture("gguf/tiny-glm5-Q4_K_M.gguf"),
             &m,
             |meta| meta.set(key, v.clone()),
             |_, _| {},
@@ -115,16 +84,13 @@ fn nan_weights_stop_generation_naming_the_first_bad_layer() {
     let d = tempfile::tempdir().unwrap();
     let m = d.path().join("nan.gguf");
     // The doctor acceptance check's damage: BF16 quiet NaNs over attn_q_b of block 1.
-    rewrite(
-        &fx("gguf/tiny-glm5-BF16.gguf"),
+    rewrite_gguf(
+        &fixture("gguf/tiny-glm5-BF16.gguf"),
         &m,
         |_| {},
         |name, b| {
             if name == "blk.1.attn_q_b.weight" {
-                let n = b.len().min(4096);
-                for pair in b[..n].chunks_exact_mut(2) {
-                    pair.copy_from_slice(&[0xc0, 0x7f]);
-                }
+                nan_fill_bf16(b);
             }
         },
     );

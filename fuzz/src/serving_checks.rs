@@ -12,6 +12,9 @@
 //! - request: any JSON body through the completion and chat parsers gives a request or a 4xx
 //!   error naming what is wrong.
 
+// Each fuzz target uses one of the checks; the smoke test uses them all.
+#![allow(dead_code)]
+
 use serving::chat::{ChatLimits, ChatTemplate};
 use serving::tokenizer::{Bounded, Tokenizer};
 use std::sync::OnceLock;

@@ -6,38 +6,12 @@
 #[path = "../../serving/tests/server_support/http.rs"]
 mod http;
 
-use gguftool_tests::fixture;
+use gguftool_tests::{fixture, nan_fill_bf16, rewrite_gguf};
 use serde_json::json;
 use serving::engine::Metrics;
 use serving::server::{self, AppState, RunningServer, ServerConfig};
 use std::path::Path;
 use std::sync::Arc;
-
-/// A copy of a fixture GGUF with `edit` applied to its metadata and `patch` to tensor bytes.
-fn rewrite(
-    src: &Path,
-    dst: &Path,
-    edit: impl FnOnce(&mut gguf::Metadata),
-    patch: impl Fn(&str, &mut Vec<u8>),
-) {
-    let m = gguf::GgufFile::open(src).unwrap();
-    let mut meta = m.metadata().clone();
-    edit(&mut meta);
-    let tensors: Vec<(String, Vec<u64>, gguf::GgmlType, Vec<u8>)> = m
-        .tensors()
-        .iter()
-        .map(|t| {
-            let mut b = m.tensor_data(t).to_vec();
-            patch(&t.name, &mut b);
-            (t.name.clone(), t.dims.clone(), t.ty, b)
-        })
-        .collect();
-    let refs: Vec<(&str, &[u64], gguf::GgmlType, &[u8])> = tensors
-        .iter()
-        .map(|(n, d, t, b)| (n.as_str(), d.as_slice(), *t, b.as_slice()))
-        .collect();
-    std::fs::write(dst, gguf::writer::build(&meta, &refs).unwrap()).unwrap();
-}
 
 fn serve(path: &Path) -> RunningServer {
     let metrics = Arc::new(Metrics::default());
@@ -51,7 +25,7 @@ fn serve(path: &Path) -> RunningServer {
 fn a_hostile_template_fails_chat_requests_only() {
     let d = tempfile::tempdir().unwrap();
     let m = d.path().join("hostile.gguf");
-    rewrite(
+    rewrite_gguf(
         &fixture("gguf/tiny-glm5-Q4_K_M.gguf"),
         &m,
         |meta| {
@@ -86,16 +60,13 @@ fn a_hostile_template_fails_chat_requests_only() {
 fn nan_weights_fail_the_request_with_the_first_bad_layer() {
     let d = tempfile::tempdir().unwrap();
     let m = d.path().join("nan.gguf");
-    rewrite(
+    rewrite_gguf(
         &fixture("gguf/tiny-glm5-BF16.gguf"),
         &m,
         |_| {},
         |name, b| {
             if name == "blk.1.attn_q_b.weight" {
-                let n = b.len().min(4096);
-                for pair in b[..n].chunks_exact_mut(2) {
-                    pair.copy_from_slice(&[0xc0, 0x7f]);
-                }
+                nan_fill_bf16(b);
             }
         },
     );
