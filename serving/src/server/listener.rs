@@ -296,7 +296,9 @@ async fn serve_connection(
     builder
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(cfg.header_timeout)
-        .max_buf_size(cfg.max_header_bytes.max(8192))
+        // The head limit is checked on the parsed head; the read buffer has room for it.
+        .max_header_size(cfg.max_header_bytes)
+        .max_buf_size(cfg.max_header_bytes.max(8192) + 8192)
         .keep_alive(true);
     let c = builder.serve_connection(io, svc);
     tokio::pin!(c);
