@@ -40,7 +40,10 @@ pub struct EngineConfig {
 /// `runtime::numerics`); see [`Engine::start_with_hook`]. Without one the error names only the
 /// position. The request fails either way: nothing is ever sampled from such logits.
 #[derive(Clone)]
-pub struct NonFiniteHook(pub Arc<dyn Fn(&[u32]) -> String + Send + Sync>);
+pub struct NonFiniteHook(pub Arc<NonFiniteMessage>);
+
+/// Sequence tokens -> the error message of [`NonFiniteHook`].
+pub type NonFiniteMessage = dyn Fn(&[u32]) -> String + Send + Sync;
 
 impl std::fmt::Debug for NonFiniteHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
