@@ -57,3 +57,40 @@ pub fn nan_fill_bf16(bytes: &mut [u8]) {
         pair.copy_from_slice(&[0xc0, 0x7f]);
     }
 }
+
+/// The hostile chat template: 100,000 copies of 100 KB, 10 GB of output.
+pub const HOSTILE_TEMPLATE: &str =
+    "{% set s='x'*100000 %}{% for i in range(100000) %}{{s}}{% endfor %}";
+
+/// The Q4_K_M fixture with [`HOSTILE_TEMPLATE`] as its chat template, written into `dir`.
+pub fn hostile_template_model(dir: &std::path::Path) -> PathBuf {
+    let out = dir.join("hostile-template.gguf");
+    rewrite_gguf(
+        &fixture("gguf/tiny-glm5-Q4_K_M.gguf"),
+        &out,
+        |meta| {
+            meta.set(
+                "tokenizer.chat_template",
+                gguf::Value::String(HOSTILE_TEMPLATE.into()),
+            )
+        },
+        |_, _| {},
+    );
+    out
+}
+
+/// The BF16 fixture with NaNs in `blk.1.attn_q_b.weight` ([`nan_fill_bf16`]), written into `dir`.
+pub fn nan_weights_model(dir: &std::path::Path) -> PathBuf {
+    let out = dir.join("nan-weights.gguf");
+    rewrite_gguf(
+        &fixture("gguf/tiny-glm5-BF16.gguf"),
+        &out,
+        |_| {},
+        |name, b| {
+            if name == "blk.1.attn_q_b.weight" {
+                nan_fill_bf16(b);
+            }
+        },
+    );
+    out
+}

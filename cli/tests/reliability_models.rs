@@ -2,7 +2,7 @@
 //! message instead of aborting, hyper-parameters outside their range are refused at load, and
 //! NaN weights stop generation with the first bad layer named instead of printing garbage.
 
-use gguftool_tests::{fixture, nan_fill_bf16, rewrite_gguf};
+use gguftool_tests::{fixture, hostile_template_model, nan_weights_model, rewrite_gguf};
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -33,20 +33,7 @@ fn stderr(o: &Output) -> String {
 #[test]
 fn a_hostile_chat_template_is_an_error_not_an_abort() {
     let d = tempfile::tempdir().unwrap();
-    let m = d.path().join("hostile.gguf");
-    rewrite_gguf(
-        &fixture("gguf/tiny-glm5-Q4_K_M.gguf"),
-        &m,
-        |meta| {
-            meta.set(
-                "tokenizer.chat_template",
-                gguf::Value::String(
-                    "{% set s='x'*100000 %}{% for i in range(100000) %}{{s}}{% endfor %}".into(),
-                ),
-            )
-        },
-        |_, _| {},
-    );
+    let m = hostile_template_model(d.path());
     let o = generate(&m, &["--chat", "-p", "hi"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("chat template"), "{}", stderr(&o));
@@ -82,18 +69,8 @@ fn out_of_range_hyper_parameters_are_refused_at_load() {
 #[test]
 fn nan_weights_stop_generation_naming_the_first_bad_layer() {
     let d = tempfile::tempdir().unwrap();
-    let m = d.path().join("nan.gguf");
     // The doctor acceptance check's damage: BF16 quiet NaNs over attn_q_b of block 1.
-    rewrite_gguf(
-        &fixture("gguf/tiny-glm5-BF16.gguf"),
-        &m,
-        |_| {},
-        |name, b| {
-            if name == "blk.1.attn_q_b.weight" {
-                nan_fill_bf16(b);
-            }
-        },
-    );
+    let m = nan_weights_model(d.path());
     let o = generate(&m, &["-p", "1 2 3", "--device", "cpu", "--json"]);
     let e = stderr(&o);
     assert_eq!(o.status.code(), Some(2), "{e}");

@@ -6,7 +6,7 @@
 #[path = "../../serving/tests/server_support/http.rs"]
 mod http;
 
-use gguftool_tests::{fixture, nan_fill_bf16, rewrite_gguf};
+use gguftool_tests::{fixture, hostile_template_model, nan_weights_model};
 use serde_json::json;
 use serving::engine::Metrics;
 use serving::server::{self, AppState, RunningServer, ServerConfig};
@@ -24,20 +24,7 @@ fn serve(path: &Path) -> RunningServer {
 #[test]
 fn a_hostile_template_fails_chat_requests_only() {
     let d = tempfile::tempdir().unwrap();
-    let m = d.path().join("hostile.gguf");
-    rewrite_gguf(
-        &fixture("gguf/tiny-glm5-Q4_K_M.gguf"),
-        &m,
-        |meta| {
-            meta.set(
-                "tokenizer.chat_template",
-                gguf::Value::String(
-                    "{% set s='x'*100000 %}{% for i in range(100000) %}{{s}}{% endfor %}".into(),
-                ),
-            )
-        },
-        |_, _| {},
-    );
+    let m = hostile_template_model(d.path());
     let srv = serve(&m);
     let r = http::post(
         srv.addr(),
@@ -59,17 +46,7 @@ fn a_hostile_template_fails_chat_requests_only() {
 #[test]
 fn nan_weights_fail_the_request_with_the_first_bad_layer() {
     let d = tempfile::tempdir().unwrap();
-    let m = d.path().join("nan.gguf");
-    rewrite_gguf(
-        &fixture("gguf/tiny-glm5-BF16.gguf"),
-        &m,
-        |_| {},
-        |name, b| {
-            if name == "blk.1.attn_q_b.weight" {
-                nan_fill_bf16(b);
-            }
-        },
-    );
+    let m = nan_weights_model(d.path());
     let srv = serve(&m);
     let r = http::post(
         srv.addr(),
