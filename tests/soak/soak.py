@@ -10,7 +10,7 @@ any check failed or the RSS of the last third grew by more than --rss-growth-mb 
 middle third.
 
 usage: python3 tests/soak/soak.py [--bin target/release/gguftool] [--seconds 1800]
-                                  [--clients 64] [-m MODEL] [--out soak.json]
+                                  [--clients 64] [-m MODEL] [--out soak.json] [--kinds a,b]
 Run it niced on a shared machine:  nice -n 10 python3 tests/soak/soak.py
 """
 import argparse, http.client, json, os, random, socket, subprocess, sys, threading, time
@@ -193,10 +193,11 @@ def one(kind, port, rnd, ctx):
     raise ValueError(kind)
 
 
-def client(port, deadline, stats, seed, ctx):
+def client(port, deadline, stats, seed, ctx, only):
     rnd = random.Random(seed)
-    names = [k for k, _ in KINDS]
-    weights = [w for _, w in KINDS]
+    kinds = [(k, w) for k, w in KINDS if not only or k in only]
+    names = [k for k, _ in kinds]
+    weights = [w for _, w in kinds]
     while time.time() < deadline:
         kind = rnd.choices(names, weights)[0]
         try:
@@ -215,6 +216,7 @@ def main():
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--rss-growth-mb", type=float, default=64.0)
     ap.add_argument("--out")
+    ap.add_argument("--kinds", help="comma-separated subset of the request kinds (leak hunting)")
     a = ap.parse_args()
     port = a.port or (lambda s: (s.bind(("127.0.0.1", 0)), s.getsockname()[1], s.close())[1])(socket.socket())
     cmd = [a.bin, "serve", "--port", str(port), "--header-timeout", "10"]
@@ -237,7 +239,8 @@ def main():
         stats = Stats()
         start = time.time()
         deadline = start + a.seconds
-        threads = [threading.Thread(target=client, args=(port, deadline, stats, i, ctx), daemon=True)
+        only = set(a.kinds.split(",")) if a.kinds else None
+        threads = [threading.Thread(target=client, args=(port, deadline, stats, i, ctx, only), daemon=True)
                    for i in range(a.clients)]
         for t in threads:
             t.start()
