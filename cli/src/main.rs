@@ -3,6 +3,7 @@
 //! (0 ok, 1 findings, 2 error).
 
 mod cmd;
+mod output;
 mod util;
 
 use clap::{Parser, Subcommand};
@@ -55,6 +56,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    util::quiet_broken_pipes();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info(a) => cmd::info::run(a),
@@ -75,10 +77,21 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
+            if util::is_broken_pipe(&e) {
+                util::exit_on_broken_pipe();
+            }
+            // However the interrupted work reported it (a copy that stopped, `Interrupted`),
+            // a signal ends the command with 128 + its number.
+            let signal = output::pending_signal()
+                .or_else(|| e.downcast_ref::<util::Interrupted>().map(|i| i.signal));
+            if let Some(signal) = signal {
+                eprintln!("error: {}", util::Interrupted { signal });
+                return ExitCode::from((128 + signal) as u8);
+            }
             if cli.verbose {
                 eprintln!("error: {e:?}");
             } else {
-                eprintln!("error: {e:#}");
+                eprintln!("error: {}", util::error_text(&e));
             }
             ExitCode::from(2)
         }

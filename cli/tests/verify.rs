@@ -53,13 +53,11 @@ fn stats_and_hashes_equal_gguf_py() {
         "tiny-glm5-Q6_K.gguf",
     ] {
         let path = fx(&format!("gguf/{file}"));
-        if !path.exists() {
-            let _ = std::io::Write::write_all(
-                &mut std::io::stderr(),
-                format!("skipped: {file} not in tests/fixtures\n").as_bytes(),
-            );
-            continue;
-        }
+        assert!(
+            path.exists(),
+            "fixture {} is missing from tests/fixtures",
+            path.display()
+        );
         let (code, r) = verify(&[path.to_str().unwrap(), "--hash"]);
         assert_eq!(code, 0, "{file}: {:?}", r["findings"]);
         let rf = reference["files"]

@@ -154,6 +154,9 @@ pub enum Error {
     /// An importance-matrix file that cannot be used.
     #[error("{file}: importance matrix: {message}")]
     Imatrix { file: PathBuf, message: String },
+    /// The path is a directory, FIFO, socket or device: refused before anything is read.
+    #[error("{path}: is {kind}, not a regular file")]
+    NotRegularFile { path: PathBuf, kind: &'static str },
     /// Building a file to write from inconsistent parts.
     #[error("write: {0}")]
     Write(String),

@@ -582,26 +582,44 @@ pub fn partial_path(out: &Path) -> PathBuf {
 }
 
 /// Writes the HF checkpoint of `model` to `out`. Nothing is left at `out` or `out.partial` when
-/// this fails.
+/// this fails. With `overwrite`, an existing `out` directory is swapped out only after the new
+/// one is complete, and deleted last; a non-directory `out` or a leftover `out.partial` is
+/// refused, never deleted. (The `gguftool` binary goes through its own output layer instead,
+/// which also refuses directories it did not write: see [`export_safetensors_into`].)
 pub fn export_safetensors(
     model: &Model,
     out: &Path,
     opts: &ExportOptions,
     progress: &mut dyn FnMut(Progress) -> bool,
 ) -> Result<ExportSummary, MappingError> {
-    if out.exists() && !opts.overwrite {
-        return Err(io(out, "already exists"));
+    let exists = std::fs::symlink_metadata(out).ok();
+    match &exists {
+        Some(_) if !opts.overwrite => return Err(io(out, "already exists")),
+        Some(m) if !m.is_dir() => return Err(io(out, "exists and is not a directory")),
+        _ => {}
     }
     let part = partial_path(out);
-    if part.exists() {
-        std::fs::remove_dir_all(&part).map_err(|e| io(&part, e))?;
+    if std::fs::symlink_metadata(&part).is_ok() {
+        return Err(io(
+            &part,
+            "already exists (left by an interrupted run?); remove it",
+        ));
     }
     std::fs::create_dir_all(&part).map_err(|e| io(&part, e))?;
-    let r = write_all(model, &part, opts, progress).and_then(|mut s| {
-        if out.exists() {
-            std::fs::remove_dir_all(out).map_err(|e| io(out, e))?;
+    let r = export_safetensors_into(model, &part, opts, progress).and_then(|mut s| {
+        if exists.is_some() {
+            let mut old = part.as_os_str().to_os_string();
+            old.push(".old");
+            let old = PathBuf::from(old);
+            std::fs::rename(out, &old).map_err(|e| io(out, e))?;
+            if let Err(e) = std::fs::rename(&part, out) {
+                let _ = std::fs::rename(&old, out);
+                return Err(io(out, e));
+            }
+            let _ = std::fs::remove_dir_all(&old);
+        } else {
+            std::fs::rename(&part, out).map_err(|e| io(out, e))?;
         }
-        std::fs::rename(&part, out).map_err(|e| io(out, e))?;
         s.out_dir = out.to_path_buf();
         Ok(s)
     });
@@ -609,6 +627,19 @@ pub fn export_safetensors(
         let _ = std::fs::remove_dir_all(&part);
     }
     r
+}
+
+/// Writes the HF checkpoint of `model` into the existing directory `dir` (a caller's temporary
+/// output directory; nothing in it is removed). The summary's `out_dir` is `dir`.
+pub fn export_safetensors_into(
+    model: &Model,
+    dir: &Path,
+    opts: &ExportOptions,
+    progress: &mut dyn FnMut(Progress) -> bool,
+) -> Result<ExportSummary, MappingError> {
+    let mut s = write_all(model, dir, opts, progress)?;
+    s.out_dir = dir.to_path_buf();
+    Ok(s)
 }
 
 fn write_all(

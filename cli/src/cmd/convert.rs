@@ -7,10 +7,10 @@
 
 use crate::util::{
     byte_progress, check_interrupted, count_progress, free_space, human_bytes,
-    install_interrupt_handler, parse_size, same_file, PartialFile,
+    install_interrupt_handler, parse_size, same_file, AtomicDir, PartialFile,
 };
 use anyhow::{bail, Context, Result};
-use mappings::export::{export_safetensors, ExportOptions, OutDtype, Progress};
+use mappings::export::{export_safetensors_into, ExportOptions, OutDtype, Progress};
 use mappings::import::{self, ImportOptions, OutType};
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
@@ -84,7 +84,8 @@ pub struct Args {
     /// (--to gguf) general.name instead of the one derived from the directory name.
     #[arg(long, value_name = "NAME")]
     model_name: Option<String>,
-    /// Replace an existing output (never an input).
+    /// Replace an existing output that gguftool wrote (a directory holding its
+    /// `.gguftool-output` marker, an empty directory, or a file); never an input.
     #[arg(long)]
     force: bool,
     /// No progress bar.
@@ -142,16 +143,12 @@ fn to_safetensors(args: Args) -> Result<ExitCode> {
         tp: args.tp.zip(args.rank),
         overwrite: args.force,
     };
-    if args.out_dir.exists() && !args.force {
-        anyhow::bail!(
-            "{} exists (use --force to replace it)",
-            args.out_dir.display()
-        );
-    }
     install_interrupt_handler();
+    let inputs: Vec<&Path> = model.shards().iter().map(|f| f.path()).collect();
+    let out = AtomicDir::create(&args.out_dir, args.force, &inputs)?;
     let mut bar = None;
     let quiet = args.quiet || args.json;
-    let summary = export_safetensors(&model, &args.out_dir, &opts, &mut |p| {
+    let summary = export_safetensors_into(&model, out.path(), &opts, &mut |p| {
         match p {
             Progress::Start { tensors, .. } => {
                 bar = Some(count_progress(tensors as u64, quiet, "writing tensors"));
@@ -167,12 +164,15 @@ fn to_safetensors(args: Args) -> Result<ExitCode> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    let summary = summary.with_context(|| {
+    check_interrupted()?;
+    let mut summary = summary.with_context(|| {
         format!(
             "converting {} failed; nothing was written",
             args.model.display()
         )
     })?;
+    out.commit()?;
+    summary.out_dir = args.out_dir.clone();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
