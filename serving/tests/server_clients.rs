@@ -399,7 +399,12 @@ fn structured_output_always_parses() {
         json!({"messages": [{"role": "user", "content": "x"}], "tools": [weather_tool()],
         "response_format": {"type": "json_object"}}),
     );
-    assert_eq!(r.json()["error"]["param"], "response_format");
+    assert_eq!(
+        r.json()["error"]["param"],
+        "response_format",
+        "{}",
+        r.json()
+    );
 }
 
 #[test]

@@ -257,13 +257,20 @@ pub(crate) fn tokenize_input(f: &Fields<'_>) -> Result<TokenizeInput, ApiError> 
     ))
 }
 
-pub(crate) async fn tokenize_text(
+/// The tokens of a `/tokenize` input: a chat is tokenized exactly as a chat request would be
+/// (client text never becomes control tokens); plain text with `parse_special` as asked, bounded
+/// like prompts.
+pub(crate) async fn tokenize_ids(
     b: &Arc<Backend>,
     input: TokenizeInput,
-) -> Result<String, ApiError> {
+    parse_special: bool,
+) -> Result<Vec<u32>, ApiError> {
     match input {
-        TokenizeInput::Text(t) => Ok(t),
-        TokenizeInput::Chat(r) => Ok(super::prompt::prepare(b, &r).await?.text),
+        TokenizeInput::Text(t) => {
+            let how = super::openai::Tokenize::Text { parse_special };
+            super::openai::encode_as(b, t, how, "content").await
+        }
+        TokenizeInput::Chat(r) => Ok(super::prompt::prepare(b, &r).await?.ids),
     }
 }
 

@@ -1,13 +1,19 @@
 //! [`TextCodec`] over a GGUF model's own tokenizer and chat template.
 
-use super::text::{Message, TextCodec};
+use super::text::{Bounded, Message, TextCodec};
 use crate::chat::ChatTemplate;
 use crate::tokenizer::Tokenizer;
 use crate::ServingError;
+use std::sync::Arc;
 
-/// The tokenizer and (when the GGUF has one) the chat template of a model.
+/// The tokenizer and (when the GGUF has one) the chat template of a model. The template escapes
+/// control-token text in everything the client sends, and chat prompts are tokenized with
+/// [`Tokenizer::encode_chat`], so a message cannot smuggle in `<|assistant|>`.
 pub struct GgufText {
-    tok: Tokenizer,
+    tok: Arc<Tokenizer>,
+    /// Renders and tokenizations running at once: their transient memory (tens of bytes per
+    /// prompt byte for a long single "word") is what a flood of huge prompts would multiply.
+    jobs: Jobs,
     template: Option<ChatTemplate>,
     /// Why there is no template, reported to chat requests.
     template_error: Option<String>,
@@ -27,7 +33,7 @@ impl GgufText {
         meta: &gguf::Metadata,
         template: Option<&str>,
     ) -> Result<Self, ServingError> {
-        let tok = Tokenizer::from_gguf(meta)?;
+        let tok = Arc::new(Tokenizer::from_gguf(meta)?);
         let (template, template_error) = match template {
             Some(src) => {
                 let token_text =
@@ -40,8 +46,20 @@ impl GgufText {
                 Err(e) => (None, Some(e.to_string())),
             },
         };
+        // Whichever template it is, client strings reach it with control-token text escaped.
+        let template = template.map(|mut t| {
+            let esc = Arc::clone(&tok);
+            t.set_content_escaper(Arc::new(move |s| esc.escape_control_text(s)));
+            t
+        });
         Ok(GgufText {
             tok,
+            jobs: Jobs::new(
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(2)
+                    .max(2),
+            ),
             template,
             template_error,
         })
@@ -59,8 +77,26 @@ impl GgufText {
 
 impl TextCodec for GgufText {
     fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, String> {
+        let _job = self.jobs.acquire();
         self.tok
             .encode(text, parse_special)
+            .map_err(|e| e.to_string())
+    }
+    fn encode_bounded(
+        &self,
+        text: &str,
+        parse_special: bool,
+        limit: usize,
+    ) -> Result<Bounded, String> {
+        let _job = self.jobs.acquire();
+        self.tok
+            .encode_bounded(text, parse_special, limit)
+            .map_err(|e| e.to_string())
+    }
+    fn encode_chat(&self, rendered: &str, limit: usize) -> Result<Bounded, String> {
+        let _job = self.jobs.acquire();
+        self.tok
+            .encode_chat(rendered, limit)
             .map_err(|e| e.to_string())
     }
     fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
@@ -88,6 +124,7 @@ impl TextCodec for GgufText {
             ));
         };
         let msgs: Vec<serde_json::Value> = messages.iter().map(Message::to_template_json).collect();
+        let _job = self.jobs.acquire();
         t.render_json(
             &serde_json::Value::Array(msgs),
             add_generation_prompt,
@@ -114,4 +151,38 @@ fn ids_bytes(t: &GgufText, ids: &[u32]) -> Vec<u8> {
         .filter_map(|&id| t.tok.token_bytes(id))
         .flatten()
         .collect()
+}
+
+/// A counting semaphore for blocking callers (the server runs these jobs on tokio's blocking
+/// pool, which would otherwise run hundreds at once).
+struct Jobs {
+    free: std::sync::Mutex<usize>,
+    wake: std::sync::Condvar,
+}
+
+struct Job<'a>(&'a Jobs);
+
+impl Jobs {
+    fn new(n: usize) -> Self {
+        Jobs {
+            free: std::sync::Mutex::new(n),
+            wake: std::sync::Condvar::new(),
+        }
+    }
+
+    fn acquire(&self) -> Job<'_> {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        while *free == 0 {
+            free = self.wake.wait(free).unwrap_or_else(|e| e.into_inner());
+        }
+        *free -= 1;
+        Job(self)
+    }
+}
+
+impl Drop for Job<'_> {
+    fn drop(&mut self) {
+        *self.0.free.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.0.wake.notify_one();
+    }
 }

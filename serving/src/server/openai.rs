@@ -45,13 +45,52 @@ pub(crate) fn request_id(prefix: &str) -> String {
     )
 }
 
-/// Tokenization can take a while on long prompts: keep it off the async workers.
-pub(crate) async fn encode(b: &Backend, text: String) -> Result<Vec<u32>, ApiError> {
+/// How a text becomes tokens.
+#[derive(Clone, Copy)]
+pub(crate) enum Tokenize {
+    /// A rendered chat prompt: special tokens only from the template's own text.
+    Chat,
+    /// Plain text, special-token text parsed as such when asked.
+    Text { parse_special: bool },
+}
+
+/// Tokenization can take a while on long prompts: keep it off the async workers. The work is
+/// bounded by the context length (a longer text is refused, naming `param`, before it is fully
+/// tokenized).
+pub(crate) async fn encode_as(
+    b: &Backend,
+    text: String,
+    how: Tokenize,
+    param: &str,
+) -> Result<Vec<u32>, ApiError> {
     let codec = b.codec.clone();
-    tokio::task::spawn_blocking(move || codec.encode(&text, true))
-        .await
-        .map_err(|_| ApiError::internal("tokenizer task failed"))?
-        .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))
+    let limit = b.engine.context_length();
+    let r = tokio::task::spawn_blocking(move || match how {
+        Tokenize::Chat => codec.encode_chat(&text, limit),
+        Tokenize::Text { parse_special } => codec.encode_bounded(&text, parse_special, limit),
+    })
+    .await
+    .map_err(|_| ApiError::internal("tokenizer task failed"))?
+    .map_err(|e| ApiError::invalid(param, format!("cannot tokenize the text: {e}")))?;
+    match r {
+        super::text::Bounded::Complete(ids) => Ok(ids),
+        super::text::Bounded::Exceeds { limit } => Err(ApiError::invalid(
+            param,
+            format!("the prompt is longer than the context of {limit} tokens"),
+        )),
+    }
+}
+
+/// A prompt's tokens (`chat`: a rendered chat prompt, else a completion prompt).
+pub(crate) async fn encode(b: &Backend, text: String, chat: bool) -> Result<Vec<u32>, ApiError> {
+    if chat {
+        encode_as(b, text, Tokenize::Chat, "messages").await
+    } else {
+        let how = Tokenize::Text {
+            parse_special: true,
+        };
+        encode_as(b, text, how, "prompt").await
+    }
 }
 
 pub(crate) fn submit_error(e: SubmitError) -> ApiError {
@@ -292,19 +331,13 @@ async fn completions_inner(s: Arc<AppState>, req: Request) -> Result<Response, A
     let b = s.backend()?;
     let body = read_json(&s, req).await?;
     let r = params::parse_completion(&body)?;
-    let constraint = prompt::constraint(
-        &b,
-        r.common.constraint.as_ref(),
-        None,
-        false,
-        Reasoning::None,
-    )
-    .await?;
+    let constraint =
+        prompt::constraint(&b, r.common.constraint.as_ref(), None, Reasoning::None).await?;
     let vocab = b.engine.vocab_size();
     let mut prompts: Vec<(Vec<u32>, String)> = Vec::with_capacity(r.prompts.len());
     for p in &r.prompts {
         prompts.push(match p {
-            Prompt::Text(t) => (encode(&b, t.clone()).await?, t.clone()),
+            Prompt::Text(t) => (encode(&b, t.clone(), false).await?, t.clone()),
             Prompt::Tokens(ids) => {
                 // Ids are checked against the vocabulary before decoding (and again by the engine).
                 if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {

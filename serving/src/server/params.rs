@@ -10,7 +10,7 @@
 use super::error::ApiError;
 use super::text::{Message, ToolCall};
 use super::tools::{ToolChoice, ToolDef};
-use crate::sampler::SamplingParams;
+use crate::sampler::{self, SamplingParams};
 use serde_json::{Map, Value};
 use std::cell::RefCell;
 use std::collections::BTreeSet;
@@ -499,9 +499,11 @@ fn parse_common(f: &Fields<'_>, min_max_tokens: i64, chat: bool) -> Result<Commo
         (None, Some(n)) if n >= 0 => Some(n as usize),
         _ => None,
     };
-    let temperature = f.number("temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32;
-    let top_p = f.number("top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32;
-    let min_p = f.number("min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32;
+    // The ranges are the sampler's, shared with `generate` (SamplingParams::validate).
+    let range = |r: sampler::SamplingRange| f.number(r.field, r.min, r.max);
+    let temperature = range(sampler::TEMPERATURE)?.unwrap_or(1.0) as f32;
+    let top_p = range(sampler::TOP_P)?.unwrap_or(1.0) as f32;
+    let min_p = range(sampler::MIN_P)?.unwrap_or(0.0) as f32;
     let top_k = f.integer("top_k", -1, i32::MAX as i64)?.unwrap_or(0).max(0) as usize;
     // -1 asks for a random seed (llama-server); other values are taken bit for bit.
     let seed = match f.integer("seed", i64::MIN, i64::MAX)? {
@@ -1060,6 +1062,17 @@ pub fn parse_chat_fields(f: &Fields<'_>) -> Result<ChatRequest, ApiError> {
         }
     };
     let (tools, tool_choice, parallel, legacy) = parse_tools(f)?;
+    if let Some(c) = &common.constraint {
+        if !tools.is_empty() && tool_choice != ToolChoice::None {
+            return Err(f.invalid(
+                &c.field,
+                format!(
+                    "'{}' cannot be combined with tools (a constrained answer could never call them)",
+                    c.field
+                ),
+            ));
+        }
+    }
     Ok(ChatRequest {
         common,
         messages,

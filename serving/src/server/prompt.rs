@@ -77,7 +77,7 @@ pub(crate) async fn prepare(b: &Arc<Backend>, r: &ChatRequest) -> Result<ChatPro
     let mut text = tokio::task::spawn_blocking(move || render(&b2, &r2))
         .await
         .map_err(|_| ApiError::internal("chat template task failed"))??;
-    let mut ids = super::openai::encode(b, text.clone()).await?;
+    let mut ids = super::openai::encode(b, text.clone(), true).await?;
     let thinking_param = if r.template_kwargs.contains_key("enable_thinking") {
         "chat_template_kwargs.enable_thinking"
     } else {
@@ -156,12 +156,10 @@ pub(crate) async fn chat_constraint(
     r: &ChatRequest,
     p: &ChatPrompt,
 ) -> Result<Option<SharedConstraint>, ApiError> {
-    let tools_offered = !r.tools.is_empty() && r.tool_choice != ToolChoice::None;
     let inner = constraint(
         b,
         r.common.constraint.as_ref(),
         p.forced.clone(),
-        tools_offered,
         p.reasoning,
     )
     .await?;
@@ -186,24 +184,14 @@ pub(crate) async fn chat_constraint(
     ))))
 }
 
-/// The constraint of an answer: a forced call, a structured-output grammar, or none. Both at
-/// once cannot be honoured and are refused.
+/// The constraint of an answer: a forced call, a structured-output grammar, or none (both at
+/// once are refused when the request is parsed).
 pub(crate) async fn constraint(
     b: &Arc<Backend>,
     spec: Option<&ConstraintSpec>,
     forced: Option<(String, String)>,
-    tools_offered: bool,
     reasoning: Reasoning,
 ) -> Result<Option<SharedConstraint>, ApiError> {
-    if let Some(s) = spec.filter(|_| tools_offered || forced.is_some()) {
-        return Err(ApiError::invalid(
-            &s.field,
-            format!(
-                "'{}' cannot be combined with tools (a constrained answer could never call them)",
-                s.field
-            ),
-        ));
-    }
     let (grammar, field) = match (spec, forced) {
         (_, Some((start, rules))) => (Grammar::Rules { start, rules }, "tools".to_string()),
         (Some(s), None) => {
