@@ -2,15 +2,19 @@
 //! present), on one device or split over tensor-parallel ranks, behind the same `LanguageModel`
 //! interface.
 
-use crate::tp::{HostComm, MoeSplit, RankSetup, Ranked, TpModel, TpReport};
+use crate::cuda::CudaBackend;
+use crate::glm::GlmModel;
+use crate::tp::model::rank_report;
+use crate::tp::{HostComm, MoeSplit, RankReport, RankSetup, Ranked, TpModel, TpReport};
 use crate::{LanguageModel, RuntimeError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Where to run the forward pass.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Device {
     /// CUDA GPU 0 when a driver and a device are present, else the CPU.
+    #[default]
     Auto,
     Cpu,
     /// CUDA GPU by ordinal.
@@ -118,12 +122,6 @@ pub struct LoadOptions {
     pub progress: Option<Arc<dyn Fn(u64) + Send + Sync>>,
 }
 
-impl Default for Device {
-    fn default() -> Self {
-        Device::Auto
-    }
-}
-
 /// A loaded model and how it was placed.
 pub struct Loaded {
     pub lm: Arc<dyn LanguageModel>,
@@ -176,36 +174,65 @@ pub fn rank_devices(world: usize, given: Option<&[usize]>) -> Result<Vec<usize>,
     Ok(devs)
 }
 
-/// Load `model` as `opts` says (device resolved first). A CUDA request on a machine without a
-/// usable GPU is an error naming the cause, never a silent CPU fallback; an impossible split is
-/// refused before anything is loaded, naming the dimension that does not divide.
-pub fn load(model: Arc<gguf::Model>, opts: &LoadOptions) -> Result<Loaded, RuntimeError> {
-    let t0 = Instant::now();
-    let device = opts.device.resolve();
-    let world = match (opts.tp.unwrap_or(TpSize::Ranks(1)), device) {
+/// The number of ranks `opts` asks for (`auto`: every visible GPU, or the listed devices; 1 on
+/// the CPU).
+pub fn world_size(opts: &LoadOptions) -> usize {
+    match (opts.tp.unwrap_or(TpSize::Ranks(1)), opts.device.resolve()) {
         (TpSize::Ranks(n), _) => n,
         (TpSize::Auto, Device::Cuda(_)) => match &opts.tp_devices {
             Some(d) => d.len(),
             None => kernels::device_count().max(1),
         },
         (TpSize::Auto, _) => 1,
-    };
+    }
+}
+
+/// Bytes of weights loading `model` as `opts` says puts on all ranks together (from the header;
+/// a progress bar's length).
+pub fn planned_bytes(model: &gguf::Model, opts: &LoadOptions) -> Result<u64, RuntimeError> {
+    let spec = crate::spec::ModelSpec::from_model(model)?;
+    let plan = crate::tp::plan::weight_plan(model, &spec, world_size(opts), opts.moe_split)?;
+    Ok(plan.ranks.iter().map(|r| r.weight_bytes).sum())
+}
+
+/// Load `model` as `opts` says (device resolved first). A CUDA request on a machine without a
+/// usable GPU is an error naming the cause, never a silent CPU fallback; an impossible split is
+/// refused before anything is loaded, naming the dimension that does not divide.
+pub fn load(model: Arc<gguf::Model>, opts: &LoadOptions) -> Result<Loaded, RuntimeError> {
+    let t0 = Instant::now();
+    let device = opts.device.resolve();
+    let world = world_size(opts);
     if world == 1 {
-        let lm: Arc<dyn LanguageModel> = match device {
-            Device::Cpu | Device::Auto => Arc::new(crate::glm::load_cpu(model)?),
+        let progress = opts.progress.as_deref().map(|p| p as &(dyn Fn(u64) + Sync));
+        let (lm, rank): (Arc<dyn LanguageModel>, RankReport) = match device {
+            Device::Cpu | Device::Auto => {
+                let m = GlmModel::load_view(crate::cpu::CpuBackend, model, None, progress)?;
+                let r = rank_report(&m, "cpu".into());
+                (Arc::new(m), r)
+            }
             Device::Cuda(i) => {
                 if i >= kernels::device_count() {
                     return Err(no_gpu("--device", i));
                 }
-                Arc::new(crate::cuda::load_cuda(model, i)?)
+                let m = GlmModel::load_view(CudaBackend::new(i)?, model, None, progress)?;
+                let r = rank_report(&m, format!("cuda:{i}"));
+                (Arc::new(m), r)
             }
         };
+        let load_s = t0.elapsed().as_secs_f64();
         return Ok(Loaded {
             lm,
             device,
-            tp: None,
-            weight_bytes: 0,
-            load_s: t0.elapsed().as_secs_f64(),
+            weight_bytes: rank.weight_bytes,
+            tp: Some(TpReport {
+                world: 1,
+                moe_split: opts.moe_split,
+                comm: "none".into(),
+                load_bytes: rank.weight_bytes,
+                load_s,
+                ranks: vec![rank],
+            }),
+            load_s,
         });
     }
     let tp = match device {

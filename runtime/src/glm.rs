@@ -81,7 +81,7 @@ struct Gqa<B: Backend> {
 }
 
 enum Attn<B: Backend> {
-    Mla(Mla<B>),
+    Mla(Box<Mla<B>>),
     Gqa(Gqa<B>),
 }
 
@@ -290,20 +290,20 @@ impl<B: Backend> Loader<'_, B> {
 impl<B: Backend> GlmModel<B> {
     /// Load an open GGUF model onto `backend` (the spec checks every tensor first).
     pub fn load(backend: B, model: Arc<gguf::Model>) -> Result<Self, RuntimeError> {
-        let spec = ModelSpec::from_model(&model)?;
-        let view = ShardView::single(&spec);
-        Self::load_view(backend, model, view, None)
+        Self::load_view(backend, model, None, None)
     }
 
-    /// Load one tensor-parallel rank's share of `model` (every share read in place from the
-    /// memory-mapped file). `progress` is told the bytes of each weight once it is uploaded.
+    /// Load one tensor-parallel rank's share of `model` (`None`: the whole model), every share
+    /// read in place from the memory-mapped file. `progress` is told the bytes of each weight
+    /// once it is uploaded.
     pub fn load_view(
         backend: B,
         model: Arc<gguf::Model>,
-        view: ShardView,
+        view: Option<ShardView>,
         progress: Option<&(dyn Fn(u64) + Sync)>,
     ) -> Result<Self, RuntimeError> {
         let spec = ModelSpec::from_model(&model)?;
+        let view = view.unwrap_or_else(|| ShardView::single(&spec));
         let get = |name: &str| -> Result<Option<HostWeight>, RuntimeError> {
             if model.tensor(name).is_none() {
                 return Ok(None);
@@ -440,7 +440,7 @@ impl<B: Backend> GlmModel<B> {
                 };
                 let k_b = ld.upload(k_b_host.clone())?;
                 let v_b = ld.upload(v_b_host.clone())?;
-                Attn::Mla(Mla {
+                Attn::Mla(Box::new(Mla {
                     q_a,
                     q_b,
                     kv_a: ld.req("attn_kv_a", b)?,
@@ -451,7 +451,7 @@ impl<B: Backend> GlmModel<B> {
                     v_b_host,
                     kv_b: None,
                     out: ld.req("attn_output", b)?,
-                })
+                }))
             }
             AttentionSpec::Gqa(g) => Attn::Gqa(Gqa {
                 q: ld.req("attn_q", b)?,

@@ -241,7 +241,6 @@ fn a_refused_step_leaves_every_rank_consistent() {
     assert!(step(&[5000]).is_err(), "token out of range");
     assert!(step(&[]).is_err(), "empty step");
     let got = step(&[220]).unwrap().remove(0);
-    drop(step);
     assert_eq!(s.len(), prompt.len() + 1);
     let mut r = one.new_sequence();
     let full: Vec<u32> = prompt.iter().copied().chain([220]).collect();

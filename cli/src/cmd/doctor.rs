@@ -31,6 +31,9 @@ pub struct Args {
     /// CUDA device for --model.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// Compare the GPU split over tensor-parallel ranks (`--tp N --tp-devices ...`) with the CPU.
+    #[command(flatten)]
+    tp: super::tp::TpArgs,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -138,13 +141,15 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 gguf::Model::open(path).with_context(|| format!("opening {}", path.display()))?,
             );
             let cpu = runtime::glm::load_cpu(model.clone())?;
-            let gpu = runtime::cuda::load_cuda(model, args.device)?;
+            let dev = runtime::device::Device::Cuda(args.device);
+            let gpu = super::tp::load(model, args.tp.options(dev)?, true)?.lm;
+            let gpu = gpu.as_ref();
             let name = path
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
             for (id, ids) in &prompts {
-                let r = runtime::cuda::check::compare(&cpu, &gpu, ids, args.steps)?;
+                let r = runtime::cuda::check::compare(&cpu, gpu, ids, args.steps)?;
                 let tie = r
                     .near_tie
                     .map(|(s, g)| format!(" (near tie at step {s}, gap {g:.1e})"))

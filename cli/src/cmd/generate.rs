@@ -1,5 +1,5 @@
-//! `gguftool generate`: load a model on the CPU backend and continue a prompt, streaming the
-//! text as it is produced (or one JSON object for scripts).
+//! `gguftool generate`: load a model (CPU or CUDA, on one device or split over `--tp` ranks) and
+//! continue a prompt, streaming the text as it is produced (or one JSON object for scripts).
 
 use anyhow::{bail, Context, Result};
 use runtime::{LanguageModel, SeqStep};
@@ -73,6 +73,8 @@ pub struct Args {
     /// Worker threads (default: all cores).
     #[arg(short = 't', long)]
     threads: Option<usize>,
+    #[command(flatten)]
+    tp: super::tp::TpArgs,
 }
 
 struct Step {
@@ -96,10 +98,19 @@ pub fn run(args: Args) -> Result<ExitCode> {
     };
     let model = Arc::new(model);
     let tok = Tokenizer::from_gguf(model.metadata()).context("loading the tokenizer")?;
-    let (loaded, device) = runtime::device::load_language_model(Arc::clone(&model), args.device)
-        .context("loading the model")?;
-    let lm: &dyn LanguageModel = loaded.as_ref();
+    let opts = args.tp.options(args.device)?;
+    let loaded =
+        super::tp::load(Arc::clone(&model), opts, args.json).context("loading the model")?;
+    let device = loaded.device;
+    let lm: &dyn LanguageModel = loaded.lm.as_ref();
     let load_s = load_start.elapsed().as_secs_f64();
+    // Greedy decoding needs each step's best tokens only: a tensor-parallel model merges its
+    // ranks' candidates instead of gathering the vocabulary.
+    let greedy = SamplingParams {
+        temperature: args.temperature,
+        ..SamplingParams::default()
+    }
+    .is_greedy();
 
     let text = if args.chat {
         let tmpl =
@@ -141,15 +152,26 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let mut text_out = String::new();
     let mut finish = "length";
 
+    let k = args.logprobs.unwrap_or(0);
     let t0 = Instant::now();
-    let mut logits = forward(lm, seq.as_mut(), &prompt)?;
+    let mut next = forward(lm, seq.as_mut(), &prompt, greedy, k)?;
     let prompt_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     for i in 0..n_predict {
-        let id = sampler.sample(&logits);
-        let k = args.logprobs.unwrap_or(0);
-        let top = top_logprobs(&logits, k);
-        let logprob = serving::sampler::logprob(&logits, id);
+        let (id, logprob, top) = match &next {
+            Next::Logits(logits) => {
+                let id = sampler.sample(logits);
+                (
+                    id,
+                    serving::sampler::logprob(logits, id),
+                    top_logprobs(logits, k),
+                )
+            }
+            Next::Top(t) => {
+                let &(id, lp) = t.first().context("the model returned no candidates")?;
+                (id, lp, t[..k.min(t.len())].to_vec())
+            }
+        };
         steps.push(Step { id, logprob, top });
         if !args.ignore_eos && tok.is_eog(id) {
             finish = "stop";
@@ -162,7 +184,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             out.flush()?;
         }
         if i + 1 < n_predict {
-            logits = forward(lm, seq.as_mut(), &[id])?;
+            next = forward(lm, seq.as_mut(), &[id], greedy, k)?;
         }
     }
     let tail = detok.finish();
@@ -198,6 +220,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
             "finish_reason": finish,
             "logprobs": if args.logprobs.is_some() { json!(logprobs) } else { json!([]) },
             "device": device.name(),
+            "tp": loaded.tp,
+            "load": {"weight_bytes": loaded.weight_bytes, "seconds": loaded.load_s},
             "timings": {
                 "load_s": load_s,
                 "prompt_tokens": prompt.len(),
@@ -246,16 +270,33 @@ pub fn run(args: Args) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// What one step gives the sampler.
+enum Next {
+    Logits(Vec<f32>),
+    /// Greedy: the best tokens with their log-probabilities, best first.
+    Top(runtime::TopTokens),
+}
+
 fn forward(
     lm: &dyn LanguageModel,
     seq: &mut dyn runtime::SequenceState,
     tokens: &[u32],
-) -> Result<Vec<f32>> {
+    greedy: bool,
+    k: usize,
+) -> Result<Next> {
     let mut b = [SeqStep {
         seq,
         tokens,
         all_logits: false,
     }];
+    if greedy {
+        let mut out = lm.forward_top_k(&mut b, k.max(1)).context("forward pass")?;
+        return Ok(Next::Top(
+            out.pop().context("the model returned no logits")?,
+        ));
+    }
     let mut out = lm.forward(&mut b).context("forward pass")?;
-    out.pop().context("the model returned no logits")
+    Ok(Next::Logits(
+        out.pop().context("the model returned no logits")?,
+    ))
 }

@@ -44,6 +44,8 @@ pub struct Args {
     /// Worker threads of the forward pass (default: all cores).
     #[arg(short = 't', long)]
     threads: Option<usize>,
+    #[command(flatten)]
+    tp: super::tp::TpArgs,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -95,7 +97,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
 
     let (name, model) = (args.alias.clone(), args.model.clone());
     let (max_queue, parallel, ctx) = (args.max_queue, args.parallel, args.ctx_size);
-    let device = args.device;
+    let opts = args.tp.options(args.device)?;
     let load_metrics = metrics.clone();
     let loading = tokio::task::spawn_blocking(move || -> Result<server::Backend> {
         let (gguf, default_name) = match &model {
@@ -117,8 +119,27 @@ async fn serve(args: Args) -> Result<ExitCode> {
         };
         let name = name.unwrap_or(default_name);
         let gguf = Arc::new(gguf);
-        let (lm, device) = runtime::device::load_language_model(Arc::clone(&gguf), device)?;
-        eprintln!("gguftool serve: running on {}", device.name());
+        let loaded = super::tp::load(Arc::clone(&gguf), opts, true)?;
+        let lm = loaded.lm;
+        match loaded.tp.as_ref().filter(|t| t.world > 1) {
+            Some(t) => eprintln!(
+                "gguftool serve: running on {} over {} ranks ({}; all-reduce {})",
+                loaded.device.name(),
+                t.world,
+                t.ranks
+                    .iter()
+                    .map(|r| r.device.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                t.comm
+            ),
+            None => eprintln!("gguftool serve: running on {}", loaded.device.name()),
+        }
+        if let Some(cap) = lm.cache_capacity_tokens() {
+            eprintln!(
+                "gguftool serve: KV cache budget {cap} tokens shared by all slots (free device memory after the weights)"
+            );
+        }
         let backend = server::model_backend(&gguf, lm, &name, load_metrics, |c| {
             c.max_queue = max_queue as usize;
             c.max_running = parallel as usize;

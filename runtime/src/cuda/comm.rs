@@ -17,7 +17,7 @@
 use super::{CudaBackend, CudaIndex, CudaTensor};
 use crate::backend::Backend;
 use crate::device::AllReduce;
-use crate::tp::{HostComm, HostGroup, MoeSplit, RankComm, RankSetup, Ranked, TpModel};
+use crate::tp::{HostComm, HostGroup, MoeSplit, RankComm, RankSetup, Ranked, SpinBarrier, TpModel};
 use crate::RuntimeError;
 use kernels::comm::enable_peer_access;
 use kernels::{Gpu, OneShotRank};
@@ -76,7 +76,12 @@ unsafe impl Send for NcclComm {}
 unsafe impl Sync for NcclComm {}
 
 enum Reduce {
-    OneShot(OneShotRank),
+    /// Launched after a host barrier of the ranks: in eager mode a rank may sit in a driver call
+    /// that waits for the whole device (an allocation, a cuBLAS handle, a module load); were a
+    /// peer's kernel already spinning for this rank's flag, neither would finish. After the
+    /// barrier every rank's kernel is queued before any rank's next host call. (A captured
+    /// decode graph has no such calls.)
+    OneShot(OneShotRank, Option<Arc<SpinBarrier>>),
     Nccl(NcclComm),
     Host,
 }
@@ -90,7 +95,7 @@ pub struct CudaComm {
 impl CudaComm {
     fn kind_name(&self) -> &'static str {
         match self.reduce {
-            Reduce::OneShot(_) => "oneshot",
+            Reduce::OneShot(..) => "oneshot",
             Reduce::Nccl(_) => "nccl",
             Reduce::Host => "host",
         }
@@ -110,9 +115,16 @@ impl RankComm<CudaBackend> for CudaComm {
             return Ok(());
         }
         match &self.reduce {
-            Reduce::OneShot(r) => r
-                .all_reduce(&mut x.buf.slice_mut(0..n), n)
-                .map_err(kerr("all-reduce (oneshot)")),
+            Reduce::OneShot(r, barrier) => {
+                if let Some(b) = barrier {
+                    b.wait().map_err(|e| RuntimeError::Tp {
+                        world: r.world(),
+                        msg: e.to_string(),
+                    })?;
+                }
+                r.all_reduce(&mut x.buf.slice_mut(0..n), n)
+                    .map_err(kerr("all-reduce (oneshot)"))
+            }
             Reduce::Nccl(c) => {
                 c.0.all_reduce_in_place(
                     &mut x.buf.slice_mut(0..n),
@@ -128,9 +140,15 @@ impl RankComm<CudaBackend> for CudaComm {
         self.host.all_gather_cols(be, x)
     }
     fn abort(&self) {
+        if let Reduce::OneShot(_, Some(b)) = &self.reduce {
+            b.abort();
+        }
         RankComm::<CudaBackend>::abort(&self.host);
     }
     fn reset(&self) {
+        if let Reduce::OneShot(_, Some(b)) = &self.reduce {
+            b.reset();
+        }
         RankComm::<CudaBackend>::reset(&self.host);
     }
     fn kind(&self) -> String {
@@ -292,6 +310,7 @@ fn setup_rank(
     choice: &[AllReduce],
     host: HostComm,
     g: &SetupGroup,
+    barrier: Option<&Arc<SpinBarrier>>,
 ) -> Result<RankSetup<CudaBackend>, RuntimeError> {
     let world = devices.len();
     let ordinal = devices[rank];
@@ -301,7 +320,9 @@ fn setup_rank(
     };
     let build = |w: AllReduce, host: HostComm| -> Result<CudaComm, RuntimeError> {
         let reduce = match w {
-            AllReduce::OneShot => Reduce::OneShot(make_oneshot(&gpu, rank, devices, g)?),
+            AllReduce::OneShot => {
+                Reduce::OneShot(make_oneshot(&gpu, rank, devices, g)?, barrier.cloned())
+            }
             AllReduce::Nccl => Reduce::Nccl(make_nccl(&gpu, rank, world, g)?),
             AllReduce::Host | AllReduce::Auto => Reduce::Host,
         };
@@ -359,6 +380,8 @@ pub fn load_cuda_tp(
             .collect::<Vec<_>>(),
     );
     let g: SetupGroup = HostGroup::new(world);
+    // Ranks sharing a GPU must all have queued their kernel before any may block the device.
+    let barrier = (!distinct(devices)).then(|| SpinBarrier::new(world));
     let (g2, devs) = (Arc::clone(&g), devices.to_vec());
     let kinds = Arc::new(Mutex::new(Vec::<String>::new()));
     let kinds2 = Arc::clone(&kinds);
@@ -376,7 +399,7 @@ pub fn load_cuda_tp(
                     world,
                     msg: format!("rank {rank} set up twice"),
                 })?;
-            let s = setup_rank(rank, &devs, &choice, host, &g2)?;
+            let s = setup_rank(rank, &devs, &choice, host, &g2, barrier.as_ref())?;
             kinds2
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())

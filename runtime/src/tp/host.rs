@@ -10,6 +10,7 @@
 use super::backend::RankComm;
 use crate::backend::Backend;
 use crate::RuntimeError;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// A collective was cut short because another rank failed (or the group shut down).
@@ -115,6 +116,63 @@ impl<T: Send> HostGroup<T> {
     }
 }
 
+/// A barrier of `world` rank threads that spins (then yields) instead of sleeping: microseconds,
+/// for the launch of a device collective. Abortable like [`HostGroup`].
+pub struct SpinBarrier {
+    world: usize,
+    arrived: AtomicUsize,
+    generation: AtomicUsize,
+    aborted: AtomicBool,
+}
+
+impl SpinBarrier {
+    pub fn new(world: usize) -> Arc<Self> {
+        Arc::new(SpinBarrier {
+            world,
+            arrived: AtomicUsize::new(0),
+            generation: AtomicUsize::new(0),
+            aborted: AtomicBool::new(false),
+        })
+    }
+
+    /// Wait until every rank has called `wait` for this round.
+    pub fn wait(&self) -> Result<(), GroupAborted> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(GroupAborted);
+        }
+        let gen = self.generation.load(Ordering::Acquire);
+        if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == self.world {
+            self.arrived.store(0, Ordering::Release);
+            self.generation.fetch_add(1, Ordering::AcqRel);
+            return Ok(());
+        }
+        let mut spins = 0u32;
+        while self.generation.load(Ordering::Acquire) == gen {
+            if self.aborted.load(Ordering::Acquire) {
+                return Err(GroupAborted);
+            }
+            spins += 1;
+            if spins < 4096 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
+    }
+
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::Release);
+    }
+
+    /// Start over after an abort. Only while no rank is inside [`SpinBarrier::wait`].
+    pub fn reset(&self) {
+        self.arrived.store(0, Ordering::Release);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        self.aborted.store(false, Ordering::Release);
+    }
+}
+
 fn aborted(world: usize) -> impl Fn(GroupAborted) -> RuntimeError {
     move |e| RuntimeError::Tp {
         world,
@@ -212,7 +270,7 @@ impl<B: Backend> RankComm<B> for HostComm {
             .group
             .exchange(self.rank, be.to_host(&x)?, |v| concat_cols(v, rows))
             .map_err(aborted(self.group.world()))?;
-        let cols = if rows == 0 { 0 } else { out.len() / rows };
+        let cols = out.len().checked_div(rows).unwrap_or(0);
         be.new_tensor(rows, cols, &out)
     }
 

@@ -15,11 +15,11 @@
 mod backend;
 pub mod check;
 mod host;
-mod model;
+pub(crate) mod model;
 pub mod plan;
 
 pub use backend::{RankComm, Ranked};
-pub use host::{GroupAborted, HostComm, HostGroup};
+pub use host::{sum_in_rank_order, GroupAborted, HostComm, HostGroup, SpinBarrier};
 pub use model::{RankReport, RankSetup, TpModel, TpReport};
 
 use crate::spec::{AttentionSpec, FfnKind, ModelSpec, TensorSpec};
@@ -36,14 +36,15 @@ pub struct Shard {
 
 /// How the routed experts of a MoE layer are divided over the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
 pub enum MoeSplit {
     /// Every rank holds 1/N of every expert's FFN columns: balanced at any batch size (the
     /// decode default, docs/TP.md).
     #[default]
+    #[serde(rename = "column")]
     Columns,
     /// Expert parallelism: every rank holds whole experts (contiguous, as even as they divide)
     /// and computes the chosen experts it holds.
+    #[serde(rename = "expert")]
     Experts,
 }
 

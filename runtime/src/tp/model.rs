@@ -395,22 +395,28 @@ fn load_rank<B: Backend>(
     let rank = view.rank;
     let s = setup(rank)?;
     let progress = progress.map(|p| p as &(dyn Fn(u64) + Sync));
-    let m = GlmModel::load_view(s.backend, Arc::clone(model), view, progress)?;
-    let v = m.view().clone();
+    let m = GlmModel::load_view(s.backend, Arc::clone(model), Some(view), progress)?;
+    let report = rank_report(&m, s.device);
+    let free = s.free_memory.as_ref().and_then(|f| f());
+    Ok((m, Loaded { report, free }))
+}
+
+/// What rank `m` holds.
+pub(crate) fn rank_report<B: Backend>(m: &GlmModel<B>, device: String) -> RankReport {
+    let v = m.view();
     let st = m.load_stats();
-    let e = m.spec().moe;
-    let report = RankReport {
-        rank,
-        device: s.device,
+    RankReport {
+        rank: v.rank,
+        device,
         weight_bytes: st.weight_bytes,
         heads: v.heads.len(),
         head_range: [v.heads.start, v.heads.end],
         experts: v.experts.len(),
         expert_range: [v.experts.start, v.experts.end],
-        expert_columns: match (e, v.moe, v.world) {
+        expert_columns: match (m.spec().moe, v.moe, v.world) {
             (Some(e), MoeSplit::Columns, w) if w > 1 => {
                 let per = e.n_ff / w;
-                Some([rank * per, (rank + 1) * per])
+                Some([v.rank * per, (v.rank + 1) * per])
             }
             _ => None,
         },
@@ -418,9 +424,7 @@ fn load_rank<B: Backend>(
         reencoded_f32: st.reencoded.iter().map(|(n, _)| n.clone()).collect(),
         reencoded_extra_bytes: st.reencoded.iter().map(|(_, b)| b).sum(),
         cache_bytes_per_token: m.cache_bytes_per_token(),
-    };
-    let free = s.free_memory.as_ref().and_then(|f| f());
-    Ok((m, Loaded { report, free }))
+    }
 }
 
 /// The rank thread: its caches by sequence id, commands in order.
