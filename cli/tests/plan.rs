@@ -174,6 +174,19 @@ fn glm5_plan_from_headers_only() {
     // MLA latent + rope key (576) and indexer key (128) per trunk layer, f32: replicated.
     assert_eq!(v["kv_bytes_per_token"].as_u64(), Some(78 * (576 + 128) * 4));
     assert!(v["context_capacity_tokens"].as_u64().unwrap() > 32768);
+    let (rc, table, _) = plan(&[
+        p,
+        "--tp",
+        "8",
+        "--gpu-mem",
+        "96G",
+        "--ctx",
+        "32768",
+        "--parallel",
+        "4",
+    ]);
+    println!("{table}");
+    assert_eq!(rc, 0, "{table}");
     // One GPU cannot hold it; the tool names the smallest split that does.
     let (rc, out, _) = plan(&[p, "--tp", "1", "--gpu-mem", "96G"]);
     assert_eq!(rc, 1);

@@ -5,9 +5,9 @@
 use crate::cuda::CudaBackend;
 use crate::glm::GlmModel;
 use crate::tp::model::rank_report;
-use crate::tp::{HostComm, MoeSplit, RankReport, RankSetup, Ranked, TpModel, TpReport};
+use crate::tp::{HostComm, MoeSplit, RankReport, RankSetup, RankSlots, Ranked, TpModel, TpReport};
 use crate::{LanguageModel, RuntimeError};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Where to run the forward pass.
@@ -200,8 +200,12 @@ pub fn planned_bytes(model: &gguf::Model, opts: &LoadOptions) -> Result<u64, Run
 /// refused before anything is loaded, naming the dimension that does not divide.
 pub fn load(model: Arc<gguf::Model>, opts: &LoadOptions) -> Result<Loaded, RuntimeError> {
     let t0 = Instant::now();
-    let device = opts.device.resolve();
     let world = world_size(opts);
+    let device = match (opts.device.resolve(), opts.tp_devices.as_deref()) {
+        // One rank placed by --tp-devices.
+        (Device::Cuda(_), Some(&[d])) if world == 1 => Device::Cuda(d),
+        (d, _) => d,
+    };
     if world == 1 {
         let progress = opts.progress.as_deref().map(|p| p as &(dyn Fn(u64) + Sync));
         let (lm, rank): (Arc<dyn LanguageModel>, RankReport) = match device {
@@ -268,26 +272,13 @@ pub fn load_cpu_tp(
     moe: MoeSplit,
     progress: Option<Arc<dyn Fn(u64) + Send + Sync>>,
 ) -> Result<TpModel, RuntimeError> {
-    let comms = Mutex::new(
-        HostComm::group(world)
-            .into_iter()
-            .map(Some)
-            .collect::<Vec<_>>(),
-    );
+    let comms = RankSlots::new(HostComm::group(world));
     let mut m = TpModel::load(
         model,
         world,
         moe,
         move |rank| {
-            let comm = comms
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get_mut(rank)
-                .and_then(Option::take)
-                .ok_or_else(|| RuntimeError::Tp {
-                    world,
-                    msg: format!("rank {rank} set up twice"),
-                })?;
+            let comm = comms.take(rank)?;
             Ok(RankSetup {
                 backend: Ranked::new(crate::cpu::CpuBackend, Arc::new(comm)),
                 device: "cpu".into(),

@@ -631,27 +631,8 @@ impl<B: Backend> GlmModel<B> {
                 .as_any_mut()
                 .downcast_mut::<KvCache<B>>()
                 .ok_or_else(|| RuntimeError::Backend("sequence state of another model".into()))?;
+            check_step(&self.spec, cache.len, step.tokens)?;
             let n = step.tokens.len();
-            if n == 0 {
-                return Err(RuntimeError::Backend("a step without tokens".into()));
-            }
-            let need = cache.len + n;
-            if need > self.spec.n_ctx_train {
-                return Err(RuntimeError::ContextExceeded {
-                    need,
-                    max: self.spec.n_ctx_train,
-                });
-            }
-            if let Some(&bad) = step
-                .tokens
-                .iter()
-                .find(|&&t| t as usize >= self.spec.n_vocab)
-            {
-                return Err(RuntimeError::Backend(format!(
-                    "token id {bad} out of range (vocabulary {})",
-                    self.spec.n_vocab
-                )));
-            }
             segs.push(Seg {
                 row0: tokens.len(),
                 n,
@@ -1130,6 +1111,32 @@ impl<B: Backend> GlmModel<B> {
             }
         }
     }
+}
+
+/// Refuse a step a model cannot take: no tokens, more than its context, an id outside its
+/// vocabulary (`cached`: tokens already in the sequence's cache).
+pub(crate) fn check_step(
+    spec: &ModelSpec,
+    cached: usize,
+    tokens: &[u32],
+) -> Result<(), RuntimeError> {
+    if tokens.is_empty() {
+        return Err(RuntimeError::Backend("a step without tokens".into()));
+    }
+    let need = cached + tokens.len();
+    if need > spec.n_ctx_train {
+        return Err(RuntimeError::ContextExceeded {
+            need,
+            max: spec.n_ctx_train,
+        });
+    }
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= spec.n_vocab) {
+        return Err(RuntimeError::Backend(format!(
+            "token id {bad} out of range (vocabulary {})",
+            spec.n_vocab
+        )));
+    }
+    Ok(())
 }
 
 /// How a rank returns the head's logits.

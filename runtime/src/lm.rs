@@ -51,11 +51,7 @@ pub trait LanguageModel: Send + Sync {
         batch: &mut [SeqStep<'_>],
         k: usize,
     ) -> Result<Vec<TopTokens>, RuntimeError> {
-        if batch.iter().any(|s| s.all_logits) {
-            return Err(RuntimeError::Backend(
-                "forward_top_k: steps that want every position's logits need forward".into(),
-            ));
-        }
+        last_positions_only(batch)?;
         Ok(self
             .forward(batch)?
             .iter()
@@ -73,6 +69,16 @@ pub trait LanguageModel: Send + Sync {
     fn cache_capacity_tokens(&self) -> Option<usize> {
         None
     }
+}
+
+/// `forward_top_k` answers for the last position of each step only.
+pub(crate) fn last_positions_only(batch: &[SeqStep<'_>]) -> Result<(), RuntimeError> {
+    if batch.iter().any(|s| s.all_logits) {
+        return Err(RuntimeError::Backend(
+            "forward_top_k: steps that want every position's logits need forward".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// The best `k` entries of one vocabulary slice (ids from `id0`) as raw logits, and the slice's

@@ -17,7 +17,9 @@
 use super::{CudaBackend, CudaIndex, CudaTensor};
 use crate::backend::Backend;
 use crate::device::AllReduce;
-use crate::tp::{HostComm, HostGroup, MoeSplit, RankComm, RankSetup, Ranked, SpinBarrier, TpModel};
+use crate::tp::{
+    HostComm, HostGroup, MoeSplit, RankComm, RankSetup, RankSlots, Ranked, SpinBarrier, TpModel,
+};
 use crate::RuntimeError;
 use kernels::comm::enable_peer_access;
 use kernels::{Gpu, OneShotRank};
@@ -373,12 +375,7 @@ pub fn load_cuda_tp(
 ) -> Result<TpModel, RuntimeError> {
     let world = devices.len();
     let choice = candidates(devices, want)?;
-    let hosts = Mutex::new(
-        HostComm::group(world)
-            .into_iter()
-            .map(Some)
-            .collect::<Vec<_>>(),
-    );
+    let hosts = RankSlots::new(HostComm::group(world));
     let g: SetupGroup = HostGroup::new(world);
     // Ranks sharing a GPU must all have queued their kernel before any may block the device.
     let barrier = (!distinct(devices)).then(|| SpinBarrier::new(world));
@@ -390,15 +387,7 @@ pub fn load_cuda_tp(
         world,
         moe,
         move |rank| {
-            let host = hosts
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get_mut(rank)
-                .and_then(Option::take)
-                .ok_or_else(|| RuntimeError::Tp {
-                    world,
-                    msg: format!("rank {rank} set up twice"),
-                })?;
+            let host = hosts.take(rank)?;
             let s = setup_rank(rank, &devs, &choice, host, &g2, barrier.as_ref())?;
             kinds2
                 .lock()

@@ -207,6 +207,27 @@ fn concat_cols(values: Vec<Vec<f32>>, rows: usize) -> Vec<f32> {
     out
 }
 
+/// One value per rank, each taken once by its rank's setup (the rank threads start together).
+pub struct RankSlots<T>(Mutex<Vec<Option<T>>>);
+
+impl<T> RankSlots<T> {
+    pub fn new(values: Vec<T>) -> Self {
+        RankSlots(Mutex::new(values.into_iter().map(Some).collect()))
+    }
+
+    /// Rank `rank`'s value (an error on a second take).
+    pub fn take(&self, rank: usize) -> Result<T, RuntimeError> {
+        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let world = v.len();
+        v.get_mut(rank)
+            .and_then(Option::take)
+            .ok_or_else(|| RuntimeError::Tp {
+                world,
+                msg: format!("rank {rank} set up twice"),
+            })
+    }
+}
+
 /// Collectives through host memory for any backend (download, combine, upload).
 pub struct HostComm {
     rank: usize,

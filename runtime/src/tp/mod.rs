@@ -19,7 +19,7 @@ pub(crate) mod model;
 pub mod plan;
 
 pub use backend::{RankComm, Ranked};
-pub use host::{sum_in_rank_order, GroupAborted, HostComm, HostGroup, SpinBarrier};
+pub use host::{sum_in_rank_order, GroupAborted, HostComm, HostGroup, RankSlots, SpinBarrier};
 pub use model::{RankReport, RankSetup, TpModel, TpReport};
 
 use crate::spec::{AttentionSpec, FfnKind, ModelSpec, TensorSpec};

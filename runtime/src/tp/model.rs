@@ -334,23 +334,7 @@ impl TpModel {
                 s.seq.as_any_mut().downcast_mut::<TpSeq>().ok_or_else(|| {
                     RuntimeError::Backend("sequence state of another model".into())
                 })?;
-            let n = s.tokens.len();
-            if n == 0 {
-                return Err(RuntimeError::Backend("a step without tokens".into()));
-            }
-            let need = seq.len + n;
-            if need > self.spec.n_ctx_train {
-                return Err(RuntimeError::ContextExceeded {
-                    need,
-                    max: self.spec.n_ctx_train,
-                });
-            }
-            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= self.spec.n_vocab) {
-                return Err(RuntimeError::Backend(format!(
-                    "token id {bad} out of range (vocabulary {})",
-                    self.spec.n_vocab
-                )));
-            }
+            crate::glm::check_step(&self.spec, seq.len, s.tokens)?;
             if out.iter().any(|o| o.seq == seq.id) {
                 return Err(RuntimeError::Backend(
                     "the same sequence twice in one step".into(),
@@ -619,11 +603,7 @@ impl LanguageModel for TpModel {
         batch: &mut [SeqStep<'_>],
         k: usize,
     ) -> Result<Vec<TopTokens>, RuntimeError> {
-        if batch.iter().any(|s| s.all_logits) {
-            return Err(RuntimeError::Backend(
-                "forward_top_k: steps that want every position's logits need forward".into(),
-            ));
-        }
+        crate::lm::last_positions_only(batch)?;
         let steps = self.steps(batch)?;
         let n = steps.len();
         let outs = self.run(steps, Want::TopK(k))?;
