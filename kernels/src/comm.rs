@@ -142,6 +142,9 @@ impl OneShotRank {
         gpu.context()
             .synchronize()
             .map_err(KernelError::driver("cuCtxSynchronize"))?;
+        // Compile and load the kernel now: a module load inside a collective could wait for a
+        // peer's kernel that is already spinning for this rank's flag.
+        gpu.func(Op::AllReduce, "allreduce_oneshot_f32")?;
         Ok(r)
     }
 

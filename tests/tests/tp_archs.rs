@@ -6,7 +6,7 @@
 
 use runtime::device::load_cpu_tp;
 use runtime::spec::ModelSpec;
-use runtime::tp::check::{compare_greedy, tp_tolerance};
+use runtime::tp::check::{compare_greedy, tp_tolerance, Summation};
 use runtime::tp::MoeSplit;
 use std::sync::Arc;
 
@@ -89,8 +89,14 @@ fn check(name: &str, meta: Metadata, worlds: &[usize]) {
         for moe in [MoeSplit::Columns, MoeSplit::Experts] {
             let tp = load_cpu_tp(Arc::clone(&m), world, moe, None)
                 .unwrap_or_else(|e| panic!("{name} TP {world}: {e}"));
-            let c =
-                compare_greedy(&one, &tp, &prompt, 12, tp_tolerance(one.spec(), world)).unwrap();
+            let c = compare_greedy(
+                &one,
+                &tp,
+                &prompt,
+                12,
+                tp_tolerance(one.spec(), world, Summation::Blocked8),
+            )
+            .unwrap();
             println!(
                 "{name} TP {world} {moe:?}: max rel diff {:.2e}, identical {}/13",
                 c.max_rel_diff, c.greedy_identical

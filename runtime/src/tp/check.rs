@@ -8,6 +8,16 @@ use crate::lm::{LanguageModel, SeqStep, SequenceState};
 use crate::spec::{AttentionSpec, ModelSpec};
 use crate::RuntimeError;
 
+/// How a backend's dot products add their terms (the depth of the summation tree).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Summation {
+    /// The CPU reference: 8 accumulators, then a fixed tree (`depth <= K/8 + 3`).
+    Blocked8,
+    /// Any order at all (a GPU GEMM may accumulate a thread's output over all of `K` in
+    /// sequence): `depth <= K`, the worst case.
+    Sequential,
+}
+
 /// Allowed `max |logit difference| / max(1, max |logit|)` between a model split over `world`
 /// ranks and the same model on one rank, from the f32 summation order alone.
 ///
@@ -17,14 +27,14 @@ use crate::RuntimeError;
 /// all `K` terms in one dot product (every split by rows, heads or vocabulary computes bitwise
 /// the same values on its rank). Two f32 summation orders of the same `K` products differ by at
 /// most `2 γ_d Σ|a_k w_k|`, `γ_d = d u / (1 - d u)`, `u = 2^-24`, `d` the depth of the summation
-/// tree: the dot products keep 8 accumulators (`d ≤ K/8 + 3`) and the rank sum adds at most
-/// `world - 1` more levels. Each trunk block contributes two such reductions to the residual
-/// stream; the norms, attention softmax and SiLU carry a relative perturbation of the stream on
-/// to the logits with a gain we allow to be 2 per block, and the reductions' cancellation
-/// `Σ|a w| / |Σ a w|` is allowed to be 2. So `tol = 2 L · 2 γ_d · 2 · 2` with `L` the trunk
-/// blocks and `K` the widest reduced dimension. Tiny-glm5 (L = 3, K = 512): 2.0e-4; observed
-/// differences are ~1e-6 (the bound is worst-case).
-pub fn tp_tolerance(spec: &ModelSpec, world: usize) -> f32 {
+/// tree ([`Summation`]; the rank sum adds at most `world - 1` levels). Each trunk block
+/// contributes two such reductions to the residual stream; the norms, attention softmax and SiLU
+/// carry a relative perturbation of the stream on to the logits with a gain we allow to be 2 per
+/// block, and the reductions' cancellation `Σ|a w| / |Σ a w|` is allowed to be 2. So
+/// `tol = 2 L · 2 γ_d · 2 · 2` with `L` the trunk blocks and `K` the widest reduced dimension.
+/// Tiny-glm5 (L = 3, K = 512): 2.0e-4 blocked, 1.5e-3 sequential; observed differences are
+/// ~1e-6 (the bound is worst-case).
+pub fn tp_tolerance(spec: &ModelSpec, world: usize, sum: Summation) -> f32 {
     let heads_out = match &spec.attention {
         AttentionSpec::Mla(m) => m.n_head * m.v_head,
         AttentionSpec::Gqa(g) => g.n_head * g.head_dim,
@@ -37,7 +47,11 @@ pub fn tp_tolerance(spec: &ModelSpec, world: usize) -> f32 {
     .into_iter()
     .max()
     .unwrap_or(1);
-    let d = (k / 8 + 3 + world.saturating_sub(1)) as f64;
+    let depth = match sum {
+        Summation::Blocked8 => k / 8 + 3,
+        Summation::Sequential => k,
+    };
+    let d = (depth + world.saturating_sub(1)) as f64;
     let u = 2f64.powi(-24);
     let gamma = d * u / (1.0 - d * u);
     (2.0 * spec.n_layer as f64 * 2.0 * gamma * 2.0 * 2.0) as f32
