@@ -7,6 +7,7 @@ pub mod export;
 pub mod expr;
 pub mod hf;
 pub mod hfconfig;
+pub mod import;
 pub mod kvb;
 pub mod names;
 pub mod shard;

@@ -8,6 +8,7 @@ pub mod cpu;
 pub mod error;
 pub mod glm;
 pub mod lm;
+pub mod numerics;
 pub mod spec;
 pub mod tp;
 pub mod weights;

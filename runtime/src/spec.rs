@@ -247,6 +247,16 @@ impl Hp<'_> {
     }
 }
 
+/// A routed-expert weight scale: the experts' sum is multiplied by it, so it must be a positive
+/// finite number (0 silences the routed experts, a negative one flips them).
+fn positive_scale(hp: &Hp<'_>, k: &str) -> Result<f32, RuntimeError> {
+    let v = hp.f32_or(k, 1.0)?;
+    if v <= 0.0 {
+        return Err(model_err(format!("{}: {v} must be positive", hp.key(k))));
+    }
+    Ok(v)
+}
+
 /// Per-layer booleans stored as a BOOL or integer array (`attention.indexer.types`).
 fn bool_array(v: &Value) -> Option<Vec<bool>> {
     v.as_array()?
@@ -310,6 +320,14 @@ impl ModelSpec {
         }
         let n_ctx_train = hp.positive("context_length")?;
         let rms_eps = hp.f32_or("attention.layer_norm_rms_epsilon", 1e-6)?;
+        // RMSNorm divides by sqrt(mean(x^2) + eps): eps must be a positive normal f32 so an
+        // all-zero row stays finite, and at most 1 or it swamps unit-scale activations.
+        if !(f32::MIN_POSITIVE..=1.0).contains(&rms_eps) {
+            return Err(model_err(format!(
+                "{}: {rms_eps:e} is outside (0, 1]: RMS normalization would divide by zero or drown the activations",
+                hp.key("attention.layer_norm_rms_epsilon")
+            )));
+        }
         let n_ff = hp.usize_or("feed_forward_length", 0)?;
         let n_head = hp.positive("attention.head_count")?;
         if let Some(t) = md.get(&hp.key("rope.scaling.type")).and_then(Value::as_str) {
@@ -321,6 +339,14 @@ impl ModelSpec {
             }
         }
         let theta = hp.f32_or("rope.freq_base", 10000.0)?;
+        // RoPE rotates pair i by position * theta^(-2i/d): theta <= 0 gives NaN or infinite
+        // angles, and theta must exceed 1 for the frequencies to fall with i.
+        if theta.is_nan() || theta <= 1.0 {
+            return Err(model_err(format!(
+                "{}: {theta} must be greater than 1 (RoPE frequencies theta^(-2i/d) must decrease)",
+                hp.key("rope.freq_base")
+            )));
+        }
         let n_rot = hp.usize("rope.dimension_count")?;
         if n_rot == 0 || !n_rot.is_multiple_of(2) {
             return Err(model_err(format!(
@@ -456,7 +482,7 @@ impl ModelSpec {
                     n_group_used,
                     gating,
                     normalize: hp.bool_or("expert_weights_norm", false)?,
-                    scale: hp.f32_or("expert_weights_scale", 1.0)?,
+                    scale: positive_scale(&hp, "expert_weights_scale")?,
                 })
             }
             _ => None,

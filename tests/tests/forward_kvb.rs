@@ -5,7 +5,7 @@
 
 mod forward_util;
 
-use gguftool_tests::fixture_or_skip;
+use gguftool_tests::fixture;
 use mappings::kvb::{reassemble, MlaDims};
 use runtime::spec::{AttentionSpec, ModelSpec};
 use runtime::weights::HostWeight;
@@ -13,13 +13,8 @@ use std::sync::Arc;
 
 #[test]
 fn reassembled_kv_b_equals_the_hf_checkpoint() {
-    let test = "reassembled_kv_b_equals_the_hf_checkpoint";
-    let Some(index) = fixture_or_skip("hf/model.safetensors.index.json", test) else {
-        return;
-    };
-    let Some(gguf_path) = fixture_or_skip("gguf/tiny-glm5-BF16.gguf", test) else {
-        return;
-    };
+    let index = fixture("hf/model.safetensors.index.json");
+    let gguf_path = fixture("gguf/tiny-glm5-BF16.gguf");
     let index = forward_util::json(&index);
     let model = Arc::new(gguf::Model::open(&gguf_path).unwrap());
     let spec = ModelSpec::from_model(&model).unwrap();
@@ -29,9 +24,7 @@ fn reassembled_kv_b_equals_the_hf_checkpoint() {
     for l in spec.layers.iter().filter(|l| !l.mtp) {
         let hf_name = format!("model.layers.{}.self_attn.kv_b_proj.weight", l.index);
         let shard = index["weight_map"][&hf_name].as_str().unwrap();
-        let Some(shard_path) = fixture_or_skip(&format!("hf/{shard}"), test) else {
-            return;
-        };
+        let shard_path = fixture(&format!("hf/{shard}"));
         let bytes = std::fs::read(shard_path).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let t = st.tensor(&hf_name).unwrap();

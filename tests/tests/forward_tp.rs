@@ -9,7 +9,7 @@
 mod forward_util;
 
 use forward_util::{greedy, ids, json};
-use gguftool_tests::fixture_or_skip;
+use gguftool_tests::fixture;
 use runtime::device::load_cpu_tp;
 use runtime::tp::check::{compare_greedy, tp_tolerance, Summation};
 use runtime::tp::{MoeSplit, TpModel};
@@ -20,9 +20,9 @@ use std::sync::Arc;
 /// Top-1/top-2 log-prob gap under which the transformers reference is a tie (as forward_hf.rs).
 const TIE_GAP: f64 = 1e-3;
 
-fn open(rel: &str, test: &str) -> Option<Arc<gguf::Model>> {
-    let p = fixture_or_skip(rel, test)?;
-    Some(Arc::new(gguf::Model::open(&p).unwrap()))
+fn open(rel: &str) -> Arc<gguf::Model> {
+    let p = fixture(rel);
+    Arc::new(gguf::Model::open(&p).unwrap())
 }
 
 fn tp(m: &Arc<gguf::Model>, world: usize, moe: MoeSplit) -> TpModel {
@@ -52,16 +52,13 @@ fn check_refs(lm: &dyn LanguageModel, refs: &Value, what: &str) -> Vec<String> {
 
 #[test]
 fn tp2_and_tp4_match_transformers_and_tp1_on_every_reference_prompt() {
-    let test = "tp2_and_tp4_match_transformers_and_tp1_on_every_reference_prompt";
-    let Some(m) = open("gguf/tiny-glm5-BF16.gguf", test) else {
-        return;
-    };
+    let m = open("gguf/tiny-glm5-BF16.gguf");
     let one = runtime::glm::load_cpu(Arc::clone(&m)).unwrap();
     let tol = tp_tolerance(one.spec(), 4, Summation::Blocked8);
     let mut bad = Vec::new();
     let mut prompts = 0;
     for rel in ["refs/hf-tiny-glm5.json", "refs/hf-tiny-glm5-long.json"] {
-        let refs = json(&fixture_or_skip(rel, test).expect("reference files are fixtures"));
+        let refs = json(&fixture(rel));
         for world in [2, 4] {
             let lm = tp(&m, world, MoeSplit::Columns);
             bad.extend(check_refs(&lm, &refs, &format!("TP {world}")));
@@ -85,12 +82,9 @@ fn tp2_and_tp4_match_transformers_and_tp1_on_every_reference_prompt() {
 
 #[test]
 fn expert_parallel_and_uneven_experts_match_tp1() {
-    let test = "expert_parallel_and_uneven_experts_match_tp1";
-    let Some(m) = open("gguf/tiny-glm5-BF16.gguf", test) else {
-        return;
-    };
+    let m = open("gguf/tiny-glm5-BF16.gguf");
     let one = runtime::glm::load_cpu(Arc::clone(&m)).unwrap();
-    let refs = json(&fixture_or_skip("refs/hf-tiny-glm5.json", test).unwrap());
+    let refs = json(&fixture("refs/hf-tiny-glm5.json"));
     for world in [2, 4] {
         let lm = tp(&m, world, MoeSplit::Experts);
         let r = lm.tp_report().unwrap();
@@ -115,15 +109,12 @@ fn expert_parallel_and_uneven_experts_match_tp1() {
 
 #[test]
 fn quantized_files_split_and_match_tp1() {
-    let test = "quantized_files_split_and_match_tp1";
-    let refs = json(&fixture_or_skip("refs/hf-tiny-glm5.json", test).unwrap());
+    let refs = json(&fixture("refs/hf-tiny-glm5.json"));
     for (file, reencoded) in [
         ("gguf/tiny-glm5-Q8_0.gguf", false),
         ("gguf/tiny-glm5-Q4_K_M.gguf", true),
     ] {
-        let Some(m) = open(file, test) else {
-            return;
-        };
+        let m = open(file);
         let one = runtime::glm::load_cpu(Arc::clone(&m)).unwrap();
         for world in [2, 4] {
             let lm = tp(&m, world, MoeSplit::Columns);
@@ -160,10 +151,7 @@ fn quantized_files_split_and_match_tp1() {
 
 #[test]
 fn greedy_top_k_merges_rank_candidates_like_the_full_vocabulary() {
-    let test = "greedy_top_k_merges_rank_candidates_like_the_full_vocabulary";
-    let Some(m) = open("gguf/tiny-glm5-BF16.gguf", test) else {
-        return;
-    };
+    let m = open("gguf/tiny-glm5-BF16.gguf");
     let lm = tp(&m, 4, MoeSplit::Columns);
     let prompt: Vec<u32> = vec![16, 220, 17, 220, 18, 220, 19];
     let (mut a, mut b) = (lm.new_sequence(), lm.new_sequence());
@@ -199,10 +187,7 @@ fn greedy_top_k_merges_rank_candidates_like_the_full_vocabulary() {
 
 #[test]
 fn impossible_splits_are_refused_naming_the_dimension() {
-    let test = "impossible_splits_are_refused_naming_the_dimension";
-    let Some(m) = open("gguf/tiny-glm5-BF16.gguf", test) else {
-        return;
-    };
+    let m = open("gguf/tiny-glm5-BF16.gguf");
     for (world, moe) in [(8, MoeSplit::Columns), (3, MoeSplit::Experts)] {
         let e = load_cpu_tp(Arc::clone(&m), world, moe, None)
             .err()
@@ -222,10 +207,7 @@ fn impossible_splits_are_refused_naming_the_dimension() {
 
 #[test]
 fn a_refused_step_leaves_every_rank_consistent() {
-    let test = "a_refused_step_leaves_every_rank_consistent";
-    let Some(m) = open("gguf/tiny-glm5-BF16.gguf", test) else {
-        return;
-    };
+    let m = open("gguf/tiny-glm5-BF16.gguf");
     let one = runtime::glm::load_cpu(Arc::clone(&m)).unwrap();
     let lm = tp(&m, 2, MoeSplit::Columns);
     let prompt = [16u32, 220, 17, 220, 18];

@@ -5,7 +5,7 @@
 //! the ranks' slices tile the split axis, and the header-only memory plan counts exactly the
 //! bytes a TP load reports.
 
-use gguftool_tests::fixture_or_skip;
+use gguftool_tests::fixture;
 use runtime::glm::part_of;
 use runtime::spec::ModelSpec;
 use runtime::tp::plan::weight_plan;
@@ -28,16 +28,13 @@ fn slice_of(full: &[f32], ne: &[usize], axis: usize, range: std::ops::Range<usiz
 
 #[test]
 fn every_share_is_its_slice_of_the_whole_tensor() {
-    let test = "every_share_is_its_slice_of_the_whole_tensor";
     let mut checked = 0;
     for file in [
         "gguf/tiny-glm5-BF16.gguf",
         "gguf/tiny-glm5-Q8_0.gguf",
         "gguf/tiny-glm5-Q4_K_M.gguf",
     ] {
-        let Some(p) = fixture_or_skip(file, test) else {
-            return;
-        };
+        let p = fixture(file);
         let m = Arc::new(gguf::Model::open(&p).unwrap());
         let spec = ModelSpec::from_model(&m).unwrap();
         let configs: Vec<Vec<ShardView>> = [2, 4]
@@ -99,11 +96,8 @@ fn every_share_is_its_slice_of_the_whole_tensor() {
 
 #[test]
 fn the_header_only_plan_counts_the_bytes_a_tp_load_holds() {
-    let test = "the_header_only_plan_counts_the_bytes_a_tp_load_holds";
     for file in ["gguf/tiny-glm5-BF16.gguf", "gguf/tiny-glm5-Q4_K_M.gguf"] {
-        let Some(p) = fixture_or_skip(file, test) else {
-            return;
-        };
+        let p = fixture(file);
         let m = Arc::new(gguf::Model::open(&p).unwrap());
         let spec = ModelSpec::from_model(&m).unwrap();
         for (world, moe) in [(2, MoeSplit::Columns), (4, MoeSplit::Experts)] {

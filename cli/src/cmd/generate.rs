@@ -6,7 +6,7 @@ use runtime::{LanguageModel, SeqStep};
 use serde_json::json;
 use serving::chat::{ChatMessage, ChatTemplate};
 use serving::sampler::{top_logprobs, Sampler, SamplingParams};
-use serving::tokenizer::{Detokenizer, Tokenizer};
+use serving::tokenizer::{Bounded, Detokenizer, Tokenizer};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -41,16 +41,16 @@ pub struct Args {
     #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
     n_predict: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long = "temp", default_value_t = 0.8)]
+    #[arg(long = "temp", default_value_t = 0.8, allow_negative_numbers = true)]
     temperature: f32,
     /// Nucleus sampling mass (1 disables).
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
     top_p: f32,
     /// Keep the K most likely tokens (0 disables).
     #[arg(long, default_value_t = 40)]
     top_k: usize,
     /// Drop tokens below this fraction of the best token's probability (0 disables).
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.05, allow_negative_numbers = true)]
     min_p: f32,
     /// Random seed (reproducible sampling).
     #[arg(long)]
@@ -84,6 +84,22 @@ struct Step {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
+    // The same checks `serve` applies to a request's fields, before anything is loaded.
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        seed: args.seed,
+    };
+    sampling.validate().map_err(|e| {
+        let flag = match e.range.field {
+            "temperature" => "--temp",
+            "top_p" => "--top-p",
+            _ => "--min-p",
+        };
+        anyhow::anyhow!("{flag}: {e}")
+    })?;
     if let Some(n) = args.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n.max(1))
@@ -112,39 +128,40 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     .is_greedy();
 
-    let text = if args.chat {
-        let tmpl =
+    // A prompt needs room for at least one generated token.
+    let limit = lm.context_length().saturating_sub(1);
+    let tok = Arc::new(tok);
+    let bounded = if args.chat {
+        let mut tmpl =
             ChatTemplate::from_gguf(model.metadata()).context("loading the chat template")?;
+        // Special tokens come from the template only, never from the --prompt/--system text.
+        let esc = Arc::clone(&tok);
+        tmpl.set_content_escaper(Arc::new(move |s| esc.escape_control_text(s)));
         let mut msgs = Vec::new();
         if let Some(s) = &args.system {
             msgs.push(ChatMessage::new("system", s.as_str()));
         }
         msgs.push(ChatMessage::new("user", args.prompt.as_str()));
-        tmpl.render(&msgs, true)
-            .context("rendering the chat template")?
+        let text = tmpl
+            .render(&msgs, true)
+            .context("rendering the chat template")?;
+        tok.encode_chat(&text, limit)
     } else {
-        args.prompt.clone()
+        tok.encode_bounded(&args.prompt, true, limit)
     };
-    let prompt = tok.encode(&text, true).context("tokenizing the prompt")?;
+    let prompt = match bounded.context("tokenizing the prompt")? {
+        Bounded::Complete(ids) => ids,
+        Bounded::Exceeds { .. } => bail!(
+            "the prompt is longer than {limit} tokens; the model's context is {}",
+            lm.context_length()
+        ),
+    };
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    if prompt.len() >= lm.context_length() {
-        bail!(
-            "the prompt has {} tokens; the model's context is {}",
-            prompt.len(),
-            lm.context_length()
-        );
-    }
     let n_predict = args.n_predict.min(lm.context_length() - prompt.len());
 
-    let mut sampler = Sampler::new(SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        seed: args.seed,
-    });
+    let mut sampler = Sampler::new(sampling);
     let mut detok = Detokenizer::new(!args.special);
     let mut out = std::io::stdout().lock();
     let mut seq = lm.new_sequence();
@@ -154,7 +171,24 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
     let k = args.logprobs.unwrap_or(0);
     let t0 = Instant::now();
+    let mut fed: Vec<u32> = prompt.clone();
+    let check = |next: &Next, fed: &[u32]| -> Result<()> {
+        let finite = match next {
+            Next::Logits(l) => runtime::numerics::first_non_finite(l).is_none(),
+            Next::Top(t) => t.iter().all(|&(_, lp)| lp.is_finite()),
+        };
+        if finite {
+            return Ok(());
+        }
+        let d = runtime::numerics::locate_non_finite(Arc::clone(&model), fed)
+            .context("re-running the CPU reference to locate the non-finite values")?;
+        bail!(
+            "{}",
+            runtime::numerics::non_finite_message(&device.name(), fed.len() - 1, &d)
+        )
+    };
     let mut next = forward(lm, seq.as_mut(), &prompt, greedy, k)?;
+    check(&next, &fed)?;
     let prompt_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     for i in 0..n_predict {
@@ -185,6 +219,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
         }
         if i + 1 < n_predict {
             next = forward(lm, seq.as_mut(), &[id], greedy, k)?;
+            fed.push(id);
+            check(&next, &fed)?;
         }
     }
     let tail = detok.finish();

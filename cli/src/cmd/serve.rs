@@ -20,8 +20,8 @@ pub struct Args {
     /// Port to listen on (0 picks a free one).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Require `Authorization: Bearer KEY` on every route except /health.
-    #[arg(long, value_name = "KEY")]
+    /// Require `Authorization: Bearer KEY` on every route except /health (not empty).
+    #[arg(long, value_name = "KEY", value_parser = non_empty_key)]
     api_key: Option<String>,
     /// Requests allowed to wait for a free slot; beyond that new requests get 429.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
@@ -46,6 +46,26 @@ pub struct Args {
     threads: Option<usize>,
     #[command(flatten)]
     tp: super::tp::TpArgs,
+    /// Open connections at most (also capped by the descriptor limit); beyond it the
+    /// longest-idle connection is closed, or the new one gets 503 when all are busy.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    max_connections: u64,
+    /// Seconds a client has to send a request head; also closes idle keep-alive connections.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    header_timeout: u64,
+    /// Seconds a client has to send a request body once its head is in.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    body_timeout: u64,
+}
+
+/// An empty `--api-key` would lock everyone out while looking protected (and silence the
+/// warning for a public address).
+fn non_empty_key(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        Err("the API key is empty; give a non-empty key or leave --api-key out".into())
+    } else {
+        Ok(s.to_string())
+    }
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -83,6 +103,10 @@ async fn serve(args: Args) -> Result<ExitCode> {
         ServerConfig {
             api_key: args.api_key.clone(),
             max_body_bytes: args.max_body_bytes as usize,
+            max_connections: args.max_connections as usize,
+            header_timeout: std::time::Duration::from_secs(args.header_timeout),
+            body_timeout: std::time::Duration::from_secs(args.body_timeout),
+            ..ServerConfig::default()
         },
         metrics.clone(),
     );

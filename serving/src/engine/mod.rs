@@ -35,6 +35,22 @@ pub struct EngineConfig {
     pub context_length: usize,
 }
 
+/// Makes the error of a request whose logits came out non-finite (NaN / infinity), given the
+/// sequence's tokens (e.g. a re-run of the CPU reference naming the first bad layer:
+/// `runtime::numerics`); see [`Engine::start_with_hook`]. Without one the error names only the
+/// position. The request fails either way: nothing is ever sampled from such logits.
+#[derive(Clone)]
+pub struct NonFiniteHook(pub Arc<NonFiniteMessage>);
+
+/// Sequence tokens -> the error message of [`NonFiniteHook`].
+pub type NonFiniteMessage = dyn Fn(&[u32]) -> String + Send + Sync;
+
+impl std::fmt::Debug for NonFiniteHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NonFiniteHook")
+    }
+}
+
 impl EngineConfig {
     /// Defaults for a model: 128 waiting, 16 running, 512-token prefill chunks, full context.
     pub fn for_model(model: &dyn LanguageModel) -> Self {
@@ -218,8 +234,18 @@ impl Engine {
     /// Start the scheduler thread over `model`.
     pub fn start(
         model: Arc<dyn LanguageModel>,
+        config: EngineConfig,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<Engine> {
+        Self::start_with_hook(model, config, metrics, None)
+    }
+
+    /// [`start`](Self::start) with a [`NonFiniteHook`] for requests whose logits are NaN/inf.
+    pub fn start_with_hook(
+        model: Arc<dyn LanguageModel>,
         mut config: EngineConfig,
         metrics: Arc<Metrics>,
+        on_non_finite: Option<NonFiniteHook>,
     ) -> std::io::Result<Engine> {
         config.context_length = config
             .context_length
@@ -246,6 +272,7 @@ impl Engine {
             model,
             shared: shared.clone(),
             config: config.clone(),
+            on_non_finite,
             metrics: metrics.clone(),
             running: Vec::new(),
         };
@@ -384,6 +411,7 @@ struct Scheduler {
     model: Arc<dyn LanguageModel>,
     shared: Arc<Shared>,
     config: EngineConfig,
+    on_non_finite: Option<NonFiniteHook>,
     metrics: Arc<Metrics>,
     running: Vec<Active>,
 }
@@ -576,6 +604,27 @@ impl Scheduler {
         for (i, (a, w)) in self.running.iter_mut().zip(&work).enumerate() {
             let Some(w) = *w else { continue };
             let Some(logits) = outputs.next() else { break };
+            if runtime::numerics::first_non_finite(&logits).is_some() {
+                let mut tokens = match w {
+                    Work::Prefill { to, .. } => a.job.req.prompt[..to].to_vec(),
+                    Work::Decode => a.job.req.prompt.clone(),
+                };
+                if let Work::Decode = w {
+                    tokens.push(a.next[0]);
+                }
+                let msg = match &self.on_non_finite {
+                    Some(h) => (h.0)(&tokens),
+                    None => format!(
+                        "the model produced non-finite logits (NaN or infinity) at token {}",
+                        tokens.len().saturating_sub(1)
+                    ),
+                };
+                tracing::error!("{msg}");
+                self.metrics.record_finished("error");
+                let _ = a.job.tx.send(Event::Failed(msg));
+                finished.push(i);
+                continue;
+            }
             let done = match w {
                 Work::Prefill { from, to } => {
                     self.metrics
