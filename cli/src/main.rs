@@ -45,6 +45,8 @@ enum Command {
     Generate(cmd::generate::Args),
     /// Serve an OpenAI-compatible HTTP API.
     Serve(cmd::serve::Args),
+    /// Per-GPU memory of a model split over N GPUs (tensor parallelism), from its header.
+    Plan(cmd::plan::Args),
     /// Benchmark kernels and the forward pass.
     Bench(cmd::bench::Args),
     /// Write a model with a preset's exact layout and random contents (benchmarks).
@@ -69,6 +71,7 @@ fn main() -> ExitCode {
         Command::Convert(a) => cmd::convert::run(a),
         Command::Generate(a) => cmd::generate::run(a),
         Command::Serve(a) => cmd::serve::run(a),
+        Command::Plan(a) => cmd::plan::run(a),
         Command::Bench(a) => cmd::bench::run(a),
         Command::Doctor(a) => cmd::doctor::run(a),
         Command::Synth(a) => cmd::synth::run(a),

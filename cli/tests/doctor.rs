@@ -392,9 +392,9 @@ fn errors_exit_2() {
     let o = gguftool(&["doctor", "/nonexistent/model.gguf"]);
     assert_eq!(o.status.code(), Some(2));
     let p = fx("gguf/tiny-glm5-Q4_K_M.gguf");
-    let o = gguftool(&["doctor", p.to_str().unwrap(), "--tp", "2"]);
+    let o = gguftool(&["doctor", p.to_str().unwrap(), "--tp", "0"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("not available"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--tp"));
     let o = gguftool(&["doctor", p.to_str().unwrap(), "--checks", "9"]);
     assert_eq!(o.status.code(), Some(2));
 }
@@ -880,7 +880,7 @@ fn checks_1_and_2_read_no_tensor_data_of_a_400_gb_model() {
                 GgmlType::Q8_0
             };
             TensorInfo {
-                name: t.name,
+                name: t.name.clone(),
                 dims,
                 ty,
                 offset: 0,
@@ -982,4 +982,18 @@ fn resident_pages(path: &Path, start: u64, end: u64) -> usize {
         at += len;
     }
     resident
+}
+
+#[test]
+fn tp_sharded_model_is_compared_with_the_whole_cpu_reference() {
+    let m = fx("gguf/tiny-glm5-Q8_0.gguf");
+    let m = m.to_str().unwrap();
+    let (code, j) = doctor(&[m, "--device", "cpu", "--tp", "2", "--checks", "7"]);
+    assert_eq!(code, 0, "{j}");
+    assert_eq!(status(&j, "layers"), "pass");
+    assert_detail(&j, "layers", "tp 2 on cpu vs CPU reference");
+    // 4 heads do not split over 3 ranks: a finding naming the split, not a crash or exit 2.
+    let (code, j) = doctor(&[m, "--device", "cpu", "--tp", "3", "--checks", "7"]);
+    assert_eq!(code, 1, "{j}");
+    assert_finding(&j, "layers", "tp 3 on cpu", &["heads", "3 ranks"]);
 }

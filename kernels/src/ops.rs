@@ -24,11 +24,12 @@ pub enum Op {
     SiluMul,
     Elementwise,
     Argmax,
+    AllReduce,
 }
 
 impl Op {
     /// Every op, for the compile check.
-    pub const ALL: [Op; 13] = [
+    pub const ALL: [Op; 14] = [
         Op::Dequant,
         Op::Gemv,
         Op::RmsNorm,
@@ -42,6 +43,7 @@ impl Op {
         Op::SiluMul,
         Op::Elementwise,
         Op::Argmax,
+        Op::AllReduce,
     ];
 
     pub fn name(self) -> &'static str {
@@ -59,6 +61,7 @@ impl Op {
             Op::SiluMul => "silu_mul",
             Op::Elementwise => "elementwise",
             Op::Argmax => "argmax",
+            Op::AllReduce => "allreduce",
         }
     }
 
@@ -77,6 +80,7 @@ impl Op {
             Op::SiluMul => "silu_mul.cu",
             Op::Elementwise => "elementwise.cu",
             Op::Argmax => "argmax.cu",
+            Op::AllReduce => "allreduce.cu",
         }
     }
 
@@ -96,6 +100,7 @@ impl Op {
             Op::SiluMul => include_str!("../cuda/silu_mul.cu"),
             Op::Elementwise => include_str!("../cuda/elementwise.cu"),
             Op::Argmax => include_str!("../cuda/argmax.cu"),
+            Op::AllReduce => include_str!("../cuda/allreduce.cu"),
         }
     }
 
@@ -152,6 +157,7 @@ impl Op {
                 "gather_rows_f32",
             ],
             Op::Argmax => &["argmax_f32"],
+            Op::AllReduce => &["allreduce_oneshot_f32"],
         };
         names.iter().map(|s| s.to_string()).collect()
     }

@@ -228,17 +228,24 @@ fn plan(
                         format!("stacked experts must be 3-D, ne {dims:?}"),
                     ));
                 };
+                // Each expert's own matrix follows the plan (gate/up colwise, down rowwise).
+                let tp = tp_of(e.tp);
+                let mut shape = vec![ne1, ne0];
+                if let Some((p, n, rank)) = tp {
+                    let axis = usize::from(p == Tp::Rowwise);
+                    shape[axis] = kvb::tp_heads(shape[axis], n, rank)?.len();
+                }
                 for x in 0..ne2 as u64 {
                     let hf = e.hf_name(bid, Some(x)).unwrap_or_default();
                     items.push(Item {
                         hf,
-                        shape: vec![ne1, ne0],
+                        shape: shape.clone(),
                         src: Source::Plain {
                             gguf: name.to_string(),
                             expert: Some(x),
                             unpermute: None,
                             add_one: false,
-                            tp: None,
+                            tp,
                         },
                         dtype: safetensors::Dtype::F32,
                     });

@@ -13,4 +13,7 @@ pub enum RuntimeError {
     ContextExceeded { need: usize, max: usize },
     #[error("backend: {0}")]
     Backend(String),
+    /// The model cannot be split over this many tensor-parallel ranks, or a rank failed.
+    #[error("tensor parallelism over {world} ranks: {msg}")]
+    Tp { world: usize, msg: String },
 }

@@ -1,11 +1,12 @@
 //! The `kv_b` the naive attention path reassembles from the GGUF's `attn_k_b` / `attn_v_b`
-//! equals transformers' `kv_b_proj` in the HF checkpoint the GGUF was converted from, bit for
-//! bit (both hold the same bf16 values; the reassembly only moves them).
+//! (`mappings::kvb`, with the MLA dims the runtime's spec reads) equals transformers' `kv_b_proj`
+//! in the HF checkpoint the GGUF was converted from, bit for bit (both hold the same bf16 values;
+//! the reassembly only moves them).
 
 mod forward_util;
 
 use gguftool_tests::fixture;
-use runtime::glm::join_kv_b;
+use mappings::kvb::{reassemble, MlaDims};
 use runtime::spec::{AttentionSpec, ModelSpec};
 use runtime::weights::HostWeight;
 use std::sync::Arc;
@@ -45,6 +46,12 @@ fn reassembled_kv_b_equals_the_hf_checkpoint() {
             .unwrap()
             .to_f32()
             .unwrap();
-        assert!(join_kv_b(&k, &v, &m) == want, "layer {}", l.index);
+        let d = MlaDims {
+            n_head: m.n_head,
+            qk_nope: m.qk_nope,
+            v_head: m.v_head,
+            kv_lora: m.kv_lora_rank,
+        };
+        assert!(reassemble(&k, &v, d).unwrap() == want, "layer {}", l.index);
     }
 }

@@ -37,6 +37,9 @@ pub struct Args {
     /// Backends of the decode benchmark: `both`, `cuda` or `cpu` (the CPU is slow on large models).
     #[arg(long, default_value = "both")]
     backend: String,
+    /// Tensor parallelism of the decode benchmark (`--tp N --tp-devices ...`, see docs/TP.md).
+    #[command(flatten)]
+    tp: super::tp::TpArgs,
 }
 
 struct Bench {
@@ -122,7 +125,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
             args.tokens,
             &args.backend,
             args.json.as_deref(),
+            &args.tp,
         );
+    }
+    if args.tp.tp != runtime::device::TpSize::Ranks(1) {
+        bail!("--tp applies to the decode benchmark (--model)");
     }
     if !args.gpu {
         bail!("nothing to benchmark: pass --gpu (kernel benchmarks) or --model PATH (decode)");
@@ -345,6 +352,7 @@ fn decode_bench(
     n_tokens: usize,
     backend: &str,
     json: Option<&std::path::Path>,
+    tp: &super::tp::TpArgs,
 ) -> Result<ExitCode> {
     let (use_gpu, use_cpu) = match backend {
         "both" => (true, true),
@@ -427,7 +435,26 @@ fn decode_bench(
         "model": path.display().to_string(), "prompt_tokens": prompt.len(), "decode_tokens": n_tokens,
     });
     let mut outs = Vec::new();
-    if use_gpu {
+    let split = tp.tp != runtime::device::TpSize::Ranks(1);
+    if use_gpu && split {
+        let dev = runtime::device::Device::Cuda(device);
+        let l = super::tp::load(model.clone(), tp.options(dev)?, true)?;
+        let r = l.tp.clone().context("tensor-parallel report")?;
+        let name = format!(
+            "{} ranks on {} ({})",
+            r.world,
+            r.ranks
+                .iter()
+                .map(|x| x.device.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+            r.comm
+        );
+        let (p, d, t) = run(l.lm.as_ref())?;
+        println!("| cuda {name} | {p:.0} | {d:.1} |");
+        doc["cuda"] = serde_json::json!({"device": name, "tp": r.world, "prefill_tok_s": p, "decode_tok_s": d});
+        outs.push(t);
+    } else if use_gpu {
         let gpu = runtime::cuda::load_cuda(model.clone(), device)?;
         let name = gpu.backend().gpu().info().name.clone();
         let (p, d, t) = run(&gpu)?;
@@ -435,7 +462,14 @@ fn decode_bench(
         doc["cuda"] = serde_json::json!({"device": name, "prefill_tok_s": p, "decode_tok_s": d});
         outs.push(t);
     }
-    if use_cpu {
+    if use_cpu && split {
+        let l = super::tp::load(model, tp.options(runtime::device::Device::Cpu)?, true)?;
+        let world = l.tp.as_ref().map_or(1, |r| r.world);
+        let (p, d, t) = run(l.lm.as_ref())?;
+        println!("| cpu {world} ranks | {p:.0} | {d:.1} |");
+        doc["cpu"] = serde_json::json!({"tp": world, "prefill_tok_s": p, "decode_tok_s": d});
+        outs.push(t);
+    } else if use_cpu {
         let cpu = runtime::glm::load_cpu(model)?;
         let (p, d, t) = run(&cpu)?;
         println!(

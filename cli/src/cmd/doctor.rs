@@ -49,9 +49,9 @@ pub struct Args {
     /// cuda:N (auto: a CUDA GPU when present).
     #[arg(long, default_value = "auto")]
     device: Device,
-    /// Tensor-parallel size of the backend under test.
-    #[arg(long, default_value_t = 1, value_name = "N")]
-    tp: usize,
+    /// Tensor-parallel split of the backend under test (check 7 compares it with the CPU).
+    #[command(flatten)]
+    tp: super::tp::TpArgs,
     /// A saved activation dump to compare the CPU reference with, layer by layer (safetensors
     /// with `token_ids` and activations named like the fixtures' refs/activations-*.safetensors).
     #[arg(long, value_name = "FILE")]
@@ -222,15 +222,6 @@ fn parse_checks(s: &str) -> Result<BTreeSet<usize>> {
 
 pub fn run(args: Args) -> Result<ExitCode> {
     crate::util::install_interrupt_handler();
-    if args.tp == 0 {
-        bail!("--tp must be at least 1");
-    }
-    if args.tp > 1 {
-        bail!(
-            "--tp {}: tensor parallelism is not available in this build yet (the sharded runtime is not wired into doctor); run with --tp 1",
-            args.tp
-        );
-    }
     let report = match &args.model {
         Some(path) => {
             if !args.gpu_models.is_empty() {
@@ -272,6 +263,24 @@ fn note(args: &Args, msg: &str) {
     }
 }
 
+/// `--tp N` (N > 1, or `auto` over several GPUs): the load options of the sharded backend under
+/// test; None for one rank, which check 7 compares layer by layer instead.
+fn tp_options(args: &Args) -> Result<Option<runtime::device::LoadOptions>> {
+    use runtime::device::TpSize;
+    let many = match args.tp.tp {
+        TpSize::Ranks(0) => bail!("--tp must be at least 1"),
+        TpSize::Ranks(n) => n > 1,
+        TpSize::Auto => {
+            matches!(args.device.resolve(), Device::Cuda(_)) && kernels::device_count() > 1
+        }
+    };
+    Ok(if many {
+        Some(args.tp.options(args.device)?)
+    } else {
+        None
+    })
+}
+
 fn model_checks(path: &Path, args: &Args) -> Result<Report> {
     let selected = match &args.checks {
         Some(s) => parse_checks(s)?,
@@ -281,6 +290,7 @@ fn model_checks(path: &Path, args: &Args) -> Result<Report> {
     let not_selected =
         |n: usize, id: &'static str| CheckResult::skipped(n, id, "not selected (--checks)");
     let quiet = args.quiet || args.json;
+    let tp_opts = tp_options(args)?;
     let t0 = Instant::now();
     let (shards, mut c1) = container::open(path)?;
     let ctx = Ctx::build(shards);
@@ -369,6 +379,7 @@ fn model_checks(path: &Path, args: &Args) -> Result<Report> {
                         device: args.device,
                         quick: args.quick,
                         prompt: count_ids.clone(),
+                        tp: tp_opts.clone(),
                     },
                 )
             })
@@ -622,6 +633,13 @@ fn machine_checks(args: &Args) -> Result<Report> {
 /// tolerance, identical greedy continuations; runtime::cuda::check).
 fn gpu_vs_cpu(args: &Args, count: usize) -> CheckResult {
     let mut r = CheckResult::new(5, "gpu_vs_cpu");
+    let tp_opts = match tp_options(args) {
+        Ok(o) => o,
+        Err(e) => {
+            r.push(Item::finding(Some("--tp".to_string()), format!("{e:#}")));
+            return r;
+        }
+    };
     if count == 0 {
         r.skipped = Some("no CUDA device".into());
         return r;
@@ -658,7 +676,16 @@ fn gpu_vs_cpu(args: &Args, count: usize) -> CheckResult {
             .map(Arc::new)
             .and_then(|m| {
                 let cpu = runtime::glm::load_cpu(m.clone()).map_err(|e| e.to_string())?;
-                let gpu = runtime::cuda::load_cuda(m, ordinal).map_err(|e| e.to_string())?;
+                let gpu: Arc<dyn runtime::LanguageModel> = match &tp_opts {
+                    Some(lo) => {
+                        super::tp::load(m, lo.clone(), true)
+                            .map_err(|e| format!("{e:#}"))?
+                            .lm
+                    }
+                    None => {
+                        Arc::new(runtime::cuda::load_cuda(m, ordinal).map_err(|e| e.to_string())?)
+                    }
+                };
                 Ok((cpu, gpu))
             });
         let (cpu, gpu) = match loaded {
@@ -669,7 +696,7 @@ fn gpu_vs_cpu(args: &Args, count: usize) -> CheckResult {
             }
         };
         for (id, ids) in &prompts {
-            match runtime::cuda::check::compare(&cpu, &gpu, ids, args.steps) {
+            match runtime::cuda::check::compare(&cpu, gpu.as_ref(), ids, args.steps) {
                 Ok(c) => {
                     let tie = c
                         .near_tie

@@ -1,5 +1,5 @@
-//! `gguftool generate`: load a model on the CPU backend and continue a prompt, streaming the
-//! text as it is produced (or one JSON object for scripts).
+//! `gguftool generate`: load a model (CPU or CUDA, on one device or split over `--tp` ranks) and
+//! continue a prompt, streaming the text as it is produced (or one JSON object for scripts).
 
 use anyhow::{bail, Context, Result};
 use runtime::{LanguageModel, SeqStep};
@@ -73,6 +73,8 @@ pub struct Args {
     /// Worker threads (default: all cores).
     #[arg(short = 't', long)]
     threads: Option<usize>,
+    #[command(flatten)]
+    tp: super::tp::TpArgs,
 }
 
 struct Step {
@@ -112,10 +114,19 @@ pub fn run(args: Args) -> Result<ExitCode> {
     };
     let model = Arc::new(model);
     let tok = Tokenizer::from_gguf(model.metadata()).context("loading the tokenizer")?;
-    let (loaded, device) = runtime::device::load_language_model(Arc::clone(&model), args.device)
-        .context("loading the model")?;
-    let lm: &dyn LanguageModel = loaded.as_ref();
+    let opts = args.tp.options(args.device)?;
+    let loaded =
+        super::tp::load(Arc::clone(&model), opts, args.json).context("loading the model")?;
+    let device = loaded.device;
+    let lm: &dyn LanguageModel = loaded.lm.as_ref();
     let load_s = load_start.elapsed().as_secs_f64();
+    // Greedy decoding needs each step's best tokens only: a tensor-parallel model merges its
+    // ranks' candidates instead of gathering the vocabulary.
+    let greedy = SamplingParams {
+        temperature: args.temperature,
+        ..SamplingParams::default()
+    }
+    .is_greedy();
 
     // A prompt needs room for at least one generated token.
     let limit = lm.context_length().saturating_sub(1);
@@ -158,10 +169,15 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let mut text_out = String::new();
     let mut finish = "length";
 
+    let k = args.logprobs.unwrap_or(0);
     let t0 = Instant::now();
     let mut fed: Vec<u32> = prompt.clone();
-    let check = |logits: &[f32], fed: &[u32]| -> Result<()> {
-        if runtime::numerics::first_non_finite(logits).is_none() {
+    let check = |next: &Next, fed: &[u32]| -> Result<()> {
+        let finite = match next {
+            Next::Logits(l) => runtime::numerics::first_non_finite(l).is_none(),
+            Next::Top(t) => t.iter().all(|&(_, lp)| lp.is_finite()),
+        };
+        if finite {
             return Ok(());
         }
         let d = runtime::numerics::locate_non_finite(Arc::clone(&model), fed)
@@ -171,15 +187,25 @@ pub fn run(args: Args) -> Result<ExitCode> {
             runtime::numerics::non_finite_message(&device.name(), fed.len() - 1, &d)
         )
     };
-    let mut logits = forward(lm, seq.as_mut(), &prompt)?;
-    check(&logits, &fed)?;
+    let mut next = forward(lm, seq.as_mut(), &prompt, greedy, k)?;
+    check(&next, &fed)?;
     let prompt_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     for i in 0..n_predict {
-        let id = sampler.sample(&logits);
-        let k = args.logprobs.unwrap_or(0);
-        let top = top_logprobs(&logits, k);
-        let logprob = serving::sampler::logprob(&logits, id);
+        let (id, logprob, top) = match &next {
+            Next::Logits(logits) => {
+                let id = sampler.sample(logits);
+                (
+                    id,
+                    serving::sampler::logprob(logits, id),
+                    top_logprobs(logits, k),
+                )
+            }
+            Next::Top(t) => {
+                let &(id, lp) = t.first().context("the model returned no candidates")?;
+                (id, lp, t[..k.min(t.len())].to_vec())
+            }
+        };
         steps.push(Step { id, logprob, top });
         if !args.ignore_eos && tok.is_eog(id) {
             finish = "stop";
@@ -192,9 +218,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
             out.flush()?;
         }
         if i + 1 < n_predict {
-            logits = forward(lm, seq.as_mut(), &[id])?;
+            next = forward(lm, seq.as_mut(), &[id], greedy, k)?;
             fed.push(id);
-            check(&logits, &fed)?;
+            check(&next, &fed)?;
         }
     }
     let tail = detok.finish();
@@ -230,6 +256,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
             "finish_reason": finish,
             "logprobs": if args.logprobs.is_some() { json!(logprobs) } else { json!([]) },
             "device": device.name(),
+            "tp": loaded.tp,
+            "load": {"weight_bytes": loaded.weight_bytes, "seconds": loaded.load_s},
             "timings": {
                 "load_s": load_s,
                 "prompt_tokens": prompt.len(),
@@ -278,16 +306,33 @@ pub fn run(args: Args) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// What one step gives the sampler.
+enum Next {
+    Logits(Vec<f32>),
+    /// Greedy: the best tokens with their log-probabilities, best first.
+    Top(runtime::TopTokens),
+}
+
 fn forward(
     lm: &dyn LanguageModel,
     seq: &mut dyn runtime::SequenceState,
     tokens: &[u32],
-) -> Result<Vec<f32>> {
+    greedy: bool,
+    k: usize,
+) -> Result<Next> {
     let mut b = [SeqStep {
         seq,
         tokens,
         all_logits: false,
     }];
+    if greedy {
+        let mut out = lm.forward_top_k(&mut b, k.max(1)).context("forward pass")?;
+        return Ok(Next::Top(
+            out.pop().context("the model returned no logits")?,
+        ));
+    }
     let mut out = lm.forward(&mut b).context("forward pass")?;
-    out.pop().context("the model returned no logits")
+    Ok(Next::Logits(
+        out.pop().context("the model returned no logits")?,
+    ))
 }

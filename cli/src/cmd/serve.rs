@@ -52,6 +52,8 @@ pub struct Args {
     /// Worker threads of the forward pass (default: all cores).
     #[arg(short = 't', long)]
     threads: Option<usize>,
+    #[command(flatten)]
+    tp: super::tp::TpArgs,
     /// Open connections at most (also capped by the descriptor limit); beyond it the
     /// longest-idle connection is closed, or the new one gets 503 when all are busy.
     #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
@@ -136,7 +138,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
 
     let (name, model) = (args.alias.clone(), args.model.clone());
     let (max_queue, parallel, ctx) = (args.max_queue, args.parallel, args.ctx_size);
-    let device = args.device;
+    let opts = args.tp.options(args.device)?;
     let load_metrics = metrics.clone();
     let loading = tokio::task::spawn_blocking(move || -> Result<server::Backend> {
         let (gguf, default_name) = match &model {
@@ -155,8 +157,27 @@ async fn serve(args: Args) -> Result<ExitCode> {
         };
         let name = name.unwrap_or(default_name);
         let gguf = Arc::new(gguf);
-        let (lm, device) = runtime::device::load_language_model(Arc::clone(&gguf), device)?;
-        eprintln!("gguftool serve: running on {}", device.name());
+        let loaded = super::tp::load(Arc::clone(&gguf), opts, true)?;
+        let lm = loaded.lm;
+        match loaded.tp.as_ref().filter(|t| t.world > 1) {
+            Some(t) => eprintln!(
+                "gguftool serve: running on {} over {} ranks ({}; all-reduce {})",
+                loaded.device.name(),
+                t.world,
+                t.ranks
+                    .iter()
+                    .map(|r| r.device.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                t.comm
+            ),
+            None => eprintln!("gguftool serve: running on {}", loaded.device.name()),
+        }
+        if let Some(cap) = lm.cache_capacity_tokens() {
+            eprintln!(
+                "gguftool serve: KV cache budget {cap} tokens shared by all slots (free device memory after the weights)"
+            );
+        }
         let template = chat_template.as_deref();
         let backend = server::model_backend_with(&gguf, lm, &name, load_metrics, template, |c| {
             c.max_queue = max_queue as usize;

@@ -22,6 +22,7 @@ use crate::weights::HostWeight;
 use crate::RuntimeError;
 
 pub mod check;
+pub mod comm;
 #[cfg(test)]
 mod tests;
 
@@ -832,6 +833,15 @@ impl Backend for CudaBackend {
             t0 += tn;
         }
         Ok(out)
+    }
+
+    fn local_expert_ids(
+        &self,
+        ids: CudaIndex,
+        first: usize,
+        count: usize,
+    ) -> Result<CudaIndex, RuntimeError> {
+        comm::local_expert_ids(self, ids, first, count)
     }
 }
 

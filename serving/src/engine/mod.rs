@@ -276,8 +276,14 @@ impl Engine {
             .clamp(1, model.context_length().max(1));
         config.max_running = config.max_running.max(1);
         config.prefill_chunk = config.prefill_chunk.max(1);
+        // A model whose KV cache is one pool of device memory (tensor-parallel CUDA ranks):
+        // no request may need more than the pool, and admission reserves from it (`admit`).
+        let pool = model.cache_capacity_tokens();
+        if let Some(cap) = pool {
+            config.context_length = config.context_length.min(cap.max(1));
+        }
         metrics.kv_cache_capacity_tokens.store(
-            (config.max_running * config.context_length) as u64,
+            pool.unwrap_or(config.max_running * config.context_length) as u64,
             Ordering::Relaxed,
         );
         let shared = Arc::new(Shared {
@@ -466,6 +472,11 @@ impl Scheduler {
             }
             while self.running.len() < self.config.max_running {
                 let Some(job) = q.pop_front() else { break };
+                if !self.fits_cache_pool(&job.req) {
+                    // Waits until running sequences finish and return their share of the pool.
+                    q.push_front(job);
+                    break;
+                }
                 if job.tx.is_closed() {
                     self.metrics.record_finished("cancelled");
                     continue;
@@ -529,6 +540,17 @@ impl Scheduler {
             }
             q = self.shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
         }
+    }
+
+    /// Whether the model's KV pool (if it has one) holds `req` on top of what the running
+    /// sequences may still grow to (prompt + max_tokens each, reserved at admission).
+    fn fits_cache_pool(&self, req: &GenerationRequest) -> bool {
+        let Some(cap) = self.model.cache_capacity_tokens() else {
+            return true;
+        };
+        let reserve = |r: &GenerationRequest| r.prompt.len().saturating_add(r.max_tokens);
+        let held: usize = self.running.iter().map(|a| reserve(&a.job.req)).sum();
+        self.running.is_empty() || held.saturating_add(reserve(req)) <= cap
     }
 
     fn step(&mut self) {

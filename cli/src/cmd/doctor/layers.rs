@@ -633,6 +633,8 @@ pub struct Options<'a> {
     pub quick: bool,
     /// The count prompt's token ids (backend comparison and the `--hf` dump).
     pub prompt: Option<Vec<u32>>,
+    /// `--tp N` with N > 1: the sharded model (on `device`) is the backend under test.
+    pub tp: Option<runtime::device::LoadOptions>,
 }
 
 pub fn run(model: &Arc<Model>, opts: &Options<'_>) -> CheckResult {
@@ -643,7 +645,7 @@ pub fn run(model: &Arc<Model>, opts: &Options<'_>) -> CheckResult {
         _ if kernels::device_count() == 0 => Err("cuda side: no CUDA device"),
         _ => Err("cuda side: --device cpu"),
     };
-    if opts.activations.is_none() && opts.hf.is_none() && cuda.is_err() {
+    if opts.activations.is_none() && opts.hf.is_none() && cuda.is_err() && opts.tp.is_none() {
         r.skipped = Some(format!(
             "{}; no reference activations (--activations FILE or --hf HF_DIR)",
             cuda.err().unwrap_or_default()
@@ -744,8 +746,13 @@ pub fn run(model: &Arc<Model>, opts: &Options<'_>) -> CheckResult {
         }
     }
     // The chosen backend against the CPU reference.
-    match cuda {
-        Ok(i) => {
+    match (&opts.tp, cuda) {
+        (Some(lo), _) => {
+            if let Some(line) = tp_side(model, lo, opts.prompt.as_deref(), &mut r) {
+                done.push(line);
+            }
+        }
+        (None, Ok(i)) => {
             if let Some(line) = cuda_side(
                 model,
                 i,
@@ -758,7 +765,7 @@ pub fn run(model: &Arc<Model>, opts: &Options<'_>) -> CheckResult {
                 done.push(format!("{line}{scope}"));
             }
         }
-        Err(why) => skipped.push(why.to_string()),
+        (None, Err(why)) => skipped.push(why.to_string()),
     }
     if opts.activations.is_none() && opts.hf.is_none() {
         skipped.push("no reference activations (--activations FILE or --hf HF_DIR)".into());
@@ -774,6 +781,76 @@ pub fn run(model: &Arc<Model>, opts: &Options<'_>) -> CheckResult {
     }
     r.summary = done.join("; ");
     r
+}
+
+/// The tensor-parallel model (`--tp N`, CPU or CUDA ranks) against the whole-model CPU reference
+/// on the count prompt: logits within the backend tolerance and the same greedy continuation.
+/// Ranks hold no per-layer observer (their partial sums are not activations), so this compares
+/// the model's output; `--tp 1` localizes a divergence layer by layer.
+fn tp_side(
+    model: &Arc<Model>,
+    lo: &runtime::device::LoadOptions,
+    prompt: Option<&[u32]>,
+    r: &mut CheckResult,
+) -> Option<String> {
+    let ids: Vec<u32> = match prompt {
+        Some(p) => p.to_vec(),
+        None => (0..40u32).map(|i| 100 + 7 * i).collect(),
+    };
+    let subject = match lo.tp {
+        Some(runtime::device::TpSize::Ranks(n)) => format!("tp {n} on {}", lo.device.name()),
+        _ => format!("tp on {}", lo.device.name()),
+    };
+    // The whole model on the CPU: --quick's truncated reference cannot be compared with a
+    // full sharded forward pass.
+    let cpu = match runtime::glm::load_cpu(Arc::clone(model)) {
+        Ok(m) => m,
+        Err(e) => {
+            r.push(Item::finding(
+                super::file_name(model.path()),
+                format!("the CPU reference runtime cannot load the model: {e}"),
+            ));
+            return None;
+        }
+    };
+    let tp = match crate::cmd::tp::load(Arc::clone(model), lo.clone(), true) {
+        Ok(l) => l,
+        Err(e) => {
+            r.push(
+                Item::finding(subject, format!("the sharded model cannot load: {e:#}"))
+                    .advice("`gguftool plan MODEL --tp N` shows which dimension does not divide"),
+            );
+            return None;
+        }
+    };
+    match runtime::cuda::check::compare(&cpu, tp.lm.as_ref(), &ids, 8) {
+        Ok(c) => match c.failure {
+            Some(f) => {
+                r.push(
+                    Item::finding(
+                        subject,
+                        format!("the sharded forward pass diverges from the CPU reference: {f}"),
+                    )
+                    .advice(
+                        "run with --tp 1: if that passes, a shard role or slice in the mapping table is wrong for this model",
+                    ),
+                );
+                None
+            }
+            None => Some(format!(
+                "{subject} vs CPU reference: logits of {} tokens within {:.0e} of max |logit| (max rel diff {:.2e}), greedy {}/{} decode steps identical",
+                ids.len(),
+                runtime::cuda::check::LOGIT_TOL,
+                c.max_rel_diff,
+                c.greedy_identical,
+                c.steps
+            )),
+        },
+        Err(e) => {
+            r.push(Item::finding(subject, format!("forward pass failed: {e}")));
+            None
+        }
+    }
 }
 
 /// CUDA model vs CPU model on the count prompt; returns the summary line when it ran clean.
