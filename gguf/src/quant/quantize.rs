@@ -209,69 +209,36 @@ pub(crate) fn quantize_row(
             }
         }
         IQ4_XS => {
-            let t = tables()?;
-            let values = &t.kvalues_iq4nl;
-            for (i, (xb, yb)) in x
-                .chunks_exact(QK_K)
-                .zip(y.chunks_exact_mut(136))
-                .enumerate()
-            {
-                let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
-                iq4_xs(xb, w, values).write(yb);
-            }
+            let values = &tables()?.kvalues_iq4nl;
+            super_blocks(x, qw, y, |b, w| iq4_xs(b, w, values));
         }
         IQ2_XXS => {
             let g = iq2xxs_grid()?;
-            let w = needs_weights(ty, qw)?;
-            for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(66)).enumerate() {
-                iq2_xxs(xb, &w[QK_K * i..QK_K * i + QK_K], g).write(yb);
-            }
+            weighted_k(x, needs_weights(ty, qw)?, y, |b, w| iq2_xxs(b, w, g));
         }
         IQ2_XS => {
             let g = iq2xs_grid()?;
-            let w = needs_weights(ty, qw)?;
-            for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(74)).enumerate() {
-                iq2_xs(xb, &w[QK_K * i..QK_K * i + QK_K], g).write(yb);
-            }
+            weighted_k(x, needs_weights(ty, qw)?, y, |b, w| iq2_xs(b, w, g));
         }
         IQ2_S => {
             let g = iq2s_grid()?;
-            for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(82)).enumerate() {
-                let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
-                iq2_s(xb, w, g).write(yb);
-            }
+            super_blocks(x, qw, y, |b, w| iq2_s(b, w, g));
         }
         IQ1_S => {
             let g = iq1s_grid()?;
-            let w = needs_weights(ty, qw)?;
-            for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(50)).enumerate() {
-                iq1_s(xb, &w[QK_K * i..QK_K * i + QK_K], g).write(yb);
-            }
+            weighted_k(x, needs_weights(ty, qw)?, y, |b, w| iq1_s(b, w, g));
         }
         IQ1_M => {
             let g = iq1s_grid()?;
-            for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(56)).enumerate() {
-                let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
-                iq1_m(xb, w, g).write(yb);
-            }
+            super_blocks(x, qw, y, |b, w| iq1_m(b, w, g));
         }
         IQ3_XXS => {
             let g = iq3xxs_grid()?;
-            for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(98)).enumerate() {
-                let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
-                iq3_xxs(xb, w, g).write(yb);
-            }
+            super_blocks(x, qw, y, |b, w| iq3_xxs(b, w, g));
         }
         IQ3_S => {
             let g = iq3s_grid()?;
-            for (i, (xb, yb)) in x
-                .chunks_exact(QK_K)
-                .zip(y.chunks_exact_mut(110))
-                .enumerate()
-            {
-                let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
-                iq3_s(xb, w, g).write(yb);
-            }
+            super_blocks(x, qw, y, |b, w| iq3_s(b, w, g));
         }
         _ => {
             return Err(QuantError::Unsupported {
@@ -315,6 +282,22 @@ fn weighted_legacy<B: Block>(x: &[f32], qw: &[f32], y: &mut [u8], f: impl Fn(&[f
             weight[j] = qb[j] * (sigma2 + xb[j] * xb[j]).sqrt();
         }
         f(xb, &weight).write(yb);
+    }
+}
+
+/// Every super-block of a row with its slice of the importance weights, if any.
+fn super_blocks<B: Block>(
+    x: &[f32],
+    qw: Option<&[f32]>,
+    y: &mut [u8],
+    f: impl Fn(&[f32], Option<&[f32]>) -> B,
+) {
+    for (i, (xb, yb)) in x
+        .chunks_exact(QK_K)
+        .zip(y.chunks_exact_mut(B::BYTES))
+        .enumerate()
+    {
+        f(xb, qw.map(|w| &w[QK_K * i..QK_K * i + QK_K])).write(yb);
     }
 }
 
@@ -2131,19 +2114,18 @@ fn iq3_s(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3S {
     for ib in 0..8 {
         let xb = &x[32 * ib..32 * ib + 32];
         let (weight, waux) = iq3_weights(xb, qw.map(|q| &q[32 * ib..32 * ib + 32]), sigma2);
-        let (xval, mut block_signs, _) = group_signs::<32, 4>(xb);
-        let max = chain_max(&xval);
-        if max == 0.0 {
+        // ggml skips only all-zero sub-blocks: below the least subnormal is exactly zero.
+        let Some((scale, l, block_signs)) = signed_sub_block::<4, 3, 32, 4>(
+            g,
+            xb,
+            (&weight, &waux),
+            f32::from_bits(1),
+            false,
+            &HOW,
+        ) else {
             scales[ib] = 0.0;
             continue;
-        }
-        let (mut scale, l) = g.search(&xval, &weight, &waux, max, &HOW);
-        if scale < 0.0 {
-            scale = -scale;
-            for s in block_signs.iter_mut() {
-                *s = !*s;
-            }
-        }
+        };
         for k in 0..8 {
             // Every code here came from the grid or its neighbour lists (ggml aborts
             // otherwise); index 0 keeps the block decodable should it ever happen.
@@ -2190,20 +2172,12 @@ fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
     for ib in 0..8 {
         let xb = &x[32 * ib..32 * ib + 32];
         let (weight, waux) = iq3_weights(xb, qw.map(|q| &q[32 * ib..32 * ib + 32]), sigma2);
-        let (mut xval, mut block_signs, nflip) = group_signs::<32, 4>(xb);
-        even_sign_parity(xb, &weight, &mut xval, &mut block_signs, &nflip);
-        let max = chain_max(&xval);
-        if max < EPS {
+        let Some((scale, l, block_signs)) =
+            signed_sub_block::<4, 3, 32, 4>(g, xb, (&weight, &waux), EPS, true, &HOW)
+        else {
             scales[ib] = 0.0;
             continue;
-        }
-        let (mut scale, l) = g.search(&xval, &weight, &waux, max, &HOW);
-        if scale < 0.0 {
-            scale = -scale;
-            for s in block_signs.iter_mut() {
-                *s = !*s & 127;
-            }
-        }
+        };
         for k in 0..8 {
             q3[8 * ib + k] = g.map[Iq3Grid::code(&l[4 * k..4 * k + 4])].max(0) as u8;
         }
@@ -2236,6 +2210,37 @@ fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
         qs: q3,
         scales_signs: ss,
     }
+}
+
+/// One sub-block of the grid types with a searched scale (IQ3_S, IQ3_XXS, IQ2_XS, IQ2_S):
+/// magnitudes and sign bits (with `parity`, the even-parity fix-up and 7-bit signs), the scale
+/// search, the signs flipped if the scale came out negative. `None` when the largest magnitude
+/// is below `eps` (scale 0).
+fn signed_sub_block<const N: usize, const BITS: usize, const E: usize, const G: usize>(
+    g: &Grid<N, BITS>,
+    xb: &[f32],
+    (weight, waux): (&[f32; E], &[f32; E]),
+    eps: f32,
+    parity: bool,
+    how: &GridSearch,
+) -> Option<(f32, [i8; E], [u8; G])> {
+    let (mut xval, mut signs, nflip) = group_signs::<E, G>(xb);
+    if parity {
+        even_sign_parity(xb, weight, &mut xval, &mut signs, &nflip);
+    }
+    let max = chain_max(&xval);
+    if max < eps {
+        return None;
+    }
+    let (mut scale, l) = g.search(&xval, weight, waux, max, how);
+    if scale < 0.0 {
+        scale = -scale;
+        let mask = if parity { 127 } else { 255 };
+        for s in signs.iter_mut() {
+            *s = !*s & mask;
+        }
+    }
+    Some((scale, l, signs))
 }
 
 /// IQ2_XXS/IQ3_XXS store 7 sign bits per 8 values, the eighth implied by even parity: in a

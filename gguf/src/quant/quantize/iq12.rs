@@ -87,20 +87,12 @@ pub(super) fn iq2_xs(x: &[f32], qw: &[f32], g: &Iq2Grid) -> BlockIq2Xs {
     for ib in 0..16 {
         let xb = &x[16 * ib..16 * ib + 16];
         let (weight, waux) = iq2_weights(|i| qw[16 * ib + i] * (sigma2 + xb[i] * xb[i]).sqrt());
-        let (mut xval, mut signs, nflip) = group_signs::<16, 2>(xb);
-        even_sign_parity(xb, &weight, &mut xval, &mut signs, &nflip);
-        let max = chain_max(&xval);
-        if max < GROUP_MAX_EPS {
+        let Some((scale, l, signs)) =
+            signed_sub_block::<8, 2, 16, 2>(g, xb, (&weight, &waux), GROUP_MAX_EPS, true, &IQ2_16)
+        else {
             scales[ib] = 0.0;
             continue;
-        }
-        let (mut scale, l) = g.search(&xval, &weight, &waux, max, &IQ2_16);
-        if scale < 0.0 {
-            scale = -scale;
-            for s in signs.iter_mut() {
-                *s = !*s & 127;
-            }
-        }
+        };
         for k in 0..2 {
             // Every code here came from the grid or its neighbour lists (ggml aborts
             // otherwise); index 0 keeps the block decodable should it ever happen.
@@ -145,19 +137,12 @@ pub(super) fn iq2_s(x: &[f32], qw: Option<&[f32]>, g: &Iq2Grid) -> BlockIq2S {
             Some(q) => q[16 * ib + i] * (sigma2 + xb[i] * xb[i]).sqrt(),
             None => 0.25 * sigma2 + xb[i] * xb[i],
         });
-        let (xval, mut signs, _) = group_signs::<16, 2>(xb);
-        let max = chain_max(&xval);
-        if max < EPS {
+        let Some((scale, l, signs)) =
+            signed_sub_block::<8, 2, 16, 2>(g, xb, (&weight, &waux), EPS, false, &IQ2_16)
+        else {
             scales[ib] = 0.0;
             continue;
-        }
-        let (mut scale, l) = g.search(&xval, &weight, &waux, max, &IQ2_16);
-        if scale < 0.0 {
-            scale = -scale;
-            for s in signs.iter_mut() {
-                *s = !*s;
-            }
-        }
+        };
         for k in 0..2 {
             let gi = g.map[Iq2Grid::code(&l[8 * k..8 * k + 8])].max(0) as usize;
             let i8 = 2 * ib + k;
@@ -292,7 +277,13 @@ fn abs_max(xb: &[f32]) -> f32 {
 }
 
 /// Codes from the two split points of the ascending order: below `i1` 0, below `i2` 1, else 2.
-fn split_codes<const E: usize>(idx: &[usize; E], i1: usize, i2: usize) -> [i8; E] {
+/// A negative `scale` is made positive with the codes mirrored (`2 - l`); returns whether it
+/// was (the delta signs flip too).
+fn split_codes<const E: usize>(
+    idx: &[usize; E],
+    (i1, i2): (usize, usize),
+    scale: &mut f32,
+) -> ([i8; E], bool) {
     let mut l = [0i8; E];
     for (j, &i) in idx.iter().enumerate() {
         l[i] = if j < i1 {
@@ -303,7 +294,14 @@ fn split_codes<const E: usize>(idx: &[usize; E], i1: usize, i2: usize) -> [i8; E
             2
         };
     }
-    l
+    let mirrored = *scale < 0.0;
+    if mirrored {
+        for v in l.iter_mut() {
+            *v = 2 - *v;
+        }
+        *scale = -*scale;
+    }
+    (l, mirrored)
 }
 
 /// `quantize_row_iq1_s_impl` for one super-block (needs importance weights): 8 sub-blocks of
@@ -361,17 +359,13 @@ pub(super) fn iq1_s(x: &[f32], qw: &[f32], g: &Iq2Grid) -> BlockIq1S {
                 }
             }
         }
-        let Some((i1, i2)) = besti else {
+        let Some(split) = besti else {
             scales[ib] = 0.0;
             shifts[ib] = 1;
             continue;
         };
-        let mut l = split_codes(&idx, i1, i2);
-        if scale < 0.0 {
-            for v in l.iter_mut() {
-                *v = 2 - *v;
-            }
-            scale = -scale;
+        let (mut l, mirrored) = split_codes(&idx, split, &mut scale);
+        if mirrored {
             best_shift = -best_shift;
         }
         let xx: &'static [f32; 3] = if best_shift == 1 { &IQ1_XP } else { &IQ1_XM };
@@ -500,17 +494,13 @@ pub(super) fn iq1_m(x: &[f32], qw: Option<&[f32]>, g: &Iq2Grid) -> BlockIq1M {
                 }
             }
         }
-        let Some((i1, i2)) = besti else {
+        let Some(split) = besti else {
             scales[ib] = 0.0;
             shifts[ib] = 0;
             continue;
         };
-        let mut l = split_codes(&idx, i1, i2);
-        if scale < 0.0 {
-            for v in l.iter_mut() {
-                *v = 2 - *v;
-            }
-            scale = -scale;
+        let (mut l, mirrored) = split_codes(&idx, split, &mut scale);
+        if mirrored {
             best_k = 3 - best_k;
         }
         let (index, scale) = g.snap_iq1(xb, &weight, scale, |k| iq1m_levels(best_k, k), &mut l);
