@@ -103,31 +103,34 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// Grid (H, S), 256 threads: o = sum_p acc_p * e^(m_p - M) / sum_p z_p * e^(m_p - M), p ascending.
+// Grid (H, min(S, 65535)), 256 threads, tokens grid-strided over y:
+// o = sum_p acc_p * e^(m_p - M) / sum_p z_p * e^(m_p - M), p ascending.
 // A query with no visible key (impossible for causal attention) gets zeros.
 extern "C" __global__ void __launch_bounds__(256)
     attn_combine_f32(const float* __restrict__ part, int n_split, int H, int Dv,
-                     float* __restrict__ o, long long o_tok_stride, long long o_head_stride) {
+                     float* __restrict__ o, long long o_tok_stride, long long o_head_stride,
+                     long long tokens) {
     const int h = blockIdx.x;
-    const long long s = blockIdx.y;
-    const float* pr = part + (s * H + h) * (long long)n_split * (Dv + 2);
-    float M = NEG_INF;
-    for (int p = 0; p < n_split; ++p) M = fmaxf(M, pr[p * (long long)(Dv + 2)]);
-    float Z = 0.0f;
-    if (M != NEG_INF)
-        for (int p = 0; p < n_split; ++p) {
-            const float mp = pr[p * (long long)(Dv + 2)];
-            if (mp != NEG_INF) Z += pr[p * (long long)(Dv + 2) + 1] * expf(mp - M);
-        }
-    const float inv = Z > 0.0f ? 1.0f / Z : 0.0f;
-    float* orow = o + s * o_tok_stride + (long long)h * o_head_stride;
-    for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
-        float acc = 0.0f;
+    for (long long s = blockIdx.y; s < tokens; s += gridDim.y) {
+        const float* pr = part + (s * H + h) * (long long)n_split * (Dv + 2);
+        float M = NEG_INF;
+        for (int p = 0; p < n_split; ++p) M = fmaxf(M, pr[p * (long long)(Dv + 2)]);
+        float Z = 0.0f;
         if (M != NEG_INF)
             for (int p = 0; p < n_split; ++p) {
                 const float mp = pr[p * (long long)(Dv + 2)];
-                if (mp != NEG_INF) acc += pr[p * (long long)(Dv + 2) + 2 + d] * expf(mp - M);
+                if (mp != NEG_INF) Z += pr[p * (long long)(Dv + 2) + 1] * expf(mp - M);
             }
-        orow[d] = acc * inv;
+        const float inv = Z > 0.0f ? 1.0f / Z : 0.0f;
+        float* orow = o + s * o_tok_stride + (long long)h * o_head_stride;
+        for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
+            float acc = 0.0f;
+            if (M != NEG_INF)
+                for (int p = 0; p < n_split; ++p) {
+                    const float mp = pr[p * (long long)(Dv + 2)];
+                    if (mp != NEG_INF) acc += pr[p * (long long)(Dv + 2) + 2 + d] * expf(mp - M);
+                }
+            orow[d] = acc * inv;
+        }
     }
 }

@@ -108,3 +108,21 @@ DEV void block_argmax(float& v, int& i, float* sv, int* si) {
     i = lane < nw ? si[lane] : 0x7fffffff;
     warp_argmax(v, i);
 }
+
+// Exclusive prefix count of `flag` over the block in thread order; `total` gets the block sum.
+DEV int block_excl_scan(int flag, int* warp_tot, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const unsigned b = __ballot_sync(0xffffffffu, flag);
+    const int in_warp = __popc(b & ((1u << lane) - 1u));
+    __syncthreads();
+    if (lane == 0) warp_tot[warp] = __popc(b);
+    __syncthreads();
+    int before = 0, tot = 0;
+    for (int w = 0; w < nw; ++w) {
+        const int c = warp_tot[w];
+        if (w < warp) before += c;
+        tot += c;
+    }
+    total = tot;
+    return before + in_warp;
+}

@@ -1,13 +1,16 @@
-//! Prefill matmul: weights dequantized to f32 in row tiles, then cuBLAS SGEMM.
+//! Prefill matmul: weights dequantized in row tiles, then cuBLAS.
 //!
-//! Why f32 and not bf16 tensor cores: the tiny fixtures and the CPU reference are f32, and
-//! SGEMM (no TF32: cuBLAS' default math mode) keeps prefill logits within f32 summation error
-//! of the CPU, so greedy continuations can be compared token for token. The bf16 path
-//! (dequantize_bf16 + GemmEx) is the speed option for long prompts on large models.
+//! Two precisions. [`Gpu::matmul`]: f32 tiles + SGEMM (no TF32: cuBLAS' default math mode), so
+//! prefill logits stay within f32 summation error of the CPU (the exact path). [`Gpu::matmul_bf16`]:
+//! bf16 tiles and bf16 activations on the tensor cores with f32 accumulation and output (the
+//! fast path): each operand is rounded once to bf16 (relative error <= 2^-9), so a product of
+//! length K moves by at most 2^-8 * sum_k |w_k x_k| (both operands rounded), typically
+//! 2^-8 / sqrt(3) * ||w|| ||x|| / sqrt(K)-scaled: ~1e-3..1e-2 relative (gpu-kernels.md §2).
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
+use crate::dequant::RawWeight;
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
 use crate::gemv::MatShape;
@@ -16,9 +19,16 @@ use crate::launch::shape_err;
 /// Scratch budget for one dequantized weight tile.
 const TILE_BYTES: usize = 256 << 20;
 
+/// The cuBLAS precision of a matmul.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Prec {
+    F32,
+    Bf16,
+}
+
 impl Gpu {
     /// `y[n, r] = sum_k x[n, k] * W[r, k]` for `tokens` rows of x (`[tokens, k]`, dense) into y
-    /// (`[tokens, rows]`, dense). `shape.slabs` must be 1.
+    /// (`[tokens, rows]`, dense), in f32. `shape.slabs` must be 1.
     pub fn matmul(
         &self,
         shape: MatShape,
@@ -27,79 +37,145 @@ impl Gpu {
         tokens: usize,
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), KernelError> {
+        self.matmul_prec(shape, w, x, tokens, y, Prec::F32)
+    }
+
+    /// As [`Gpu::matmul`] on the bf16 tensor cores (f32 accumulation and output).
+    pub fn matmul_bf16(
+        &self,
+        shape: MatShape,
+        w: &impl DevicePtr<u8>,
+        x: &impl DevicePtr<f32>,
+        tokens: usize,
+        y: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), KernelError> {
+        self.matmul_prec(shape, w, x, tokens, y, Prec::Bf16)
+    }
+
+    fn matmul_prec(
+        &self,
+        shape: MatShape,
+        w: &impl DevicePtr<u8>,
+        x: &impl DevicePtr<f32>,
+        tokens: usize,
+        y: &mut impl DevicePtrMut<f32>,
+        prec: Prec,
+    ) -> Result<(), KernelError> {
         const OP: &str = "matmul";
-        let MatShape { ty, rows, k, slabs } = shape;
-        if slabs != 1 || rows == 0 || k == 0 || tokens == 0 {
+        shape.check(OP, dlen(w))?;
+        let MatShape {
+            ty,
+            rows,
+            k,
+            slabs,
+            packed,
+        } = shape;
+        if slabs != 1 || tokens == 0 {
             return Err(shape_err(OP, format!("{shape:?} x {tokens} tokens")));
         }
-        if !k.is_multiple_of(32) || !k.is_multiple_of(ty.block_size()) {
-            return Err(shape_err(
-                OP,
-                format!("row length {k} is not a multiple of 32 and of the {ty} block"),
-            ));
-        }
-        let row_bytes = shape
-            .row_bytes()
-            .ok_or_else(|| shape_err(OP, "row size overflows"))?;
-        need_len(
-            OP,
-            "w",
-            dlen(w),
-            shape
-                .bytes()
-                .ok_or_else(|| shape_err(OP, "size overflows"))?,
-        )?;
         need_len(OP, "x", dlen(x), tokens * k)?;
         need_len(OP, "y", dlen(y), tokens * rows)?;
-        // Any row starts on a block boundary with the block alignment of the tensor base.
-        let tile_rows = (TILE_BYTES / (k * 4)).clamp(1, rows);
-        let mut scratch = self.zeros::<f32>(tile_rows * k)?;
+        let esz = match prec {
+            Prec::F32 => 4,
+            Prec::Bf16 => 2,
+        };
+        let tile_rows = (TILE_BYTES / (k * esz)).clamp(1, rows);
         let blas_h = *self.blas()?.handle();
         let s = self.stream();
         let (wp, _g1) = w.device_ptr(s);
         let (xp, _g2) = x.device_ptr(s);
         let (yp, _g3) = y.device_ptr_mut(s);
-        let (sp, _g4) = scratch.device_ptr_mut(s);
+        let mut scratch = self.alloc::<u8>(tile_rows * k * esz)?;
+        let sp = scratch.ptr();
+        // bf16: the activations converted once for all tiles.
+        let xb = match prec {
+            Prec::F32 => None,
+            Prec::Bf16 => {
+                let mut b = self.alloc::<u16>(tokens * k)?;
+                self.to_bf16(x, &mut b, tokens * k)?;
+                Some(b)
+            }
+        };
         let (n_tok, k32, ldc) = (
             to_i32(OP, "tokens", tokens)?,
             to_i32(OP, "k", k)?,
             to_i32(OP, "rows", rows)?,
         );
+        let raw = RawWeight {
+            ty,
+            packed,
+            base: wp,
+            nblk: shape.blocks(),
+        };
+        let bpr = k / crate::quant::decoder_block(ty).0;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let mut r0 = 0usize;
         while r0 < rows {
             let rt = tile_rows.min(rows - r0);
             // SAFETY: rows r0..r0+rt of W lie within w (checked), scratch holds tile_rows * k.
-            unsafe { self.dequant_raw(ty, wp + (r0 * row_bytes) as u64, rt * k, sp)? };
+            unsafe { self.dequant_raw(raw, r0 * bpr, rt * k, sp, prec == Prec::Bf16)? };
             let m = to_i32(OP, "tile rows", rt)?;
+            let yc = (yp + (r0 * 4) as u64) as *mut f32;
+            let t0 = self.prof_start()?;
             // Column-major view: C[rt x tokens] (ldc = rows, starting at column offset r0 of y's
             // rows) = A^T[rt x k] * B[k x tokens], A = the tile (row-major [rt, k]), B = x^T.
             // SAFETY: all pointers cover the extents named by m/n/k/ld (checked above).
-            unsafe {
-                blas::sgemm(
-                    blas_h,
-                    blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                    blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                    m,
-                    n_tok,
-                    k32,
-                    &alpha,
-                    sp as *const f32,
-                    k32,
-                    xp as *const f32,
-                    k32,
-                    &beta,
-                    (yp + (r0 * 4) as u64) as *mut f32,
-                    ldc,
-                )
-            }
-            .map_err(|source| KernelError::Cublas {
-                what: "cublasSgemm",
+            let r = match &xb {
+                None => unsafe {
+                    blas::sgemm(
+                        blas_h,
+                        blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                        blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                        m,
+                        n_tok,
+                        k32,
+                        &alpha,
+                        sp as *const f32,
+                        k32,
+                        xp as *const f32,
+                        k32,
+                        &beta,
+                        yc,
+                        ldc,
+                    )
+                },
+                Some(xb) => unsafe {
+                    blas::gemm_ex(
+                        blas_h,
+                        blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                        blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                        m,
+                        n_tok,
+                        k32,
+                        &alpha as *const f32 as *const _,
+                        sp as *const _,
+                        blas_sys::cudaDataType::CUDA_R_16BF,
+                        k32,
+                        xb.ptr() as *const _,
+                        blas_sys::cudaDataType::CUDA_R_16BF,
+                        k32,
+                        &beta as *const f32 as *const _,
+                        yc as *mut _,
+                        blas_sys::cudaDataType::CUDA_R_32F,
+                        ldc,
+                        blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                },
+            };
+            self.prof_stop("gemm", t0)?;
+            r.map_err(|source| KernelError::Cublas {
+                what: if xb.is_some() {
+                    "cublasGemmEx"
+                } else {
+                    "cublasSgemm"
+                },
                 source,
             })?;
             self.launched(OP, Ok::<(), cudarc::driver::DriverError>(()))?;
             r0 += rt;
         }
+        let _ = &mut scratch;
         Ok(())
     }
 }

@@ -13,4 +13,11 @@ pub enum RuntimeError {
     ContextExceeded { need: usize, max: usize },
     #[error("backend: {0}")]
     Backend(String),
+    /// A GPU op failed; the kernel error is kept (device faults, bad shapes, unsupported types).
+    #[error("{op}: {source}")]
+    Kernel {
+        op: &'static str,
+        #[source]
+        source: kernels::KernelError,
+    },
 }
