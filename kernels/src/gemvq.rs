@@ -168,6 +168,21 @@ pub fn gemvq_supported(shape: &MatShape) -> bool {
     }
 }
 
+/// A static name per (mode, type), for launch errors and profiles.
+fn kind_name(mode: &str, qt: QType) -> &'static str {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static NAMES: OnceLock<Mutex<HashMap<String, &'static str>>> = OnceLock::new();
+    let key = format!("{mode} {}", qt.suffix());
+    let mut m = NAMES
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    // At most 3 modes x 10 types ever: leaking them is bounded.
+    m.entry(key.clone())
+        .or_insert_with(|| Box::leak(key.into_boxed_str()))
+}
+
 fn opt_ptr<T>(v: Option<&CudaView<'_, T>>, g: &Gpu) -> u64 {
     v.map_or(0, |v| v.device_ptr(g.stream()).0)
 }
@@ -307,6 +322,12 @@ impl Gpu {
         }
         let name = format!("{prefix}{}", qt.suffix());
         let f = self.func(Op::GemvQ(qt), &name)?;
+        // The profile kind names type and mode, e.g. "gemvq glu q4_k".
+        let kind = kind_name(match mode {
+            QMode::Plain => "gemvq",
+            QMode::Glu(_) => "gemvq glu",
+            QMode::Combine { .. } => "gemvq combine",
+        }, qt);
         let tables = self.tables()?.params;
         let lpr = lanes_per_row(shape.k);
         let rows_per_block = 4 * (32 / lpr);
@@ -344,6 +365,6 @@ impl Gpu {
         b.arg(&p).arg(&tables);
         // SAFETY: weight, id, index and output extents checked above; the kernel range-checks
         // every id and index it reads (bad ids give NaN outputs, bad indices are skipped).
-        unsafe { self.launch(OP, b, cfg) }
+        unsafe { self.launch(kind, b, cfg) }
     }
 }

@@ -26,6 +26,7 @@ pub mod pool;
 mod quant;
 pub mod repack;
 pub mod rope;
+pub mod sample;
 pub mod verify;
 
 pub use act::Rows3;
@@ -43,6 +44,7 @@ pub use norm::Rows;
 pub use ops::{Op, QType};
 pub use pool::{DevBuf, DevViewMut, PoolStats};
 pub use rope::{rope_inv_freq, RopeLayout, RopeStyle};
+pub use sample::SampleParams;
 pub use verify::{compare_tensor, GpuDiff};
 
 /// Re-exported so callers can name buffer types without depending on cudarc themselves.

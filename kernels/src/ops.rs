@@ -112,11 +112,12 @@ pub enum Op {
     SiluMul,
     Elementwise,
     Argmax,
+    Sample,
 }
 
 impl Op {
     /// Every module, for the compile check.
-    pub const ALL: [Op; 26] = [
+    pub const ALL: [Op; 27] = [
         Op::Dequant,
         Op::Gemv,
         Op::Quantize,
@@ -133,6 +134,7 @@ impl Op {
         Op::SiluMul,
         Op::Elementwise,
         Op::Argmax,
+        Op::Sample,
         Op::GemvQ(QType::Q4_0),
         Op::GemvQ(QType::Q4_1),
         Op::GemvQ(QType::Q5_0),
@@ -164,6 +166,7 @@ impl Op {
             Op::SiluMul => "silu_mul",
             Op::Elementwise => "elementwise",
             Op::Argmax => "argmax",
+            Op::Sample => "sample",
         }
     }
 
@@ -186,6 +189,7 @@ impl Op {
             Op::SiluMul => "silu_mul.cu",
             Op::Elementwise => "elementwise.cu",
             Op::Argmax => "argmax.cu",
+            Op::Sample => "sample.cu",
         }
     }
 
@@ -209,6 +213,7 @@ impl Op {
             Op::SiluMul => include_str!("../cuda/silu_mul.cu"),
             Op::Elementwise => include_str!("../cuda/elementwise.cu"),
             Op::Argmax => include_str!("../cuda/argmax.cu"),
+            Op::Sample => include_str!("../cuda/sample.cu"),
         }
     }
 
@@ -281,6 +286,7 @@ impl Op {
                 "bf16_to_f32",
             ],
             Op::Argmax => &["argmax_f32"],
+            Op::Sample => &["sample_rows"],
         };
         names.iter().map(|s| s.to_string()).collect()
     }

@@ -130,6 +130,22 @@ pub struct CudaWeight {
     values: Option<kernels::CudaSlice<f32>>,
 }
 
+/// The q8 activations of a tensor: its cached copy, or one made for another view of it.
+enum Q8Ref<'t> {
+    Cached(&'t Q8Act),
+    Owned(Q8Act),
+}
+
+impl std::ops::Deref for Q8Ref<'_> {
+    type Target = Q8Act;
+    fn deref(&self) -> &Q8Act {
+        match self {
+            Q8Ref::Cached(q) => q,
+            Q8Ref::Owned(q) => q,
+        }
+    }
+}
+
 /// A row-major `[rows, cols]` i32 matrix on the device; `-1` marks an empty slot.
 pub struct CudaIndex {
     rows: usize,
@@ -241,23 +257,20 @@ impl CudaBackend {
         }
     }
 
-    /// The q8 activations of `x` (made once per tensor).
-    fn q8<'t>(&self, x: &'t CudaTensor, rows: usize, k: usize) -> Result<&'t Q8Act, RuntimeError> {
+    /// The q8 activations of `x` viewed as `rows x k` (made once per tensor and view; a second
+    /// view of the same tensor is quantized without caching).
+    fn q8<'t>(&self, x: &'t CudaTensor, rows: usize, k: usize) -> Result<Q8Ref<'t>, RuntimeError> {
         if let Some(q) = x.q8.get() {
             if q.rows == rows && q.k == k {
-                return Ok(q);
+                return Ok(Q8Ref::Cached(q));
             }
         }
         let b = x.f32().ok_or_else(|| not_f32("quantize"))?;
-        let q = self
-            .gpu
-            .quantize_q8(b, rows, k, k)
-            .map_err(kerr("quantize"))?;
-        // A different view of the same tensor (rows x k) replaces the cached one.
+        let q = self.gpu.quantize_q8(b, rows, k, k).map_err(kerr("quantize"))?;
         if x.q8.get().is_some() {
-            return Err(err("quantize: tensor viewed with two shapes"));
+            return Ok(Q8Ref::Owned(q));
         }
-        Ok(x.q8.get_or_init(|| q))
+        Ok(Q8Ref::Cached(x.q8.get_or_init(|| q)))
     }
 
     /// Upload small i32 inputs through pinned memory, reusing the device copy of a recent
@@ -344,7 +357,7 @@ impl CudaBackend {
             };
             return self
                 .gpu
-                .gemv_q(shape, &w.bytes, QMode::Plain, ch, q, out)
+                .gemv_q(shape, &w.bytes, QMode::Plain, ch, &q, out)
                 .map_err(kerr("matmul"));
         }
         if x.rows <= GEMV_MAX_ROWS && gemv_ok {
@@ -774,7 +787,7 @@ impl Backend for CudaBackend {
                 };
                 return self
                     .gpu
-                    .gemv_q(shape, &w.bytes, QMode::Plain, ch, q, o)
+                    .gemv_q(shape, &w.bytes, QMode::Plain, ch, &q, o)
                     .map_err(kerr("matmul_heads"))
                     .map(|()| out);
             }
@@ -794,7 +807,7 @@ impl Backend for CudaBackend {
                 y_rows: x.rows * n_head,
             };
             self.gpu
-                .gemv_q(shape, &w.bytes, QMode::Plain, ch, q, o)
+                .gemv_q(shape, &w.bytes, QMode::Plain, ch, &q, o)
                 .map_err(kerr("matmul_heads"))?;
             return Ok(out);
         }
@@ -1227,7 +1240,7 @@ impl CudaBackend {
                 y_rows: kk,
             };
             self.gpu
-                .gemv_q(g_shape, &gate.bytes, QMode::Glu(&up.bytes), ch, q, &mut act)
+                .gemv_q(g_shape, &gate.bytes, QMode::Glu(&up.bytes), ch, &q, &mut act)
                 .map_err(kerr("moe_ffn gate+up"))?;
             let qa = self
                 .gpu
@@ -1273,7 +1286,7 @@ impl CudaBackend {
             y_rows: n * kk,
         };
         self.gpu
-            .gemv_q(g_shape, &gate.bytes, QMode::Glu(&up.bytes), ch, q, &mut act)
+            .gemv_q(g_shape, &gate.bytes, QMode::Glu(&up.bytes), ch, &q, &mut act)
             .map_err(kerr("moe_ffn gate+up"))?;
         let qa = self
             .gpu

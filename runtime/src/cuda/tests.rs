@@ -1,14 +1,24 @@
-//! CUDA backend against the CPU reference backend on the tiny-glm5 fixtures: every GGUF type,
-//! the public prompts and the long prompts (longer than index_topk, so DSA sparse attention is
-//! active). Tolerances: see `check.rs`. Without a CUDA device the test prints
-//! "skipped: no CUDA device" and passes. `GGUFTOOL_FIXTURES` points at the fixture folder when
-//! the test binary runs away from the checkout (the GPU machine).
+//! CUDA backend against the CPU reference backend: the tiny-glm5 fixtures (every GGUF type, the
+//! public and the long prompts, which are longer than index_topk, so DSA sparse attention is
+//! active) on the exact and the fast path, and a model with GLM-5's attention shapes (64 heads,
+//! 576-wide latent, Q8_0 `attn_k_b` of 192-long rows) on prompts past 1,023 tokens (64 heads x
+//! tokens rows exceeded the 65,535 grid-y limit there) and past 4,096. Tolerances: see
+//! `check.rs`. Without a CUDA device every test prints "skipped: no CUDA device" and passes.
+//! `GGUFTOOL_FIXTURES` points at the fixture folder when the test binary runs away from the
+//! checkout (the GPU machine).
 
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::check::{compare, reference_prompts};
+use gguf::{GgmlType, Metadata, Value};
+
+use super::check::{compare_with, logit_tolerance, reference_prompts, PromptCheck};
+use super::{CudaBackend, CudaOptions};
+use crate::glm::GlmModel;
+use crate::spec::ModelSpec;
+use crate::weights::HostWeight;
 
 fn say(msg: &str) {
     let _ = writeln!(std::io::stderr().lock(), "{msg}");
@@ -18,6 +28,33 @@ fn fixtures() -> PathBuf {
     std::env::var_os("GGUFTOOL_FIXTURES")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures"))
+}
+
+const EXACT: CudaOptions = CudaOptions {
+    exact: true,
+    kv_bf16: false,
+};
+const FAST: CudaOptions = CudaOptions {
+    exact: false,
+    kv_bf16: true,
+};
+
+fn report(what: &str, id: &str, n: usize, r: &PromptCheck, failures: &mut Vec<String>) {
+    say(&format!(
+        "| {what} | {id} ({n} tok) | {:.2e} | tol {:.2e} | {}/{} |{}",
+        r.max_rel_diff,
+        r.tolerance,
+        r.greedy_identical,
+        r.steps,
+        if r.near_ties.is_empty() {
+            String::new()
+        } else {
+            format!(" near ties at {:?}", r.near_ties)
+        }
+    ));
+    if let Some(f) = &r.failure {
+        failures.push(format!("{what} {id}: {f}"));
+    }
 }
 
 #[test]
@@ -31,6 +68,7 @@ fn cuda_matches_cpu_on_fixtures() {
         let text = std::fs::read_to_string(fixtures().join(f)).expect("reference prompts");
         prompts.extend(reference_prompts(&text).expect("reference JSON"));
     }
+    assert!(!prompts.is_empty());
     let mut failures = Vec::new();
     for file in [
         "tiny-glm5-BF16.gguf",
@@ -41,23 +79,176 @@ fn cuda_matches_cpu_on_fixtures() {
         let path = fixtures().join("gguf").join(file);
         let model = Arc::new(gguf::Model::open(&path).expect("open fixture"));
         let cpu = crate::glm::load_cpu(model.clone()).expect("load on CPU");
-        let gpu = super::load_cuda(model, 0).expect("load on CUDA");
-        for (id, ids) in &prompts {
-            let r = compare(&cpu, &gpu, ids, 16).expect("forward");
-            say(&format!(
-                "| {file} | {id} ({} tok) | {:.2e} | {}/{} |{}",
-                ids.len(),
-                r.max_rel_diff,
-                r.greedy_identical,
-                r.steps,
-                r.near_tie
-                    .map(|(s, g)| format!(" near tie at step {s} (gap {g:.2e})"))
-                    .unwrap_or_default()
-            ));
-            if let Some(f) = r.failure {
-                failures.push(format!("{file} {id}: {f}"));
+        for (mode, opts) in [("exact", EXACT), ("fast", FAST)] {
+            let gpu = super::load_cuda_with(model.clone(), 0, opts).expect("load on CUDA");
+            let tol = logit_tolerance(opts, gpu.spec().n_layer);
+            for (id, ids) in &prompts {
+                let r = compare_with(&cpu, &gpu, ids, 16, tol).expect("forward");
+                report(&format!("{file} {mode}"), id, ids.len(), &r, &mut failures);
             }
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// xorshift64 stream for the synthetic weights.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+/// Random blocks of `ty` (Q4_K / Q8_0) with finite, small f16 scales.
+fn random_blocks(ty: GgmlType, n: usize, r: &mut Rng) -> Vec<u8> {
+    let (bs, ts) = (ty.block_size(), ty.type_size());
+    let mut out: Vec<u8> = (0..n / bs * ts).map(|_| r.next() as u8).collect();
+    let scale_offsets: &[usize] = match ty {
+        GgmlType::Q4_K => &[0, 2],
+        _ => &[0],
+    };
+    for b in out.chunks_exact_mut(ts) {
+        for &o in scale_offsets {
+            let v = half::f16::from_f32(1e-4 + 2e-3 * r.unit());
+            b[o..o + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// GLM-5's attention shapes (64 heads, kv_lora 512, nope 192, rope 64, v_head 256; indexer
+/// 128-wide keys) at a small hidden size: layer 0 dense, layer 1 MoE (8 experts, 2 used + one
+/// shared), DSA top-k 256 so long prompts attend sparsely.
+fn glm5_heads_weights() -> (Metadata, HashMap<String, HostWeight>) {
+    let mut md = Metadata::new("glm5-heads (synthetic)");
+    let a = "glm-dsa";
+    md.set("general.architecture", Value::String(a.into()));
+    let u = |v: u32| Value::U32(v);
+    for (k, v) in [
+        ("block_count", u(2)),
+        ("context_length", u(8192)),
+        ("embedding_length", u(256)),
+        ("feed_forward_length", u(512)),
+        ("attention.head_count", u(64)),
+        ("attention.head_count_kv", u(1)),
+        ("rope.freq_base", Value::F32(1e6)),
+        ("attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("expert_count", u(8)),
+        ("expert_used_count", u(2)),
+        ("expert_group_count", u(1)),
+        ("expert_group_used_count", u(1)),
+        ("expert_gating_func", u(2)),
+        ("attention.key_length", u(576)),
+        ("attention.value_length", u(512)),
+        ("leading_dense_block_count", u(1)),
+        ("vocab_size", u(512)),
+        ("attention.q_lora_rank", u(256)),
+        ("attention.kv_lora_rank", u(512)),
+        ("attention.key_length_mla", u(256)),
+        ("attention.value_length_mla", u(256)),
+        ("expert_feed_forward_length", u(256)),
+        ("expert_shared_count", u(1)),
+        ("expert_weights_scale", Value::F32(2.5)),
+        ("expert_weights_norm", Value::Bool(true)),
+        ("rope.dimension_count", u(64)),
+        ("attention.indexer.head_count", u(4)),
+        ("attention.indexer.key_length", u(128)),
+        ("attention.indexer.top_k", u(256)),
+    ] {
+        md.set(&format!("{a}.{k}"), v);
+    }
+    let spec = ModelSpec::from_metadata(&md).expect("synthetic spec");
+    let mut r = Rng(0x5eed_1234_abcd_0001);
+    let mut w = HashMap::new();
+    for t in spec.tensor_specs().into_iter().filter(|t| t.required) {
+        let n: usize = t.dims.iter().product();
+        let float = t.dims.len() == 1
+            || t.name.contains("ffn_gate_inp")
+            || t.name.contains("indexer.proj")
+            || t.name.contains("exp_probs_b");
+        let hw = if float {
+            let (base, amp) = if t.name.contains("norm.weight") {
+                (1.0, 0.1)
+            } else {
+                (0.0, 0.05)
+            };
+            let v: Vec<f32> = (0..n).map(|_| base + amp * (2.0 * r.unit() - 1.0)).collect();
+            HostWeight::from_f32(t.name.clone(), t.dims.clone(), &v)
+        } else {
+            let ty = if t.dims[0].is_multiple_of(256) {
+                GgmlType::Q4_K
+            } else {
+                GgmlType::Q8_0
+            };
+            HostWeight::from_bytes(t.name.clone(), ty, t.dims.clone(), random_blocks(ty, n, &mut r))
+        }
+        .expect("synthetic weight");
+        w.insert(t.name, hw);
+    }
+    (md, w)
+}
+
+#[test]
+fn glm5_heads_prompts_past_1023_and_4096_tokens() {
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (glm5_heads_prompts_past_1023_and_4096_tokens)");
+        return;
+    }
+    let (md, w) = glm5_heads_weights();
+    let get = |name: &str| Ok(w.get(name).cloned());
+    let cpu = GlmModel::from_weights(
+        crate::cpu::CpuBackend,
+        ModelSpec::from_metadata(&md).unwrap(),
+        &get,
+    )
+    .expect("CPU model");
+    let mut failures = Vec::new();
+    for (mode, opts) in [("fast", FAST), ("exact", EXACT)] {
+        let gpu = GlmModel::from_weights(
+            CudaBackend::with_options(0, opts).expect("CUDA backend"),
+            ModelSpec::from_metadata(&md).unwrap(),
+            &get,
+        )
+        .expect("CUDA model");
+        let tol = logit_tolerance(opts, 2);
+        for n in [1100usize, 4200] {
+            let ids: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 11) % 512).collect();
+            let r = compare_with(&cpu, &gpu, &ids, 3, tol).expect("forward");
+            report(&format!("glm5-heads {mode}"), "long", n, &r, &mut failures);
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The synthetic model itself is valid (runs without a GPU, so CI checks the builder).
+#[test]
+fn glm5_heads_model_runs_on_the_cpu() {
+    let (md, w) = glm5_heads_weights();
+    let get = |name: &str| Ok(w.get(name).cloned());
+    let cpu = GlmModel::from_weights(
+        crate::cpu::CpuBackend,
+        ModelSpec::from_metadata(&md).unwrap(),
+        &get,
+    )
+    .expect("CPU model");
+    use crate::lm::{LanguageModel, SeqStep};
+    let mut s = cpu.new_sequence();
+    let out = cpu
+        .forward(&mut [SeqStep {
+            seq: s.as_mut(),
+            tokens: &[1, 2, 3, 4],
+            all_logits: false,
+        }])
+        .expect("forward");
+    assert_eq!(out[0].len(), 512);
+    assert!(out[0].iter().all(|v| v.is_finite()));
+    let max = out[0].iter().fold(0f32, |m, v| m.max(v.abs()));
+    assert!(max > 0.0 && max < 1e4, "logits of a sane scale: {max}");
 }
