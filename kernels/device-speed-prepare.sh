@@ -18,6 +18,8 @@ cp "$kt" "$DEST/kernels-gpu"
 cp "$rt" "$DEST/runtime-lib"
 [ -n "${MAIN_BIN:-}" ] && cp "$MAIN_BIN" "$DEST/gguftool-main"
 strip "$DEST"/gguftool* "$DEST/kernels-gpu" "$DEST/runtime-lib" 2>/dev/null || true
-for f in "$DEST"/gguftool* "$DEST/kernels-gpu" "$DEST/runtime-lib"; do xz -T2 -6 -f "$f"; done
+# One solid archive: the binaries share most of their code, so xz finds it once.
+(cd "$DEST" && tar cf - gguftool* kernels-gpu runtime-lib | xz -9e -T1 > payload.tar.xz &&
+    rm -f gguftool gguftool-main kernels-gpu runtime-lib)
 cp kernels/device-speed.sh "$DEST/run.sh"
 du -sh "$DEST"; ls -la "$DEST"

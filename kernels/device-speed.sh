@@ -17,7 +17,8 @@ D=$ROOT/.device-speed
 export GGUFTOOL_FIXTURES=$ROOT/tests/fixtures GGUFTOOL_KERNEL_CACHE=/tmp/gguftool-kcache
 export NCCL_NVLS_ENABLE=0
 cd "$D" || exit 2
-for f in *.xz; do xz -d -f -T8 "$f"; done
+# One solid archive (the binaries share most of their code, so xz compresses them together).
+[ -f payload.tar.xz ] && xz -d -c payload.tar.xz | tar xf -
 chmod +x gguftool kernels-gpu runtime-lib 2>/dev/null
 [ -f gguftool-main ] && chmod +x gguftool-main
 # At most 8 files come back: log.txt, kernel-tests.txt, runtime-tests.txt, kernels.json,
@@ -58,15 +59,16 @@ step kernel-bench 70 "$OUT/kernels.json" ./gguftool bench --kernels --json
 # 3. The GLM-5-shaped bench model (bench-models.md), 4 layers, made here.
 step synth 60 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
 # 4. End to end, fast path: prefill 512, decode 128 at depth 0; 8 sequences.
-step bench-d0 70 "$W/bench.json" ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 512 -n 128 -r 3 --npl 1,8 --json
+step bench-d0 70 "$W/bench.json" ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 32,512 -n 128 -r 3 --npl 1,8 --json
+# The baseline (the branch's starting point) on the same file, same run: before/after.
+if [ -x gguftool-main ]; then
+    step bench-main 50 "$W/bench-main.txt" ./gguftool-main bench --model /tmp/glm5.gguf --backend cuda --tokens 128
+fi
 # 5. The CUDA backend against the CPU reference (fixtures both paths, 64 heads past 1,023 / 4,096).
 step runtime-tests 70 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda --test-threads=1 --nocapture 2>&1'
 # 6. Long context and the exact path.
-step bench-d32k 80 "$W/bench-d32k.json" ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 512 -n 64 -d 32768 -r 2 --json
+step bench-d32k 80 "$W/bench-d32k.json" ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 512 -n 32 -d 32768 -r 2 --json
 step bench-exact 40 "$W/bench-exact.json" env GGUFTOOL_CUDA_EXACT=1 ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 512 -n 64 -r 2 --no-profile --json
-if [ -x gguftool-main ]; then
-    step bench-main 50 "$W/bench-main.txt" ./gguftool-main bench --model /tmp/glm5.gguf --backend cuda --tokens 64
-fi
 
 # Summary (the reply carries the end of the output).
 cat "$STEPS" >> "$LOG"

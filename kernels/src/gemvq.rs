@@ -37,6 +37,9 @@ pub struct Q8Act {
     ds_off: usize,
 }
 
+/// Host copy of [`Q8Act`]: (codes, one scale per 32, one sum per 16).
+pub type Q8Host = (Vec<i8>, Vec<f32>, Vec<i16>);
+
 /// The `Q8A` kernel parameter.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -56,8 +59,8 @@ impl Q8Act {
         }
     }
 
-    /// Host copy of (codes, scales, 16-sums) for tests.
-    pub fn to_host(&self, g: &Gpu) -> Result<(Vec<i8>, Vec<f32>, Vec<i16>), KernelError> {
+    /// Host copy of the codes, the block scales and the 16-sums, for tests.
+    pub fn to_host(&self, g: &Gpu) -> Result<Q8Host, KernelError> {
         let all = g.download(&self.buf.view())?;
         let n = self.rows * self.k;
         let qs = all[..n].iter().map(|&b| b as i8).collect();
@@ -323,11 +326,14 @@ impl Gpu {
         let name = format!("{prefix}{}", qt.suffix());
         let f = self.func(Op::GemvQ(qt), &name)?;
         // The profile kind names type and mode, e.g. "gemvq glu q4_k".
-        let kind = kind_name(match mode {
-            QMode::Plain => "gemvq",
-            QMode::Glu(_) => "gemvq glu",
-            QMode::Combine { .. } => "gemvq combine",
-        }, qt);
+        let kind = kind_name(
+            match mode {
+                QMode::Plain => "gemvq",
+                QMode::Glu(_) => "gemvq glu",
+                QMode::Combine { .. } => "gemvq combine",
+            },
+            qt,
+        );
         let tables = self.tables()?.params;
         let lpr = lanes_per_row(shape.k);
         let rows_per_block = 4 * (32 / lpr);

@@ -14,6 +14,8 @@ use crate::ops::Op;
 
 /// Keys per shared-memory tile (mla.cu's MLA_KT).
 const KT: usize = 32;
+/// attention.cu's COMBINE_MAX_SPLITS.
+const COMBINE_MAX_SPLITS: usize = 1024;
 /// Budget for the split partials of one launch group; more tokens are processed in groups.
 const SCRATCH_BYTES: usize = 256 << 20;
 
@@ -206,6 +208,13 @@ impl Gpu {
             let (hc, hg, splits) = plan(m.heads, cs, n_eff, sm);
             let split_len = n_eff.div_ceil(KT).div_ceil(splits) * KT;
             let n_split = n_eff.div_ceil(split_len);
+            // attn_combine_f32 holds the split weights in shared memory.
+            if n_split > COMBINE_MAX_SPLITS {
+                return Err(shape_err(
+                    OP,
+                    format!("{n_split} key splits > {COMBINE_MAX_SPLITS}"),
+                ));
+            }
             let mut part = self.alloc::<f32>(cs * m.heads * n_split * (m.d_v + 2))?;
             let p = MlaP {
                 q: qp + (s0 * m.q_tok_stride * 4) as u64,

@@ -42,7 +42,9 @@ impl Gpu {
         if rows == 0 || n == 0 || n >= 1 << 24 {
             return Err(shape_err(OP, format!("{rows} rows of {n} logits")));
         }
-        if let Some(p) = params.iter().find(|p| !(0.0..1.0).contains(&p.u) || p.top_k < 0 || p.top_p.is_nan() || p.temperature.is_nan()) {
+        if let Some(p) = params.iter().find(|p| {
+            !(0.0..1.0).contains(&p.u) || p.top_k < 0 || p.top_p.is_nan() || p.temperature.is_nan()
+        }) {
             return Err(shape_err(OP, format!("bad parameters {p:?}")));
         }
         need_len(OP, "logits", dlen(logits), span(rows, stride, n))?;

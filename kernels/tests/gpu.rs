@@ -1563,7 +1563,11 @@ fn repacked_layouts_decode_bit_exact() {
     };
     let _s = serial();
     let mut r = Rng::new("repacked");
-    for ty in GgmlType::ALL.iter().copied().filter(|&t| repack::is_packed(t)) {
+    for ty in GgmlType::ALL
+        .iter()
+        .copied()
+        .filter(|&t| repack::is_packed(t))
+    {
         let (rows, k) = (37usize, 256usize);
         // Raw random bytes: NaN, infinite and subnormal scales included.
         let bytes: Vec<u8> = (0..rows * k / ty.block_size() * ty.type_size())
@@ -1592,8 +1596,17 @@ fn repacked_layouts_decode_bit_exact() {
                 out.iter().all(|v| v.is_nan())
             };
         }
-        row(&format!("dequant repacked {ty}"), &format!("{rows}x{k} + get_rows"), 0.0, 0.0, ok_all && ok_rows);
-        assert!(ok_all && ok_rows, "repacked {ty}: dequant {ok_all}, get_rows {ok_rows}");
+        row(
+            &format!("dequant repacked {ty}"),
+            &format!("{rows}x{k} + get_rows"),
+            0.0,
+            0.0,
+            ok_all && ok_rows,
+        );
+        assert!(
+            ok_all && ok_rows,
+            "repacked {ty}: dequant {ok_all}, get_rows {ok_rows}"
+        );
     }
 }
 
@@ -1621,8 +1634,17 @@ fn quantize_q8_matches_cpu_emulation() {
         bad += usize::from(gs[2 * b] != cs[2 * b] || gs[2 * b + 1] != cs[2 * b + 1]);
         bad += (32 * b..32 * b + 32).filter(|&i| gq[i] != cq[i]).count();
     }
-    row("quantize q8", &format!("{rows}x{k}"), bad as f64, 0.0, bad == 0);
-    assert_eq!(bad, 0, "codes, scales and sums equal the CPU emulation exactly");
+    row(
+        "quantize q8",
+        &format!("{rows}x{k}"),
+        bad as f64,
+        0.0,
+        bad == 0,
+    );
+    assert_eq!(
+        bad, 0,
+        "codes, scales and sums equal the CPU emulation exactly"
+    );
 }
 
 /// GPU integer-dot GEMV against (A) the f64 product of the dequantized weights with the
@@ -1640,7 +1662,11 @@ fn check_gemvq(
     let bytes = sane_blocks(ty, rows * k, r);
     let w = dequant_cpu(ty, &bytes);
     let packed = repack::is_packed(ty);
-    let dev = if packed { repack::repack(ty, &bytes).unwrap() } else { bytes.clone() };
+    let dev = if packed {
+        repack::repack(ty, &bytes).unwrap()
+    } else {
+        bytes.clone()
+    };
     let shape = MatShape {
         ty,
         rows,
@@ -1655,8 +1681,15 @@ fn check_gemvq(
     let q = g.quantize_q8(&dx, ncols, k, k).unwrap();
     let (qc, qd, _) = q.to_host(g).unwrap();
     let mut dy = nan_buf(g, ncols * rows);
-    g.gemv_q(shape, &dw, QMode::Plain, QChannels::dense(ncols, rows), &q, &mut dy)
-        .unwrap();
+    g.gemv_q(
+        shape,
+        &dw,
+        QMode::Plain,
+        QChannels::dense(ncols, rows),
+        &q,
+        &mut dy,
+    )
+    .unwrap();
     let y = g.download(&dy).unwrap();
     let mut ok = true;
     let mut worst = 0f64;
@@ -1713,14 +1746,25 @@ fn gemvq_every_type_matches_emulation_and_error_bound() {
         .into_iter()
         .find(|&t| kernels::QType::of(t) == Some(qt))
         .unwrap();
-        let mut shapes = vec![(129usize, 256usize, 1usize), (31, 6144, 3), (576, 2048, 8), (64, 512, 2)];
+        let mut shapes = vec![
+            (129usize, 256usize, 1usize),
+            (31, 6144, 3),
+            (576, 2048, 8),
+            (64, 512, 2),
+        ];
         if ty.block_size() == 32 {
             shapes.push((512, 192, 1)); // attn_k_b rows (K = 192): 2 lanes per row
             shapes.push((33, 192, 5));
         }
         for (rows, k, nc) in shapes {
             let (ok, worst) = check_gemvq(&g, &mut r, ty, rows, k, nc);
-            row(&format!("gemvq {ty}"), &format!("{rows}x{k} x{nc}"), worst, 1.0, ok);
+            row(
+                &format!("gemvq {ty}"),
+                &format!("{rows}x{k} x{nc}"),
+                worst,
+                1.0,
+                ok,
+            );
             if !ok {
                 bad.push(format!("{ty} {rows}x{k} x{nc}"));
             }
@@ -1745,10 +1789,24 @@ fn gemvq_glu_combine_and_grouped_experts() {
         dequant_cpu(GgmlType::Q4_K, &up_b),
         dequant_cpu(GgmlType::Q6_K, &down_b),
     );
-    let gs = MatShape { ty: GgmlType::Q4_K, rows: ff, k: d, slabs: ne, packed: false };
-    let ds = MatShape { ty: GgmlType::Q6_K, rows: d, k: ff, slabs: ne, packed: true };
+    let gs = MatShape {
+        ty: GgmlType::Q4_K,
+        rows: ff,
+        k: d,
+        slabs: ne,
+        packed: false,
+    };
+    let ds = MatShape {
+        ty: GgmlType::Q6_K,
+        rows: d,
+        k: ff,
+        slabs: ne,
+        packed: true,
+    };
     let (dg, du) = (g.upload(&gate_b).unwrap(), g.upload(&up_b).unwrap());
-    let ddn = g.upload(&repack::repack(GgmlType::Q6_K, &down_b).unwrap()).unwrap();
+    let ddn = g
+        .upload(&repack::repack(GgmlType::Q6_K, &down_b).unwrap())
+        .unwrap();
     // 5 tokens x 2 slots; token 3 has an empty slot (-1).
     let (n, kk) = (5usize, 2usize);
     let ids: Vec<i32> = vec![2, 0, 5, 2, 1, 2, 4, -1, 0, 5];
@@ -1758,15 +1816,16 @@ fn gemvq_glu_combine_and_grouped_experts() {
     let q = g.quantize_q8(&dx, n, d, d).unwrap();
     let (qc, qd, _) = q.to_host(&g).unwrap();
     let xq = |t: usize, i: usize| f64::from(qc[t * d + i]) * f64::from(qd[(t * d + i) / 32]);
-    let dot = |w: &[f32], e: usize, rows: usize, kk_: usize, row: usize, xv: &dyn Fn(usize) -> f64| {
-        let wr = &w[(e * rows + row) * kk_..(e * rows + row + 1) * kk_];
-        let (mut s, mut m) = (0f64, 0f64);
-        for (i, &wv) in wr.iter().enumerate() {
-            s += f64::from(wv) * xv(i);
-            m += f64::from(wv.abs()) * xv(i).abs();
-        }
-        (s, m)
-    };
+    let dot =
+        |w: &[f32], e: usize, rows: usize, kk_: usize, row: usize, xv: &dyn Fn(usize) -> f64| {
+            let wr = &w[(e * rows + row) * kk_..(e * rows + row + 1) * kk_];
+            let (mut s, mut m) = (0f64, 0f64);
+            for (i, &wv) in wr.iter().enumerate() {
+                s += f64::from(wv) * xv(i);
+                m += f64::from(wv.abs()) * xv(i).abs();
+            }
+            (s, m)
+        };
     let silu = |v: f64| v / (1.0 + (-v).exp());
     // The grouping maps.
     let dids = g.upload(&ids).unwrap();
@@ -1795,18 +1854,30 @@ fn gemvq_glu_combine_and_grouped_experts() {
                 for j in 0..MOE_TILE {
                     let want = wp.get(j).map_or(-1, |&p| p as i32);
                     maps_ok &= cols[j] == want;
-                    maps_ok &= tok[i * MOE_TILE + j] == if want < 0 { -1 } else { want / kk as i32 };
+                    maps_ok &=
+                        tok[i * MOE_TILE + j] == if want < 0 { -1 } else { want / kk as i32 };
                     maps_ok &= pos[i * MOE_TILE + j] == if want < 0 { -1 } else { (p0 + j) as i32 };
                 }
             }
             None => maps_ok &= e == -1 && cols.iter().all(|&c| c == -1),
         }
     }
-    row("moe_group", &format!("{n} tokens x {kk} slots, {ne} experts"), 0.0, 0.0, maps_ok);
+    row(
+        "moe_group",
+        &format!("{n} tokens x {kk} slots, {ne} experts"),
+        0.0,
+        0.0,
+        maps_ok,
+    );
     assert!(maps_ok, "grouping maps differ from the CPU grouping");
     // Grouped gate+up+SiLU: act rows in sorted order.
     let mut act = nan_buf(&g, n * kk * ff);
-    let (tev, tokv, posv, pairv) = (grp.tile_expert.view(), grp.tok.view(), grp.pos.view(), grp.pair.view());
+    let (tev, tokv, posv, pairv) = (
+        grp.tile_expert.view(),
+        grp.tok.view(),
+        grp.pos.view(),
+        grp.pair.view(),
+    );
     let ch = QChannels {
         count: grp.max_tiles,
         ncols: MOE_TILE,
@@ -1817,7 +1888,8 @@ fn gemvq_glu_combine_and_grouped_experts() {
         y_stride: ff,
         y_rows: n * kk,
     };
-    g.gemv_q(gs, &dg, QMode::Glu(&du), ch, &q, &mut act).unwrap();
+    g.gemv_q(gs, &dg, QMode::Glu(&du), ch, &q, &mut act)
+        .unwrap();
     let act_h = g.download(&act).unwrap();
     let mut ok = true;
     let mut worst = 0f64;
@@ -1834,19 +1906,29 @@ fn gemvq_glu_combine_and_grouped_experts() {
                 let (uv, um) = dot(&uw, e as usize, ff, d, rr, &|i| xq(t, i));
                 let want = silu(gv) * uv;
                 // silu' <= 1.1; the q4_k scale-product bound 3 max|w| as above.
-                let tol = 1.1 * 3.0 * gamma * gm * uv.abs() + silu(gv).abs() * 3.0 * gamma * um + 8.0 * U32 * want.abs() + 1e-30;
+                let tol = 1.1 * 3.0 * gamma * gm * uv.abs()
+                    + silu(gv).abs() * 3.0 * gamma * um
+                    + 8.0 * U32 * want.abs()
+                    + 1e-30;
                 let got = f64::from(act_h[sp * ff + rr]);
                 ok &= got.is_finite() && (got - want).abs() <= tol;
                 worst = worst.max((got - want).abs() / tol);
             }
         }
     }
-    row("gemvq glu grouped", &format!("{ne} experts {ff}x{d}"), worst, 1.0, ok);
+    row(
+        "gemvq glu grouped",
+        &format!("{ne} experts {ff}x{d}"),
+        worst,
+        1.0,
+        ok,
+    );
     assert!(ok, "grouped gate+up+silu");
     // Down per pair (grouped) and the fused combine of one token, against the CPU.
     let act_q = g.quantize_q8(&act, n * kk, ff, ff).unwrap();
     let (aq, ad, _) = act_q.to_host(&g).unwrap();
-    let aqv = |row: usize, i: usize| f64::from(aq[row * ff + i]) * f64::from(ad[(row * ff + i) / 32]);
+    let aqv =
+        |row: usize, i: usize| f64::from(aq[row * ff + i]) * f64::from(ad[(row * ff + i) / 32]);
     let mut yd = nan_buf(&g, n * kk * d);
     let ch = QChannels {
         count: grp.max_tiles,
@@ -1858,7 +1940,8 @@ fn gemvq_glu_combine_and_grouped_experts() {
         y_stride: d,
         y_rows: n * kk,
     };
-    g.gemv_q(ds, &ddn, QMode::Plain, ch, &act_q, &mut yd).unwrap();
+    g.gemv_q(ds, &ddn, QMode::Plain, ch, &act_q, &mut yd)
+        .unwrap();
     let yd_h = g.download(&yd).unwrap();
     let gamma_f = (ff as f64 / 32.0 + 16.0) * 4.0 * U32;
     let mut ok = true;
@@ -1878,12 +1961,20 @@ fn gemvq_glu_combine_and_grouped_experts() {
     }
     // The empty slot's output row is never written.
     ok &= yd_h[7 * d..8 * d].iter().all(|v| v.is_nan());
-    row("gemvq down grouped", &format!("{ne} experts {d}x{ff}"), 0.0, 0.0, ok);
+    row(
+        "gemvq down grouped",
+        &format!("{ne} experts {d}x{ff}"),
+        0.0,
+        0.0,
+        ok,
+    );
     assert!(ok, "grouped down");
     // Combine: token 0 as a decode step, its 2 slots' act rows quantized in slot order.
     let act0: Vec<f32> = (0..kk)
         .flat_map(|k| {
-            let sp = (0..grp.max_tiles * MOE_TILE).find(|&c| pair[c] == k as i32).unwrap();
+            let sp = (0..grp.max_tiles * MOE_TILE)
+                .find(|&c| pair[c] == k as i32)
+                .unwrap();
             act_h[pos[sp] as usize * ff..(pos[sp] as usize + 1) * ff].to_vec()
         })
         .collect();
@@ -1904,7 +1995,18 @@ fn gemvq_glu_combine_and_grouped_experts() {
         y_stride: d,
         y_rows: 1,
     };
-    g.gemv_q(ds, &ddn, QMode::Combine { weights: &w0v, topk: kk }, ch, &q0, &mut y0).unwrap();
+    g.gemv_q(
+        ds,
+        &ddn,
+        QMode::Combine {
+            weights: &w0v,
+            topk: kk,
+        },
+        ch,
+        &q0,
+        &mut y0,
+    )
+    .unwrap();
     let y0h = g.download(&y0).unwrap();
     let mut ok = true;
     for rr in 0..d {
@@ -1917,20 +2019,45 @@ fn gemvq_glu_combine_and_grouped_experts() {
         }
         ok &= (f64::from(y0h[rr]) - want).abs() <= 3.0 * gamma_f * m + 1e-30;
     }
-    row("gemvq combine", &format!("1 token x {kk} slots"), 0.0, 0.0, ok);
+    row(
+        "gemvq combine",
+        &format!("1 token x {kk} slots"),
+        0.0,
+        0.0,
+        ok,
+    );
     assert!(ok, "fused down + weighted sum");
 }
 
 /// f64 attention of one query over the latent rows `keys`, values = first `dv` columns.
-fn mla_cpu(q: &[f32], c: &[f32], d: usize, dv: usize, keys: &[usize], scale: f32) -> (Vec<f64>, f64) {
+fn mla_cpu(
+    q: &[f32],
+    c: &[f32],
+    d: usize,
+    dv: usize,
+    keys: &[usize],
+    scale: f32,
+) -> (Vec<f64>, f64) {
     let s: Vec<f64> = keys
         .iter()
-        .map(|&t| q.iter().zip(&c[t * d..t * d + d]).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum::<f64>() * f64::from(scale))
+        .map(|&t| {
+            q.iter()
+                .zip(&c[t * d..t * d + d])
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum::<f64>()
+                * f64::from(scale)
+        })
         .collect();
     // Bound of the f32 score error: (d + 8) roundings of the magnitude sum.
     let smag = keys
         .iter()
-        .map(|&t| q.iter().zip(&c[t * d..t * d + d]).map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs()).sum::<f64>() * f64::from(scale))
+        .map(|&t| {
+            q.iter()
+                .zip(&c[t * d..t * d + d])
+                .map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs())
+                .sum::<f64>()
+                * f64::from(scale)
+        })
         .fold(0f64, f64::max);
     let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let p: Vec<f64> = s.iter().map(|v| (v - mx).exp()).collect();
@@ -1944,11 +2071,25 @@ fn mla_cpu(q: &[f32], c: &[f32], d: usize, dv: usize, keys: &[usize], scale: f32
     (o, (d as f64 + 8.0) * U32 * smag)
 }
 
-fn check_mla<C: CacheElem>(g: &Gpu, r: &mut Rng, heads: usize, t_len: usize, s_n: usize, sparse: bool, bf16: bool) -> (bool, f64) {
+fn check_mla<C: CacheElem>(
+    g: &Gpu,
+    r: &mut Rng,
+    heads: usize,
+    t_len: usize,
+    s_n: usize,
+    sparse: bool,
+    bf16: bool,
+) -> (bool, f64) {
     let (d, dv) = (576usize, 512usize);
     let c: Vec<f32> = r.vec(t_len * d, 1.0);
     // The bf16 cache holds rounded values; the oracle reads the same rounded values.
-    let c_used: Vec<f32> = if bf16 { c.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect() } else { c.clone() };
+    let c_used: Vec<f32> = if bf16 {
+        c.iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect()
+    } else {
+        c.clone()
+    };
     let q = r.vec(s_n * heads * d, 1.0);
     let pos0 = t_len - s_n;
     let n_keys = 300.min(t_len + 2);
@@ -1982,9 +2123,16 @@ fn check_mla<C: CacheElem>(g: &Gpu, r: &mut Rng, heads: usize, t_len: usize, s_n
     let flat: Vec<i32> = lists.iter().flatten().copied().collect();
     let didx = g.upload(&flat).unwrap();
     let iv = didx.as_view();
-    let keys = sparse.then_some(kernels::KeyLists { idx: &iv, n_keys, stride: n_keys });
+    let keys = sparse.then_some(kernels::KeyLists {
+        idx: &iv,
+        n_keys,
+        stride: n_keys,
+    });
     if bf16 {
-        let cb: Vec<u16> = c.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let cb: Vec<u16> = c
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
         let dc = g.upload(&cb).unwrap();
         g.mla_attention(&dq, &dc, keys, &mut o, m).unwrap();
     } else {
@@ -1999,7 +2147,11 @@ fn check_mla<C: CacheElem>(g: &Gpu, r: &mut Rng, heads: usize, t_len: usize, s_n
     let mut worst = 0f64;
     for s in 0..s_n {
         let keys_s: Vec<usize> = if sparse {
-            let mut k: Vec<usize> = lists[s].iter().filter(|&&t| t >= 0 && (t as usize) <= pos0 + s).map(|&t| t as usize).collect();
+            let mut k: Vec<usize> = lists[s]
+                .iter()
+                .filter(|&&t| t >= 0 && (t as usize) <= pos0 + s)
+                .map(|&t| t as usize)
+                .collect();
             k.sort_unstable();
             k
         } else {
@@ -2018,7 +2170,13 @@ fn check_mla<C: CacheElem>(g: &Gpu, r: &mut Rng, heads: usize, t_len: usize, s_n
                 let (w_raw, _) = mla_cpu(qh, &c, d, dv, &keys_s, 1.0 / 16.0);
                 let smax = keys_s
                     .iter()
-                    .map(|&t| qh.iter().zip(&c[t * d..t * d + d]).map(|(a, b)| f64::from(*a * *b).abs()).sum::<f64>() / 16.0)
+                    .map(|&t| {
+                        qh.iter()
+                            .zip(&c[t * d..t * d + d])
+                            .map(|(a, b)| f64::from(*a * *b).abs())
+                            .sum::<f64>()
+                            / 16.0
+                    })
                     .fold(0f64, f64::max);
                 Some((w_raw, (1.0 + 2.0 * smax) * cmax_raw / 512.0 + tol))
             } else {
@@ -2062,13 +2220,18 @@ fn mla_latent_kernel_matches_f64() {
             let (ok, worst) = check_mla::<f32>(&g, &mut r, heads, t_len, s_n, sparse, bf16);
             row(
                 &format!("mla {}", if bf16 { "bf16 cache" } else { "f32 cache" }),
-                &format!("{heads} heads, T {t_len}, {s_n} queries{}", if sparse { ", sparse" } else { "" }),
+                &format!(
+                    "{heads} heads, T {t_len}, {s_n} queries{}",
+                    if sparse { ", sparse" } else { "" }
+                ),
                 worst,
                 1.0,
                 ok,
             );
             if !ok {
-                bad.push(format!("H {heads} T {t_len} S {s_n} sparse {sparse} bf16 {bf16}"));
+                bad.push(format!(
+                    "H {heads} T {t_len} S {s_n} sparse {sparse} bf16 {bf16}"
+                ));
             }
         }
     }
@@ -2082,15 +2245,28 @@ fn matmul_bf16_matches_f64() {
     };
     let _s = serial();
     let mut r = Rng::new("matmul_bf16");
-    for (ty, rows, k, tokens) in [(GgmlType::Q4_K, 300usize, 512usize, 70usize), (GgmlType::Q6_K, 129, 2048, 65)] {
+    for (ty, rows, k, tokens) in [
+        (GgmlType::Q4_K, 300usize, 512usize, 70usize),
+        (GgmlType::Q6_K, 129, 2048, 65),
+    ] {
         let bytes = sane_blocks(ty, rows * k, &mut r);
         let w = dequant_cpu(ty, &bytes);
         let packed = repack::is_packed(ty);
-        let dev = if packed { repack::repack(ty, &bytes).unwrap() } else { bytes };
+        let dev = if packed {
+            repack::repack(ty, &bytes).unwrap()
+        } else {
+            bytes
+        };
         let x = r.vec(tokens * k, 1.0);
         let (dw, dx) = (g.upload(&dev).unwrap(), g.upload(&x).unwrap());
         let mut dy = nan_buf(&g, tokens * rows);
-        let shape = MatShape { ty, rows, k, slabs: 1, packed };
+        let shape = MatShape {
+            ty,
+            rows,
+            k,
+            slabs: 1,
+            packed,
+        };
         g.matmul_bf16(shape, &dw, &dx, tokens, &mut dy).unwrap();
         let y = g.download(&dy).unwrap();
         let mut ok = true;
@@ -2110,7 +2286,13 @@ fn matmul_bf16_matches_f64() {
                 worst = worst.max(e / tol);
             }
         }
-        row(&format!("matmul bf16 {ty}"), &format!("{rows}x{k} x {tokens} tokens"), worst, 1.0, ok);
+        row(
+            &format!("matmul bf16 {ty}"),
+            &format!("{rows}x{k} x {tokens} tokens"),
+            worst,
+            1.0,
+            ok,
+        );
         assert!(ok, "matmul_bf16 {ty}");
     }
 }
@@ -2137,7 +2319,8 @@ fn launches_past_the_grid_y_limit() {
     let (gt, up) = (r.vec(rows * 8, 2.0), r.vec(rows * 8, 1.0));
     let (dg, du) = (g.upload(&gt).unwrap(), g.upload(&up).unwrap());
     let mut dout = nan_buf(&g, rows * 8);
-    g.silu_mul(&dg, &du, &mut dout, Rows3::dense(rows, 8)).unwrap();
+    g.silu_mul(&dg, &du, &mut dout, Rows3::dense(rows, 8))
+        .unwrap();
     let got = g.download(&dout).unwrap();
     let ok = got.iter().zip(gt.iter().zip(&up)).all(|(o, (a, b))| {
         let w = f64::from(*a) / (1.0 + (-f64::from(*a)).exp()) * f64::from(*b);
@@ -2152,9 +2335,11 @@ fn launches_past_the_grid_y_limit() {
     let ids: Vec<i32> = (0..rows).map(|i| (i % 64) as i32).collect();
     let di = g.upload(&ids).unwrap();
     let mut de = nan_buf(&g, rows * 32);
-    g.get_rows(GgmlType::F32, false, &dt, 32, &di, &mut de).unwrap();
+    g.get_rows(GgmlType::F32, false, &dt, 32, &di, &mut de)
+        .unwrap();
     let got = g.download(&de).unwrap();
-    let ok = (0..rows).all(|i| got[i * 32..i * 32 + 32] == table[(i % 64) * 32..(i % 64) * 32 + 32]);
+    let ok =
+        (0..rows).all(|i| got[i * 32..i * 32 + 32] == table[(i % 64) * 32..(i % 64) * 32 + 32]);
     row("get_rows", &format!("{rows} ids"), 0.0, 0.0, ok);
     all_ok &= ok;
     // rope over 70,000 tokens (1 head of 4 rope dims).
@@ -2164,15 +2349,27 @@ fn launches_past_the_grid_y_limit() {
     let dp = g.upload(&pos).unwrap();
     let inv = kernels::rope_inv_freq(10000.0, 4);
     let dinv = g.upload(&inv).unwrap();
-    let layout = RopeLayout { tokens: rows, heads: 1, tok_stride: 4, head_stride: 4, offset: 0, n_rot: 4 };
-    g.rope(&mut dx, layout, &dp, &dinv, RopeStyle::Interleaved).unwrap();
+    let layout = RopeLayout {
+        tokens: rows,
+        heads: 1,
+        tok_stride: 4,
+        head_stride: 4,
+        offset: 0,
+        n_rot: 4,
+    };
+    g.rope(&mut dx, layout, &dp, &dinv, RopeStyle::Interleaved)
+        .unwrap();
     let got = g.download(&dx).unwrap();
     let ok = [0usize, 65_535, 65_536, rows - 1].iter().all(|&s| {
         (0..2).all(|j| {
             let a = f64::from(s as f32 * inv[j]);
-            let (x1, x2) = (f64::from(x0[s * 4 + 2 * j]), f64::from(x0[s * 4 + 2 * j + 1]));
+            let (x1, x2) = (
+                f64::from(x0[s * 4 + 2 * j]),
+                f64::from(x0[s * 4 + 2 * j + 1]),
+            );
             let (o1, o2) = (x1 * a.cos() - x2 * a.sin(), x2 * a.cos() + x1 * a.sin());
-            (f64::from(got[s * 4 + 2 * j]) - o1).abs() < 1e-3 && (f64::from(got[s * 4 + 2 * j + 1]) - o2).abs() < 1e-3
+            (f64::from(got[s * 4 + 2 * j]) - o1).abs() < 1e-3
+                && (f64::from(got[s * 4 + 2 * j + 1]) - o2).abs() < 1e-3
         })
     });
     row("rope", &format!("{rows} tokens"), 0.0, 0.0, ok);
@@ -2182,16 +2379,40 @@ fn launches_past_the_grid_y_limit() {
     let w = dequant_cpu(GgmlType::Q8_0, &wq);
     let xs = r.vec(rows * 32, 1.0);
     let dxs = g.upload(&xs).unwrap();
-    let dwr = g.upload(&repack::repack(GgmlType::Q8_0, &wq).unwrap()).unwrap();
-    let shape = MatShape { ty: GgmlType::Q8_0, rows: 32, k: 32, slabs: 1, packed: true };
+    let dwr = g
+        .upload(&repack::repack(GgmlType::Q8_0, &wq).unwrap())
+        .unwrap();
+    let shape = MatShape {
+        ty: GgmlType::Q8_0,
+        rows: 32,
+        k: 32,
+        slabs: 1,
+        packed: true,
+    };
     let mut dy = nan_buf(&g, rows * 32);
-    let ch = Channels { count: rows, ids: None, x_stride: 32, x_div: 1, y_stride: 32 };
+    let ch = Channels {
+        count: rows,
+        ids: None,
+        x_stride: 32,
+        x_div: 1,
+        y_stride: 32,
+    };
     g.gemv_batched(shape, &dwr, ch, &dxs, &mut dy).unwrap();
     let y = g.download(&dy).unwrap();
     let q = g.quantize_q8(&dxs, rows, 32, 32).unwrap();
     let mut dyq = nan_buf(&g, rows * 32);
-    let chq = QChannels { count: rows, ncols: 1, ids: None, xidx: None, x_div: 1, yidx: None, y_stride: 32, y_rows: rows };
-    g.gemv_q(shape, &dwr, QMode::Plain, chq, &q, &mut dyq).unwrap();
+    let chq = QChannels {
+        count: rows,
+        ncols: 1,
+        ids: None,
+        xidx: None,
+        x_div: 1,
+        yidx: None,
+        y_stride: 32,
+        y_rows: rows,
+    };
+    g.gemv_q(shape, &dwr, QMode::Plain, chq, &q, &mut dyq)
+        .unwrap();
     let yq = g.download(&dyq).unwrap();
     let mut ok = true;
     for c in [0usize, 65_535, 65_536, rows - 1] {
@@ -2204,9 +2425,12 @@ fn launches_past_the_grid_y_limit() {
             }
             ok &= (f64::from(y[c * 32 + rr]) - s).abs() <= 64.0 * U32 * m + 1e-30;
             // q8: the activation rounding bound (amax/254 per value) dominates.
-            let amax = xs[c * 32..c * 32 + 32].iter().fold(0f64, |a, v| a.max(f64::from(v.abs())));
+            let amax = xs[c * 32..c * 32 + 32]
+                .iter()
+                .fold(0f64, |a, v| a.max(f64::from(v.abs())));
             let wsum: f64 = (0..32).map(|i| f64::from(w[rr * 32 + i].abs())).sum();
-            ok &= (f64::from(yq[c * 32 + rr]) - s).abs() <= wsum * amax / 254.0 * 1.001 + 64.0 * U32 * m;
+            ok &= (f64::from(yq[c * 32 + rr]) - s).abs()
+                <= wsum * amax / 254.0 * 1.001 + 64.0 * U32 * m;
         }
     }
     ok &= y.iter().chain(&yq).all(|v| v.is_finite());
@@ -2214,15 +2438,41 @@ fn launches_past_the_grid_y_limit() {
     all_ok &= ok;
     // MLA with 70,000 query tokens, one listed key each (output = that key's value row).
     let (d, dv, h, t_len) = (576usize, 512usize, 4usize, 70_001usize);
-    let cc: Vec<f32> = (0..t_len * d).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let cc: Vec<f32> = (0..t_len * d)
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
     let dc = g.upload(&cc).unwrap();
     let dq = g.upload(&vec![0.01f32; rows * h * d]).unwrap();
     let lists: Vec<i32> = (0..rows).map(|s| (s % 1000) as i32).collect();
     let dl = g.upload(&lists).unwrap();
     let lv = dl.as_view();
     let mut o = nan_buf(&g, rows * h * dv);
-    let m = MlaShape { tokens: rows, heads: h, d, d_v: dv, q_tok_stride: h * d, q_head_stride: d, kv_stride: d, kv_len: t_len, o_tok_stride: h * dv, o_head_stride: dv, scale: 0.0625, pos0: 1 };
-    g.mla_attention(&dq, &dc, Some(kernels::KeyLists { idx: &lv, n_keys: 1, stride: 1 }), &mut o, m).unwrap();
+    let m = MlaShape {
+        tokens: rows,
+        heads: h,
+        d,
+        d_v: dv,
+        q_tok_stride: h * d,
+        q_head_stride: d,
+        kv_stride: d,
+        kv_len: t_len,
+        o_tok_stride: h * dv,
+        o_head_stride: dv,
+        scale: 0.0625,
+        pos0: 1,
+    };
+    g.mla_attention(
+        &dq,
+        &dc,
+        Some(kernels::KeyLists {
+            idx: &lv,
+            n_keys: 1,
+            stride: 1,
+        }),
+        &mut o,
+        m,
+    )
+    .unwrap();
     let got = g.download(&o).unwrap();
     let ok = [0usize, 65_535, 65_536, rows - 1].iter().all(|&s| {
         let t = s % 1000;
@@ -2230,7 +2480,10 @@ fn launches_past_the_grid_y_limit() {
     });
     row("mla", &format!("{rows} query tokens"), 0.0, 0.0, ok);
     all_ok &= ok;
-    assert!(all_ok, "a launch past the grid's y limit computed wrong values");
+    assert!(
+        all_ok,
+        "a launch past the grid's y limit computed wrong values"
+    );
 }
 
 /// Whether `id` is a correct pick of sample.cu's rules for row `x` (f64 emulation): `id` is in
@@ -2244,16 +2497,28 @@ fn sample_ok(x: &[f32], p: kernels::SampleParams, id: usize) -> bool {
     }
     let mx = f64::from(x[argmax]);
     let w = |i: usize| ((f64::from(x[i]) - mx) / f64::from(p.temperature)).exp();
-    let k = if p.top_k > 0 && (p.top_k as usize) < n { p.top_k as usize } else { n };
+    let k = if p.top_k > 0 && (p.top_k as usize) < n {
+        p.top_k as usize
+    } else {
+        n
+    };
     let c = k.min(1024);
     let mut order: Vec<usize> = (0..n).collect();
     order.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
     let cands = &order[..c];
     let zc: f64 = cands.iter().map(|&i| w(i)).sum();
     let kth = x[order[k - 1]];
-    let zref = if k > c { (0..n).filter(|&i| x[i] >= kth).map(w).sum() } else { zc };
+    let zref = if k > c {
+        (0..n).filter(|&i| x[i] >= kth).map(w).sum()
+    } else {
+        zc
+    };
     let nucleus = p.top_p < 1.0;
-    let dist: Vec<usize> = if if nucleus { zc >= f64::from(p.top_p) * zref } else { k <= c } {
+    let dist: Vec<usize> = if if nucleus {
+        zc >= f64::from(p.top_p) * zref
+    } else {
+        k <= c
+    } {
         let lim = f64::from(p.top_p) * zref;
         let mut cum = 0.0;
         let mut cut = c - 1;
@@ -2308,14 +2573,54 @@ fn sampling_follows_temperature_top_k_top_p() {
     let mut r = Rng::new("sample");
     use kernels::SampleParams as P;
     let cases = [
-        P { temperature: 0.0, top_k: 0, top_p: 1.0, u: 0.5 },
-        P { temperature: 0.7, top_k: 40, top_p: 1.0, u: 0.3 },
-        P { temperature: 1.0, top_k: 40, top_p: 0.9, u: 0.95 },
-        P { temperature: 1.0, top_k: 0, top_p: 0.9, u: 0.42 },
-        P { temperature: 1.3, top_k: 0, top_p: 1.0, u: 0.77 },
-        P { temperature: 1.0, top_k: 2000, top_p: 1.0, u: 0.12 },
-        P { temperature: 1.0, top_k: 5000, top_p: 0.5, u: 0.61 },
-        P { temperature: 0.5, top_k: 1, top_p: 0.3, u: 0.99 },
+        P {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            u: 0.5,
+        },
+        P {
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 1.0,
+            u: 0.3,
+        },
+        P {
+            temperature: 1.0,
+            top_k: 40,
+            top_p: 0.9,
+            u: 0.95,
+        },
+        P {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.9,
+            u: 0.42,
+        },
+        P {
+            temperature: 1.3,
+            top_k: 0,
+            top_p: 1.0,
+            u: 0.77,
+        },
+        P {
+            temperature: 1.0,
+            top_k: 2000,
+            top_p: 1.0,
+            u: 0.12,
+        },
+        P {
+            temperature: 1.0,
+            top_k: 5000,
+            top_p: 0.5,
+            u: 0.61,
+        },
+        P {
+            temperature: 0.5,
+            top_k: 1,
+            top_p: 0.3,
+            u: 0.99,
+        },
     ];
     let mut ok_all = true;
     for (n, sigma) in [(154_880usize, 3.0f32), (154_880, 0.5), (1000, 2.0)] {
@@ -2327,7 +2632,13 @@ fn sampling_follows_temperature_top_k_top_p() {
         let got = g.download(&ids).unwrap();
         for (i, p) in cases.iter().enumerate() {
             let ok = got[i] >= 0 && sample_ok(&x[i * n..(i + 1) * n], *p, got[i] as usize);
-            row("sample", &format!("V {n} sigma {sigma} {p:?}"), 0.0, 0.0, ok);
+            row(
+                "sample",
+                &format!("V {n} sigma {sigma} {p:?}"),
+                0.0,
+                0.0,
+                ok,
+            );
             ok_all &= ok;
         }
     }

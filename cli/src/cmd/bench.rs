@@ -251,7 +251,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
                     "weight_gbs": weight_gbs,
                     "copy_gbs": copy_gbs,
                     "copy_share": share,
-                    "kernels": kernels.as_ref().map(|k| kernels_json(k)),
+                    "kernels": kernels.as_ref().map(kernels_json),
                     "date": date,
                 }));
             }

@@ -16,6 +16,7 @@
 //!   * bf16 operands of the prefill GEMMs (both rounded, 2^-9 relative step):
 //!     sqrt(2) * 2^-9 / sqrt(3) = [`EPS_BF16`] = 1.6e-3;
 //!   * the bf16 KV cache, read by every attention: 2^-9 / sqrt(3) = [`EPS_KV`] = 1.1e-3.
+//!
 //!   Along the deepest path of an n-layer model there are L = 8n + 1 GEMVs (q_a, q_b, k_b, v_b,
 //!   o, gate/up, down per layer and the head) and n attentions; independent errors add in
 //!   quadrature, and the bound taken is 4 standard deviations plus the exact path's:
@@ -25,9 +26,18 @@
 //!
 //! Top-1 must agree wherever the CPU's top-1/top-2 gap exceeds twice the tolerance (both
 //! choices are correct inside it: a near tie, counted and reported).
+//!
+//! Discrete selections (the DSA indexer's top-k keys, the router's experts) are not smooth: a
+//! rounding can swap the element at a selection boundary, which changes that step's outputs by
+//! far more than any rounding bound, and every later step through the cache. [`compare`]
+//! therefore observes both models' selections every step: equal sets continue the comparison;
+//! sets that differ by a near-tie swap (at most 2 + |set|/50 elements of their symmetric
+//! difference per row) end it at that step as a "selection flip" (reported, not a failure: both
+//! models computed a valid state); anything larger is a failure (a kernel selecting wrongly).
 
+use crate::backend::Backend;
 use crate::cpu::CpuBackend;
-use crate::glm::GlmModel;
+use crate::glm::{Activation, GlmModel};
 use crate::lm::{LanguageModel, SeqStep, SequenceState};
 use crate::RuntimeError;
 
@@ -51,7 +61,11 @@ pub fn logit_tolerance(opts: CudaOptions, n_layer: usize) -> f32 {
     let n = n_layer as f64;
     let l = 8.0 * n + 1.0;
     let (q, kv) = (
-        if opts.exact { 0.0 } else { EPS_Q8 * EPS_Q8 + EPS_BF16 * EPS_BF16 },
+        if opts.exact {
+            0.0
+        } else {
+            EPS_Q8 * EPS_Q8 + EPS_BF16 * EPS_BF16
+        },
         if opts.kv_bf16 { EPS_KV * EPS_KV } else { 0.0 },
     );
     (4.0 * (l * q + n * kv).sqrt()) as f32 + LOGIT_TOL
@@ -69,6 +83,9 @@ pub struct PromptCheck {
     pub near_tie: Option<(usize, f32)>,
     /// Every such near tie (the comparison continues past them).
     pub near_ties: Vec<(usize, f32)>,
+    /// The step at which the models' key or expert selections differed by a near-tie swap
+    /// (the comparison ends there, see the module docs), and the selection's name.
+    pub selection_flip: Option<(usize, String)>,
     /// The tolerance applied (relative to max |logit|).
     pub tolerance: f32,
     /// Why the check failed, if it did.
@@ -108,9 +125,100 @@ fn top1(v: &[f32]) -> (usize, f32) {
     (b, v.get(b).copied().unwrap_or(0.0) - second)
 }
 
+/// Selection activations of one step: (name, rows as sorted sets).
+type Selections = Vec<(String, Vec<Vec<i64>>)>;
+
+/// One forward step, collecting the indexer's and the router's selections.
+fn step_observed<B: Backend>(
+    m: &GlmModel<B>,
+    seq: &mut Box<dyn SequenceState>,
+    tokens: &[u32],
+) -> Result<(Vec<f32>, Selections), RuntimeError> {
+    let mut sel: Selections = Vec::new();
+    let mut obs = |name: &str, a: Activation<'_>| {
+        if let Activation::Index { rows, cols, data } = a {
+            if name.ends_with("indexer.topk_indices") || name.ends_with("router.experts") {
+                let sets = (0..rows)
+                    .map(|r| {
+                        let mut v: Vec<i64> = data[r * cols..(r + 1) * cols]
+                            .iter()
+                            .copied()
+                            .filter(|&x| x >= 0)
+                            .collect();
+                        v.sort_unstable();
+                        v
+                    })
+                    .collect();
+                sel.push((name.to_string(), sets));
+            }
+        }
+    };
+    let mut batch = [SeqStep {
+        seq: seq.as_mut(),
+        tokens,
+        all_logits: false,
+    }];
+    let mut out = m.forward_observed(&mut batch, Some(&mut obs))?;
+    if out.is_empty() {
+        return Err(RuntimeError::Backend("forward returned no logits".into()));
+    }
+    Ok((out.remove(0), sel))
+}
+
+/// Symmetric difference of two sorted sets.
+fn sym_diff(a: &[i64], b: &[i64]) -> usize {
+    let (mut i, mut j, mut d) = (0, 0, 0);
+    while i < a.len() && j < b.len() {
+        match a[i].cmp(&b[j]) {
+            std::cmp::Ordering::Equal => {
+                i += 1;
+                j += 1;
+            }
+            std::cmp::Ordering::Less => {
+                d += 1;
+                i += 1;
+            }
+            std::cmp::Ordering::Greater => {
+                d += 1;
+                j += 1;
+            }
+        }
+    }
+    d + (a.len() - i) + (b.len() - j)
+}
+
+/// How two steps' selections relate: equal, a near-tie swap (named), or a real difference.
+enum SelCmp {
+    Equal,
+    Flip(String),
+    Differ(String),
+}
+
+fn compare_selections(c: &Selections, g: &Selections) -> SelCmp {
+    if c.len() != g.len() {
+        return SelCmp::Differ(format!("{} vs {} selections", g.len(), c.len()));
+    }
+    let mut flip = None;
+    for ((nc, sc), (ng, sg)) in c.iter().zip(g) {
+        if nc != ng || sc.len() != sg.len() {
+            return SelCmp::Differ(format!("{ng} vs {nc}"));
+        }
+        for (a, b) in sc.iter().zip(sg) {
+            let d = sym_diff(a, b);
+            if d > 2 + a.len() / 50 {
+                return SelCmp::Differ(format!("{nc}: {d} of {} entries differ", a.len()));
+            }
+            if d > 0 && flip.is_none() {
+                flip = Some(nc.clone());
+            }
+        }
+    }
+    flip.map_or(SelCmp::Equal, SelCmp::Flip)
+}
+
 /// Prefill `prompt` on both models, then teacher-forced greedy decoding of `steps` tokens (the
 /// CPU's choice is fed to both), comparing logits at every step with the tolerance of the GPU
-/// model's options.
+/// model's options, and the key / expert selections (see the module docs).
 pub fn compare(
     cpu: &GlmModel<CpuBackend>,
     gpu: &GlmModel<CudaBackend>,
@@ -118,10 +226,107 @@ pub fn compare(
     steps: usize,
 ) -> Result<PromptCheck, RuntimeError> {
     let tol = logit_tolerance(gpu.backend().options(), gpu.spec().n_layer);
-    compare_with(cpu, gpu, prompt, steps, tol)
+    compare_models(cpu, gpu, prompt, steps, tol)
 }
 
-/// [`compare`] with an explicit tolerance (relative to max |logit|), for any two models.
+/// [`compare`] for any two backends, with an explicit tolerance (relative to max |logit|).
+pub fn compare_models<B1: Backend, B2: Backend>(
+    a: &GlmModel<B1>,
+    b: &GlmModel<B2>,
+    prompt: &[u32],
+    steps: usize,
+    tol_rel: f32,
+) -> Result<PromptCheck, RuntimeError> {
+    if prompt.is_empty() {
+        return Err(RuntimeError::Backend("compare: empty prompt".into()));
+    }
+    let mut sa = a.new_sequence();
+    let mut sb = b.new_sequence();
+    let (mut la, mut xa) = step_observed(a, &mut sa, prompt)?;
+    let (mut lb, mut xb) = step_observed(b, &mut sb, prompt)?;
+    let mut r = new_check(steps, tol_rel);
+    for n in 0..=steps {
+        match compare_selections(&xa, &xb) {
+            SelCmp::Equal => {}
+            SelCmp::Flip(name) => {
+                r.selection_flip = Some((n, name));
+                break;
+            }
+            SelCmp::Differ(why) => {
+                r.failure = Some(format!("step {n}: selections differ: {why}"));
+                break;
+            }
+        }
+        match check_step(&mut r, n, &la, &lb) {
+            Some(t) if n < steps => {
+                (la, xa) = step_observed(a, &mut sa, &[t])?;
+                (lb, xb) = step_observed(b, &mut sb, &[t])?;
+            }
+            _ => break,
+        }
+    }
+    Ok(r)
+}
+
+fn new_check(steps: usize, tol_rel: f32) -> PromptCheck {
+    PromptCheck {
+        max_rel_diff: 0.0,
+        greedy_identical: 0,
+        steps,
+        near_tie: None,
+        near_ties: Vec::new(),
+        selection_flip: None,
+        tolerance: tol_rel,
+        failure: None,
+    }
+}
+
+/// Compare step `n`'s logits (`lc` the reference): records the difference, near ties and
+/// failures into `r`; returns the reference's greedy token to feed next, or `None` to stop.
+fn check_step(r: &mut PromptCheck, n: usize, lc: &[f32], lg: &[f32]) -> Option<u32> {
+    if lc.len() != lg.len() {
+        r.failure = Some(format!("step {n}: {} vs {} logits", lg.len(), lc.len()));
+        return None;
+    }
+    let scale = lc.iter().fold(1f32, |m, v| m.max(v.abs()));
+    let tol = r.tolerance * scale;
+    let diff = lc.iter().zip(lg).fold(0f32, |m, (a, b)| {
+        if (a - b).is_nan() {
+            f32::NAN
+        } else {
+            m.max((a - b).abs())
+        }
+    });
+    if diff.is_nan() {
+        r.max_rel_diff = f32::NAN;
+        r.failure = Some(format!("step {n}: NaN in the logits"));
+        return None;
+    }
+    r.max_rel_diff = r.max_rel_diff.max(diff / scale);
+    if diff > tol {
+        r.failure = Some(format!("step {n}: max |dlogit| {diff} > {tol}"));
+        return None;
+    }
+    let (tc, gap) = top1(lc);
+    let (tg, _) = top1(lg);
+    if tc == tg {
+        if n < r.steps {
+            r.greedy_identical += 1;
+        }
+    } else if gap > 2.0 * tol {
+        r.failure = Some(format!(
+            "step {n}: top-1 {tg} (GPU) vs {tc} (CPU), gap {gap} > 2 x {tol}"
+        ));
+        return None;
+    } else {
+        r.near_ties.push((n, gap));
+        r.near_tie.get_or_insert((n, gap));
+    }
+    Some(tc as u32)
+}
+
+/// Logits-only comparison (no selection observation: cheap for long prompts) of any two
+/// models, with an explicit tolerance (relative to max |logit|).
 pub fn compare_with(
     cpu: &dyn LanguageModel,
     gpu: &dyn LanguageModel,
@@ -136,61 +341,15 @@ pub fn compare_with(
     let mut gs = gpu.new_sequence();
     let mut lc = step(cpu, &mut cs, prompt)?;
     let mut lg = step(gpu, &mut gs, prompt)?;
-    let mut r = PromptCheck {
-        max_rel_diff: 0.0,
-        greedy_identical: 0,
-        steps,
-        near_tie: None,
-        near_ties: Vec::new(),
-        tolerance: tol_rel,
-        failure: None,
-    };
+    let mut r = new_check(steps, tol_rel);
     for n in 0..=steps {
-        if lc.len() != lg.len() {
-            r.failure = Some(format!("step {n}: {} vs {} logits", lg.len(), lc.len()));
-            break;
-        }
-        let scale = lc.iter().fold(1f32, |m, v| m.max(v.abs()));
-        let tol = tol_rel * scale;
-        let diff = lc.iter().zip(&lg).fold(0f32, |m, (a, b)| {
-            if (a - b).is_nan() {
-                f32::NAN
-            } else {
-                m.max((a - b).abs())
+        match check_step(&mut r, n, &lc, &lg) {
+            Some(t) if n < steps => {
+                lc = step(cpu, &mut cs, &[t])?;
+                lg = step(gpu, &mut gs, &[t])?;
             }
-        });
-        if diff.is_nan() {
-            r.max_rel_diff = f32::NAN;
-            r.failure = Some(format!("step {n}: NaN in the logits"));
-            break;
+            _ => break,
         }
-        r.max_rel_diff = r.max_rel_diff.max(diff / scale);
-        if diff > tol {
-            r.failure = Some(format!("step {n}: max |dlogit| {diff} > {tol}"));
-            break;
-        }
-        let (tc, gap) = top1(&lc);
-        let (tg, _) = top1(&lg);
-        if tc == tg {
-            if n < steps {
-                r.greedy_identical += 1;
-            }
-        } else if gap > 2.0 * tol {
-            r.failure = Some(format!(
-                "step {n}: top-1 {tg} (GPU) vs {tc} (CPU), gap {gap} > 2 x {tol}"
-            ));
-            break;
-        } else {
-            r.near_ties.push((n, gap));
-            r.near_tie.get_or_insert((n, gap));
-        }
-        if n == steps {
-            break;
-        }
-        // Teacher forcing: both continue with the CPU's token.
-        let t = tc as u32;
-        lc = step(cpu, &mut cs, &[t])?;
-        lg = step(gpu, &mut gs, &[t])?;
     }
     Ok(r)
 }
@@ -263,6 +422,38 @@ mod unit {
         };
         let t = logit_tolerance(kv_only, 4);
         assert!(t > LOGIT_TOL && t < 0.02, "{t}");
+    }
+
+    #[test]
+    fn selection_flips_are_near_tie_swaps() {
+        let sel = |v: Vec<i64>| vec![("blk.1.indexer.topk_indices".to_string(), vec![v])];
+        let a = sel((0..100).collect());
+        assert!(matches!(compare_selections(&a, &a), SelCmp::Equal));
+        let mut swapped: Vec<i64> = (0..99).collect();
+        swapped.push(100);
+        assert!(matches!(
+            compare_selections(&a, &sel(swapped)),
+            SelCmp::Flip(_)
+        ));
+        let far: Vec<i64> = (50..150).collect();
+        assert!(matches!(
+            compare_selections(&a, &sel(far)),
+            SelCmp::Differ(_)
+        ));
+        assert_eq!(sym_diff(&[1, 2, 3], &[2, 3, 4]), 2);
+    }
+
+    /// The observed comparison of a model with itself (CPU) finds no difference, no flip.
+    #[test]
+    fn a_model_matches_itself() {
+        let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/gguf/tiny-glm5-Q4_K_M.gguf");
+        let model = std::sync::Arc::new(gguf::Model::open(&path).expect("fixture"));
+        let a = crate::glm::load_cpu(model.clone()).unwrap();
+        let b = crate::glm::load_cpu(model).unwrap();
+        let r = compare_models(&a, &b, &[1, 2, 3, 4, 5], 4, LOGIT_TOL).unwrap();
+        assert!(r.failure.is_none() && r.selection_flip.is_none(), "{r:?}");
+        assert_eq!((r.max_rel_diff, r.greedy_identical), (0.0, 4));
     }
 
     #[test]

@@ -266,7 +266,10 @@ impl CudaBackend {
             }
         }
         let b = x.f32().ok_or_else(|| not_f32("quantize"))?;
-        let q = self.gpu.quantize_q8(b, rows, k, k).map_err(kerr("quantize"))?;
+        let q = self
+            .gpu
+            .quantize_q8(b, rows, k, k)
+            .map_err(kerr("quantize"))?;
         if x.q8.get().is_some() {
             return Ok(Q8Ref::Owned(q));
         }
@@ -1240,7 +1243,14 @@ impl CudaBackend {
                 y_rows: kk,
             };
             self.gpu
-                .gemv_q(g_shape, &gate.bytes, QMode::Glu(&up.bytes), ch, &q, &mut act)
+                .gemv_q(
+                    g_shape,
+                    &gate.bytes,
+                    QMode::Glu(&up.bytes),
+                    ch,
+                    &q,
+                    &mut act,
+                )
                 .map_err(kerr("moe_ffn gate+up"))?;
             let qa = self
                 .gpu
@@ -1286,7 +1296,14 @@ impl CudaBackend {
             y_rows: n * kk,
         };
         self.gpu
-            .gemv_q(g_shape, &gate.bytes, QMode::Glu(&up.bytes), ch, &q, &mut act)
+            .gemv_q(
+                g_shape,
+                &gate.bytes,
+                QMode::Glu(&up.bytes),
+                ch,
+                &q,
+                &mut act,
+            )
             .map_err(kerr("moe_ffn gate+up"))?;
         let qa = self
             .gpu

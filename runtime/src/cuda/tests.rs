@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use gguf::{GgmlType, Metadata, Value};
 
-use super::check::{compare_with, logit_tolerance, reference_prompts, PromptCheck};
+use super::check::{compare_models, compare_with, logit_tolerance, reference_prompts, PromptCheck};
 use super::{CudaBackend, CudaOptions};
 use crate::glm::GlmModel;
 use crate::spec::ModelSpec;
@@ -41,7 +41,7 @@ const FAST: CudaOptions = CudaOptions {
 
 fn report(what: &str, id: &str, n: usize, r: &PromptCheck, failures: &mut Vec<String>) {
     say(&format!(
-        "| {what} | {id} ({n} tok) | {:.2e} | tol {:.2e} | {}/{} |{}",
+        "| {what} | {id} ({n} tok) | {:.2e} | tol {:.2e} | {}/{} |{}{}",
         r.max_rel_diff,
         r.tolerance,
         r.greedy_identical,
@@ -50,7 +50,11 @@ fn report(what: &str, id: &str, n: usize, r: &PromptCheck, failures: &mut Vec<St
             String::new()
         } else {
             format!(" near ties at {:?}", r.near_ties)
-        }
+        },
+        r.selection_flip
+            .as_ref()
+            .map(|(s, n)| format!(" selection flip at step {s} ({n}): compared up to it"))
+            .unwrap_or_default()
     ));
     if let Some(f) = &r.failure {
         failures.push(format!("{what} {id}: {f}"));
@@ -83,7 +87,7 @@ fn cuda_matches_cpu_on_fixtures() {
             let gpu = super::load_cuda_with(model.clone(), 0, opts).expect("load on CUDA");
             let tol = logit_tolerance(opts, gpu.spec().n_layer);
             for (id, ids) in &prompts {
-                let r = compare_with(&cpu, &gpu, ids, 16, tol).expect("forward");
+                let r = compare_models(&cpu, &gpu, ids, 16, tol).expect("forward");
                 report(&format!("{file} {mode}"), id, ids.len(), &r, &mut failures);
             }
         }
@@ -179,7 +183,9 @@ fn glm5_heads_weights() -> (Metadata, HashMap<String, HostWeight>) {
             } else {
                 (0.0, 0.05)
             };
-            let v: Vec<f32> = (0..n).map(|_| base + amp * (2.0 * r.unit() - 1.0)).collect();
+            let v: Vec<f32> = (0..n)
+                .map(|_| base + amp * (2.0 * r.unit() - 1.0))
+                .collect();
             HostWeight::from_f32(t.name.clone(), t.dims.clone(), &v)
         } else {
             let ty = if t.dims[0].is_multiple_of(256) {
@@ -187,7 +193,12 @@ fn glm5_heads_weights() -> (Metadata, HashMap<String, HostWeight>) {
             } else {
                 GgmlType::Q8_0
             };
-            HostWeight::from_bytes(t.name.clone(), ty, t.dims.clone(), random_blocks(ty, n, &mut r))
+            HostWeight::from_bytes(
+                t.name.clone(),
+                ty,
+                t.dims.clone(),
+                random_blocks(ty, n, &mut r),
+            )
         }
         .expect("synthetic weight");
         w.insert(t.name, hw);

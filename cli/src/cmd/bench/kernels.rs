@@ -51,7 +51,9 @@ fn sane_weights(ty: GgmlType, n_bytes: usize, seed: u64) -> Vec<u8> {
     let fields: &[usize] = match ty {
         GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
         GgmlType::Q6_K => &[208],
-        GgmlType::Q8_0 | GgmlType::IQ4_XS | GgmlType::IQ4_NL | GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
+        GgmlType::Q8_0 | GgmlType::IQ4_XS | GgmlType::IQ4_NL | GgmlType::Q4_0 | GgmlType::Q5_0 => {
+            &[0]
+        }
         _ => &[],
     };
     let ts = ty.type_size();
@@ -64,7 +66,9 @@ fn sane_weights(ty: GgmlType, n_bytes: usize, seed: u64) -> Vec<u8> {
         }
     } else {
         // Plain floats: small values, never NaN.
-        b = (0..n_bytes / 4).flat_map(|i| ((i % 101) as f32 * 1e-3).to_le_bytes()).collect();
+        b = (0..n_bytes / 4)
+            .flat_map(|i| ((i % 101) as f32 * 1e-3).to_le_bytes())
+            .collect();
     }
     b
 }
@@ -141,7 +145,15 @@ impl Bench {
     }
 
     /// The q8 GEMV and the f32 GEMV of one shape (batch `cols`), weights rotated.
-    fn gemv_pair(&mut self, name: &str, ty: GgmlType, rows: usize, k: usize, slabs: usize, cols: usize) -> Result<()> {
+    fn gemv_pair(
+        &mut self,
+        name: &str,
+        ty: GgmlType,
+        rows: usize,
+        k: usize,
+        slabs: usize,
+        cols: usize,
+    ) -> Result<()> {
         let g = self.g.clone();
         let packed = repack::is_packed(ty);
         let shape = MatShape {
@@ -245,7 +257,14 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
             ("attn_output 6144x16384", GgmlType::Q5_K, 6144, 16384, 1, 1),
             ("attn_output 6144x16384", GgmlType::Q6_K, 6144, 16384, 1, 1),
             ("attn_output 6144x16384", GgmlType::Q8_0, 6144, 16384, 1, 1),
-            ("attn_output 6144x16384", GgmlType::IQ4_XS, 6144, 16384, 1, 1),
+            (
+                "attn_output 6144x16384",
+                GgmlType::IQ4_XS,
+                6144,
+                16384,
+                1,
+                1,
+            ),
             ("attn_output 6144x16384", GgmlType::Q4_K, 6144, 16384, 1, 2),
             ("attn_output 6144x16384", GgmlType::Q4_K, 6144, 16384, 1, 4),
             ("attn_k_b 64x(512x192)", GgmlType::Q5_0, 512, 192, 64, 1),
@@ -260,35 +279,103 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
     //    (one launch), experts 2048x6144 out of 32 (rotated expert choices).
     {
         let (ne, ff, d, top) = (32usize, 2048usize, 6144usize, 8usize);
-        let gs = MatShape { ty: GgmlType::Q4_K, rows: ff, k: d, slabs: ne, packed: false };
-        let ds = MatShape { ty: GgmlType::Q4_K, rows: d, k: ff, slabs: ne, packed: false };
-        let gw = g.upload(&sane_weights(GgmlType::Q4_K, gs.bytes().context("size")?, 21))?;
-        let uw = g.upload(&sane_weights(GgmlType::Q4_K, gs.bytes().context("size")?, 22))?;
-        let dw = g.upload(&sane_weights(GgmlType::Q4_K, ds.bytes().context("size")?, 23))?;
+        let gs = MatShape {
+            ty: GgmlType::Q4_K,
+            rows: ff,
+            k: d,
+            slabs: ne,
+            packed: false,
+        };
+        let ds = MatShape {
+            ty: GgmlType::Q4_K,
+            rows: d,
+            k: ff,
+            slabs: ne,
+            packed: false,
+        };
+        let gw = g.upload(&sane_weights(
+            GgmlType::Q4_K,
+            gs.bytes().context("size")?,
+            21,
+        ))?;
+        let uw = g.upload(&sane_weights(
+            GgmlType::Q4_K,
+            gs.bytes().context("size")?,
+            22,
+        ))?;
+        let dw = g.upload(&sane_weights(
+            GgmlType::Q4_K,
+            ds.bytes().context("size")?,
+            23,
+        ))?;
         let x = g.upload(&acts(d, 5))?;
         let q = g.quantize_q8(&x, 1, d, d)?;
         let act0 = g.upload(&acts(top * ff, 6))?;
         let qa = g.quantize_q8(&act0, top, ff, ff)?;
         let wts = g.upload(&vec![0.125f32; top])?;
         let id_sets: Vec<CudaSlice<i32>> = (0..4)
-            .map(|s| g.upload(&(0..top).map(|j| ((s * top + j) % ne) as i32).collect::<Vec<_>>()))
+            .map(|s| {
+                g.upload(
+                    &(0..top)
+                        .map(|j| ((s * top + j) % ne) as i32)
+                        .collect::<Vec<_>>(),
+                )
+            })
             .collect::<Result<_, _>>()?;
         let mut act: CudaSlice<f32> = g.zeros(top * ff)?;
         let ms = b.time(|i| {
             let ids = id_sets[i % id_sets.len()].as_view();
-            let ch = QChannels { count: top, ncols: 1, ids: Some(&ids), xidx: None, x_div: top, yidx: None, y_stride: ff, y_rows: top };
+            let ch = QChannels {
+                count: top,
+                ncols: 1,
+                ids: Some(&ids),
+                xidx: None,
+                x_div: top,
+                yidx: None,
+                y_stride: ff,
+                y_rows: top,
+            };
             g.gemv_q(gs, &gw, QMode::Glu(&uw), ch, &q, &mut act)
         })?;
         let slab = gs.slab_bytes().context("size")?;
-        b.record("moe glu", &format!("Q4_K gate+up 8 of {ne} experts 2048x6144"), (2 * slab * top) as f64, ms);
+        b.record(
+            "moe glu",
+            &format!("Q4_K gate+up 8 of {ne} experts 2048x6144"),
+            (2 * slab * top) as f64,
+            ms,
+        );
         let mut out: CudaSlice<f32> = g.zeros(d)?;
         let wv = wts.as_view();
         let ms = b.time(|i| {
             let ids = id_sets[i % id_sets.len()].as_view();
-            let ch = QChannels { count: 1, ncols: 1, ids: Some(&ids), xidx: None, x_div: 1, yidx: None, y_stride: d, y_rows: 1 };
-            g.gemv_q(ds, &dw, QMode::Combine { weights: &wv, topk: top }, ch, &qa, &mut out)
+            let ch = QChannels {
+                count: 1,
+                ncols: 1,
+                ids: Some(&ids),
+                xidx: None,
+                x_div: 1,
+                yidx: None,
+                y_stride: d,
+                y_rows: 1,
+            };
+            g.gemv_q(
+                ds,
+                &dw,
+                QMode::Combine {
+                    weights: &wv,
+                    topk: top,
+                },
+                ch,
+                &qa,
+                &mut out,
+            )
         })?;
-        b.record("moe down", &format!("Q4_K down+sum 8 of {ne} experts 6144x2048"), (slab * top) as f64, ms);
+        b.record(
+            "moe down",
+            &format!("Q4_K down+sum 8 of {ne} experts 6144x2048"),
+            (slab * top) as f64,
+            ms,
+        );
         let ms = b.time(|_| g.quantize_q8(&x, 1, d, d).map(|_| ()))?;
         b.record("quantize", "q8 activations 1x6144", (d * 4) as f64, ms);
     }
@@ -298,7 +385,10 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
     for t_len in [2048usize, 4096, 32768] {
         let (heads, dk, dv) = (64usize, 576usize, 512usize);
         let kv = g.upload(&acts(t_len * dk, 9))?;
-        let kvb: Vec<u16> = acts(t_len * dk, 9).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let kvb: Vec<u16> = acts(t_len * dk, 9)
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
         let kvb = g.upload(&kvb)?;
         let q = g.upload(&acts(heads * dk, 10))?;
         let mut o: CudaSlice<f32> = g.zeros(heads * dv)?;
@@ -322,13 +412,34 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
         let sv = dsel.as_view();
         if t_len <= 4096 {
             let ms = b.time(|_| g.mla_attention(&q, &kv, None, &mut o, m))?;
-            b.record("mla", &format!("dense, 64 heads, T {t_len}, f32 cache"), (t_len * dk * 4) as f64, ms);
+            b.record(
+                "mla",
+                &format!("dense, 64 heads, T {t_len}, f32 cache"),
+                (t_len * dk * 4) as f64,
+                ms,
+            );
             let ms = b.time(|_| g.mla_attention(&q, &kvb, None, &mut o, m))?;
-            b.record("mla", &format!("dense, 64 heads, T {t_len}, bf16 cache"), (t_len * dk * 2) as f64, ms);
+            b.record(
+                "mla",
+                &format!("dense, 64 heads, T {t_len}, bf16 cache"),
+                (t_len * dk * 2) as f64,
+                ms,
+            );
         }
-        let keys = || Some(KeyLists { idx: &sv, n_keys: n_sel, stride: n_sel });
+        let keys = || {
+            Some(KeyLists {
+                idx: &sv,
+                n_keys: n_sel,
+                stride: n_sel,
+            })
+        };
         let ms = b.time(|_| g.mla_attention(&q, &kvb, keys(), &mut o, m))?;
-        b.record("mla", &format!("sparse {n_sel} of T {t_len}, bf16 cache"), (n_sel * dk * 2) as f64, ms);
+        b.record(
+            "mla",
+            &format!("sparse {n_sel} of T {t_len}, bf16 cache"),
+            (n_sel * dk * 2) as f64,
+            ms,
+        );
         if t_len == 2048 {
             let shape = AttnShape {
                 tokens: 1,
@@ -347,7 +458,12 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
                 pos0: t_len - 1,
             };
             let ms = b.time(|_| g.attention(&q, &kv, &kv, None, &mut o, shape))?;
-            b.record("attention", &format!("generic kernel, 64 heads, T {t_len}"), (t_len * dk * 4) as f64, ms);
+            b.record(
+                "attention",
+                &format!("generic kernel, 64 heads, T {t_len}"),
+                (t_len * dk * 4) as f64,
+                ms,
+            );
         }
         let (ih, id) = (32usize, 128usize);
         let kc = g.upload(&acts(t_len * id, 19))?;
@@ -367,10 +483,20 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
             scale: 1.0 / (id as f32).sqrt(),
         };
         let ms = b.time(|_| g.indexer_scores(&qi, &kc, &wi, &pos, &mut sc, ish))?;
-        b.record("indexer", &format!("scores 32x128, T {t_len}"), (t_len * id * 4) as f64, ms);
+        b.record(
+            "indexer",
+            &format!("scores 32x128, T {t_len}"),
+            (t_len * id * 4) as f64,
+            ms,
+        );
         let mut selo: CudaSlice<i32> = g.zeros(2048)?;
         let ms = b.time(|_| g.topk(&sc, 1, t_len, t_len, 2048, &mut selo, None))?;
-        b.record("topk", &format!("top-2048 of T {t_len}"), (t_len * 4) as f64, ms);
+        b.record(
+            "topk",
+            &format!("top-2048 of T {t_len}"),
+            (t_len * 4) as f64,
+            ms,
+        );
     }
 
     // 5. Dequantization (the first half of the bf16 prefill GEMM) of an attn_output matrix.
@@ -379,11 +505,20 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
         let bytes = ty.row_bytes(n as u64).context("size")? as usize;
         let packed = repack::is_packed(ty);
         let host = sane_weights(ty, bytes, 11);
-        let host = if packed { repack::repack(ty, &host).context("repack")? } else { host };
+        let host = if packed {
+            repack::repack(ty, &host).context("repack")?
+        } else {
+            host
+        };
         let w = g.upload(&host)?;
         let mut out: CudaSlice<f32> = g.zeros(n)?;
         let ms = b.time(|_| g.dequantize_layout(ty, packed, &w, &mut out))?;
-        b.record("dequant", &format!("{ty} 6144x16384 -> f32"), (bytes + 4 * n) as f64, ms);
+        b.record(
+            "dequant",
+            &format!("{ty} 6144x16384 -> f32"),
+            (bytes + 4 * n) as f64,
+            ms,
+        );
     }
 
     if args.json {
