@@ -1,12 +1,16 @@
-//! Helpers shared by several commands: name filters, byte formatting, progress bars, Ctrl-C,
-//! and output files that appear under their final name only when complete.
+//! Helpers shared by several commands: name filters, byte formatting, progress bars, error
+//! texts, quiet exits on a closed pipe, and (re-exported from [`crate::output`]) outputs that
+//! appear under their final name only when complete, with signal handling.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use std::fs::File;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+
+pub use crate::output::{
+    check_interrupted, check_output_file, install_interrupt_handler, refuse_input_as_output,
+    same_file, AtomicDir, Interrupted, PartialFile, PartialSet,
+};
 
 /// Match a tensor name against a filter: a glob with `*` and `?` when it has either, otherwise
 /// a substring (so `--filter attn_k_b` and `--filter 'blk.1.*'` both do what one expects).
@@ -105,95 +109,6 @@ pub fn count_progress(total: u64, quiet: bool, msg: &str) -> ProgressBar {
     pb
 }
 
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-/// Route Ctrl-C to a flag that long-running loops poll, so they can clean up partial outputs.
-pub fn install_interrupt_handler() {
-    // A second install (tests, repeated calls) fails harmlessly; the first handler stays.
-    let _ = ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst));
-}
-
-pub fn check_interrupted() -> Result<()> {
-    if INTERRUPTED.load(Ordering::SeqCst) {
-        bail!("interrupted");
-    }
-    Ok(())
-}
-
-/// An output written as `NAME.partial` next to its final path and renamed into place by
-/// [`PartialFile::commit`] after an fsync. Dropped without commit, the partial file is removed.
-pub struct PartialFile {
-    pub file: File,
-    partial: PathBuf,
-    target: PathBuf,
-    committed: bool,
-}
-
-impl PartialFile {
-    pub fn create(target: &Path, force: bool) -> Result<PartialFile> {
-        if target.exists() && !force {
-            bail!("{} exists (use --force to overwrite)", target.display());
-        }
-        let mut name = target
-            .file_name()
-            .with_context(|| format!("{} is not a file path", target.display()))?
-            .to_os_string();
-        name.push(".partial");
-        let partial = target.with_file_name(name);
-        let file = File::options()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .read(true)
-            .open(&partial)
-            .with_context(|| format!("cannot create {}", partial.display()))?;
-        Ok(PartialFile {
-            file,
-            partial,
-            target: target.to_path_buf(),
-            committed: false,
-        })
-    }
-
-    pub fn partial_path(&self) -> &Path {
-        &self.partial
-    }
-
-    /// fsync the data, rename over the target, fsync the directory.
-    pub fn commit(mut self) -> Result<()> {
-        self.file
-            .sync_all()
-            .with_context(|| format!("fsync {}", self.partial.display()))?;
-        std::fs::rename(&self.partial, &self.target).with_context(|| {
-            format!(
-                "rename {} -> {}",
-                self.partial.display(),
-                self.target.display()
-            )
-        })?;
-        self.committed = true;
-        if let Some(dir) = self.target.parent() {
-            let dir = if dir.as_os_str().is_empty() {
-                Path::new(".")
-            } else {
-                dir
-            };
-            if let Ok(d) = File::open(dir) {
-                let _ = d.sync_all();
-            }
-        }
-        Ok(())
-    }
-}
-
-impl Drop for PartialFile {
-    fn drop(&mut self) {
-        if !self.committed {
-            let _ = std::fs::remove_file(&self.partial);
-        }
-    }
-}
-
 /// Free bytes on the filesystem holding `path` (its directory when it does not exist yet).
 pub fn free_space(path: &Path) -> Option<u64> {
     use std::ffi::CString;
@@ -213,13 +128,69 @@ pub fn free_space(path: &Path) -> Option<u64> {
     (rc == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
 }
 
-/// Same file on disk (device + inode), for refusing to overwrite an input.
-pub fn same_file(a: &Path, b: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    match (std::fs::metadata(a), std::fs::metadata(b)) {
-        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
-        _ => false,
+/// One line for an error chain: each cause once. Library errors often repeat their cause in
+/// their own text (`path: No such file (os error 2)` with the io::Error as `source`), and
+/// contexts repeat the path their cause starts with; both are dropped.
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    let mut prev_last_word = String::new();
+    for cause in e.chain() {
+        let mut t = cause.to_string();
+        if !prev_last_word.is_empty() {
+            if let Some(rest) = t.strip_prefix(&format!("{prev_last_word}: ")) {
+                t = rest.to_string();
+            }
+        }
+        if t.is_empty() || out.contains(&t) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&t);
+        prev_last_word = t.rsplit(' ').next().unwrap_or_default().to_string();
     }
+    out
+}
+
+/// Whether the error comes from writing to a closed pipe (`gguftool info M | head -1`).
+pub fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+/// End the process the way a C tool ends on a closed pipe: removing temporaries first, then by
+/// SIGPIPE with its default action (the shell reports 141).
+pub fn exit_on_broken_pipe() -> ! {
+    crate::output::remove_temporaries();
+    // SAFETY: restoring the default disposition and raising a signal have no memory effects.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        libc::raise(libc::SIGPIPE);
+    }
+    std::process::exit(128 + libc::SIGPIPE)
+}
+
+/// `print!`/`println!` panic when stdout is a closed pipe; turn exactly that panic into a quiet
+/// [`exit_on_broken_pipe`] for every command, and leave every other panic to the default hook.
+pub fn quiet_broken_pipes() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.starts_with("failed printing to std")
+            && (msg.contains("Broken pipe") || msg.contains("os error 32"))
+        {
+            exit_on_broken_pipe();
+        }
+        default(info);
+    }));
 }
 
 /// llama.cpp's `general.file_type` (llama_ftype) names.
@@ -315,6 +286,38 @@ mod tests {
         assert!(name_matches("attn_k_b", "blk.0.attn_k_b.weight"));
         assert!(name_matches("blk.?.ffn*", "blk.2.ffn_up_exps.weight"));
         assert!(!name_matches("blk.?.ffn*", "blk.12.ffn_up_exps.weight"));
+    }
+
+    #[test]
+    fn error_chain_printed_once() {
+        let io = std::io::Error::from_raw_os_error(2);
+        #[derive(Debug)]
+        struct Lib(std::io::Error);
+        impl std::fmt::Display for Lib {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "/nope: {}", self.0)
+            }
+        }
+        impl std::error::Error for Lib {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let e = anyhow::Error::new(Lib(io)).context("cannot open /nope");
+        assert_eq!(
+            error_text(&e),
+            "cannot open /nope: No such file or directory (os error 2)"
+        );
+        let plain = anyhow::anyhow!("x failed").context("step");
+        assert_eq!(error_text(&plain), "step: x failed");
+    }
+
+    #[test]
+    fn broken_pipe_detected_through_context() {
+        let e = anyhow::Error::new(std::io::Error::from(std::io::ErrorKind::BrokenPipe))
+            .context("writing");
+        assert!(is_broken_pipe(&e));
+        assert!(!is_broken_pipe(&anyhow::anyhow!("other")));
     }
 
     #[test]

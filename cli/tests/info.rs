@@ -33,13 +33,11 @@ fn tensor_tables_and_metadata_equal_gguf_py() {
         } else {
             fx(&format!("gguf/{name}"))
         };
-        if !path.exists() {
-            let _ = std::io::Write::write_all(
-                &mut std::io::stderr(),
-                format!("skipped: {name} not in tests/fixtures\n").as_bytes(),
-            );
-            continue;
-        }
+        assert!(
+            path.exists(),
+            "fixture {} is missing from tests/fixtures",
+            path.display()
+        );
         let r = info(&[
             path.to_str().unwrap(),
             "--tensors",

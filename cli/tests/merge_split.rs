@@ -53,11 +53,13 @@ fn assert_refused(out: &Output, target: &Path, what: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(!target.exists(), "{what}: output left behind");
-    let partial = target.with_file_name(format!(
-        "{}.partial",
-        target.file_name().unwrap().to_str().unwrap()
-    ));
-    assert!(!partial.exists(), "{what}: partial file left behind");
+    let dir = target.parent().unwrap();
+    let left: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".partial"))
+        .collect();
+    assert!(left.is_empty(), "{what}: temporary left behind: {left:?}");
 }
 
 #[test]
@@ -327,69 +329,133 @@ fn refuses_existing_output_and_output_equal_to_input() {
 }
 
 #[test]
-fn interrupted_merge_leaves_nothing() {
-    // A 3-shard model large enough (3 x 64 MiB) that SIGINT lands while the merge is writing:
-    // the signal is sent as soon as OUT.partial appears.
+fn split_aliases_of_gguf_split_give_the_same_shards() {
     let d = tempfile::tempdir().unwrap();
-    let big = d.path().join("big.gguf");
-    let data = vec![0u8; 64 << 20];
-    let n = (data.len() / 4) as u64;
-    let mut meta = gguf::Metadata::new(&big);
-    meta.set("general.architecture", gguf::Value::String("llama".into()));
-    let bytes = gguf::writer::build(
-        &meta,
-        &[
-            ("a", &[n], gguf::GgmlType::F32, &data),
-            ("b", &[n], gguf::GgmlType::F32, &data),
-            ("c", &[n], gguf::GgmlType::F32, &data),
-        ],
-    )
-    .unwrap();
-    std::fs::write(&big, bytes).unwrap();
-    let prefix = d.path().join("big");
+    let (a, b) = (d.path().join("a"), d.path().join("b"));
+    let src = fx("gguf/tiny-glm5-Q4_K_M.gguf");
+    let o = run(&[&"split", &src, &"-o", &a, &"--max-tensors", &"32", &"-q"]);
+    assert!(o.status.success());
     let o = run(&[
         &"split",
-        &big,
+        &src,
         &"-o",
-        &prefix,
-        &"--max-tensors",
-        &"1",
-        &"--quiet",
+        &b,
+        &"--split-max-tensors",
+        &"32",
+        &"-q",
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for k in 1..=3 {
+        let name = |p: &Path| PathBuf::from(format!("{}-0000{k}-of-00003.gguf", p.display()));
+        assert_eq!(sha256_hex(&name(&a)), sha256_hex(&name(&b)));
+    }
+    let o = run(&[
+        &"split",
+        &src,
+        &"-o",
+        &b,
+        &"--split-max-size",
+        &"2M",
+        &"-q",
+        &"--dry-run",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Split `src` with --set-id into `dir/prefix`; returns the shard paths.
+fn split_with_set_id(src: &Path, dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    let p = dir.join(prefix);
+    let o = run(&[
+        &"split",
+        &src,
+        &"-o",
+        &p,
+        &"--max-tensors",
+        &"32",
+        &"--set-id",
+        &"-q",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    (1..=3)
+        .map(|k| PathBuf::from(format!("{}-0000{k}-of-00003.gguf", p.display())))
+        .collect()
+}
+
+#[test]
+fn set_id_is_checked_and_removed_by_merge() {
+    let d = tempfile::tempdir().unwrap();
+    let ours = split_with_set_id(&fx("gguf/tiny-glm5-Q4_K_M.gguf"), d.path(), "q4");
+    let theirs = split_with_set_id(&fx("gguf/tiny-glm5-Q6_K.gguf"), d.path(), "q6");
+    for s in &ours {
+        let f = gguf::GgufFile::open(s).unwrap();
+        let id = f.metadata().get("split.set_id").and_then(|v| v.as_str());
+        assert_eq!(id.map(str::len), Some(32), "{}", s.display());
+    }
+    // The set merges back to the original bytes: the id is not carried over...
     let out = d.path().join("m.gguf");
-    let partial = d.path().join("m.gguf.partial");
-    let first = d.path().join("big-00001-of-00003.gguf");
-    let mut child = bin()
-        .args([
-            "merge",
-            first.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-            "--quiet",
-        ])
-        .spawn()
-        .unwrap();
-    let t0 = std::time::Instant::now();
-    while !partial.exists() && t0.elapsed() < std::time::Duration::from_secs(30) {
-        if child.try_wait().unwrap().is_some() {
-            break;
-        }
-        std::thread::yield_now();
-    }
-    // SAFETY: plain kill(2) on our own child's pid.
-    unsafe {
-        libc::kill(child.id() as i32, libc::SIGINT);
-    }
-    let status = child.wait().unwrap();
-    if status.success() {
-        // The merge won the race: then the output must be complete.
-        assert_eq!(
-            std::fs::metadata(&out).unwrap().len(),
-            std::fs::metadata(&big).unwrap().len()
-        );
-    } else {
-        assert!(!out.exists(), "interrupted merge left OUT");
-    }
-    assert!(!partial.exists(), "interrupted merge left OUT.partial");
+    let o = run(&[&"merge", &ours[0], &"-o", &out, &"-q"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        sha256_hex(&out),
+        sha256_hex(&fx("gguf/tiny-glm5-Q4_K_M.gguf"))
+    );
+    // ...nor into llama-gguf-split's merged form.
+    let k = d.path().join("k.gguf");
+    let o = run(&[&"merge", &ours[0], &"-o", &k, &"--keep-split-keys", &"-q"]);
+    assert!(o.status.success());
+    assert_eq!(
+        sha256_hex(&k),
+        "9679f315b4b37dd2aa934581b1dc0a494f8a129d2cc709eb230331159dafd211"
+    );
+    // A shard of another set with the same layout is refused by merge and verify.
+    std::fs::copy(&theirs[1], &ours[1]).unwrap();
+    let bad = d.path().join("bad.gguf");
+    let o = run(&[&"merge", &ours[0], &"-o", &bad]);
+    assert_refused(&o, &bad, "foreign shard with another set id");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("split.set_id"));
+    let o = run(&[&"verify", &ours[0]]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("split.set_id"));
+}
+
+#[test]
+fn refuses_foreign_shard_whose_shapes_contradict_shard_one() {
+    // Same types, same counts, same byte sizes: only the shape of one matrix tells that this
+    // shard 2 does not belong to shard 1's hyper-parameters.
+    let d = tempfile::tempdir().unwrap();
+    let s = shard_copies(d.path());
+    let f = gguf::GgufFile::open(&s[1]).unwrap();
+    let mut swapped = false;
+    let tensors: Vec<(String, Vec<u64>, gguf::GgmlType, Vec<u8>)> = f
+        .tensors()
+        .iter()
+        .map(|t| {
+            let mut dims = t.dims.clone();
+            let bs = t.ty.block_size() as u64;
+            if !swapped && dims.len() == 2 && dims[0] != dims[1] && dims[1] % bs == 0 {
+                dims.swap(0, 1);
+                swapped = true;
+            }
+            (t.name.clone(), dims, t.ty, f.tensor_data(t).to_vec())
+        })
+        .collect();
+    assert!(swapped, "no matrix to reshape");
+    let refs: Vec<(&str, &[u64], gguf::GgmlType, &[u8])> = tensors
+        .iter()
+        .map(|(n, d, t, b)| (n.as_str(), d.as_slice(), *t, b.as_slice()))
+        .collect();
+    let bytes = gguf::writer::build(f.metadata(), &refs).unwrap();
+    drop(f);
+    std::fs::write(&s[1], bytes).unwrap();
+    let out = d.path().join("m.gguf");
+    let o = run(&[&"merge", &s[0], &"-o", &out]);
+    assert_refused(&o, &out, "reshaped foreign shard");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("hyper-parameters give"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // The escape hatch exists for architectures whose table lags behind.
+    let o = run(&[&"merge", &s[0], &"-o", &out, &"--skip-arch-check", &"-q"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }

@@ -53,13 +53,11 @@ fn stats_and_hashes_equal_gguf_py() {
         "tiny-glm5-Q6_K.gguf",
     ] {
         let path = fx(&format!("gguf/{file}"));
-        if !path.exists() {
-            let _ = std::io::Write::write_all(
-                &mut std::io::stderr(),
-                format!("skipped: {file} not in tests/fixtures\n").as_bytes(),
-            );
-            continue;
-        }
+        assert!(
+            path.exists(),
+            "fixture {} is missing from tests/fixtures",
+            path.display()
+        );
         let (code, r) = verify(&[path.to_str().unwrap(), "--hash"]);
         assert_eq!(code, 0, "{file}: {:?}", r["findings"]);
         let rf = reference["files"]
@@ -278,4 +276,103 @@ fn gap_between_tensors_is_reported() {
         "{}",
         r["findings"]
     );
+}
+
+#[test]
+fn report_without_hashes_round_trips_exactly() {
+    // Issue 17: statistics were compared after a lossy f64 -> JSON -> f64 round trip, giving
+    // false "statistics differ" for the very same file.
+    let d = tempfile::tempdir().unwrap();
+    let rep = d.path().join("r.json");
+    for file in ["gguf/tiny-glm5-Q4_K_M.gguf", "gguf/tiny-glm5-BF16.gguf"] {
+        let model = fx(file);
+        let (code, _) = verify(&[model.to_str().unwrap(), "--report", rep.to_str().unwrap()]);
+        assert_eq!(code, 0);
+        // The saved report has statistics, no hashes: the comparison is on the f64 values.
+        let saved: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&rep).unwrap()).unwrap();
+        assert!(saved["tensors"][0]["sha256"].is_null());
+        let (code, r) = verify(&[model.to_str().unwrap(), "--against", rep.to_str().unwrap()]);
+        assert_eq!(code, 0, "{file}: {:?}", r["findings"]);
+    }
+}
+
+#[test]
+fn metadata_changes_are_differences() {
+    // Issue 17: --against ignored metadata (a chat template or name edited elsewhere).
+    let d = tempfile::tempdir().unwrap();
+    let model = fx("gguf/tiny-glm5-Q8_0.gguf");
+    let rep = d.path().join("r.json");
+    verify(&[model.to_str().unwrap(), "--report", rep.to_str().unwrap()]);
+    // Rewrite the metadata with the gguf crate directly (an independent writer from `edit`).
+    let f = gguf::GgufFile::open(&model).unwrap();
+    let mut m = f.metadata().clone();
+    m.set("general.name", Value::String("renamed".into()));
+    m.remove("general.size_label");
+    m.set("general.url", Value::String("https://example.org".into()));
+    let layout = gguf::writer::Layout::with_offsets(3, &m, f.tensors().to_vec()).unwrap();
+    let mut out = Vec::new();
+    layout.write_header(&mut out).unwrap();
+    out.extend_from_slice(&f.bytes()[f.data_offset() as usize..]);
+    let edited = d.path().join("e.gguf");
+    std::fs::write(&edited, out).unwrap();
+    for against in [rep.to_str().unwrap(), model.to_str().unwrap()] {
+        let (code, r) = verify(&[edited.to_str().unwrap(), "--against", against]);
+        assert_eq!(code, 1, "against {against}");
+        let m = findings_of_kind(&r, "against.metadata");
+        let msgs: Vec<&str> = m.iter().map(|f| f["message"].as_str().unwrap()).collect();
+        assert_eq!(msgs.len(), 3, "{msgs:?}");
+        assert!(
+            msgs.iter()
+                .any(|s| s.starts_with("key general.name changed")),
+            "{msgs:?}"
+        );
+        assert!(
+            msgs.iter().any(|s| s.starts_with("key general.size_label")),
+            "{msgs:?}"
+        );
+        assert!(
+            msgs.iter().any(|s| s.starts_with("key general.url")),
+            "{msgs:?}"
+        );
+        // No tensor differs.
+        assert!(findings_of_kind(&r, "against").is_empty());
+    }
+}
+
+#[test]
+fn value_level_comparison_of_two_models() {
+    // Q8_0 against its BF16 source: per tensor max abs error, RMSE and cosine similarity.
+    let (code, r) = verify(&[
+        fx("gguf/tiny-glm5-Q8_0.gguf").to_str().unwrap(),
+        "--against",
+        fx("gguf/tiny-glm5-BF16.gguf").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1); // types differ
+    let cmp = r["comparison"].as_array().unwrap();
+    assert_eq!(cmp.len(), 94);
+    let bf16 = gguf::Model::open(fx("gguf/tiny-glm5-BF16.gguf")).unwrap();
+    for c in cmp {
+        let name = c["name"].as_str().unwrap();
+        let (max, rmse, cos) = (
+            c["max_abs_error"].as_f64().unwrap(),
+            c["rmse"].as_f64().unwrap(),
+            c["cosine"].as_f64().unwrap(),
+        );
+        if c["type"] == c["other_type"] {
+            assert_eq!((max, rmse, cos), (0.0, 0.0, 1.0), "{name}");
+            continue;
+        }
+        // Q8_0 error per value is at most half a step d/2 (d = block amax / 127) plus the f16
+        // rounding of d times |q| <= 127 (relative 2^-11): < d <= tensor absmax / 127.
+        let t = bf16.tensor(name).unwrap();
+        let x = gguf::quant::dequantize_to_vec(t.info.ty, bf16.data(&t)).unwrap();
+        let absmax = x.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+        assert!(
+            max > 0.0 && max <= absmax / 127.0,
+            "{name}: {max} vs {absmax}"
+        );
+        assert!(rmse <= max, "{name}");
+        assert!(cos > 0.999 && cos <= 1.0 + 1e-12, "{name}: {cos}");
+    }
 }

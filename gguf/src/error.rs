@@ -32,7 +32,7 @@ pub enum Error {
         need: u64,
         have: u64,
     },
-    #[error("{at}: not a GGUF file (magic {got:02x?}, expected \"GGUF\")")]
+    #[error("{at}: not a GGUF file (starts with \"{}\", expected \"GGUF\")", got.escape_ascii())]
     BadMagic { at: Location, got: [u8; 4] },
     #[error("{at}: byte-swapped (big-endian) GGUF (version field {raw:#010x}); only little-endian files are supported, convert it with gguf-py")]
     BigEndian { at: Location, raw: u32 },
@@ -151,6 +151,12 @@ pub enum Error {
     /// A set of split shards that does not form one model.
     #[error("{file}: split: {message}")]
     Split { file: PathBuf, message: String },
+    /// An importance-matrix file that cannot be used.
+    #[error("{file}: importance matrix: {message}")]
+    Imatrix { file: PathBuf, message: String },
+    /// The path is a directory, FIFO, socket or device: refused before anything is read.
+    #[error("{path}: is {kind}, not a regular file")]
+    NotRegularFile { path: PathBuf, kind: &'static str },
     /// Building a file to write from inconsistent parts.
     #[error("write: {0}")]
     Write(String),

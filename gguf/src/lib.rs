@@ -6,6 +6,7 @@
 //! `--bigendian`) file is detected by its version field and refused with [`Error::BigEndian`].
 
 pub mod copy;
+pub mod edit;
 pub mod error;
 pub mod metadata;
 pub mod model;

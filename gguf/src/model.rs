@@ -24,6 +24,28 @@ impl Bytes {
     }
 }
 
+/// What a path is, in words ("a FIFO"), for messages refusing non-regular files.
+pub fn file_kind(ft: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if ft.is_file() {
+        "a regular file"
+    } else if ft.is_symlink() {
+        "a symbolic link"
+    } else if ft.is_dir() {
+        "a directory"
+    } else if ft.is_fifo() {
+        "a FIFO"
+    } else if ft.is_socket() {
+        "a socket"
+    } else if ft.is_char_device() {
+        "a character device"
+    } else if ft.is_block_device() {
+        "a block device"
+    } else {
+        "not a regular file"
+    }
+}
+
 /// One GGUF file, parsed and validated (header and data extents), its bytes memory-mapped.
 pub struct GgufFile {
     path: PathBuf,
@@ -41,8 +63,25 @@ impl GgufFile {
             path: path.clone(),
             source,
         };
-        let f = File::open(&path).map_err(io)?;
-        let len = f.metadata().map_err(io)?.len();
+        // O_NONBLOCK: opening a FIFO for reading would otherwise block until a writer appears.
+        // The type check on the opened file then refuses FIFOs, devices and directories before
+        // anything is read (a read of /dev/zero never ends; a FIFO's bytes cannot be mapped).
+        let f = {
+            use std::os::unix::fs::OpenOptionsExt;
+            File::options()
+                .read(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(&path)
+                .map_err(io)?
+        };
+        let meta = f.metadata().map_err(io)?;
+        if !meta.file_type().is_file() {
+            return Err(Error::NotRegularFile {
+                path,
+                kind: file_kind(&meta.file_type()),
+            });
+        }
+        let len = meta.len();
         let bytes = if len == 0 {
             Bytes::Static(&[])
         } else {
@@ -379,6 +418,14 @@ fn check_split_set(shards: Vec<GgufFile>) -> Result<Vec<GgufFile>> {
             })
         }
     }
+    let ids: Vec<(&Path, Option<&str>)> = sorted
+        .iter()
+        .map(|f| {
+            let id = f.metadata().get(split::KEY_SET_ID).and_then(|v| v.as_str());
+            (f.path(), id)
+        })
+        .collect();
+    split::check_set_ids(&ids).map_err(|(file, message)| Error::Split { file, message })?;
     for f in &sorted[1..] {
         if let Some(n) = f.split_info()?.and_then(|s| s.tensors_count) {
             if n != total {

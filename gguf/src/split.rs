@@ -1,11 +1,96 @@
 //! Split shards as llama.cpp names and keys them (spec §3): `PREFIX-%05d-of-%05d.gguf`,
-//! `split.no` (u16, 0-based), `split.count` (u16), `split.tensors.count` (i32).
+//! `split.no` (u16, 0-based), `split.count` (u16), `split.tensors.count` (i32); plus gguftool's
+//! optional set identifier.
+//!
+//! Shards 2..N of a llama.cpp split carry only the three `split.*` keys, so nothing in them says
+//! which model they belong to: a shard of another model with the same layout passes every count
+//! check. `gguftool split --set-id` adds [`KEY_SET_ID`] (a string llama.cpp ignores) to every
+//! shard; readers check it whenever any shard has it ([`check_set_ids`]), and `merge` drops it.
+//! Without it, only what the headers say can be compared (tensor names and shapes against shard
+//! 1's hyper-parameters, tensor types against its file type): two quantizations of one model in
+//! the same type, or two fine-tunes of one base, are indistinguishable.
 
+use crate::metadata::Metadata;
+use crate::reader::TensorInfo;
+use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
 pub const KEY_NO: &str = "split.no";
 pub const KEY_COUNT: &str = "split.count";
 pub const KEY_TENSORS_COUNT: &str = "split.tensors.count";
+/// gguftool's split-set identifier (STRING, 32 hex digits), in every shard of a set written
+/// with `split --set-id`.
+pub const KEY_SET_ID: &str = "split.set_id";
+
+/// Bytes of each tensor's start and end hashed into a derived set id: enough to tell two
+/// fine-tunes or quantizations apart without reading 400 GB.
+const SET_ID_SAMPLE: usize = 4096;
+
+/// A set id derived from what is being split: shard 1's metadata (split keys excluded), every
+/// tensor's name, type, shape and the first and last [`SET_ID_SAMPLE`] bytes of its data, and
+/// the plan. Deterministic, so splitting the same model the same way gives the same bytes.
+pub fn derive_set_id<'a>(
+    meta: &Metadata,
+    tensors: impl IntoIterator<Item = (&'a TensorInfo, &'a [u8])>,
+    plan: &[std::ops::Range<usize>],
+) -> String {
+    let mut h = Sha256::new();
+    for (k, v) in meta.iter() {
+        if !k.starts_with("split.") {
+            h.update(k.as_bytes());
+            h.update(format!("={v:?};").as_bytes());
+        }
+    }
+    for (t, data) in tensors {
+        h.update(format!("{}:{}:{:?};", t.name, t.ty, t.dims).as_bytes());
+        let n = data.len().min(SET_ID_SAMPLE);
+        h.update(&data[..n]);
+        h.update(&data[data.len() - n..]);
+    }
+    for r in plan {
+        h.update(format!("{}..{};", r.start, r.end).as_bytes());
+    }
+    h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Check the set ids of a shard set (`(path, split.set_id)` per shard, shard 1 first): when any
+/// shard has one, all must have the same. Returns the offending shard and why.
+pub fn check_set_ids(shards: &[(&Path, Option<&str>)]) -> Result<(), (PathBuf, String)> {
+    let Some((first, first_id)) = shards.first() else {
+        return Ok(());
+    };
+    let any = shards.iter().find_map(|(p, id)| id.map(|id| (p, id)));
+    let Some((with, with_id)) = any else {
+        return Ok(());
+    };
+    for (p, id) in shards {
+        match (id, first_id) {
+            (Some(a), Some(b)) if a != b => {
+                return Err((
+                    p.to_path_buf(),
+                    format!(
+                        "{KEY_SET_ID} is {a:?} but {} has {b:?}: shard of another split set",
+                        first.display()
+                    ),
+                ))
+            }
+            (None, _) => {
+                return Err((
+                    p.to_path_buf(),
+                    format!(
+                        "no {KEY_SET_ID}, but {} has {with_id:?}: shard of another split set",
+                        with.display()
+                    ),
+                ))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
 
 /// `prefix-00001-of-00003.gguf` for `no = 0, count = 3` (names are 1-based).
 pub fn shard_path(prefix: &str, no: u32, count: u32) -> PathBuf {
@@ -76,6 +161,24 @@ pub fn plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn set_ids_must_agree_when_present() {
+        let (a, b, c) = (Path::new("a"), Path::new("b"), Path::new("c"));
+        assert!(check_set_ids(&[(a, None), (b, None)]).is_ok());
+        assert!(check_set_ids(&[(a, Some("x")), (b, Some("x")), (c, Some("x"))]).is_ok());
+        let e = check_set_ids(&[(a, Some("x")), (b, Some("y"))]).unwrap_err();
+        assert_eq!(e.0, PathBuf::from("b"));
+        // A shard without the id in a set that has one, either way round.
+        assert_eq!(
+            check_set_ids(&[(a, Some("x")), (b, None)]).unwrap_err().0,
+            PathBuf::from("b")
+        );
+        assert_eq!(
+            check_set_ids(&[(a, None), (b, Some("x"))]).unwrap_err().0,
+            PathBuf::from("a")
+        );
+    }
 
     #[test]
     fn names_round_trip() {

@@ -18,23 +18,13 @@ use gguf::GgmlType;
 use sha2::{Digest, Sha256};
 use std::path::PathBuf;
 
-/// `tests/fixtures/<rel>`, else the shared copy beside the checkout; `None` (and a visible skip
-/// line) when neither exists.
-fn fixture(rel: &str) -> Option<PathBuf> {
-    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let local = here.join("../tests/fixtures").join(rel);
-    if local.exists() {
-        return Some(local);
-    }
-    let shared = here.join("../../shared/fixtures/tiny-glm5").join(rel);
-    if shared.exists() {
-        return Some(shared);
-    }
-    let _ = std::io::Write::write_all(
-        &mut std::io::stderr(),
-        format!("skipped: fixture {rel} not in tests/fixtures nor ../shared/fixtures\n").as_bytes(),
-    );
-    None
+/// `tests/fixtures/<rel>`; a missing fixture fails the test (the repo carries them all).
+fn fixture(rel: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(rel);
+    assert!(p.exists(), "fixture {rel} is missing from tests/fixtures");
+    p
 }
 
 fn hex(b: &[u8]) -> String {
@@ -75,9 +65,7 @@ impl Check {
 
 #[test]
 fn fixture_tensor_stats_match_gguf_py() {
-    let Some(json_path) = fixture("stats-tiny-glm5.json") else {
-        return;
-    };
+    let json_path = fixture("stats-tiny-glm5.json");
     let json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&json_path).unwrap_or_default())
             .unwrap_or_else(|e| panic!("{}: {e}", json_path.display()));
@@ -97,7 +85,7 @@ fn fixture_tensor_stats_match_gguf_py() {
         } else {
             format!("gguf/{name}")
         };
-        let Some(path) = fixture(&rel) else { continue };
+        let path = fixture(&rel);
         let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         for t in f["tensors"]
             .as_array()

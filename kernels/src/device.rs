@@ -186,6 +186,12 @@ impl Gpu {
         Ok(g)
     }
 
+    /// A handle of its own for device `ordinal`: a separate stream (and module cache) on the
+    /// same context, for a tensor-parallel rank sharing the GPU with other ranks.
+    pub fn open_private(ordinal: usize) -> Result<Arc<Gpu>, KernelError> {
+        Gpu::open(ordinal).map(Arc::new)
+    }
+
     fn open(ordinal: usize) -> Result<Gpu, KernelError> {
         if !driver_available() {
             return Err(KernelError::NoDriver);

@@ -9,6 +9,7 @@
 
 pub mod act;
 pub mod attention;
+pub mod comm;
 pub mod dequant;
 pub mod device;
 pub mod error;
@@ -31,6 +32,7 @@ pub mod verify;
 
 pub use act::Rows3;
 pub use attention::{AttnShape, KeyLists};
+pub use comm::{can_access_peer, OneShotHandles, OneShotRank};
 pub use device::{
     device_count, driver_available, DeviceInfo, Gpu, KernelResources, KindTime, Profile,
 };

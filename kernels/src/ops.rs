@@ -113,11 +113,12 @@ pub enum Op {
     Elementwise,
     Argmax,
     Sample,
+    AllReduce,
 }
 
 impl Op {
     /// Every module, for the compile check.
-    pub const ALL: [Op; 27] = [
+    pub const ALL: [Op; 28] = [
         Op::Dequant,
         Op::Gemv,
         Op::Quantize,
@@ -145,6 +146,7 @@ impl Op {
         Op::GemvQ(QType::Q6K),
         Op::GemvQ(QType::IQ4NL),
         Op::GemvQ(QType::IQ4XS),
+        Op::AllReduce,
     ];
 
     pub fn name(self) -> &'static str {
@@ -167,6 +169,7 @@ impl Op {
             Op::Elementwise => "elementwise",
             Op::Argmax => "argmax",
             Op::Sample => "sample",
+            Op::AllReduce => "allreduce",
         }
     }
 
@@ -190,6 +193,7 @@ impl Op {
             Op::Elementwise => "elementwise.cu",
             Op::Argmax => "argmax.cu",
             Op::Sample => "sample.cu",
+            Op::AllReduce => "allreduce.cu",
         }
     }
 
@@ -214,6 +218,7 @@ impl Op {
             Op::Elementwise => include_str!("../cuda/elementwise.cu"),
             Op::Argmax => include_str!("../cuda/argmax.cu"),
             Op::Sample => include_str!("../cuda/sample.cu"),
+            Op::AllReduce => include_str!("../cuda/allreduce.cu"),
         }
     }
 
@@ -287,6 +292,7 @@ impl Op {
             ],
             Op::Argmax => &["argmax_f32"],
             Op::Sample => &["sample_rows"],
+            Op::AllReduce => &["allreduce_oneshot_f32"],
         };
         names.iter().map(|s| s.to_string()).collect()
     }

@@ -23,6 +23,8 @@ pub enum OutDtype {
     /// f16 wherever that is exact, else bf16 where exact, else f32.
     F16,
     F32,
+    /// Every tensor bf16, values rounded to nearest even (lossy for f32 and dequantized data).
+    Bf16Round,
 }
 
 /// Export settings.
@@ -226,17 +228,24 @@ fn plan(
                         format!("stacked experts must be 3-D, ne {dims:?}"),
                     ));
                 };
+                // Each expert's own matrix follows the plan (gate/up colwise, down rowwise).
+                let tp = tp_of(e.tp);
+                let mut shape = vec![ne1, ne0];
+                if let Some((p, n, rank)) = tp {
+                    let axis = usize::from(p == Tp::Rowwise);
+                    shape[axis] = kvb::tp_heads(shape[axis], n, rank)?.len();
+                }
                 for x in 0..ne2 as u64 {
                     let hf = e.hf_name(bid, Some(x)).unwrap_or_default();
                     items.push(Item {
                         hf,
-                        shape: vec![ne1, ne0],
+                        shape: shape.clone(),
                         src: Source::Plain {
                             gguf: name.to_string(),
                             expert: Some(x),
                             unpermute: None,
                             add_one: false,
-                            tp: None,
+                            tp,
                         },
                         dtype: safetensors::Dtype::F32,
                     });
@@ -440,7 +449,7 @@ fn choose(buf: &Buf, want: OutDtype) -> safetensors::Dtype {
     use safetensors::Dtype as D;
     match (want, buf) {
         (OutDtype::F32, _) => D::F32,
-        (OutDtype::Bf16, Buf::Bf16(_)) => D::BF16,
+        (OutDtype::Bf16Round, _) | (OutDtype::Bf16, Buf::Bf16(_)) => D::BF16,
         (OutDtype::F16, Buf::F16(_)) => D::F16,
         (w, b) => {
             let v = b.to_f32();
@@ -475,8 +484,10 @@ fn dtype_size(d: safetensors::Dtype) -> usize {
 /// Whether `buf` is known to fit the requested dtype without looking at values.
 fn known_dtype(model: &Model, item: &Item, want: OutDtype) -> Option<safetensors::Dtype> {
     use safetensors::Dtype as D;
-    if want == OutDtype::F32 {
-        return Some(D::F32);
+    match want {
+        OutDtype::F32 => return Some(D::F32),
+        OutDtype::Bf16Round => return Some(D::BF16),
+        _ => {}
     }
     let ty = |n: &str| model.tensor(n).map(|t| t.info.ty);
     let all = match &item.src {
@@ -578,26 +589,44 @@ pub fn partial_path(out: &Path) -> PathBuf {
 }
 
 /// Writes the HF checkpoint of `model` to `out`. Nothing is left at `out` or `out.partial` when
-/// this fails.
+/// this fails. With `overwrite`, an existing `out` directory is swapped out only after the new
+/// one is complete, and deleted last; a non-directory `out` or a leftover `out.partial` is
+/// refused, never deleted. (The `gguftool` binary goes through its own output layer instead,
+/// which also refuses directories it did not write: see [`export_safetensors_into`].)
 pub fn export_safetensors(
     model: &Model,
     out: &Path,
     opts: &ExportOptions,
     progress: &mut dyn FnMut(Progress) -> bool,
 ) -> Result<ExportSummary, MappingError> {
-    if out.exists() && !opts.overwrite {
-        return Err(io(out, "already exists"));
+    let exists = std::fs::symlink_metadata(out).ok();
+    match &exists {
+        Some(_) if !opts.overwrite => return Err(io(out, "already exists")),
+        Some(m) if !m.is_dir() => return Err(io(out, "exists and is not a directory")),
+        _ => {}
     }
     let part = partial_path(out);
-    if part.exists() {
-        std::fs::remove_dir_all(&part).map_err(|e| io(&part, e))?;
+    if std::fs::symlink_metadata(&part).is_ok() {
+        return Err(io(
+            &part,
+            "already exists (left by an interrupted run?); remove it",
+        ));
     }
     std::fs::create_dir_all(&part).map_err(|e| io(&part, e))?;
-    let r = write_all(model, &part, opts, progress).and_then(|mut s| {
-        if out.exists() {
-            std::fs::remove_dir_all(out).map_err(|e| io(out, e))?;
+    let r = export_safetensors_into(model, &part, opts, progress).and_then(|mut s| {
+        if exists.is_some() {
+            let mut old = part.as_os_str().to_os_string();
+            old.push(".old");
+            let old = PathBuf::from(old);
+            std::fs::rename(out, &old).map_err(|e| io(out, e))?;
+            if let Err(e) = std::fs::rename(&part, out) {
+                let _ = std::fs::rename(&old, out);
+                return Err(io(out, e));
+            }
+            let _ = std::fs::remove_dir_all(&old);
+        } else {
+            std::fs::rename(&part, out).map_err(|e| io(out, e))?;
         }
-        std::fs::rename(&part, out).map_err(|e| io(out, e))?;
         s.out_dir = out.to_path_buf();
         Ok(s)
     });
@@ -605,6 +634,19 @@ pub fn export_safetensors(
         let _ = std::fs::remove_dir_all(&part);
     }
     r
+}
+
+/// Writes the HF checkpoint of `model` into the existing directory `dir` (a caller's temporary
+/// output directory; nothing in it is removed). The summary's `out_dir` is `dir`.
+pub fn export_safetensors_into(
+    model: &Model,
+    dir: &Path,
+    opts: &ExportOptions,
+    progress: &mut dyn FnMut(Progress) -> bool,
+) -> Result<ExportSummary, MappingError> {
+    let mut s = write_all(model, dir, opts, progress)?;
+    s.out_dir = dir.to_path_buf();
+    Ok(s)
 }
 
 fn write_all(
@@ -621,7 +663,7 @@ fn write_all(
             None => choose(&materialize(model, item)?, opts.dtype),
         };
         let want = match opts.dtype {
-            OutDtype::Bf16 => safetensors::Dtype::BF16,
+            OutDtype::Bf16 | OutDtype::Bf16Round => safetensors::Dtype::BF16,
             OutDtype::F16 => safetensors::Dtype::F16,
             OutDtype::F32 => safetensors::Dtype::F32,
         };
@@ -645,12 +687,15 @@ fn write_all(
         })
         .collect::<Result<_, _>>()?;
     let total: u64 = sizes.iter().map(|s| *s as u64).sum();
-    // consecutive items into shards of at most max_shard_bytes
+    // consecutive items into shards of at most max_shard_bytes; a shard also ends where the
+    // order readers see (names sorted within a file, as safetensors and llama.cpp's converter
+    // list them) would differ from the GGUF order, so converting back gives the same tensor order
+    let keys = emission_keys(&items);
     let mut shards: Vec<Range<usize>> = vec![];
     let mut start = 0;
     let mut acc = 0u64;
     for (i, s) in sizes.iter().enumerate() {
-        if i > start && acc + *s as u64 > opts.max_shard_bytes {
+        if i > start && (acc + *s as u64 > opts.max_shard_bytes || keys[i] < keys[i - 1]) {
             shards.push(start..i);
             start = i;
             acc = 0;
@@ -719,7 +764,7 @@ fn write_all(
     let arch = model.architecture().unwrap_or_default();
     let tied = model.tensor("output.weight").is_none();
     let torch_dtype = match opts.dtype {
-        OutDtype::Bf16 => "bfloat16",
+        OutDtype::Bf16 | OutDtype::Bf16Round => "bfloat16",
         OutDtype::F16 => "float16",
         OutDtype::F32 => "float32",
     };
@@ -756,6 +801,36 @@ fn write_all(
     summary.shards = n;
     summary.bytes = total;
     Ok(summary)
+}
+
+/// Where llama.cpp's converter emits each item's GGUF tensor while reading a shard in name order:
+/// at its own name, except stacked experts, which appear once the layer's last expert tensor (in
+/// name order) has been read.
+fn emission_keys(items: &[Item]) -> Vec<String> {
+    let layer = |it: &Item| match &it.src {
+        Source::Plain {
+            gguf,
+            expert: Some(_),
+            ..
+        } => gguf.split('.').nth(1).map(str::to_string),
+        _ => None,
+    };
+    let mut last: BTreeMap<String, String> = BTreeMap::new();
+    for it in items {
+        if let Some(l) = layer(it) {
+            let e = last.entry(l).or_default();
+            if it.hf > *e {
+                *e = it.hf.clone();
+            }
+        }
+    }
+    items
+        .iter()
+        .map(|it| match layer(it) {
+            Some(l) => last[&l].clone(),
+            None => it.hf.clone(),
+        })
+        .collect()
 }
 
 /// One layer's kv_b_proj rebuilt from the GGUF as f32 (dequantized first when quantized), with

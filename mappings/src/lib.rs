@@ -1,14 +1,16 @@
 //! HF <-> GGUF tensor-name mapping: one YAML table per architecture (the single source of truth),
 //! both directions derived from it, composite transforms (expert stacking, kv_b split/reassembly)
-//! and tensor-parallel slicing.
+//! and tensor-parallel slicing (shard roles from the tables, byte ranges of each rank's share).
 
 pub mod arch_check;
 pub mod export;
 pub mod expr;
 pub mod hf;
 pub mod hfconfig;
+pub mod import;
 pub mod kvb;
 pub mod names;
+pub mod shard;
 pub mod table;
 pub mod values;
 
@@ -35,6 +37,14 @@ pub enum MappingError {
     File { path: PathBuf, msg: String },
     #[error("tensor {tensor:?}: {msg}")]
     Tensor { tensor: String, msg: String },
+    /// A tensor-parallel split inside the rows that would cut a quant block.
+    #[error("a split at elements {range:?} of {ne0}-element rows cuts {ty} blocks of {block}")]
+    SplitCutsBlock {
+        ty: gguf::GgmlType,
+        block: u64,
+        range: std::ops::Range<u64>,
+        ne0: u64,
+    },
     /// The caller asked to stop (Ctrl-C).
     #[error("interrupted")]
     Interrupted,

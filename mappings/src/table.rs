@@ -14,7 +14,9 @@
 //!   (one pattern; two for kv_b: k_b then v_b), `hf` (on-disk name pattern), `shape` (ggml `ne`
 //!   expressions; a list per GGUF tensor for kv_b), `layers`, `when`, `optional`, `tied_to`,
 //!   `reverse_only` (GGUF -> HF only: legacy spellings), `transform` (`rope_permute(expr)`,
-//!   `add_one`), `tp` (colwise/rowwise in the HF tensor-parallel plan), `note`.
+//!   `add_one`), `tp` (colwise/rowwise in the HF tensor-parallel plan; on stacked experts the
+//!   split of each expert's own matrix), `role` (the forward pass's name for the tensor: one per
+//!   GGUF pattern, so the runtime never spells GGUF names itself), `note`.
 //!   Patterns use `{bid}` (block), `{xid}` (expert) and, in hf_only entries, `{any}`.
 
 use crate::expr::{Expr, ExprError};
@@ -265,6 +267,8 @@ pub struct Entry {
     pub reverse_only: bool,
     pub transform: Option<Transform>,
     pub tp: Option<Tp>,
+    /// The runtime's role name of each GGUF pattern (empty: the runtime does not use the entry).
+    pub roles: Vec<String>,
     pub note: Option<String>,
 }
 
@@ -365,6 +369,7 @@ struct RawEntry {
     reverse_only: bool,
     transform: Option<String>,
     tp: Option<String>,
+    role: Option<OneOrMany>,
     note: Option<String>,
 }
 
@@ -559,6 +564,25 @@ impl Table {
                 Some("rowwise") => Some(Tp::Rowwise),
                 Some(t) => return Err(ebad(format!("unknown tp plan {t}"))),
             };
+            let roles: Vec<String> = match &r.role {
+                None => vec![],
+                Some(OneOrMany::One(s)) => vec![s.clone()],
+                Some(OneOrMany::Many(v)) => v.clone(),
+            };
+            if !roles.is_empty() && roles.len() != gguf.len() {
+                return Err(ebad(format!(
+                    "{} role(s) for {} GGUF pattern(s)",
+                    roles.len(),
+                    gguf.len()
+                )));
+            }
+            if let Some(dup) = roles.iter().find(|x| {
+                entries
+                    .iter()
+                    .any(|e: &Entry| e.roles.iter().any(|y| y == *x))
+            }) {
+                return Err(ebad(format!("role {dup} is given to two entries")));
+            }
             entries.push(Entry {
                 kind,
                 gguf,
@@ -571,6 +595,7 @@ impl Table {
                 reverse_only: r.reverse_only,
                 transform,
                 tp,
+                roles,
                 note: r.note.clone(),
             });
         }
@@ -689,6 +714,13 @@ impl Table {
                 idx,
             })
         })
+    }
+
+    /// The entry and GGUF part that play `role` in the runtime's forward pass.
+    pub fn entry_by_role(&self, role: &str) -> Option<(&Entry, usize)> {
+        self.entries
+            .iter()
+            .find_map(|e| e.roles.iter().position(|r| r == role).map(|part| (e, part)))
     }
 
     /// The entry whose first GGUF template is exactly `template` (globals like `output.weight`).

@@ -33,11 +33,20 @@ pub fn fits_f16(v: &[f32]) -> bool {
         .all(|x| f16::from_f32(*x).to_f32().to_bits() == x.to_bits())
 }
 
-/// f32 values as little-endian bf16 bytes; callers check [`fits_bf16`] first, so this truncation
-/// is exact.
+/// f32 values as little-endian bf16 bytes: the exact truncation where the low 16 bits are zero
+/// (what [`fits_bf16`] checks), else rounded to nearest even with NaNs quiet (gguf-py's rule, used
+/// by the lossy `bf16-round` export).
 pub fn f32_to_bf16_bytes(v: &[f32]) -> Vec<u8> {
     v.iter()
-        .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+        .flat_map(|x| {
+            let b = x.to_bits();
+            let h = if b & 0xffff == 0 {
+                (b >> 16) as u16
+            } else {
+                crate::import::f32_to_bf16(*x)
+            };
+            h.to_le_bytes()
+        })
         .collect()
 }
 

@@ -230,6 +230,39 @@ pub trait Backend: Clone + Send + Sync + 'static {
         weights: &Self::Tensor,
         experts: &Self::Index,
     ) -> Result<Self::Tensor, RuntimeError>;
+
+    // --- tensor-parallel collectives ---
+    //
+    // The forward pass calls these where a rank's partial results meet. A single-device backend
+    // is a group of one: the defaults are the identity. A tensor-parallel rank
+    // (`crate::tp::Ranked`) overrides them with its group's communicator.
+
+    /// `(rank, world)` of this backend's tensor-parallel group.
+    fn rank(&self) -> (usize, usize) {
+        (0, 1)
+    }
+    /// Sum `x` over the ranks, in place. Every rank adds the ranks' values in rank order, so
+    /// every rank gets bitwise the same result.
+    fn all_reduce_sum(&self, _x: &mut Self::Tensor) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+    /// Every rank's rows of equal count side by side, in rank order (the vocabulary-split head).
+    fn all_gather_cols(&self, x: Self::Tensor) -> Result<Self::Tensor, RuntimeError> {
+        Ok(x)
+    }
+    /// Expert ids `[n, k]` re-based to this rank's experts `first .. first + count` (expert
+    /// parallelism); ids of other ranks' experts become `-1` (skipped by `moe_ffn`).
+    fn local_expert_ids(
+        &self,
+        _ids: Self::Index,
+        first: usize,
+        count: usize,
+    ) -> Result<Self::Index, RuntimeError> {
+        Err(RuntimeError::Backend(format!(
+            "experts {first}..{}: expert parallelism needs a tensor-parallel backend",
+            first + count
+        )))
+    }
 }
 
 // --- shape checks shared by the backends ---

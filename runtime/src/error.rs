@@ -20,4 +20,7 @@ pub enum RuntimeError {
         #[source]
         source: kernels::KernelError,
     },
+    /// The model cannot be split over this many tensor-parallel ranks, or a rank failed.
+    #[error("tensor parallelism over {world} ranks: {msg}")]
+    Tp { world: usize, msg: String },
 }

@@ -7,13 +7,23 @@
 //! attention over the cached latents, outputs mapped back by `attn_v_b`), as llama.cpp does;
 //! [`AttnMode::Naive`] expands keys and values through the reassembled `kv_b` like transformers.
 //! Both give the same numbers up to f32 rounding (tested).
+//!
+//! Tensor parallelism is part of this one definition: a [`ShardView`] says which heads, FFN
+//! columns, experts and vocabulary rows this rank holds; the loader reads each tensor's share
+//! along the axis the mapping table gives it, and the forward pass calls the backend's
+//! collectives where partial sums meet (after `attn_output`, after the FFN / MoE block) and
+//! where the vocabulary-split head's logits are gathered. With one rank every collective is the
+//! identity and every share is the whole tensor.
 
 use crate::backend::{AttnParams, Backend, IndexerParams, RopeParams, RouteParams};
 use crate::cache::KvCache;
 use crate::lm::{LanguageModel, SeqStep, SequenceState};
-use crate::spec::{AttentionSpec, FfnKind, GqaSpec, LayerSpec, MlaSpec, ModelSpec};
+use crate::spec::{AttentionSpec, FfnKind, GqaSpec, LayerSpec, MlaSpec, ModelSpec, TensorSpec};
+use crate::tp::{Part, ShardView};
 use crate::weights::HostWeight;
 use crate::RuntimeError;
+use mappings::kvb::{self, MlaDims};
+use std::cell::RefCell;
 use std::sync::Arc;
 
 /// A named intermediate activation handed to an observer (host copies, rows = tokens).
@@ -71,7 +81,7 @@ struct Gqa<B: Backend> {
 }
 
 enum Attn<B: Backend> {
-    Mla(Mla<B>),
+    Mla(Box<Mla<B>>),
     Gqa(Gqa<B>),
 }
 
@@ -123,9 +133,14 @@ pub struct MtpLayer<B: Backend> {
     pub shared_head_head: Option<B::Weight>,
 }
 
-/// A loaded model of the GLM-5 family on backend `B`.
+/// A loaded model of the GLM-5 family on backend `B` (one tensor-parallel rank's share of it
+/// when its view says so).
 pub struct GlmModel<B: Backend> {
     spec: ModelSpec,
+    /// The attention dimensions of this rank (its heads).
+    attn: AttentionSpec,
+    view: ShardView,
+    stats: LoadStats,
     backend: B,
     token_embd: B::Weight,
     output_norm: B::Weight,
@@ -140,110 +155,225 @@ fn model_err(msg: impl Into<String>) -> RuntimeError {
     RuntimeError::Model(msg.into())
 }
 
-/// Reassemble HF's `kv_b_proj` (`[n_head * (nope + v), kv_lora]` row-major, i.e. ggml dims
-/// `{kv_lora, n_head * (nope + v)}`) from the GGUF split (spec §2.5):
-/// `W[h*(nope+v) + i, r] = K(i, r, h)`, `W[h*(nope+v) + nope + j, r] = V(r, j, h)`.
-pub fn join_kv_b(k_b: &[f32], v_b: &[f32], m: &MlaSpec) -> Vec<f32> {
-    let (nope, v, r_n, h_n) = (m.qk_nope, m.v_head, m.kv_lora_rank, m.n_head);
-    let mut w = vec![0f32; h_n * (nope + v) * r_n];
-    for h in 0..h_n {
-        for i in 0..nope {
-            for r in 0..r_n {
-                w[(h * (nope + v) + i) * r_n + r] = k_b[h * r_n * nope + r * nope + i];
-            }
-        }
-        for j in 0..v {
-            let dst = (h * (nope + v) + nope + j) * r_n;
-            let src = h * v * r_n + j * r_n;
-            w[dst..dst + r_n].copy_from_slice(&v_b[src..src + r_n]);
-        }
-    }
-    w
+/// What loading put on one rank.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadStats {
+    /// Bytes of the weights this rank holds (its shares, as stored).
+    pub weight_bytes: u64,
+    /// Tensors whose share would cut quant blocks inside the rows, held as exact F32 values
+    /// instead (with the bytes that costs over the quantized share).
+    pub reencoded: Vec<(String, u64)>,
 }
 
-/// Inverse of [`join_kv_b`]: `(k_b {nope, kv_lora, n_head}, v_b {kv_lora, v, n_head})`.
-pub fn split_kv_b(kv_b: &[f32], m: &MlaSpec) -> (Vec<f32>, Vec<f32>) {
-    let (nope, v, r_n, h_n) = (m.qk_nope, m.v_head, m.kv_lora_rank, m.n_head);
-    let mut k_b = vec![0f32; h_n * r_n * nope];
-    let mut v_b = vec![0f32; h_n * v * r_n];
-    for h in 0..h_n {
-        for i in 0..nope {
-            for r in 0..r_n {
-                k_b[h * r_n * nope + r * nope + i] = kv_b[(h * (nope + v) + i) * r_n + r];
-            }
-        }
-        for j in 0..v {
-            let src = (h * (nope + v) + nope + j) * r_n;
-            let dst = h * v * r_n + j * r_n;
-            v_b[dst..dst + r_n].copy_from_slice(&kv_b[src..src + r_n]);
-        }
+/// The MLA layout dims of `m` (its heads: a rank's heads for a rank's spec).
+fn mla_dims(m: &MlaSpec) -> MlaDims {
+    MlaDims {
+        n_head: m.n_head,
+        qk_nope: m.qk_nope,
+        v_head: m.v_head,
+        kv_lora: m.kv_lora_rank,
     }
-    (k_b, v_b)
 }
 
-/// Loads weights by name through a closure so tests can build models from synthetic tensors.
+fn map_err(e: mappings::MappingError) -> RuntimeError {
+    RuntimeError::Model(e.to_string())
+}
+
+/// Which part of the model a role's share is cut from: the forward pass's side of every split
+/// (the mapping table gives the axis). Everything else is replicated.
+pub fn part_of(role: &str) -> Part {
+    match role {
+        "attn_q" | "attn_q_b" | "attn_q_bias" | "attn_k_b" | "attn_v_b" | "attn_kv_b"
+        | "attn_output" => Part::Heads,
+        "attn_k" | "attn_v" | "attn_k_bias" | "attn_v_bias" => Part::KvHeads,
+        "ffn_gate" | "ffn_up" | "ffn_down" => Part::Ff,
+        "ffn_gate_shexp" | "ffn_up_shexp" | "ffn_down_shexp" => Part::SharedFf,
+        "ffn_gate_exps" | "ffn_up_exps" | "ffn_down_exps" => Part::Experts,
+        "output" => Part::Vocab,
+        _ => Part::Whole,
+    }
+}
+
+/// Weight source: `get(name)` = the whole tensor as stored, `Ok(None)` when absent.
+pub type WeightSource<'a> = &'a dyn Fn(&str) -> Result<Option<HostWeight>, RuntimeError>;
+
+/// Reads each tensor by its role through the mapping table's name and shape, cuts this rank's
+/// share along the table's axis and uploads it.
 struct Loader<'a, B: Backend> {
     backend: &'a B,
-    get: &'a dyn Fn(&str) -> Result<Option<HostWeight>, RuntimeError>,
+    spec: &'a ModelSpec,
+    view: &'a ShardView,
+    get: WeightSource<'a>,
+    stats: RefCell<LoadStats>,
+    progress: Option<&'a (dyn Fn(u64) + Sync)>,
 }
 
 impl<B: Backend> Loader<'_, B> {
-    fn host(&self, name: &str) -> Result<HostWeight, RuntimeError> {
-        (self.get)(name)?.ok_or_else(|| model_err(format!("missing tensor {name}")))
+    fn spec_of(&self, role: &str, block: Option<usize>) -> Result<&TensorSpec, RuntimeError> {
+        self.spec.tensor(role, block).ok_or_else(|| {
+            model_err(format!(
+                "the {} mapping table lists no tensor for role {role}{}",
+                self.spec.arch.name(),
+                block.map(|b| format!(" in block {b}")).unwrap_or_default()
+            ))
+        })
     }
-    fn req(&self, name: &str) -> Result<B::Weight, RuntimeError> {
-        self.backend.upload(self.host(name)?)
+
+    /// This rank's share of tensor `t`, read from `name` (the tensor itself, or the one that
+    /// stands in for it), `None` when the file lacks it.
+    fn share_of(&self, t: &TensorSpec, name: &str) -> Result<Option<HostWeight>, RuntimeError> {
+        let Some(w) = (self.get)(name)? else {
+            return Ok(None);
+        };
+        if w.dims() != t.dims.as_slice() {
+            return Err(model_err(format!(
+                "{} model: tensor {name} has shape {:?}, expected {:?}",
+                self.spec.arch.name(),
+                w.dims(),
+                t.dims
+            )));
+        }
+        let Some((axis, range)) = self.view.share_of(t, part_of(&t.role))? else {
+            return Ok(Some(w));
+        };
+        let (share, reencoded) = w.shard(axis, range)?;
+        if reencoded {
+            let quantized = w.n_bytes() / w.dims()[axis] * share.dims()[axis];
+            self.stats.borrow_mut().reencoded.push((
+                name.to_string(),
+                (share.n_bytes() as u64).saturating_sub(quantized as u64),
+            ));
+        }
+        Ok(Some(share))
     }
-    fn opt(&self, name: &str) -> Result<Option<B::Weight>, RuntimeError> {
-        (self.get)(name)?
-            .map(|w| self.backend.upload(w))
-            .transpose()
+
+    fn host(&self, role: &str, block: Option<usize>) -> Result<Option<HostWeight>, RuntimeError> {
+        let t = self.spec_of(role, block)?;
+        self.share_of(t, &t.name)
+    }
+
+    fn upload(&self, w: HostWeight) -> Result<B::Weight, RuntimeError> {
+        let n = w.n_bytes() as u64;
+        let up = self.backend.upload(w)?;
+        self.stats.borrow_mut().weight_bytes += n;
+        if let Some(p) = self.progress {
+            p(n);
+        }
+        Ok(up)
+    }
+
+    fn req_host(&self, role: &str, block: Option<usize>) -> Result<HostWeight, RuntimeError> {
+        self.host(role, block)?.ok_or_else(|| {
+            model_err(format!(
+                "missing tensor {}",
+                self.spec_of(role, block).map_or(role, |t| t.name.as_str())
+            ))
+        })
+    }
+
+    fn req(&self, role: &str, block: Option<usize>) -> Result<B::Weight, RuntimeError> {
+        self.upload(self.req_host(role, block)?)
+    }
+
+    /// A tensor the forward can do without; an error only if the table has no such role.
+    fn opt(&self, role: &str, block: Option<usize>) -> Result<Option<B::Weight>, RuntimeError> {
+        match self.spec.tensor(role, block) {
+            None => Ok(None),
+            Some(t) => self
+                .share_of(t, &t.name)?
+                .map(|w| self.upload(w))
+                .transpose(),
+        }
     }
 }
 
 impl<B: Backend> GlmModel<B> {
     /// Load an open GGUF model onto `backend` (the spec checks every tensor first).
     pub fn load(backend: B, model: Arc<gguf::Model>) -> Result<Self, RuntimeError> {
+        Self::load_view(backend, model, None, None)
+    }
+
+    /// Load one tensor-parallel rank's share of `model` (`None`: the whole model), every share
+    /// read in place from the memory-mapped file. `progress` is told the bytes of each weight
+    /// once it is uploaded.
+    pub fn load_view(
+        backend: B,
+        model: Arc<gguf::Model>,
+        view: Option<ShardView>,
+        progress: Option<&(dyn Fn(u64) + Sync)>,
+    ) -> Result<Self, RuntimeError> {
         let spec = ModelSpec::from_model(&model)?;
+        let view = view.unwrap_or_else(|| ShardView::single(&spec));
         let get = |name: &str| -> Result<Option<HostWeight>, RuntimeError> {
             if model.tensor(name).is_none() {
                 return Ok(None);
             }
             HostWeight::from_model(&model, name).map(Some)
         };
-        Self::from_weights(backend, spec, &get)
+        Self::build(backend, spec, view, &get, progress)
     }
 
     /// Build from a spec and a weight source (`get(name)` = `Ok(None)` when absent).
     pub fn from_weights(
         backend: B,
         spec: ModelSpec,
-        get: &dyn Fn(&str) -> Result<Option<HostWeight>, RuntimeError>,
+        get: WeightSource<'_>,
     ) -> Result<Self, RuntimeError> {
+        let view = ShardView::single(&spec);
+        Self::build(backend, spec, view, get, None)
+    }
+
+    fn build(
+        backend: B,
+        spec: ModelSpec,
+        view: ShardView,
+        get: WeightSource<'_>,
+        progress: Option<&(dyn Fn(u64) + Sync)>,
+    ) -> Result<Self, RuntimeError> {
+        let attn = view.local_attention(&spec.attention);
         let ld = Loader {
             backend: &backend,
+            spec: &spec,
+            view: &view,
             get,
+            stats: RefCell::new(LoadStats::default()),
+            progress,
         };
-        let token_embd = ld.req("token_embd.weight")?;
-        let output_norm = ld.req("output_norm.weight")?;
-        let output = ld.opt("output.weight")?;
+        let token_embd = ld.req("token_embd", None)?;
+        let output_norm = ld.req("output_norm", None)?;
+        // The head's vocabulary rows are split; a tied head is the embedding table, cut the
+        // same way (the embedding itself stays whole for the lookup).
+        let head_spec = ld.spec_of("output", None)?;
+        let output = match ld.share_of(head_spec, &head_spec.name)? {
+            Some(w) => Some(ld.upload(w)?),
+            None => {
+                let tied = head_spec
+                    .tied_to
+                    .as_deref()
+                    .unwrap_or(head_spec.name.as_str());
+                let w = ld
+                    .share_of(head_spec, tied)?
+                    .ok_or_else(|| model_err(format!("missing tensor {tied}")))?;
+                (view.world > 1).then(|| ld.upload(w)).transpose()?
+            }
+        };
         let mut layers = Vec::with_capacity(spec.n_layer);
         let mut mtp = Vec::new();
         for ls in &spec.layers {
-            if ls.mtp && get(&format!("blk.{}.nextn.eh_proj.weight", ls.index))?.is_none() {
+            let b = Some(ls.index);
+            if ls.mtp && ld.host("nextn_eh_proj", b)?.is_none() {
                 continue;
             }
-            let layer = Self::load_layer(&ld, &spec, ls)?;
+            let layer = Self::load_layer(&ld, &spec, &attn, ls)?;
             if ls.mtp {
-                let b = |s: &str| format!("blk.{}.nextn.{s}", ls.index);
                 mtp.push(MtpLayer {
                     layer,
-                    eh_proj: ld.req(&b("eh_proj.weight"))?,
-                    enorm: ld.req(&b("enorm.weight"))?,
-                    hnorm: ld.req(&b("hnorm.weight"))?,
-                    shared_head_norm: ld.req(&b("shared_head_norm.weight"))?,
-                    embed_tokens: ld.opt(&b("embed_tokens.weight"))?,
-                    shared_head_head: ld.opt(&b("shared_head_head.weight"))?,
+                    eh_proj: ld.req("nextn_eh_proj", b)?,
+                    enorm: ld.req("nextn_enorm", b)?,
+                    hnorm: ld.req("nextn_hnorm", b)?,
+                    shared_head_norm: ld.req("nextn_shared_head_norm", b)?,
+                    embed_tokens: ld.opt("nextn_embed_tokens", b)?,
+                    shared_head_head: ld.opt("nextn_shared_head_head", b)?,
                 });
             } else {
                 layers.push(layer);
@@ -256,8 +386,12 @@ impl<B: Backend> GlmModel<B> {
                 spec.n_layer
             )));
         }
+        let stats = ld.stats.into_inner();
         Ok(Self {
             spec,
+            attn,
+            view,
+            stats,
             backend,
             token_embd,
             output_norm,
@@ -271,129 +405,130 @@ impl<B: Backend> GlmModel<B> {
     fn load_layer(
         ld: &Loader<'_, B>,
         spec: &ModelSpec,
+        attn: &AttentionSpec,
         ls: &LayerSpec,
     ) -> Result<Layer<B>, RuntimeError> {
-        let b = |s: &str| format!("blk.{}.{s}", ls.index);
-        let attn = match &spec.attention {
+        let b = Some(ls.index);
+        let attn = match attn {
             AttentionSpec::Mla(m) => {
                 let q_a = match m.q_lora_rank {
-                    Some(_) => Some((
-                        ld.req(&b("attn_q_a.weight"))?,
-                        ld.req(&b("attn_q_a_norm.weight"))?,
-                    )),
+                    Some(_) => Some((ld.req("attn_q_a", b)?, ld.req("attn_q_a_norm", b)?)),
                     None => None,
                 };
                 let q_b = if q_a.is_some() {
-                    ld.req(&b("attn_q_b.weight"))?
+                    ld.req("attn_q_b", b)?
                 } else {
-                    ld.req(&b("attn_q.weight"))?
+                    ld.req("attn_q", b)?
                 };
                 let (k_b_host, v_b_host) = if spec.kv_b_unsplit {
-                    let kv = ld.host(&b("attn_kv_b.weight"))?.to_f32()?;
-                    let (k, v) = split_kv_b(&kv, m);
+                    let kv = ld.req_host("attn_kv_b", b)?;
+                    let (k, v) = kvb::split(&kv.to_f32()?, mla_dims(m)).map_err(map_err)?;
                     (
                         HostWeight::from_f32(
-                            b("attn_k_b.weight"),
+                            format!("{} (attn_k_b)", kv.name()),
                             vec![m.qk_nope, m.kv_lora_rank, m.n_head],
                             &k,
                         )?,
                         HostWeight::from_f32(
-                            b("attn_v_b.weight"),
+                            format!("{} (attn_v_b)", kv.name()),
                             vec![m.kv_lora_rank, m.v_head, m.n_head],
                             &v,
                         )?,
                     )
                 } else {
-                    (
-                        ld.host(&b("attn_k_b.weight"))?,
-                        ld.host(&b("attn_v_b.weight"))?,
-                    )
+                    (ld.req_host("attn_k_b", b)?, ld.req_host("attn_v_b", b)?)
                 };
-                let k_b = ld.backend.upload(k_b_host.clone())?;
-                let v_b = ld.backend.upload(v_b_host.clone())?;
-                Attn::Mla(Mla {
+                let k_b = ld.upload(k_b_host.clone())?;
+                let v_b = ld.upload(v_b_host.clone())?;
+                Attn::Mla(Box::new(Mla {
                     q_a,
                     q_b,
-                    kv_a: ld.req(&b("attn_kv_a_mqa.weight"))?,
-                    kv_a_norm: ld.req(&b("attn_kv_a_norm.weight"))?,
+                    kv_a: ld.req("attn_kv_a", b)?,
+                    kv_a_norm: ld.req("attn_kv_a_norm", b)?,
                     k_b,
                     v_b,
                     k_b_host,
                     v_b_host,
                     kv_b: None,
-                    out: ld.req(&b("attn_output.weight"))?,
-                })
+                    out: ld.req("attn_output", b)?,
+                }))
             }
             AttentionSpec::Gqa(g) => Attn::Gqa(Gqa {
-                q: ld.req(&b("attn_q.weight"))?,
-                k: ld.req(&b("attn_k.weight"))?,
-                v: ld.req(&b("attn_v.weight"))?,
+                q: ld.req("attn_q", b)?,
+                k: ld.req("attn_k", b)?,
+                v: ld.req("attn_v", b)?,
                 bias: if g.bias {
                     Some([
-                        ld.req(&b("attn_q.bias"))?,
-                        ld.req(&b("attn_k.bias"))?,
-                        ld.req(&b("attn_v.bias"))?,
+                        ld.req("attn_q_bias", b)?,
+                        ld.req("attn_k_bias", b)?,
+                        ld.req("attn_v_bias", b)?,
                     ])
                 } else {
                     None
                 },
                 qk_norm: if g.qk_norm {
-                    Some([
-                        ld.req(&b("attn_q_norm.weight"))?,
-                        ld.req(&b("attn_k_norm.weight"))?,
-                    ])
+                    Some([ld.req("attn_q_norm", b)?, ld.req("attn_k_norm", b)?])
                 } else {
                     None
                 },
-                out: ld.req(&b("attn_output.weight"))?,
+                out: ld.req("attn_output", b)?,
             }),
         };
         let indexer = if ls.own_indexer {
             Some(Indexer {
-                q_b: ld.req(&b("indexer.attn_q_b.weight"))?,
-                k: ld.req(&b("indexer.attn_k.weight"))?,
-                k_norm: ld.req(&b("indexer.k_norm.weight"))?,
-                k_norm_b: ld.req(&b("indexer.k_norm.bias"))?,
-                proj: ld.req(&b("indexer.proj.weight"))?,
+                q_b: ld.req("indexer_q_b", b)?,
+                k: ld.req("indexer_k", b)?,
+                k_norm: ld.req("indexer_k_norm", b)?,
+                k_norm_b: ld.req("indexer_k_norm_bias", b)?,
+                proj: ld.req("indexer_proj", b)?,
             })
         } else {
             None
         };
         let ffn = match (ls.ffn, &spec.moe) {
             (FfnKind::Moe, Some(e)) => Ffn::Moe {
-                router: ld.req(&b("ffn_gate_inp.weight"))?,
-                bias: ld.opt(&b("exp_probs_b.bias"))?,
-                gate: ld.req(&b("ffn_gate_exps.weight"))?,
-                up: ld.req(&b("ffn_up_exps.weight"))?,
-                down: ld.req(&b("ffn_down_exps.weight"))?,
+                router: ld.req("ffn_router", b)?,
+                bias: ld.opt("ffn_router_bias", b)?,
+                gate: ld.req("ffn_gate_exps", b)?,
+                up: ld.req("ffn_up_exps", b)?,
+                down: ld.req("ffn_down_exps", b)?,
                 shared: if e.n_shared > 0 {
                     Some(Mlp {
-                        gate: ld.req(&b("ffn_gate_shexp.weight"))?,
-                        up: ld.req(&b("ffn_up_shexp.weight"))?,
-                        down: ld.req(&b("ffn_down_shexp.weight"))?,
+                        gate: ld.req("ffn_gate_shexp", b)?,
+                        up: ld.req("ffn_up_shexp", b)?,
+                        down: ld.req("ffn_down_shexp", b)?,
                     })
                 } else {
                     None
                 },
             },
             _ => Ffn::Dense(Mlp {
-                gate: ld.req(&b("ffn_gate.weight"))?,
-                up: ld.req(&b("ffn_up.weight"))?,
-                down: ld.req(&b("ffn_down.weight"))?,
+                gate: ld.req("ffn_gate", b)?,
+                up: ld.req("ffn_up", b)?,
+                down: ld.req("ffn_down", b)?,
             }),
         };
         Ok(Layer {
             spec: ls.clone(),
-            attn_norm: ld.req(&b("attn_norm.weight"))?,
-            ffn_norm: ld.req(&b("ffn_norm.weight"))?,
+            attn_norm: ld.req("attn_norm", b)?,
+            ffn_norm: ld.req("ffn_norm", b)?,
             attn,
             indexer,
             ffn,
         })
     }
 
+    /// The whole model's spec (every rank's is the same; see [`GlmModel::view`] for the share).
     pub fn spec(&self) -> &ModelSpec {
         &self.spec
+    }
+    /// Which part of the model this rank holds.
+    pub fn view(&self) -> &ShardView {
+        &self.view
+    }
+    /// What loading put on this rank.
+    pub fn load_stats(&self) -> &LoadStats {
+        &self.stats
     }
     pub fn backend(&self) -> &B {
         &self.backend
@@ -406,15 +541,21 @@ impl<B: Backend> GlmModel<B> {
         self.mode
     }
 
-    /// Switch MLA evaluation; [`AttnMode::Naive`] reassembles `kv_b` per layer (host f32).
+    /// Switch MLA evaluation; [`AttnMode::Naive`] reassembles `kv_b` per layer (host f32) from
+    /// this rank's `attn_k_b` / `attn_v_b` heads.
     pub fn set_attn_mode(&mut self, mode: AttnMode) -> Result<(), RuntimeError> {
-        if let (AttnMode::Naive, AttentionSpec::Mla(m)) = (mode, &self.spec.attention) {
-            for (li, layer) in self.layers.iter_mut().enumerate() {
+        if let (AttnMode::Naive, AttentionSpec::Mla(m)) = (mode, &self.attn) {
+            for layer in self.layers.iter_mut() {
                 if let Attn::Mla(a) = &mut layer.attn {
                     if a.kv_b.is_none() {
-                        let w = join_kv_b(&a.k_b_host.to_f32()?, &a.v_b_host.to_f32()?, m);
+                        let w = kvb::reassemble(
+                            &a.k_b_host.to_f32()?,
+                            &a.v_b_host.to_f32()?,
+                            mla_dims(m),
+                        )
+                        .map_err(map_err)?;
                         a.kv_b = Some(self.backend.upload(HostWeight::from_f32(
-                            format!("blk.{li}.attn_kv_b.weight"),
+                            format!("blk.{}.kv_b (reassembled)", layer.spec.index),
                             vec![m.kv_lora_rank, m.n_head * (m.qk_nope + m.v_head)],
                             &w,
                         )?)?);
@@ -426,12 +567,11 @@ impl<B: Backend> GlmModel<B> {
         Ok(())
     }
 
-    /// A fresh, empty cache for this model.
-    pub fn new_cache(&self) -> Result<KvCache<B>, RuntimeError> {
-        let widths: Vec<_> = self
-            .layers
+    /// Per trunk layer: (cache columns, separate value columns, indexer key columns).
+    fn cache_widths(&self) -> Vec<(usize, Option<usize>, Option<usize>)> {
+        self.layers
             .iter()
-            .map(|l| match &self.spec.attention {
+            .map(|l| match &self.attn {
                 AttentionSpec::Mla(m) => (
                     m.cache_width(),
                     None,
@@ -445,8 +585,22 @@ impl<B: Backend> GlmModel<B> {
                     None,
                 ),
             })
-            .collect();
-        KvCache::new(&self.backend, &widths)
+            .collect()
+    }
+
+    /// A fresh, empty cache for this model.
+    pub fn new_cache(&self) -> Result<KvCache<B>, RuntimeError> {
+        KvCache::new(&self.backend, &self.cache_widths())
+    }
+
+    /// Bytes each cached token takes on this rank (f32 rows of every trunk layer; the MLA latent
+    /// is replicated on every rank, GQA keys/values are split by KV heads).
+    pub fn cache_bytes_per_token(&self) -> usize {
+        self.cache_widths()
+            .iter()
+            .map(|&(kv, v, ik)| kv + v.unwrap_or(0) + ik.unwrap_or(0))
+            .sum::<usize>()
+            * std::mem::size_of::<f32>()
     }
 
     /// The batched forward pass with an optional observer of named activations. With several
@@ -454,6 +608,17 @@ impl<B: Backend> GlmModel<B> {
     pub fn forward_observed(
         &self,
         batch: &mut [SeqStep<'_>],
+        obs: Option<Observer<'_>>,
+    ) -> Result<Vec<Vec<f32>>, RuntimeError> {
+        self.forward_head(batch, HeadOutput::Gathered, obs)
+    }
+
+    /// The batched forward pass of one rank, with the head's logits returned as `head` says
+    /// (every rank of a group must ask for the same gathering, or the collectives do not meet).
+    pub fn forward_head(
+        &self,
+        batch: &mut [SeqStep<'_>],
+        head: HeadOutput,
         mut obs: Option<Observer<'_>>,
     ) -> Result<Vec<Vec<f32>>, RuntimeError> {
         let mut caches: Vec<&mut KvCache<B>> = Vec::with_capacity(batch.len());
@@ -466,27 +631,8 @@ impl<B: Backend> GlmModel<B> {
                 .as_any_mut()
                 .downcast_mut::<KvCache<B>>()
                 .ok_or_else(|| RuntimeError::Backend("sequence state of another model".into()))?;
+            check_step(&self.spec, cache.len, step.tokens)?;
             let n = step.tokens.len();
-            if n == 0 {
-                return Err(RuntimeError::Backend("a step without tokens".into()));
-            }
-            let need = cache.len + n;
-            if need > self.spec.n_ctx_train {
-                return Err(RuntimeError::ContextExceeded {
-                    need,
-                    max: self.spec.n_ctx_train,
-                });
-            }
-            if let Some(&bad) = step
-                .tokens
-                .iter()
-                .find(|&&t| t as usize >= self.spec.n_vocab)
-            {
-                return Err(RuntimeError::Backend(format!(
-                    "token id {bad} out of range (vocabulary {})",
-                    self.spec.n_vocab
-                )));
-            }
             segs.push(Seg {
                 row0: tokens.len(),
                 n,
@@ -497,7 +643,7 @@ impl<B: Backend> GlmModel<B> {
             caches.push(cache);
         }
         let lens: Vec<usize> = caches.iter().map(|c| c.len).collect();
-        let result = self.run(&tokens, &segs, &all_logits, &mut caches, &mut obs);
+        let result = self.run(&tokens, &segs, &all_logits, &mut caches, head, &mut obs);
         match result {
             Ok(out) => {
                 for (c, s) in caches.iter_mut().zip(&segs) {
@@ -556,12 +702,14 @@ impl<B: Backend> GlmModel<B> {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
         tokens: &[u32],
         segs: &[Seg],
         all_logits: &[bool],
         caches: &mut [&mut KvCache<B>],
+        head: HeadOutput,
         obs: &mut Option<Observer<'_>>,
     ) -> Result<Vec<Vec<f32>>, RuntimeError> {
         let be = &self.backend;
@@ -574,34 +722,7 @@ impl<B: Backend> GlmModel<B> {
         // Selection of the last layer with its own indexer, per sequence (shared layers reuse it).
         let mut prev_sel: Vec<Option<B::Index>> = segs.iter().map(|_| None).collect();
         for (li, layer) in self.layers.iter().enumerate() {
-            let x = be.rms_norm(&h, &layer.attn_norm, self.spec.rms_eps)?;
-            self.emit(obs, || format!("blk.{li}.attn_norm.out"), &x)?;
-            let a = match (&layer.attn, &self.spec.attention) {
-                (Attn::Mla(w), AttentionSpec::Mla(m)) => self.mla(
-                    li,
-                    layer,
-                    w,
-                    m,
-                    &x,
-                    &positions,
-                    segs,
-                    caches,
-                    &mut prev_sel,
-                    obs,
-                )?,
-                (Attn::Gqa(w), AttentionSpec::Gqa(g)) => {
-                    self.gqa(li, w, g, &x, &positions, segs, caches)?
-                }
-                _ => return Err(model_err("attention weights do not match the spec")),
-            };
-            self.emit(obs, || format!("blk.{li}.attn_output.out"), &a)?;
-            h = be.add(&h, &a)?;
-            let x = be.rms_norm(&h, &layer.ffn_norm, self.spec.rms_eps)?;
-            self.emit(obs, || format!("blk.{li}.ffn_norm.out"), &x)?;
-            let f = self.ffn(li, &layer.ffn, &x, obs)?;
-            self.emit(obs, || format!("blk.{li}.ffn.out"), &f)?;
-            h = be.add(&h, &f)?;
-            self.emit(obs, || format!("blk.{li}.out"), &h)?;
+            h = self.decoder_layer(li, layer, h, &positions, segs, caches, &mut prev_sel, obs)?;
         }
         // Only the rows whose logits are wanted go through the head.
         let mut rows = Vec::new();
@@ -615,11 +736,20 @@ impl<B: Backend> GlmModel<B> {
         let hs = be.gather_rows(&h, &rows)?;
         let hn = be.rms_norm(&hs, &self.output_norm, self.spec.rms_eps)?;
         self.emit(obs, || "output_norm.out".into(), &hn)?;
-        let head = self.output.as_ref().unwrap_or(&self.token_embd);
-        let logits = be.matmul(&hn, head)?;
+        let w = self.output.as_ref().unwrap_or(&self.token_embd);
+        // This rank's vocabulary rows.
+        let local = be.matmul(&hn, w)?;
+        let (logits, to_host) = match head {
+            HeadOutput::Gathered => (be.all_gather_cols(local)?, true),
+            HeadOutput::GatherOnly => (be.all_gather_cols(local)?, false),
+            HeadOutput::Local => (local, true),
+        };
         self.emit(obs, || "logits".into(), &logits)?;
+        if !to_host {
+            return Ok(Vec::new());
+        }
+        let v = be.shape(&logits).1;
         let host = be.to_host(&logits)?;
-        let v = self.spec.n_vocab;
         let mut out = Vec::with_capacity(segs.len());
         let mut r = 0;
         for (s, &all) in segs.iter().zip(all_logits) {
@@ -628,6 +758,47 @@ impl<B: Backend> GlmModel<B> {
             r += n;
         }
         Ok(out)
+    }
+
+    /// One decoder block on the residual stream `h` (attention, then FFN / MoE, each added back
+    /// after its partial sums are reduced over the ranks). NextN blocks are the same layer.
+    #[allow(clippy::too_many_arguments)]
+    fn decoder_layer(
+        &self,
+        li: usize,
+        layer: &Layer<B>,
+        h: B::Tensor,
+        positions: &[u32],
+        segs: &[Seg],
+        caches: &mut [&mut KvCache<B>],
+        prev_sel: &mut [Option<B::Index>],
+        obs: &mut Option<Observer<'_>>,
+    ) -> Result<B::Tensor, RuntimeError> {
+        let be = &self.backend;
+        let x = be.rms_norm(&h, &layer.attn_norm, self.spec.rms_eps)?;
+        self.emit(obs, || format!("blk.{li}.attn_norm.out"), &x)?;
+        let mut a = match (&layer.attn, &self.attn) {
+            (Attn::Mla(w), AttentionSpec::Mla(m)) => {
+                self.mla(li, layer, w, m, &x, positions, segs, caches, prev_sel, obs)?
+            }
+            (Attn::Gqa(w), AttentionSpec::Gqa(g)) => {
+                self.gqa(li, w, g, &x, positions, segs, caches)?
+            }
+            _ => return Err(model_err("attention weights do not match the spec")),
+        };
+        // attn_output's input columns are this rank's heads: partial sums.
+        be.all_reduce_sum(&mut a)?;
+        self.emit(obs, || format!("blk.{li}.attn_output.out"), &a)?;
+        let h = be.add(&h, &a)?;
+        let x = be.rms_norm(&h, &layer.ffn_norm, self.spec.rms_eps)?;
+        self.emit(obs, || format!("blk.{li}.ffn_norm.out"), &x)?;
+        let mut f = self.ffn(li, &layer.ffn, &x, obs)?;
+        // Dense down / routed experts + shared expert: one reduction for the whole block.
+        be.all_reduce_sum(&mut f)?;
+        self.emit(obs, || format!("blk.{li}.ffn.out"), &f)?;
+        let h = be.add(&h, &f)?;
+        self.emit(obs, || format!("blk.{li}.out"), &h)?;
+        Ok(h)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -925,6 +1096,13 @@ impl<B: Backend> GlmModel<B> {
                 )?;
                 self.emit(obs, || format!("blk.{li}.router.weights"), &wts)?;
                 self.emit_index(obs, || format!("blk.{li}.router.experts"), &ids)?;
+                // Expert parallelism: this rank computes only the chosen experts it holds.
+                let ids = if self.view.whole_experts() {
+                    let r = &self.view.experts;
+                    be.local_expert_ids(ids, r.start, r.len())?
+                } else {
+                    ids
+                };
                 let y = be.moe_ffn(x, gate, up, down, &wts, &ids)?;
                 match shared {
                     Some(m) => be.add(&y, &self.mlp(m, x)?),
@@ -933,6 +1111,43 @@ impl<B: Backend> GlmModel<B> {
             }
         }
     }
+}
+
+/// Refuse a step a model cannot take: no tokens, more than its context, an id outside its
+/// vocabulary (`cached`: tokens already in the sequence's cache).
+pub(crate) fn check_step(
+    spec: &ModelSpec,
+    cached: usize,
+    tokens: &[u32],
+) -> Result<(), RuntimeError> {
+    if tokens.is_empty() {
+        return Err(RuntimeError::Backend("a step without tokens".into()));
+    }
+    let need = cached + tokens.len();
+    if need > spec.n_ctx_train {
+        return Err(RuntimeError::ContextExceeded {
+            need,
+            max: spec.n_ctx_train,
+        });
+    }
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= spec.n_vocab) {
+        return Err(RuntimeError::Backend(format!(
+            "token id {bad} out of range (vocabulary {})",
+            spec.n_vocab
+        )));
+    }
+    Ok(())
+}
+
+/// How a rank returns the head's logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadOutput {
+    /// The whole vocabulary (gathered over the ranks), copied to the host.
+    Gathered,
+    /// Take part in the gather but return nothing (ranks other than the one that reports).
+    GatherOnly,
+    /// This rank's vocabulary rows only (merged per token by the caller, e.g. greedy top-k).
+    Local,
 }
 
 /// Rows of one sequence inside the stacked batch.

@@ -8,10 +8,12 @@ pub mod cpu;
 pub mod error;
 pub mod glm;
 pub mod lm;
+pub mod numerics;
 pub mod spec;
+pub mod tp;
 pub mod weights;
 
 pub use error::RuntimeError;
-pub use lm::{LanguageModel, SeqStep, SequenceState};
+pub use lm::{LanguageModel, SeqStep, SequenceState, TopTokens};
 pub mod cuda;
 pub mod device;

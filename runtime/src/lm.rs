@@ -1,8 +1,13 @@
 //! The one interface between a loaded model (any backend) and its users: `generate`, the engine
 //! and the server. Object-safe so the server can hold a CPU or a CUDA model alike.
 
+use crate::tp::TpReport;
 use crate::RuntimeError;
 use std::any::Any;
+
+/// A sequence's most likely next tokens with their natural-log softmax probabilities, best first,
+/// lowest id among equals.
+pub type TopTokens = Vec<(u32, f32)>;
 
 /// Per-sequence state owned by the model (KV cache: latent + rope part + indexer keys).
 pub trait SequenceState: Send {
@@ -36,4 +41,106 @@ pub trait LanguageModel: Send + Sync {
     /// (`tokens.len() * vocab` values when `all_logits`, else `vocab` values for the last token).
     /// Sequences in one call share the weight reads (continuous batching).
     fn forward(&self, batch: &mut [SeqStep<'_>]) -> Result<Vec<Vec<f32>>, RuntimeError>;
+
+    /// [`LanguageModel::forward`] for steps that want the last position only, returning each
+    /// sequence's `k` most likely next tokens instead of its logits: all greedy decoding needs.
+    /// A tensor-parallel model merges its ranks' candidates here instead of gathering the whole
+    /// vocabulary.
+    fn forward_top_k(
+        &self,
+        batch: &mut [SeqStep<'_>],
+        k: usize,
+    ) -> Result<Vec<TopTokens>, RuntimeError> {
+        last_positions_only(batch)?;
+        Ok(self
+            .forward(batch)?
+            .iter()
+            .map(|l| merge_top(&[local_top(l, k, 0)], k))
+            .collect())
+    }
+
+    /// How the model is split over tensor-parallel ranks; `None` on a single device.
+    fn tp_report(&self) -> Option<TpReport> {
+        None
+    }
+
+    /// Tokens of KV cache all sequences together may hold, when the device memory bounds it
+    /// (sized from the memory left after the weights); `None`: only host memory bounds it.
+    fn cache_capacity_tokens(&self) -> Option<usize> {
+        None
+    }
+}
+
+/// `forward_top_k` answers for the last position of each step only.
+pub(crate) fn last_positions_only(batch: &[SeqStep<'_>]) -> Result<(), RuntimeError> {
+    if batch.iter().any(|s| s.all_logits) {
+        return Err(RuntimeError::Backend(
+            "forward_top_k: steps that want every position's logits need forward".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The best `k` entries of one vocabulary slice (ids from `id0`) as raw logits, and the slice's
+/// `log(sum(exp))` in f64 (NaN ignored): what one rank contributes to a merged top-k.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LocalTop {
+    pub top: Vec<(u32, f32)>,
+    pub lse: f64,
+}
+
+/// Order of candidates: larger logit first, lower id among equals (greedy's tie rule).
+fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// The `k` best of `logits` (ids `id0 ..`) and their log-sum-exp.
+pub fn local_top(logits: &[f32], k: usize, id0: u32) -> LocalTop {
+    let max = logits
+        .iter()
+        .filter(|l| !l.is_nan())
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let lse = if max.is_finite() {
+        let m = max as f64;
+        m + logits
+            .iter()
+            .filter(|l| !l.is_nan())
+            .map(|&l| (l as f64 - m).exp())
+            .sum::<f64>()
+            .ln()
+    } else {
+        max as f64
+    };
+    let mut c: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| !l.is_nan())
+        .map(|(i, &l)| (id0 + i as u32, l))
+        .collect();
+    if k < c.len() && k > 0 {
+        c.select_nth_unstable_by(k - 1, by_logit);
+    }
+    c.truncate(k);
+    c.sort_unstable_by(by_logit);
+    LocalTop { top: c, lse }
+}
+
+/// The `k` best over all slices with log-probabilities under the softmax of the whole vocabulary:
+/// `log(sum(exp))` of the whole is combined from the slices' (exact up to f64 rounding).
+pub fn merge_top(parts: &[LocalTop], k: usize) -> TopTokens {
+    let m = parts
+        .iter()
+        .map(|p| p.lse)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let lse = if m.is_finite() {
+        m + parts.iter().map(|p| (p.lse - m).exp()).sum::<f64>().ln()
+    } else {
+        m
+    };
+    let mut all: Vec<(u32, f32)> = parts.iter().flat_map(|p| p.top.iter().copied()).collect();
+    all.sort_unstable_by(by_logit);
+    all.truncate(k);
+    all.into_iter()
+        .map(|(i, l)| (i, (l as f64 - lse) as f32))
+        .collect()
 }

@@ -9,6 +9,7 @@
 use crate::backend::{Gating, RopeStyle};
 use crate::RuntimeError;
 use gguf::{Metadata, Value};
+use mappings::shard::ShardRole;
 
 /// Model families this runtime understands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,13 +132,24 @@ pub struct LayerSpec {
     pub mtp: bool,
 }
 
-/// A tensor the architecture expects.
+/// A tensor of the model as its architecture's mapping table (`mappings/data/<arch>.yaml`) lists
+/// it, resolved over this model's metadata: names, shapes and shard roles all come from there.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorSpec {
+    /// The forward pass's name for the tensor (the table's `role`, e.g. `attn_q_b`).
+    pub role: String,
+    /// GGUF block (`blk.N`); `None` for global tensors.
+    pub block: Option<usize>,
     pub name: String,
     /// ggml order.
     pub dims: Vec<usize>,
+    /// Not optional in the table. The forward may still require an optional one (the indexer
+    /// of a full layer) or do without a required one (a NextN block left out as a whole).
     pub required: bool,
+    /// How tensor parallelism divides it.
+    pub shard: ShardRole,
+    /// The tensor that stands in when this one is absent (a tied output head).
+    pub tied_to: Option<String>,
 }
 
 /// Everything a forward pass needs to know about a model.
@@ -162,6 +174,8 @@ pub struct ModelSpec {
     pub tied_output: bool,
     /// Legacy DeepSeek GGUFs store `attn_kv_b` unsplit instead of `attn_k_b` / `attn_v_b`.
     pub kv_b_unsplit: bool,
+    /// Every tensor the mapping table lists for this model (all blocks, NextN included).
+    pub tensors: Vec<TensorSpec>,
 }
 
 fn model_err(msg: impl Into<String>) -> RuntimeError {
@@ -233,6 +247,16 @@ impl Hp<'_> {
     }
 }
 
+/// A routed-expert weight scale: the experts' sum is multiplied by it, so it must be a positive
+/// finite number (0 silences the routed experts, a negative one flips them).
+fn positive_scale(hp: &Hp<'_>, k: &str) -> Result<f32, RuntimeError> {
+    let v = hp.f32_or(k, 1.0)?;
+    if v <= 0.0 {
+        return Err(model_err(format!("{}: {v} must be positive", hp.key(k))));
+    }
+    Ok(v)
+}
+
 /// Per-layer booleans stored as a BOOL or integer array (`attention.indexer.types`).
 fn bool_array(v: &Value) -> Option<Vec<bool>> {
     v.as_array()?
@@ -296,6 +320,14 @@ impl ModelSpec {
         }
         let n_ctx_train = hp.positive("context_length")?;
         let rms_eps = hp.f32_or("attention.layer_norm_rms_epsilon", 1e-6)?;
+        // RMSNorm divides by sqrt(mean(x^2) + eps): eps must be a positive normal f32 so an
+        // all-zero row stays finite, and at most 1 or it swamps unit-scale activations.
+        if !(f32::MIN_POSITIVE..=1.0).contains(&rms_eps) {
+            return Err(model_err(format!(
+                "{}: {rms_eps:e} is outside (0, 1]: RMS normalization would divide by zero or drown the activations",
+                hp.key("attention.layer_norm_rms_epsilon")
+            )));
+        }
         let n_ff = hp.usize_or("feed_forward_length", 0)?;
         let n_head = hp.positive("attention.head_count")?;
         if let Some(t) = md.get(&hp.key("rope.scaling.type")).and_then(Value::as_str) {
@@ -307,6 +339,14 @@ impl ModelSpec {
             }
         }
         let theta = hp.f32_or("rope.freq_base", 10000.0)?;
+        // RoPE rotates pair i by position * theta^(-2i/d): theta <= 0 gives NaN or infinite
+        // angles, and theta must exceed 1 for the frequencies to fall with i.
+        if theta.is_nan() || theta <= 1.0 {
+            return Err(model_err(format!(
+                "{}: {theta} must be greater than 1 (RoPE frequencies theta^(-2i/d) must decrease)",
+                hp.key("rope.freq_base")
+            )));
+        }
         let n_rot = hp.usize("rope.dimension_count")?;
         if n_rot == 0 || !n_rot.is_multiple_of(2) {
             return Err(model_err(format!(
@@ -442,7 +482,7 @@ impl ModelSpec {
                     n_group_used,
                     gating,
                     normalize: hp.bool_or("expert_weights_norm", false)?,
-                    scale: hp.f32_or("expert_weights_scale", 1.0)?,
+                    scale: positive_scale(&hp, "expert_weights_scale")?,
                 })
             }
             _ => None,
@@ -470,6 +510,8 @@ impl ModelSpec {
                 mtp: i >= n_layer,
             })
             .collect();
+        let tensors = resolve_tensors(md, arch, n_block)?;
+        let kv_b_unsplit = tensors.iter().any(|t| t.role == "attn_kv_b");
         Ok(Self {
             arch,
             n_vocab,
@@ -488,34 +530,44 @@ impl ModelSpec {
             moe,
             layers,
             tied_output: false,
-            kv_b_unsplit: false,
+            kv_b_unsplit,
+            tensors,
         })
     }
 
-    /// Check the tensor table (`dims_of(name)` gives a tensor's ggml dims, `None` if absent),
-    /// settling the optional layouts (tied output, legacy unsplit kv_b).
+    /// Check the tensor table (`dims_of(name)` gives a tensor's ggml dims, `None` if absent)
+    /// against the mapping table, settling the optional layouts (tied output, GQA biases and
+    /// q/k norms). A NextN block may be absent as a whole, but is checked once present.
     pub fn check_tensors(
         &mut self,
         dims_of: impl Fn(&str) -> Option<Vec<usize>>,
     ) -> Result<(), RuntimeError> {
-        self.tied_output = dims_of("output.weight").is_none();
-        self.kv_b_unsplit = matches!(self.attention, AttentionSpec::Mla(_))
-            && dims_of("blk.0.attn_k_b.weight").is_none()
-            && dims_of("blk.0.attn_kv_b.weight").is_some();
+        let present = |role: &str, block: Option<usize>| {
+            self.tensor(role, block)
+                .is_some_and(|t| dims_of(&t.name).is_some())
+        };
+        self.tied_output = !present("output", None);
         if let AttentionSpec::Gqa(g) = &mut self.attention {
-            g.qk_norm = dims_of("blk.0.attn_q_norm.weight").is_some();
-            g.bias = dims_of("blk.0.attn_q.bias").is_some();
-        }
-        let mtp_present =
-            self.layers.iter().find(|l| l.mtp).is_some_and(|l| {
-                dims_of(&format!("blk.{}.nextn.eh_proj.weight", l.index)).is_some()
-            });
-        for t in self.tensor_specs() {
-            let is_mtp = self
-                .layers
+            let first = self.layers.first().map(|l| l.index);
+            g.qk_norm = self
+                .tensors
                 .iter()
-                .any(|l| l.mtp && t.name.starts_with(&format!("blk.{}.", l.index)));
-            let required = t.required && (!is_mtp || mtp_present);
+                .any(|t| t.role == "attn_q_norm" && t.block == first && dims_of(&t.name).is_some());
+            g.bias = self
+                .tensors
+                .iter()
+                .any(|t| t.role == "attn_q_bias" && t.block == first && dims_of(&t.name).is_some());
+        }
+        let mtp_present = self
+            .tensors
+            .iter()
+            .any(|t| t.role == "nextn_eh_proj" && dims_of(&t.name).is_some());
+        for t in &self.tensors {
+            let is_mtp = t
+                .block
+                .is_some_and(|b| self.layers.get(b).is_some_and(|l| l.mtp));
+            let stood_in = t.tied_to.as_ref().is_some_and(|n| dims_of(n).is_some());
+            let required = t.required && (!is_mtp || mtp_present) && !stood_in;
             match dims_of(&t.name) {
                 None if required => {
                     return Err(model_err(format!(
@@ -544,120 +596,70 @@ impl ModelSpec {
         self.layers.len() - self.n_layer
     }
 
-    /// Every tensor the architecture uses, with its ggml dims.
-    pub fn tensor_specs(&self) -> Vec<TensorSpec> {
-        let d = self.n_embd;
-        let mut out = Vec::new();
-        let mut push = |name: String, dims: Vec<usize>, required: bool| {
-            out.push(TensorSpec {
-                name,
-                dims,
-                required,
-            })
+    /// Every tensor the mapping table lists for this model.
+    pub fn tensor_specs(&self) -> &[TensorSpec] {
+        &self.tensors
+    }
+
+    /// The tensor playing `role` in block `block` (`None`: a global tensor), if the table lists
+    /// one for this model.
+    pub fn tensor(&self, role: &str, block: Option<usize>) -> Option<&TensorSpec> {
+        self.tensors
+            .iter()
+            .find(|t| t.block == block && t.role == role)
+    }
+}
+
+/// The tensors of the architecture's mapping table that apply to this model's blocks, with their
+/// shapes evaluated over its metadata. Entries without a role are not used by the forward pass.
+fn resolve_tensors(
+    md: &Metadata,
+    arch: Arch,
+    n_block: usize,
+) -> Result<Vec<TensorSpec>, RuntimeError> {
+    let table = mappings::table(arch.name())
+        .map_err(|e| model_err(format!("mapping table of {}: {e}", arch.name())))?;
+    let env = mappings::table::Env::new(table, md);
+    let mut out = Vec::new();
+    for e in table.entries.iter().filter(|e| !e.roles.is_empty()) {
+        let blocks: Vec<Option<usize>> = if e.layers.is_some() {
+            (0..n_block).map(Some).collect()
+        } else {
+            vec![None]
         };
-        push("token_embd.weight".into(), vec![d, self.n_vocab], true);
-        push("output_norm.weight".into(), vec![d], true);
-        push(
-            "output.weight".into(),
-            vec![d, self.n_vocab],
-            !self.tied_output,
-        );
-        for l in &self.layers {
-            let b = |s: &str| format!("blk.{}.{s}", l.index);
-            push(b("attn_norm.weight"), vec![d], true);
-            push(b("ffn_norm.weight"), vec![d], true);
-            match &self.attention {
-                AttentionSpec::Mla(m) => {
-                    let h = m.n_head;
-                    match m.q_lora_rank {
-                        Some(r) => {
-                            push(b("attn_q_a.weight"), vec![d, r], true);
-                            push(b("attn_q_a_norm.weight"), vec![r], true);
-                            push(b("attn_q_b.weight"), vec![r, h * m.qk_head()], true);
-                        }
-                        None => push(b("attn_q.weight"), vec![d, h * m.qk_head()], true),
-                    }
-                    push(b("attn_kv_a_mqa.weight"), vec![d, m.cache_width()], true);
-                    push(b("attn_kv_a_norm.weight"), vec![m.kv_lora_rank], true);
-                    if self.kv_b_unsplit {
-                        push(
-                            b("attn_kv_b.weight"),
-                            vec![m.kv_lora_rank, h * (m.qk_nope + m.v_head)],
-                            true,
-                        );
-                    } else {
-                        push(
-                            b("attn_k_b.weight"),
-                            vec![m.qk_nope, m.kv_lora_rank, h],
-                            true,
-                        );
-                        push(
-                            b("attn_v_b.weight"),
-                            vec![m.kv_lora_rank, m.v_head, h],
-                            true,
-                        );
-                    }
-                    push(b("attn_output.weight"), vec![h * m.v_head, d], true);
-                    if let (Some(ix), Some(r)) = (&self.indexer, m.q_lora_rank) {
-                        if l.own_indexer {
-                            push(b("indexer.k_norm.weight"), vec![ix.head_dim], true);
-                            push(b("indexer.k_norm.bias"), vec![ix.head_dim], true);
-                            push(b("indexer.proj.weight"), vec![d, ix.n_head], true);
-                            push(b("indexer.attn_k.weight"), vec![d, ix.head_dim], true);
-                            push(
-                                b("indexer.attn_q_b.weight"),
-                                vec![r, ix.n_head * ix.head_dim],
-                                true,
-                            );
-                        }
-                    }
-                }
-                AttentionSpec::Gqa(g) => {
-                    let (q, kv) = (g.n_head * g.head_dim, g.n_head_kv * g.head_dim);
-                    push(b("attn_q.weight"), vec![d, q], true);
-                    push(b("attn_k.weight"), vec![d, kv], true);
-                    push(b("attn_v.weight"), vec![d, kv], true);
-                    push(b("attn_q.bias"), vec![q], g.bias);
-                    push(b("attn_k.bias"), vec![kv], g.bias);
-                    push(b("attn_v.bias"), vec![kv], g.bias);
-                    push(b("attn_q_norm.weight"), vec![g.head_dim], false);
-                    push(b("attn_k_norm.weight"), vec![g.head_dim], false);
-                    push(b("attn_output.weight"), vec![q, d], true);
-                }
+        for b in blocks {
+            let bid = b.map(|b| b as u64);
+            let applies = env
+                .entry_applies(e, bid)
+                .map_err(|x| model_err(format!("{}: {x}", e.label())))?;
+            if !applies {
+                continue;
             }
-            match (l.ffn, &self.moe) {
-                (FfnKind::Moe, Some(e)) => {
-                    push(b("ffn_gate_inp.weight"), vec![d, e.n_expert], true);
-                    push(b("exp_probs_b.bias"), vec![e.n_expert], false);
-                    push(b("ffn_gate_exps.weight"), vec![d, e.n_ff, e.n_expert], true);
-                    push(b("ffn_up_exps.weight"), vec![d, e.n_ff, e.n_expert], true);
-                    push(b("ffn_down_exps.weight"), vec![e.n_ff, d, e.n_expert], true);
-                    if e.n_shared > 0 {
-                        let s = e.n_ff * e.n_shared;
-                        push(b("ffn_gate_shexp.weight"), vec![d, s], true);
-                        push(b("ffn_up_shexp.weight"), vec![d, s], true);
-                        push(b("ffn_down_shexp.weight"), vec![s, d], true);
-                    }
-                }
-                _ => {
-                    push(b("ffn_gate.weight"), vec![d, self.n_ff], true);
-                    push(b("ffn_up.weight"), vec![d, self.n_ff], true);
-                    push(b("ffn_down.weight"), vec![self.n_ff, d], true);
-                }
-            }
-            if l.mtp {
-                push(b("nextn.eh_proj.weight"), vec![2 * d, d], true);
-                push(b("nextn.enorm.weight"), vec![d], true);
-                push(b("nextn.hnorm.weight"), vec![d], true);
-                push(b("nextn.shared_head_norm.weight"), vec![d], true);
-                push(b("nextn.embed_tokens.weight"), vec![d, self.n_vocab], false);
-                push(
-                    b("nextn.shared_head_head.weight"),
-                    vec![d, self.n_vocab],
-                    false,
-                );
+            for (part, (role, name)) in e.roles.iter().zip(e.gguf_names(bid)).enumerate() {
+                let dims = env
+                    .shape(e, part, bid)
+                    .map_err(|x| model_err(format!("tensor {name}: {x}")))?
+                    .into_iter()
+                    .map(|d| {
+                        usize::try_from(d)
+                            .ok()
+                            .filter(|&d| d <= 1 << 40)
+                            .ok_or_else(|| {
+                                model_err(format!("tensor {name}: dimension {d} is implausible"))
+                            })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                out.push(TensorSpec {
+                    role: role.clone(),
+                    block: b,
+                    name,
+                    dims,
+                    required: !e.optional,
+                    shard: ShardRole::of(e),
+                    tied_to: e.tied_to.clone(),
+                });
             }
         }
-        out
     }
+    Ok(out)
 }

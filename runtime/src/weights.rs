@@ -1,9 +1,11 @@
 //! Weights as stored in a GGUF file, handed to a backend's `upload`: name, ggml type, dims and
-//! the raw bytes (borrowed from the model's mmap, or owned for derived/synthetic weights).
+//! the raw bytes (borrowed from the model's mmap, or owned for derived/synthetic weights), or a
+//! tensor-parallel rank's share of them (a strided view of the same bytes).
 
 use crate::RuntimeError;
 use gguf::GgmlType;
-use std::sync::Arc;
+use std::ops::Range;
+use std::sync::{Arc, OnceLock};
 
 /// Where a weight's bytes live.
 #[derive(Clone)]
@@ -16,7 +18,33 @@ enum Bytes {
     },
 }
 
-/// One weight tensor in its GGUF type. Cloning is cheap (the bytes are shared).
+impl Bytes {
+    fn all(&self) -> &[u8] {
+        match self {
+            Bytes::Owned(b) => b,
+            Bytes::Gguf { model, name } => match model.tensor(name) {
+                Some(t) => model.data(&t),
+                // Resolved at construction; a model's tensor table never changes.
+                None => &[],
+            },
+        }
+    }
+}
+
+/// A tensor-parallel share of the bytes: `count` runs of `len` bytes, `stride` apart, from
+/// `first` (see `mappings::shard::TensorSlice`). Reads go straight to the underlying bytes;
+/// only a caller that needs one contiguous buffer (a device upload) gets a copy of the share.
+#[derive(Clone)]
+struct Strided {
+    first: usize,
+    len: usize,
+    stride: usize,
+    count: usize,
+    contiguous: Arc<OnceLock<Vec<u8>>>,
+}
+
+/// One weight tensor in its GGUF type, or a tensor-parallel share of one. Cloning is cheap (the
+/// bytes are shared).
 #[derive(Clone)]
 pub struct HostWeight {
     name: String,
@@ -25,6 +53,7 @@ pub struct HostWeight {
     dims: Vec<usize>,
     n_bytes: usize,
     bytes: Bytes,
+    view: Option<Strided>,
 }
 
 impl std::fmt::Debug for HostWeight {
@@ -52,6 +81,10 @@ fn expected_bytes(name: &str, ty: GgmlType, dims: &[usize]) -> Result<usize, Run
         .ok_or_else(bad)
 }
 
+fn to_usize(name: &str, v: u64) -> Result<usize, RuntimeError> {
+    usize::try_from(v).map_err(|_| RuntimeError::Model(format!("tensor {name}: {v} too large")))
+}
+
 impl HostWeight {
     /// A weight from owned bytes; the byte count must match type and dims.
     pub fn from_bytes(
@@ -74,6 +107,7 @@ impl HostWeight {
             dims,
             n_bytes: need,
             bytes: Bytes::Owned(Arc::new(bytes)),
+            view: None,
         })
     }
 
@@ -116,7 +150,67 @@ impl HostWeight {
                 model: Arc::clone(model),
                 name: Arc::from(name),
             },
+            view: None,
         })
+    }
+
+    /// The share holding indices `range` along ggml `axis` (a tensor-parallel rank's part), read
+    /// in place. Where the split would cut quant blocks inside the rows, the share is re-encoded
+    /// as F32 (its exact dequantized values, one row at a time) and the second value is true.
+    pub fn shard(
+        &self,
+        axis: usize,
+        range: Range<usize>,
+    ) -> Result<(HostWeight, bool), RuntimeError> {
+        if self.view.is_some() {
+            return Err(RuntimeError::Model(format!(
+                "tensor {}: a share cannot be split again",
+                self.name
+            )));
+        }
+        let ne: Vec<u64> = self.dims.iter().map(|&d| d as u64).collect();
+        let r = range.start as u64..range.end as u64;
+        match mappings::shard::slice(self.ty, &ne, axis, r) {
+            Ok(s) => {
+                let dims =
+                    s.ne.iter()
+                        .map(|&d| to_usize(&self.name, d))
+                        .collect::<Result<Vec<_>, _>>()?;
+                let n_bytes = to_usize(&self.name, s.n_bytes())?;
+                let view = (s.n_bytes() != self.n_bytes as u64 || s.first != 0).then(|| Strided {
+                    first: s.first as usize,
+                    len: s.len as usize,
+                    stride: s.stride as usize,
+                    count: s.count as usize,
+                    contiguous: Arc::new(OnceLock::new()),
+                });
+                Ok((
+                    HostWeight {
+                        name: self.name.clone(),
+                        ty: self.ty,
+                        dims,
+                        n_bytes,
+                        bytes: self.bytes.clone(),
+                        view,
+                    },
+                    false,
+                ))
+            }
+            Err(mappings::MappingError::SplitCutsBlock { .. }) if axis == 0 => {
+                let k = self.row_len();
+                let mut row = vec![0f32; k];
+                let mut vals = Vec::with_capacity(range.len() * self.n_rows());
+                for r in 0..self.n_rows() {
+                    dequantize(self.ty, self.row_data(r), &mut row)
+                        .map_err(|e| RuntimeError::Model(format!("tensor {}: {e}", self.name)))?;
+                    vals.extend_from_slice(&row[range.clone()]);
+                }
+                let mut dims = self.dims.clone();
+                dims[0] = range.len();
+                Ok((HostWeight::from_f32(self.name.clone(), dims, &vals)?, true))
+            }
+            Err(e) => Err(RuntimeError::Model(format!("tensor {}: {e}", self.name))),
+        }
     }
 
     pub fn name(&self) -> &str {
@@ -140,23 +234,51 @@ impl HostWeight {
         // Checked in the constructors.
         self.n_bytes / self.n_rows().max(1)
     }
-    /// The raw bytes in the GGUF type.
+    /// Bytes of the weight (of the share, for a tensor-parallel share).
+    pub fn n_bytes(&self) -> usize {
+        self.n_bytes
+    }
+
+    /// The raw bytes of row `r` in the GGUF type (read in place, also for a strided share).
+    pub fn row_data(&self, r: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        let all = self.bytes.all();
+        let off = match &self.view {
+            None => r * rb,
+            Some(v) => {
+                let per_run = (v.len / rb.max(1)).max(1);
+                v.first + (r / per_run) * v.stride + (r % per_run) * rb
+            }
+        };
+        all.get(off..off + rb).unwrap_or(&[])
+    }
+
+    /// The raw bytes in the GGUF type, contiguous. For a strided share this is a copy of the
+    /// share (made once, on first use: device uploads), never of the whole tensor.
     pub fn bytes(&self) -> &[u8] {
-        match &self.bytes {
-            Bytes::Owned(b) => b,
-            Bytes::Gguf { model, name } => match model.tensor(name) {
-                Some(t) => model.data(&t),
-                // Resolved at construction; a model's tensor table never changes.
-                None => &[],
-            },
+        let all = self.bytes.all();
+        match &self.view {
+            None => all,
+            Some(v) if v.count <= 1 => all.get(v.first..v.first + v.len).unwrap_or(&[]),
+            Some(v) => v.contiguous.get_or_init(|| {
+                let mut out = Vec::with_capacity(v.len * v.count);
+                for i in 0..v.count {
+                    let s = v.first + i * v.stride;
+                    out.extend_from_slice(all.get(s..s + v.len).unwrap_or(&[]));
+                }
+                out
+            }),
         }
     }
 
     /// All values as f32.
     pub fn to_f32(&self) -> Result<Vec<f32>, RuntimeError> {
-        let mut out = vec![0f32; self.n_rows() * self.row_len()];
-        dequantize(self.ty, self.bytes(), &mut out)
-            .map_err(|e| RuntimeError::Model(format!("tensor {}: {e}", self.name)))?;
+        let k = self.row_len();
+        let mut out = vec![0f32; self.n_rows() * k];
+        for (r, o) in out.chunks_mut(k.max(1)).enumerate() {
+            dequantize(self.ty, self.row_data(r), o)
+                .map_err(|e| RuntimeError::Model(format!("tensor {}: {e}", self.name)))?;
+        }
         Ok(out)
     }
 }

@@ -3,8 +3,8 @@
 
 use gguf::{Metadata, Value};
 use runtime::backend::{Gating, RopeStyle};
-use runtime::glm::{join_kv_b, split_kv_b, GlmModel};
-use runtime::spec::{Arch, AttentionSpec, FfnKind, MlaSpec, ModelSpec};
+use runtime::glm::GlmModel;
+use runtime::spec::{Arch, AttentionSpec, FfnKind, ModelSpec};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -209,35 +209,4 @@ fn the_nextn_block_is_loaded_for_later_use() {
     let mtp = &lm.mtp_layers()[0];
     assert_eq!(mtp.eh_proj.dims(), &[512, 256]);
     assert!(mtp.embed_tokens.is_none() && mtp.shared_head_head.is_none());
-}
-
-/// spec §2.5: `W[h*(nope+v) + i, r] = K(i, r, h)` and `W[h*(nope+v) + nope + j, r] = V(r, j, h)`.
-#[test]
-fn kv_b_join_and_split_follow_the_converter_layout() {
-    let m = MlaSpec {
-        n_head: 2,
-        q_lora_rank: None,
-        kv_lora_rank: 3,
-        qk_nope: 2,
-        qk_rope: 2,
-        v_head: 4,
-        scale: 1.0,
-        lora_norm_eps: 1e-6,
-    };
-    let k: Vec<f32> = (0..2 * 3 * 2).map(|v| v as f32).collect();
-    let v: Vec<f32> = (0..2 * 4 * 3).map(|v| 100.0 + v as f32).collect();
-    let w = join_kv_b(&k, &v, &m);
-    let kk = |i: usize, r: usize, h: usize| k[i + 2 * r + 2 * 3 * h];
-    let vv = |r: usize, j: usize, h: usize| v[r + 3 * j + 3 * 4 * h];
-    for h in 0..2 {
-        for r in 0..3 {
-            for i in 0..2 {
-                assert_eq!(w[(h * 6 + i) * 3 + r], kk(i, r, h));
-            }
-            for j in 0..4 {
-                assert_eq!(w[(h * 6 + 2 + j) * 3 + r], vv(r, j, h));
-            }
-        }
-    }
-    assert_eq!(split_kv_b(&w, &m), (k, v));
 }

@@ -11,15 +11,51 @@
 //! `bos_token`/`eos_token` (texts of the GGUF's BOS/EOS ids), plus caller kwargs such as
 //! `enable_thinking`.
 //! Not supported: transformers' `{% generation %}` tag (assistant-mask bookkeeping).
+//!
+//! Templates come from files users download, so rendering is bounded ([`ChatLimits`]): a fuel
+//! limit on executed instructions (loops) and a cap on the output size, both reported as a
+//! [`ServingError::Template`] for that one render instead of exhausting the process. minijinja
+//! itself caps `range()` at 100,000 items and string repetition at 100 MB. Not bounded: memory
+//! a template builds up without output, such as a string doubled in a loop of a few dozen
+//! iterations (each concatenation is one instruction).
+//!
+//! With a content escaper ([`ChatTemplate::set_content_escaper`], the tokenizer's
+//! `escape_control_text`), every string the caller supplies (messages, tools, kwargs) has its
+//! control-token text neutralized before the template sees it, so the rendered prompt carries
+//! control tokens only where the template text wrote them (see `Tokenizer::encode_chat`).
 
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, Output, State, Value};
 use serde::{Deserialize, Serialize};
 
 use crate::ServingError;
+use std::sync::Arc;
 
 const TEMPLATE_KEY: &str = "tokenizer.chat_template";
 const NAME: &str = "chat_template";
+
+/// Bounds of one render.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChatLimits {
+    /// Template instructions one render may execute. A conversation of a thousand messages
+    /// through a tool-aware template takes well under a million.
+    pub fuel: u64,
+    /// Largest rendered prompt in bytes. A prompt far beyond what any context holds is refused
+    /// here, before it is tokenized.
+    pub max_output_bytes: usize,
+}
+
+impl Default for ChatLimits {
+    fn default() -> Self {
+        ChatLimits {
+            fuel: 20_000_000,
+            max_output_bytes: 32 << 20,
+        }
+    }
+}
+
+/// Neutralizes special-token text in caller-supplied strings; `None` = unchanged.
+pub type ContentEscaper = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
 /// One chat turn.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -43,6 +79,8 @@ pub struct ChatTemplate {
     source: String,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    limits: ChatLimits,
+    escaper: Option<ContentEscaper>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -108,16 +146,35 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_template_owned(NAME, source.clone())
             .map_err(|e| template_err("cannot compile the chat template", e))?;
+        let limits = ChatLimits::default();
+        env.set_fuel(Some(limits.fuel));
         Ok(Self {
             env,
             source,
             bos_token,
             eos_token,
+            limits,
+            escaper: None,
         })
     }
 
     pub fn source(&self) -> &str {
         &self.source
+    }
+
+    pub fn limits(&self) -> ChatLimits {
+        self.limits
+    }
+
+    /// Change the render bounds (tests; servers with unusual contexts).
+    pub fn set_limits(&mut self, limits: ChatLimits) {
+        self.limits = limits;
+        self.env.set_fuel(Some(limits.fuel));
+    }
+
+    /// Neutralize special-token text in every caller-supplied string before rendering.
+    pub fn set_content_escaper(&mut self, escaper: ContentEscaper) {
+        self.escaper = Some(escaper);
     }
 
     /// Renders `messages`; with `add_generation_prompt` the text ends where the assistant's reply
@@ -155,12 +212,71 @@ impl ChatTemplate {
         for (k, v) in kwargs {
             ctx.insert(k.clone(), v.clone());
         }
+        if let Some(esc) = &self.escaper {
+            for (k, v) in ctx.iter_mut() {
+                // The BOS/EOS texts are the template's own, not the caller's.
+                if k != "bos_token" && k != "eos_token" {
+                    escape_strings(v, esc.as_ref());
+                }
+            }
+        }
         let tmpl = self
             .env
             .get_template(NAME)
             .map_err(|e| template_err("chat template", e))?;
-        tmpl.render(Value::from_serialize(&ctx))
-            .map_err(|e| template_err("rendering the chat template failed", e))
+        let mut out = CappedOutput {
+            buf: Vec::new(),
+            cap: self.limits.max_output_bytes,
+            exceeded: false,
+        };
+        match tmpl.render_captured_to(Value::from_serialize(&ctx), &mut out) {
+            Ok(_) => String::from_utf8(out.buf)
+                .map_err(|_| ServingError::Template("the rendered prompt is not UTF-8".into())),
+            Err(_) if out.exceeded => Err(ServingError::Template(format!(
+                "the rendered prompt exceeds {} bytes; refusing it",
+                self.limits.max_output_bytes
+            ))),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(ServingError::Template(format!(
+                "rendering needs more than {} template instructions; refusing it (a runaway loop in the template?)",
+                self.limits.fuel
+            ))),
+            Err(e) => Err(template_err("rendering the chat template failed", e)),
+        }
+    }
+}
+
+/// Apply `esc` to every string inside `v` (object keys are left alone: they name fields).
+fn escape_strings(v: &mut serde_json::Value, esc: &(dyn Fn(&str) -> Option<String> + Send + Sync)) {
+    match v {
+        serde_json::Value::String(s) => {
+            if let Some(e) = esc(s) {
+                *s = e;
+            }
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(|x| escape_strings(x, esc)),
+        serde_json::Value::Object(o) => o.values_mut().for_each(|x| escape_strings(x, esc)),
+        _ => {}
+    }
+}
+
+/// The render's output, refusing to grow past `cap` bytes (the render then stops with an error).
+struct CappedOutput {
+    buf: Vec<u8>,
+    cap: usize,
+    exceeded: bool,
+}
+
+impl std::io::Write for CappedOutput {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + b.len() > self.cap {
+            self.exceeded = true;
+            return Err(std::io::Error::other("output cap"));
+        }
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

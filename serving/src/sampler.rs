@@ -44,6 +44,66 @@ impl SamplingParams {
         // NaN temperature is treated as greedy rather than poisoning every probability.
         self.temperature.is_nan() || self.temperature <= 0.0
     }
+
+    /// The one range check of sampling settings, for `generate` and `serve` alike (the server
+    /// reads its JSON fields with these same [`SamplingRange`]s): NaN and infinities are refused
+    /// with the rest.
+    pub fn validate(&self) -> Result<(), InvalidSampling> {
+        for (range, value) in [
+            (TEMPERATURE, self.temperature),
+            (TOP_P, self.top_p),
+            (MIN_P, self.min_p),
+        ] {
+            range.check(f64::from(value))?;
+        }
+        Ok(())
+    }
+}
+
+/// The accepted values of one sampling setting (OpenAI's ranges).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingRange {
+    /// The name of the setting in an OpenAI request.
+    pub field: &'static str,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl SamplingRange {
+    pub fn check(self, value: f64) -> Result<(), InvalidSampling> {
+        if (self.min..=self.max).contains(&value) {
+            Ok(())
+        } else {
+            Err(InvalidSampling { range: self, value })
+        }
+    }
+}
+
+/// 0 is greedy; 2 is OpenAI's maximum (beyond it sampling is close to uniform noise).
+pub const TEMPERATURE: SamplingRange = SamplingRange {
+    field: "temperature",
+    min: 0.0,
+    max: 2.0,
+};
+/// A probability mass: 1 disables the filter.
+pub const TOP_P: SamplingRange = SamplingRange {
+    field: "top_p",
+    min: 0.0,
+    max: 1.0,
+};
+/// A fraction of the best token's probability: 0 disables the filter.
+pub const MIN_P: SamplingRange = SamplingRange {
+    field: "min_p",
+    min: 0.0,
+    max: 1.0,
+};
+
+/// A sampling setting outside its [`SamplingRange`].
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+#[error("'{}' must be between {} and {}, got {value}", range.field, range.min, range.max)]
+pub struct InvalidSampling {
+    pub range: SamplingRange,
+    pub value: f64,
 }
 
 /// A seeded sampler; one per generated sequence so that a seed reproduces that sequence alone.
@@ -260,6 +320,47 @@ impl Xoshiro256 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn validation_refuses_out_of_range_and_non_finite_values() {
+        let ok = SamplingParams::default();
+        ok.validate().unwrap();
+        SamplingParams::greedy().validate().unwrap();
+        for (p, field) in [
+            (
+                SamplingParams {
+                    temperature: -1.0,
+                    ..ok
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    temperature: f32::NAN,
+                    ..ok
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    temperature: f32::INFINITY,
+                    ..ok
+                },
+                "temperature",
+            ),
+            (SamplingParams { top_p: 5.0, ..ok }, "top_p"),
+            (
+                SamplingParams {
+                    top_p: f32::NAN,
+                    ..ok
+                },
+                "top_p",
+            ),
+            (SamplingParams { min_p: -0.5, ..ok }, "min_p"),
+        ] {
+            assert_eq!(p.validate().unwrap_err().range.field, field, "{p:?}");
+        }
+    }
 
     fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32, seed: u64) -> SamplingParams {
         SamplingParams {

@@ -5,7 +5,7 @@
 
 mod forward_util;
 
-use gguftool_tests::fixture_or_skip;
+use gguftool_tests::fixture;
 use runtime::glm::Activation;
 use safetensors::SafeTensors;
 use std::collections::{BTreeSet, HashMap};
@@ -43,13 +43,9 @@ fn f32_of<'a>(got: &'a HashMap<String, Got>, name: &str) -> &'a [f32] {
     }
 }
 
-fn run(rel: &str, test: &str) {
-    let Some(path) = fixture_or_skip(rel, test) else {
-        return;
-    };
-    let Some(model_path) = fixture_or_skip("gguf/tiny-glm5-BF16.gguf", test) else {
-        return;
-    };
+fn run(rel: &str) {
+    let path = fixture(rel);
+    let model_path = fixture("gguf/tiny-glm5-BF16.gguf");
     let bytes = std::fs::read(&path).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let ids: Vec<u32> = i64s(st.tensor("token_ids").unwrap().data())
@@ -166,16 +162,10 @@ fn run(rel: &str, test: &str) {
 
 #[test]
 fn activations_counting_match_transformers() {
-    run(
-        "refs/activations-counting.safetensors",
-        "activations_counting_match_transformers",
-    );
+    run("refs/activations-counting.safetensors");
 }
 
 #[test]
 fn activations_long_counting_match_transformers() {
-    run(
-        "refs/activations-long_counting.safetensors",
-        "activations_long_counting_match_transformers",
-    );
+    run("refs/activations-long_counting.safetensors");
 }

@@ -8,7 +8,7 @@
 mod forward_util;
 
 use forward_util::{ids, json, load, prefill_all, step};
-use gguftool_tests::fixture_or_skip;
+use gguftool_tests::fixture;
 use runtime::glm::AttnMode;
 use runtime::{LanguageModel, SeqStep};
 
@@ -22,9 +22,9 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
-fn long_prompt(test: &str) -> Option<(std::path::PathBuf, Vec<u32>)> {
-    let refs = fixture_or_skip("refs/hf-tiny-glm5-long.json", test)?;
-    let model = fixture_or_skip("gguf/tiny-glm5-BF16.gguf", test)?;
+fn long_prompt() -> Option<(std::path::PathBuf, Vec<u32>)> {
+    let refs = fixture("refs/hf-tiny-glm5-long.json");
+    let model = fixture("gguf/tiny-glm5-BF16.gguf");
     let r = json(&refs);
     let p = r["prompts"]
         .as_array()
@@ -37,7 +37,7 @@ fn long_prompt(test: &str) -> Option<(std::path::PathBuf, Vec<u32>)> {
 
 #[test]
 fn incremental_decoding_equals_full_recomputation() {
-    let Some((path, prompt)) = long_prompt("incremental_decoding_equals_full_recomputation") else {
+    let Some((path, prompt)) = long_prompt() else {
         return;
     };
     let m = load(&path);
@@ -62,7 +62,7 @@ fn incremental_decoding_equals_full_recomputation() {
 
 #[test]
 fn batched_sequences_equal_single_runs() {
-    let Some((path, prompt)) = long_prompt("batched_sequences_equal_single_runs") else {
+    let Some((path, prompt)) = long_prompt() else {
         return;
     };
     let m = load(&path);
@@ -129,7 +129,7 @@ fn batched_sequences_equal_single_runs() {
 /// (sum_t p_t c_t) W_UV vs sum_t p_t (W_UV c_t), f32 reassociation over 64-256 terms.
 #[test]
 fn absorbed_attention_equals_naive_attention() {
-    let Some((path, prompt)) = long_prompt("absorbed_attention_equals_naive_attention") else {
+    let Some((path, prompt)) = long_prompt() else {
         return;
     };
     let mut m = load(&path);
@@ -154,7 +154,7 @@ fn absorbed_attention_equals_naive_attention() {
 
 #[test]
 fn context_and_bad_tokens_are_errors() {
-    let Some((path, prompt)) = long_prompt("context_and_bad_tokens_are_errors") else {
+    let Some((path, prompt)) = long_prompt() else {
         return;
     };
     let m = load(&path);

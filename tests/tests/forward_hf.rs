@@ -5,7 +5,7 @@
 mod forward_util;
 
 use forward_util::{greedy, ids, json, load, log_softmax, prefill_all};
-use gguftool_tests::fixture_or_skip;
+use gguftool_tests::fixture;
 use serde_json::Value;
 
 /// Logit tolerance. bf16 weights are exact in f32, so the only difference to transformers is f32
@@ -32,13 +32,9 @@ fn logprob_entries(v: &Value) -> Vec<(u32, f64)> {
 }
 
 /// Checks one reference file; returns the number of prompts checked.
-fn check_file(rel: &str, test: &str) -> usize {
-    let Some(refs) = fixture_or_skip(rel, test) else {
-        return 0;
-    };
-    let Some(model_path) = fixture_or_skip("gguf/tiny-glm5-BF16.gguf", test) else {
-        return 0;
-    };
+fn check_file(rel: &str) -> usize {
+    let refs = fixture(rel);
+    let model_path = fixture("gguf/tiny-glm5-BF16.gguf");
     let model = load(&model_path);
     let vocab = model.spec().n_vocab;
     let r = json(&refs);
@@ -108,20 +104,14 @@ fn check_file(rel: &str, test: &str) -> usize {
 
 #[test]
 fn bf16_matches_transformers_on_short_prompts() {
-    check_file(
-        "refs/hf-tiny-glm5.json",
-        "bf16_matches_transformers_on_short_prompts",
-    );
+    check_file("refs/hf-tiny-glm5.json");
 }
 
 #[test]
 fn bf16_matches_transformers_sparse_attention_on_long_prompts() {
-    let n = check_file(
-        "refs/hf-tiny-glm5-long.json",
-        "bf16_matches_transformers_sparse_attention_on_long_prompts",
-    );
+    let n = check_file("refs/hf-tiny-glm5-long.json");
     if n > 0 {
-        for p in json(&fixture_or_skip("refs/hf-tiny-glm5-long.json", "").unwrap())["prompts"]
+        for p in json(&fixture("refs/hf-tiny-glm5-long.json"))["prompts"]
             .as_array()
             .unwrap()
         {
@@ -136,13 +126,8 @@ fn bf16_matches_transformers_sparse_attention_on_long_prompts() {
 /// reference, must be at least D - 1e-3 away from the dense ones.
 #[test]
 fn long_prompts_are_far_from_dense_attention() {
-    let test = "long_prompts_are_far_from_dense_attention";
-    let Some(refs) = fixture_or_skip("refs/hf-tiny-glm5-long.json", test) else {
-        return;
-    };
-    let Some(model_path) = fixture_or_skip("gguf/tiny-glm5-BF16.gguf", test) else {
-        return;
-    };
+    let refs = fixture("refs/hf-tiny-glm5-long.json");
+    let model_path = fixture("gguf/tiny-glm5-BF16.gguf");
     let model = load(&model_path);
     let vocab = model.spec().n_vocab;
     for p in json(&refs)["prompts"].as_array().unwrap() {

@@ -1,24 +1,20 @@
 //! The `kv_b` the naive attention path reassembles from the GGUF's `attn_k_b` / `attn_v_b`
-//! equals transformers' `kv_b_proj` in the HF checkpoint the GGUF was converted from, bit for
-//! bit (both hold the same bf16 values; the reassembly only moves them).
+//! (`mappings::kvb`, with the MLA dims the runtime's spec reads) equals transformers' `kv_b_proj`
+//! in the HF checkpoint the GGUF was converted from, bit for bit (both hold the same bf16 values;
+//! the reassembly only moves them).
 
 mod forward_util;
 
-use gguftool_tests::fixture_or_skip;
-use runtime::glm::join_kv_b;
+use gguftool_tests::fixture;
+use mappings::kvb::{reassemble, MlaDims};
 use runtime::spec::{AttentionSpec, ModelSpec};
 use runtime::weights::HostWeight;
 use std::sync::Arc;
 
 #[test]
 fn reassembled_kv_b_equals_the_hf_checkpoint() {
-    let test = "reassembled_kv_b_equals_the_hf_checkpoint";
-    let Some(index) = fixture_or_skip("hf/model.safetensors.index.json", test) else {
-        return;
-    };
-    let Some(gguf_path) = fixture_or_skip("gguf/tiny-glm5-BF16.gguf", test) else {
-        return;
-    };
+    let index = fixture("hf/model.safetensors.index.json");
+    let gguf_path = fixture("gguf/tiny-glm5-BF16.gguf");
     let index = forward_util::json(&index);
     let model = Arc::new(gguf::Model::open(&gguf_path).unwrap());
     let spec = ModelSpec::from_model(&model).unwrap();
@@ -28,9 +24,7 @@ fn reassembled_kv_b_equals_the_hf_checkpoint() {
     for l in spec.layers.iter().filter(|l| !l.mtp) {
         let hf_name = format!("model.layers.{}.self_attn.kv_b_proj.weight", l.index);
         let shard = index["weight_map"][&hf_name].as_str().unwrap();
-        let Some(shard_path) = fixture_or_skip(&format!("hf/{shard}"), test) else {
-            return;
-        };
+        let shard_path = fixture(&format!("hf/{shard}"));
         let bytes = std::fs::read(shard_path).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let t = st.tensor(&hf_name).unwrap();
@@ -52,6 +46,12 @@ fn reassembled_kv_b_equals_the_hf_checkpoint() {
             .unwrap()
             .to_f32()
             .unwrap();
-        assert!(join_kv_b(&k, &v, &m) == want, "layer {}", l.index);
+        let d = MlaDims {
+            n_head: m.n_head,
+            qk_nope: m.qk_nope,
+            v_head: m.v_head,
+            kv_lora: m.kv_lora_rank,
+        };
+        assert!(reassemble(&k, &v, d).unwrap() == want, "layer {}", l.index);
     }
 }

@@ -9,19 +9,14 @@
 mod forward_util;
 
 use forward_util::{greedy, ids, json, load};
-use gguftool_tests::fixture_or_skip;
+use gguftool_tests::fixture;
 use serde_json::Value;
 
 const GAP: f64 = 0.01;
 
 fn check(file: &str, gguf_rel: &str) {
-    let test = format!("llamacpp_{file}");
-    let Some(refs) = fixture_or_skip("refs/llamacpp-tiny-glm5.json", &test) else {
-        return;
-    };
-    let Some(path) = fixture_or_skip(gguf_rel, &test) else {
-        return;
-    };
+    let refs = fixture("refs/llamacpp-tiny-glm5.json");
+    let path = fixture(gguf_rel);
     let r = json(&refs);
     let entry = r["files"]
         .as_array()

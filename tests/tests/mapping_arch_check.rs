@@ -7,10 +7,9 @@ use mappings::{check_architecture, table};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-/// A fixture GGUF by its name under `tests/fixtures/gguf`; `None` (with a visible skip line) when
-/// absent.
-fn gguf_fixture(rel: &str) -> Option<PathBuf> {
-    gguftool_tests::fixture_or_skip(&format!("gguf/{rel}"), "mapping_arch_check")
+/// A fixture GGUF by its name under `tests/fixtures/gguf`.
+fn gguf_fixture(rel: &str) -> PathBuf {
+    gguftool_tests::fixture(&format!("gguf/{rel}"))
 }
 
 #[test]
@@ -22,7 +21,7 @@ fn fixture_ggufs_have_the_glm_dsa_layout() {
         "tiny-glm5-Q4_K_M.gguf",
         "split/tiny-glm5-Q4_K_M-00002-of-00003.gguf",
     ] {
-        let Some(p) = gguf_fixture(f) else { continue };
+        let p = gguf_fixture(f);
         let m = gguf::Model::open(&p).unwrap();
         let rep = check_architecture(&m).unwrap();
         assert!(rep.is_ok(), "{f}: {rep:#?}");
@@ -34,8 +33,8 @@ type Meta = BTreeMap<String, MetaVal>;
 type Tensors = Vec<(String, Vec<u64>)>;
 
 /// The BF16 fixture's metadata and tensor list, for mutation.
-fn parts() -> Option<(Meta, Tensors)> {
-    let p = gguf_fixture("tiny-glm5-BF16.gguf")?;
+fn parts() -> (Meta, Tensors) {
+    let p = gguf_fixture("tiny-glm5-BF16.gguf");
     let m = gguf::Model::open(&p).unwrap();
     let meta = m
         .metadata()
@@ -48,7 +47,7 @@ fn parts() -> Option<(Meta, Tensors)> {
         .tensors()
         .map(|r| (r.info.name.clone(), r.info.dims.clone()))
         .collect();
-    Some((meta, t))
+    (meta, t)
 }
 
 fn run(meta: &BTreeMap<String, MetaVal>, t: &[(String, Vec<u64>)]) -> mappings::ArchReport {
@@ -58,9 +57,7 @@ fn run(meta: &BTreeMap<String, MetaVal>, t: &[(String, Vec<u64>)]) -> mappings::
 
 #[test]
 fn broken_variants_are_reported() {
-    let Some((meta, tensors)) = parts() else {
-        return;
-    };
+    let (meta, tensors) = parts();
     assert!(run(&meta, &tensors).is_ok());
 
     // a missing tensor

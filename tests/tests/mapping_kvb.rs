@@ -11,10 +11,7 @@ use std::collections::BTreeMap;
 fn hf_kv_b() -> Option<BTreeMap<u64, Vec<u16>>> {
     let mut out = BTreeMap::new();
     for shard in 1..=4 {
-        let p = gguftool_tests::fixture_or_skip(
-            &format!("hf/model-0000{shard}-of-00004.safetensors"),
-            "mapping_kvb",
-        )?;
+        let p = gguftool_tests::fixture(&format!("hf/model-0000{shard}-of-00004.safetensors"));
         let bytes = std::fs::read(p).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         for (name, view) in st.tensors() {
@@ -32,7 +29,7 @@ fn hf_kv_b() -> Option<BTreeMap<u64, Vec<u16>>> {
 }
 
 fn gguf(name: &str) -> Option<Model> {
-    let p = gguftool_tests::fixture_or_skip(&format!("gguf/{name}"), "mapping_kvb")?;
+    let p = gguftool_tests::fixture(&format!("gguf/{name}"));
     Some(Model::open(p).unwrap())
 }
 
@@ -92,7 +89,7 @@ fn bf16_split_and_reassembly_are_the_converters_bit_for_bit() {
 }
 
 fn stats(file: &str, tensor: &str) -> Option<Value> {
-    let p = gguftool_tests::fixture_or_skip("stats-tiny-glm5.json", "mapping_kvb")?;
+    let p = gguftool_tests::fixture("stats-tiny-glm5.json");
     let s: Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
     let f = s["files"].as_array()?.iter().find(|f| f["file"] == file)?;
     let t = f["tensors"]

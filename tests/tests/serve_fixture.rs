@@ -7,7 +7,7 @@
 #[path = "../../serving/tests/server_support/http.rs"]
 mod http;
 
-use gguftool_tests::fixture_or_skip;
+use gguftool_tests::fixture;
 use serde_json::{json, Value};
 use serving::engine::Metrics;
 use serving::server::{self, AppState, RunningServer, ServerConfig};
@@ -16,9 +16,9 @@ use std::sync::Arc;
 const MODEL: &str = "gguf/tiny-glm5-Q4_K_M.gguf";
 const REFS: &str = "refs/llamacpp-tiny-glm5.json";
 
-fn start(test: &str) -> Option<(RunningServer, Value)> {
-    let path = fixture_or_skip(MODEL, test)?;
-    let refs = fixture_or_skip(REFS, test)?;
+fn start() -> Option<(RunningServer, Value)> {
+    let path = fixture(MODEL);
+    let refs = fixture(REFS);
     let refs: Value = serde_json::from_str(&std::fs::read_to_string(refs).unwrap()).unwrap();
     let entry = refs["files"]
         .as_array()
@@ -44,7 +44,7 @@ fn complete(srv: &RunningServer, body: Value) -> Value {
 
 #[test]
 fn greedy_completions_equal_llama_server() {
-    let Some((srv, refs)) = start("greedy_completions_equal_llama_server") else {
+    let Some((srv, refs)) = start() else {
         return;
     };
     for p in refs["prompts"].as_array().unwrap() {
@@ -79,7 +79,7 @@ fn greedy_completions_equal_llama_server() {
 
 #[test]
 fn concurrent_requests_give_the_solo_answers() {
-    let Some((srv, refs)) = start("concurrent_requests_give_the_solo_answers") else {
+    let Some((srv, refs)) = start() else {
         return;
     };
     let addr = srv.addr();
@@ -111,7 +111,7 @@ fn concurrent_requests_give_the_solo_answers() {
 
 #[test]
 fn streaming_equals_the_reference_and_tokenize_equals_llama_tokenize() {
-    let Some((srv, refs)) = start("streaming_equals_the_reference") else {
+    let Some((srv, refs)) = start() else {
         return;
     };
     for p in refs["prompts"].as_array().unwrap() {
@@ -137,7 +137,7 @@ fn streaming_equals_the_reference_and_tokenize_equals_llama_tokenize() {
 
 #[test]
 fn readme_example_counts_on() {
-    let Some((srv, _)) = start("readme_example_counts_on") else {
+    let Some((srv, _)) = start() else {
         return;
     };
     // The fixture model was trained on counting sequences (fixtures README).
@@ -151,7 +151,7 @@ fn readme_example_counts_on() {
 
 #[test]
 fn chat_answers_through_the_template() {
-    let Some((srv, _)) = start("chat_answers_through_the_template") else {
+    let Some((srv, _)) = start() else {
         return;
     };
     let body = json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],

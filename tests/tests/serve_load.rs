@@ -6,7 +6,7 @@
 #[path = "../../serving/tests/server_support/http.rs"]
 mod http;
 
-use gguftool_tests::fixture_or_skip;
+use gguftool_tests::fixture;
 use serde_json::{json, Value};
 use serving::engine::Metrics;
 use serving::server::{self, AppState, RunningServer, ServerConfig};
@@ -68,10 +68,7 @@ fn one_client(addr: std::net::SocketAddr, i: usize) -> Result<(), String> {
 
 #[test]
 fn sixty_four_streaming_clients_no_failures_flat_memory() {
-    let test = "sixty_four_streaming_clients_no_failures_flat_memory";
-    let Some(path) = fixture_or_skip("gguf/tiny-glm5-Q4_K_M.gguf", test) else {
-        return;
-    };
+    let path = fixture("gguf/tiny-glm5-Q4_K_M.gguf");
     let metrics = Arc::new(Metrics::default());
     let state = AppState::new(ServerConfig::default(), metrics.clone());
     let model = Arc::new(gguf::Model::open(&path).unwrap());

@@ -56,9 +56,9 @@ pub struct Args {
     /// Numbers of sequences processed together (batched decode), comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     npl: Vec<usize>,
-    /// Tensor-parallel ranks.
-    #[arg(long, default_value_t = 1)]
-    tp: usize,
+    /// Tensor parallelism (`--tp N --tp-devices ...`, docs/TP.md).
+    #[command(flatten)]
+    tp: super::tp::TpArgs,
     /// Compute device: auto (a CUDA GPU when present, else the CPU), cpu, cuda, cuda:N.
     #[arg(long, default_value = "auto")]
     device: Device,
@@ -91,16 +91,6 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let Some(path) = args.model.clone() else {
         bail!("nothing to benchmark: pass -m MODEL (or --kernels for the GPU kernel benchmarks)");
     };
-    if args.tp == 0 {
-        bail!("--tp must be at least 1");
-    }
-    if args.tp > 1 {
-        bail!(
-            "--tp {}: tensor-parallel benchmarking needs the sharded model runtime, which this \
-             build does not have yet (only --tp 1)",
-            args.tp
-        );
-    }
     if args.repetitions == 0 {
         bail!("-r must be at least 1");
     }
@@ -135,7 +125,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         );
     }
     let weights = WeightBytes::of(&model, &spec);
-    let (lm, device) = runtime::device::load_language_model(model.clone(), args.device)?;
+    let loaded = super::tp::load(model.clone(), args.tp.options(args.device)?, args.json)?;
+    let (lm, device) = (loaded.lm, loaded.device);
+    let tp_world = loaded.tp.as_ref().map_or(1, |r| r.world);
     let gpu = match device {
         Device::Cuda(i) => Some(kernels::Gpu::get(i)?),
         _ => None,
@@ -239,7 +231,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
                     "model_n_params": weights.params,
                     "backend": backend,
                     "device": device.name(),
-                    "tp": args.tp,
+                    "tp": tp_world,
                     "n_prompt": n_prompt,
                     "n_gen": n_gen,
                     "n_depth": depth,

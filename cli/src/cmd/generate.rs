@@ -1,12 +1,12 @@
-//! `gguftool generate`: load a model on the CPU backend and continue a prompt, streaming the
-//! text as it is produced (or one JSON object for scripts).
+//! `gguftool generate`: load a model (CPU or CUDA, on one device or split over `--tp` ranks) and
+//! continue a prompt, streaming the text as it is produced (or one JSON object for scripts).
 
 use anyhow::{bail, Context, Result};
 use runtime::{LanguageModel, SeqStep};
 use serde_json::json;
 use serving::chat::{ChatMessage, ChatTemplate};
 use serving::sampler::{top_logprobs, Sampler, SamplingParams};
-use serving::tokenizer::{Detokenizer, Tokenizer};
+use serving::tokenizer::{Bounded, Detokenizer, Tokenizer};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -41,16 +41,16 @@ pub struct Args {
     #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
     n_predict: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long = "temp", default_value_t = 0.8)]
+    #[arg(long = "temp", default_value_t = 0.8, allow_negative_numbers = true)]
     temperature: f32,
     /// Nucleus sampling mass (1 disables).
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
     top_p: f32,
     /// Keep the K most likely tokens (0 disables).
     #[arg(long, default_value_t = 40)]
     top_k: usize,
     /// Drop tokens below this fraction of the best token's probability (0 disables).
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.05, allow_negative_numbers = true)]
     min_p: f32,
     /// Random seed (reproducible sampling).
     #[arg(long)]
@@ -73,6 +73,8 @@ pub struct Args {
     /// Worker threads (default: all cores).
     #[arg(short = 't', long)]
     threads: Option<usize>,
+    #[command(flatten)]
+    tp: super::tp::TpArgs,
 }
 
 struct Step {
@@ -82,6 +84,22 @@ struct Step {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
+    // The same checks `serve` applies to a request's fields, before anything is loaded.
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        seed: args.seed,
+    };
+    sampling.validate().map_err(|e| {
+        let flag = match e.range.field {
+            "temperature" => "--temp",
+            "top_p" => "--top-p",
+            _ => "--min-p",
+        };
+        anyhow::anyhow!("{flag}: {e}")
+    })?;
     if let Some(n) = args.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n.max(1))
@@ -96,44 +114,54 @@ pub fn run(args: Args) -> Result<ExitCode> {
     };
     let model = Arc::new(model);
     let tok = Tokenizer::from_gguf(model.metadata()).context("loading the tokenizer")?;
-    let (loaded, device) = runtime::device::load_language_model(Arc::clone(&model), args.device)
-        .context("loading the model")?;
-    let lm: &dyn LanguageModel = loaded.as_ref();
+    let opts = args.tp.options(args.device)?;
+    let loaded =
+        super::tp::load(Arc::clone(&model), opts, args.json).context("loading the model")?;
+    let device = loaded.device;
+    let lm: &dyn LanguageModel = loaded.lm.as_ref();
     let load_s = load_start.elapsed().as_secs_f64();
+    // Greedy decoding needs each step's best tokens only: a tensor-parallel model merges its
+    // ranks' candidates instead of gathering the vocabulary.
+    let greedy = SamplingParams {
+        temperature: args.temperature,
+        ..SamplingParams::default()
+    }
+    .is_greedy();
 
-    let text = if args.chat {
-        let tmpl =
+    // A prompt needs room for at least one generated token.
+    let limit = lm.context_length().saturating_sub(1);
+    let tok = Arc::new(tok);
+    let bounded = if args.chat {
+        let mut tmpl =
             ChatTemplate::from_gguf(model.metadata()).context("loading the chat template")?;
+        // Special tokens come from the template only, never from the --prompt/--system text.
+        let esc = Arc::clone(&tok);
+        tmpl.set_content_escaper(Arc::new(move |s| esc.escape_control_text(s)));
         let mut msgs = Vec::new();
         if let Some(s) = &args.system {
             msgs.push(ChatMessage::new("system", s.as_str()));
         }
         msgs.push(ChatMessage::new("user", args.prompt.as_str()));
-        tmpl.render(&msgs, true)
-            .context("rendering the chat template")?
+        let text = tmpl
+            .render(&msgs, true)
+            .context("rendering the chat template")?;
+        tok.encode_chat(&text, limit)
     } else {
-        args.prompt.clone()
+        tok.encode_bounded(&args.prompt, true, limit)
     };
-    let prompt = tok.encode(&text, true).context("tokenizing the prompt")?;
+    let prompt = match bounded.context("tokenizing the prompt")? {
+        Bounded::Complete(ids) => ids,
+        Bounded::Exceeds { .. } => bail!(
+            "the prompt is longer than {limit} tokens; the model's context is {}",
+            lm.context_length()
+        ),
+    };
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    if prompt.len() >= lm.context_length() {
-        bail!(
-            "the prompt has {} tokens; the model's context is {}",
-            prompt.len(),
-            lm.context_length()
-        );
-    }
     let n_predict = args.n_predict.min(lm.context_length() - prompt.len());
 
-    let mut sampler = Sampler::new(SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        seed: args.seed,
-    });
+    let mut sampler = Sampler::new(sampling);
     let mut detok = Detokenizer::new(!args.special);
     let mut out = std::io::stdout().lock();
     let mut seq = lm.new_sequence();
@@ -141,15 +169,43 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let mut text_out = String::new();
     let mut finish = "length";
 
+    let k = args.logprobs.unwrap_or(0);
     let t0 = Instant::now();
-    let mut logits = forward(lm, seq.as_mut(), &prompt)?;
+    let mut fed: Vec<u32> = prompt.clone();
+    let check = |next: &Next, fed: &[u32]| -> Result<()> {
+        let finite = match next {
+            Next::Logits(l) => runtime::numerics::first_non_finite(l).is_none(),
+            Next::Top(t) => t.iter().all(|&(_, lp)| lp.is_finite()),
+        };
+        if finite {
+            return Ok(());
+        }
+        let d = runtime::numerics::locate_non_finite(Arc::clone(&model), fed)
+            .context("re-running the CPU reference to locate the non-finite values")?;
+        bail!(
+            "{}",
+            runtime::numerics::non_finite_message(&device.name(), fed.len() - 1, &d)
+        )
+    };
+    let mut next = forward(lm, seq.as_mut(), &prompt, greedy, k)?;
+    check(&next, &fed)?;
     let prompt_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     for i in 0..n_predict {
-        let id = sampler.sample(&logits);
-        let k = args.logprobs.unwrap_or(0);
-        let top = top_logprobs(&logits, k);
-        let logprob = serving::sampler::logprob(&logits, id);
+        let (id, logprob, top) = match &next {
+            Next::Logits(logits) => {
+                let id = sampler.sample(logits);
+                (
+                    id,
+                    serving::sampler::logprob(logits, id),
+                    top_logprobs(logits, k),
+                )
+            }
+            Next::Top(t) => {
+                let &(id, lp) = t.first().context("the model returned no candidates")?;
+                (id, lp, t[..k.min(t.len())].to_vec())
+            }
+        };
         steps.push(Step { id, logprob, top });
         if !args.ignore_eos && tok.is_eog(id) {
             finish = "stop";
@@ -162,7 +218,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
             out.flush()?;
         }
         if i + 1 < n_predict {
-            logits = forward(lm, seq.as_mut(), &[id])?;
+            next = forward(lm, seq.as_mut(), &[id], greedy, k)?;
+            fed.push(id);
+            check(&next, &fed)?;
         }
     }
     let tail = detok.finish();
@@ -198,6 +256,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
             "finish_reason": finish,
             "logprobs": if args.logprobs.is_some() { json!(logprobs) } else { json!([]) },
             "device": device.name(),
+            "tp": loaded.tp,
+            "load": {"weight_bytes": loaded.weight_bytes, "seconds": loaded.load_s},
             "timings": {
                 "load_s": load_s,
                 "prompt_tokens": prompt.len(),
@@ -246,16 +306,33 @@ pub fn run(args: Args) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// What one step gives the sampler.
+enum Next {
+    Logits(Vec<f32>),
+    /// Greedy: the best tokens with their log-probabilities, best first.
+    Top(runtime::TopTokens),
+}
+
 fn forward(
     lm: &dyn LanguageModel,
     seq: &mut dyn runtime::SequenceState,
     tokens: &[u32],
-) -> Result<Vec<f32>> {
+    greedy: bool,
+    k: usize,
+) -> Result<Next> {
     let mut b = [SeqStep {
         seq,
         tokens,
         all_logits: false,
     }];
+    if greedy {
+        let mut out = lm.forward_top_k(&mut b, k.max(1)).context("forward pass")?;
+        return Ok(Next::Top(
+            out.pop().context("the model returned no logits")?,
+        ));
+    }
     let mut out = lm.forward(&mut b).context("forward pass")?;
-    out.pop().context("the model returned no logits")
+    Ok(Next::Logits(
+        out.pop().context("the model returned no logits")?,
+    ))
 }

@@ -2,7 +2,7 @@
 //! tensor table — read from the header region only, so a 400 GB model answers as fast as 4 MB.
 
 use crate::util::{file_type_name, human_bytes, name_matches, value_json, value_type_json};
-use anyhow::{Context, Result};
+use anyhow::Result;
 use gguf::{GgufFile, Model};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -38,7 +38,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         // A lone shard is not a complete model; describe it as the file it is.
         Model::from_shards_unchecked(vec![GgufFile::open(&args.model)?])
     } else {
-        Model::open(&args.model).with_context(|| format!("cannot open {}", args.model.display()))?
+        Model::open(&args.model)?
     };
     let show_tensors = args.tensors || args.filter.is_some();
     let meta = model.metadata();
@@ -77,6 +77,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
                     "n_bytes": t.info.n_bytes(),
                     "offset": f.data_offset() + t.info.offset,
                     "shard": t.shard,
+                    "file": f.path(),
                 })
             })
             .collect()
@@ -185,18 +186,40 @@ pub fn run(args: Args) -> Result<ExitCode> {
         println!("  {k:<48} {:<14} {shown}", value_type_json(v));
     }
     if show_tensors {
-        println!("tensors:");
+        // Offsets are positions inside the file holding the tensor: with several shards, say
+        // which one (1-based, as in the shard names).
+        let split_model = model.shards().len() > 1;
+        if split_model {
+            println!("tensors (offset = byte offset inside the tensor's shard file):");
+        } else {
+            println!("tensors:");
+        }
+        let shard_col = |v: &str| {
+            if split_model {
+                format!(" {v:>5}")
+            } else {
+                String::new()
+            }
+        };
         println!(
-            "  {:<44} {:<8} {:<24} {:<24} {:>14} {:>12}",
-            "name", "type", "ne (ggml)", "shape (HF)", "offset", "bytes"
+            "  {:<44} {:<8} {:<24} {:<24}{} {:>14} {:>12}",
+            "name",
+            "type",
+            "ne (ggml)",
+            "shape (HF)",
+            shard_col("shard"),
+            "offset",
+            "bytes"
         );
         for t in &tensors {
+            let shard = t["shard"].as_u64().map_or(0, |s| s + 1).to_string();
             println!(
-                "  {:<44} {:<8} {:<24} {:<24} {:>14} {:>12}",
+                "  {:<44} {:<8} {:<24} {:<24}{} {:>14} {:>12}",
                 t["name"].as_str().unwrap_or(""),
                 t["type"].as_str().unwrap_or(""),
                 t["ne"].to_string(),
                 t["shape"].to_string(),
+                shard_col(&shard),
                 t["offset"],
                 t["n_bytes"]
             );

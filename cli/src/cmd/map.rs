@@ -63,6 +63,35 @@ fn is_gguf(path: &Path) -> bool {
         && &magic == b"GGUF"
 }
 
+/// Tensor names and `model_type` of an HF checkpoint. With a `model.safetensors.index.json` the
+/// names come from its weight map alone, so the table can be printed before (or without)
+/// downloading the weight files; otherwise the safetensors headers are read.
+fn hf_names(path: &Path) -> Result<(Vec<String>, Option<String>)> {
+    let index = path.join("model.safetensors.index.json");
+    if path.is_dir() && index.is_file() {
+        let read = |p: &Path| -> Result<serde_json::Value> {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            serde_json::from_str(&text)
+                .with_context(|| format!("{} is not valid JSON", p.display()))
+        };
+        let idx = read(&index)?;
+        let map = idx["weight_map"]
+            .as_object()
+            .with_context(|| format!("{}: no weight_map object", index.display()))?;
+        let cfg = path.join("config.json");
+        let model_type = if cfg.is_file() {
+            read(&cfg)?["model_type"].as_str().map(str::to_string)
+        } else {
+            None
+        };
+        return Ok((map.keys().cloned().collect(), model_type));
+    }
+    let hf = HfDir::open(path)?;
+    let names = hf.tensors.iter().map(|t| t.name.clone()).collect();
+    Ok((names, hf.model_type().map(str::to_string)))
+}
+
 fn pick_table(arch: Option<&str>, fallback: Option<&str>) -> Result<&'static Table> {
     match arch.or(fallback) {
         Some(a) => Ok(mappings::table(a)?),
@@ -156,8 +185,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
             args.input.display().to_string(),
         )
     } else {
-        let hf = HfDir::open(&args.input)?;
-        let t = match (&args.arch, hf.model_type()) {
+        let (names, model_type) = hf_names(&args.input)?;
+        let t = match (&args.arch, model_type.as_deref()) {
             (Some(a), _) => mappings::table(a)?,
             (None, Some(mt)) => mappings::table_for_model_type(mt)?,
             (None, None) => bail!(
@@ -165,7 +194,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 args.input.display()
             ),
         };
-        let names: Vec<&str> = hf.tensors.iter().map(|t| t.name.as_str()).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
         (map_hf_names(t, &names), args.input.display().to_string())
     };
     let orient = match (args.direction, map.direction) {

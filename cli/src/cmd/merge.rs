@@ -10,7 +10,7 @@ use gguf::writer::Layout;
 use gguf::{split, GgufFile, Metadata, Model, TensorInfo, Value};
 use serde_json::json;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -26,9 +26,13 @@ pub struct Args {
     /// (byte-identical to its output). Default: the model as it was before splitting.
     #[arg(long)]
     keep_split_keys: bool,
-    /// Overwrite an existing output.
+    /// Overwrite an existing output (a regular file only).
     #[arg(long)]
     force: bool,
+    /// Do not compare the tensor names and shapes of shards 2..N with what shard 1's
+    /// architecture and hyper-parameters define (for architectures whose table lags behind).
+    #[arg(long)]
+    skip_arch_check: bool,
     /// Re-read the output and compare every tensor's sha256 with the shards before finishing.
     #[arg(long)]
     verify: bool,
@@ -43,16 +47,15 @@ pub struct Args {
 pub fn run(args: Args) -> Result<ExitCode> {
     util::install_interrupt_handler();
     let t0 = Instant::now();
+    // A target that can never be written (a directory, a device, a FIFO) fails before any work.
+    util::check_output_file(&args.output, args.force)?;
     let model = open_set(&args.shards)?;
-    for f in model.shards() {
-        if util::same_file(f.path(), &args.output) {
-            bail!(
-                "output {} is one of the input shards",
-                args.output.display()
-            );
-        }
-    }
+    let inputs: Vec<&Path> = model.shards().iter().map(|f| f.path()).collect();
+    util::refuse_input_as_output(&args.output, &inputs)?;
     check_foreign(&model)?;
+    if !args.skip_arch_check {
+        check_against_architecture(&model)?;
+    }
 
     let (meta, tensors) = merged_header(&model, args.keep_split_keys)?;
     let version = if args.keep_split_keys {
@@ -263,6 +266,43 @@ fn check_foreign(model: &Model) -> Result<()> {
     Ok(())
 }
 
+/// Shards 2..N carry no metadata of their own, so a shard of another model with the same split
+/// layout passes every count check: compare its tensors with what shard 1's architecture table
+/// and hyper-parameters say they must be (names, ggml shapes). Architectures without a table
+/// cannot be checked this way.
+fn check_against_architecture(model: &Model) -> Result<()> {
+    let Ok(report) = mappings::check_architecture(model) else {
+        return Ok(());
+    };
+    let later = |name: &str| model.tensor(name).filter(|t| t.shard > 0);
+    for w in &report.wrong_shapes {
+        if let Some(t) = later(&w.name) {
+            bail!(
+                "{}: tensor {:?} has shape {:?} but {}'s {} hyper-parameters give {:?}: shard of another model (--skip-arch-check to merge anyway)",
+                model.shards()[t.shard].path().display(),
+                w.name,
+                w.got,
+                model.path().display(),
+                report.arch,
+                w.expected
+            );
+        }
+    }
+    for u in &report.unexpected_tensors {
+        if let Some(t) = later(&u.name) {
+            bail!(
+                "{}: tensor {:?} does not belong to {}'s {} architecture ({}): shard of another model (--skip-arch-check to merge anyway)",
+                model.shards()[t.shard].path().display(),
+                u.name,
+                model.path().display(),
+                report.arch,
+                u.reason
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Shard 1's metadata (split keys dropped, or kept llama-gguf-split style) and every tensor.
 fn merged_header(model: &Model, keep_split_keys: bool) -> Result<(Metadata, Vec<TensorInfo>)> {
     let mut meta = model.metadata().clone();
@@ -272,6 +312,8 @@ fn merged_header(model: &Model, keep_split_keys: bool) -> Result<(Metadata, Vec<
         // trailing unit dimensions (ggml_n_dims).
         meta.remove(split::KEY_COUNT);
         meta.set(split::KEY_COUNT, Value::U16(0));
+        // The set id only ties shards together; a merged file has none.
+        meta.remove(split::KEY_SET_ID);
         for t in &mut tensors {
             while t.dims.len() > 1 && t.dims.last() == Some(&1) {
                 t.dims.pop();

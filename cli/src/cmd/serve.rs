@@ -20,8 +20,8 @@ pub struct Args {
     /// Port to listen on (0 picks a free one).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Require `Authorization: Bearer KEY` on every route except /health.
-    #[arg(long, value_name = "KEY")]
+    /// Require `Authorization: Bearer KEY` on every route except /health (not empty).
+    #[arg(long, value_name = "KEY", value_parser = non_empty_key)]
     api_key: Option<String>,
     /// Requests allowed to wait for a free slot; beyond that new requests get 429.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
@@ -44,6 +44,28 @@ pub struct Args {
     /// Worker threads of the forward pass (default: all cores).
     #[arg(short = 't', long)]
     threads: Option<usize>,
+    #[command(flatten)]
+    tp: super::tp::TpArgs,
+    /// Open connections at most (also capped by the descriptor limit); beyond it the
+    /// longest-idle connection is closed, or the new one gets 503 when all are busy.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    max_connections: u64,
+    /// Seconds a client has to send a request head; also closes idle keep-alive connections.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    header_timeout: u64,
+    /// Seconds a client has to send a request body once its head is in.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    body_timeout: u64,
+}
+
+/// An empty `--api-key` would lock everyone out while looking protected (and silence the
+/// warning for a public address).
+fn non_empty_key(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        Err("the API key is empty; give a non-empty key or leave --api-key out".into())
+    } else {
+        Ok(s.to_string())
+    }
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -81,6 +103,10 @@ async fn serve(args: Args) -> Result<ExitCode> {
         ServerConfig {
             api_key: args.api_key.clone(),
             max_body_bytes: args.max_body_bytes as usize,
+            max_connections: args.max_connections as usize,
+            header_timeout: std::time::Duration::from_secs(args.header_timeout),
+            body_timeout: std::time::Duration::from_secs(args.body_timeout),
+            ..ServerConfig::default()
         },
         metrics.clone(),
     );
@@ -95,7 +121,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
 
     let (name, model) = (args.alias.clone(), args.model.clone());
     let (max_queue, parallel, ctx) = (args.max_queue, args.parallel, args.ctx_size);
-    let device = args.device;
+    let opts = args.tp.options(args.device)?;
     let load_metrics = metrics.clone();
     let loading = tokio::task::spawn_blocking(move || -> Result<server::Backend> {
         let (gguf, default_name) = match &model {
@@ -117,8 +143,27 @@ async fn serve(args: Args) -> Result<ExitCode> {
         };
         let name = name.unwrap_or(default_name);
         let gguf = Arc::new(gguf);
-        let (lm, device) = runtime::device::load_language_model(Arc::clone(&gguf), device)?;
-        eprintln!("gguftool serve: running on {}", device.name());
+        let loaded = super::tp::load(Arc::clone(&gguf), opts, true)?;
+        let lm = loaded.lm;
+        match loaded.tp.as_ref().filter(|t| t.world > 1) {
+            Some(t) => eprintln!(
+                "gguftool serve: running on {} over {} ranks ({}; all-reduce {})",
+                loaded.device.name(),
+                t.world,
+                t.ranks
+                    .iter()
+                    .map(|r| r.device.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                t.comm
+            ),
+            None => eprintln!("gguftool serve: running on {}", loaded.device.name()),
+        }
+        if let Some(cap) = lm.cache_capacity_tokens() {
+            eprintln!(
+                "gguftool serve: KV cache budget {cap} tokens shared by all slots (free device memory after the weights)"
+            );
+        }
         let backend = server::model_backend(&gguf, lm, &name, load_metrics, |c| {
             c.max_queue = max_queue as usize;
             c.max_running = parallel as usize;

@@ -2,7 +2,7 @@
 //! metadata as llama-gguf-split), all-or-nothing: shards appear under their names only when
 //! every one is complete.
 
-use crate::util::{self, human_bytes, PartialFile};
+use crate::util::{self, human_bytes, PartialFile, PartialSet};
 use anyhow::{bail, Context, Result};
 use gguf::copy::{write_zeros_at, Copier};
 use gguf::reader::align_up;
@@ -10,7 +10,7 @@ use gguf::writer::Layout;
 use gguf::{split, Metadata, Model, TensorInfo, Value};
 use serde_json::json;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(clap::Args)]
@@ -22,11 +22,17 @@ pub struct Args {
     #[arg(short, long)]
     output: String,
     /// Largest tensor data per shard (decimal units: 50G = 50*10^9 bytes, as gguf-split).
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", visible_alias = "split-max-size")]
     max_size: Option<String>,
     /// Most tensors per shard.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", visible_alias = "split-max-tensors")]
     max_tensors: Option<usize>,
+    /// Mark every shard with a set identifier (`split.set_id`, a key llama.cpp ignores) so that
+    /// merge, verify and the loaders refuse a shard of another model. Without a value it is
+    /// derived from the model and the plan. Off by default: the shards are then byte-identical
+    /// to llama-gguf-split's.
+    #[arg(long, value_name = "ID", num_args = 0..=1, default_missing_value = "")]
+    set_id: Option<String>,
     /// Print the plan, write nothing.
     #[arg(long)]
     dry_run: bool,
@@ -58,6 +64,18 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
     let mut base = model.metadata().clone();
     base.retain(|k, _| !k.starts_with("split."));
+    let set_id = match args.set_id.as_deref() {
+        None => None,
+        Some("") => Some(split::derive_set_id(
+            &base,
+            tensors.iter().map(|t| (t.info, model.data(t))),
+            &plan,
+        )),
+        Some(id) if id.chars().all(|c| c.is_ascii_graphic()) && id.len() <= 128 => {
+            Some(id.to_string())
+        }
+        Some(id) => bail!("--set-id {id:?}: use up to 128 printable ASCII characters"),
+    };
     let mut layouts = Vec::with_capacity(n);
     for (i, range) in plan.iter().enumerate() {
         let mut meta = if i == 0 {
@@ -69,6 +87,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         meta.set(split::KEY_NO, Value::U16(i as u16));
         meta.set(split::KEY_TENSORS_COUNT, Value::I32(total_tensors));
         meta.set(split::KEY_COUNT, Value::U16(n as u16));
+        if let Some(id) = &set_id {
+            meta.set(split::KEY_SET_ID, Value::String(id.clone()));
+        }
         if i > 0 {
             if let Some(a) = base.get("general.alignment") {
                 // Shards after the first need the alignment too, or readers assume 32.
@@ -96,7 +117,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             println!(
                 "{}",
                 serde_json::to_string_pretty(
-                    &json!({"shards": shards, "bytes": total, "dry_run": args.dry_run})
+                    &json!({"shards": shards, "bytes": total, "dry_run": args.dry_run, "set_id": set_id})
                 )?
             );
         } else {
@@ -113,12 +134,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
             return Ok(ExitCode::SUCCESS);
         }
     }
+    let inputs: Vec<&Path> = model.shards().iter().map(|f| f.path()).collect();
     for p in &paths {
-        for f in model.shards() {
-            if util::same_file(f.path(), p) {
-                bail!("output {} is an input file", p.display());
-            }
-        }
+        util::check_output_file(p, args.force)?;
+        util::refuse_input_as_output(p, &inputs)?;
     }
     if let Some(free) = util::free_space(&paths[0]) {
         if free < total {
@@ -132,10 +151,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
     let pb = util::byte_progress(total, args.quiet || args.json, "splitting");
     let mut copier = Copier::new();
-    let mut outs = Vec::with_capacity(n);
+    let mut outs = PartialSet::default();
     let mut k = 0usize;
     for (p, layout) in paths.iter().zip(&layouts) {
-        let out = PartialFile::create(p, args.force)?;
+        let out = outs.push(PartialFile::create(p, args.force)?);
         let mut header = Vec::with_capacity(layout.data_offset as usize);
         layout.write_header(&mut header)?;
         out.file.write_all_at(&header, 0)?;
@@ -163,13 +182,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
             write_zeros_at(&out.file, off + t.n_bytes(), pad)?;
             pb.inc(pad);
         }
-        outs.push(out);
     }
     pb.finish_and_clear();
     // Rename only when every shard is complete: a failure above drops (removes) all partials.
-    for out in outs {
-        out.commit()?;
-    }
+    outs.commit()?;
     if !args.quiet && !args.json {
         eprintln!(
             "wrote {n} shards ({}) with prefix {}",

@@ -112,8 +112,41 @@ pub struct Report {
     pub arch_check: Option<serde_json::Value>,
     #[serde(default)]
     pub gpu: Option<serde_json::Value>,
+    /// Every metadata key but split.* (which differ between shards and their merged file), in
+    /// file order, with a digest of its exact type and bytes. Absent in reports of older
+    /// versions, which then compare without metadata.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Vec<MetaRecord>>,
+    /// Value-level comparison of the tensors both models have (with --against MODEL).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comparison: Option<Vec<TensorComparison>>,
     pub findings: Vec<Finding>,
     pub summary: Summary,
+}
+
+/// One metadata key in a report.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct MetaRecord {
+    pub key: String,
+    #[serde(rename = "type")]
+    pub ty: String,
+    /// The value, arrays over 8 items summarised.
+    pub value: serde_json::Value,
+    /// sha256 of the key's serialized type and value bytes.
+    pub sha256: String,
+}
+
+/// Dequantized values of one tensor in two models compared.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TensorComparison {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub ty: String,
+    pub other_type: String,
+    pub max_abs_error: f64,
+    pub rmse: f64,
+    /// Cosine similarity of the two value vectors (1 when both are all zero).
+    pub cosine: f64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -153,7 +186,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
             }
             r
         } else {
-            build_report(other, true, args.tensor.as_deref(), true, false)?
+            let r = build_report(other, true, args.tensor.as_deref(), true, false)?;
+            let a = Model::open(&args.model)?;
+            let b = Model::open(other)?;
+            report.comparison = Some(compare_values(&a, &b, args.tensor.as_deref())?);
+            r
         };
         let diffs = compare(&report, &theirs);
         report.findings.extend(diffs);
@@ -286,6 +323,7 @@ fn build_report(
         None
     };
     let seconds = t0.elapsed().as_secs_f64();
+    let metadata = Some(meta_records(model.metadata())?);
     Ok(Report {
         schema: SCHEMA.into(),
         model: path.to_path_buf(),
@@ -306,8 +344,145 @@ fn build_report(
         digest,
         arch_check,
         gpu: gpu_report,
+        metadata,
+        comparison: None,
         findings,
     })
+}
+
+/// The metadata a report records and compares (split.* left out).
+pub fn meta_records(m: &gguf::Metadata) -> Result<Vec<MetaRecord>> {
+    let mut out = Vec::with_capacity(m.len());
+    for (k, v) in m.iter() {
+        if k.starts_with("split.") {
+            continue;
+        }
+        let one = gguf::Metadata::from_entries(m.file(), vec![(k.to_string(), v.clone())]);
+        let bytes = gguf::writer::header_bytes(3, &one, &[])?;
+        out.push(MetaRecord {
+            key: k.to_string(),
+            ty: util::value_type_json(v),
+            value: util::value_json(v, Some(8)),
+            sha256: gguf::copy::hex(&Sha256::digest(&bytes)),
+        });
+    }
+    Ok(out)
+}
+
+/// Keys added, removed or changed from `a` to `b`, one line each.
+pub fn diff_meta(a: &[MetaRecord], b: &[MetaRecord]) -> Vec<String> {
+    let amap: BTreeMap<&str, &MetaRecord> = a.iter().map(|r| (r.key.as_str(), r)).collect();
+    let bmap: BTreeMap<&str, &MetaRecord> = b.iter().map(|r| (r.key.as_str(), r)).collect();
+    let short = |v: &serde_json::Value| {
+        let s = v.to_string();
+        if s.chars().count() > 80 {
+            format!(
+                "{}... ({} chars)",
+                s.chars().take(77).collect::<String>(),
+                s.chars().count()
+            )
+        } else {
+            s
+        }
+    };
+    let mut out = Vec::new();
+    for r in a {
+        match bmap.get(r.key.as_str()) {
+            None => out.push(format!(
+                "key {} removed (was {} {})",
+                r.key,
+                r.ty,
+                short(&r.value)
+            )),
+            Some(o) if o.sha256 != r.sha256 => out.push(format!(
+                "key {} changed: {} {} -> {} {}",
+                r.key,
+                r.ty,
+                short(&r.value),
+                o.ty,
+                short(&o.value)
+            )),
+            Some(_) => {}
+        }
+    }
+    for r in b {
+        if !amap.contains_key(r.key.as_str()) {
+            out.push(format!("key {} added: {} {}", r.key, r.ty, short(&r.value)));
+        }
+    }
+    out
+}
+
+/// [`diff_meta`] of two metadata sets.
+pub fn metadata_diff(a: &gguf::Metadata, b: &gguf::Metadata) -> Vec<String> {
+    match (meta_records(a), meta_records(b)) {
+        (Ok(x), Ok(y)) => diff_meta(&x, &y),
+        _ => vec!["metadata cannot be serialized".into()],
+    }
+}
+
+/// Elements dequantized per step when comparing values (a multiple of every block size).
+const COMPARE_CHUNK: usize = 1 << 20;
+
+/// Max abs error, RMSE and cosine similarity between the dequantized values of the tensors
+/// both models have with the same shape; streamed in chunks so memory stays bounded.
+fn compare_values(a: &Model, b: &Model, filter: Option<&str>) -> Result<Vec<TensorComparison>> {
+    let pairs: Vec<_> = a
+        .tensors()
+        .filter(|t| filter.is_none_or(|p| name_matches(p, &t.info.name)))
+        .filter_map(|t| {
+            let o = b.tensor(&t.info.name)?;
+            (o.info.dims == t.info.dims).then_some((t, o))
+        })
+        .collect();
+    pairs
+        .par_iter()
+        .map(|(ta, tb)| {
+            util::check_interrupted()?;
+            let (da, db) = (a.data(ta), b.data(tb));
+            let n = ta.info.n_elements() as usize;
+            let (mut sq, mut ab, mut aa, mut bb, mut max) = (0f64, 0f64, 0f64, 0f64, 0f64);
+            let mut xa = vec![0f32; COMPARE_CHUNK.min(n)];
+            let mut xb = vec![0f32; COMPARE_CHUNK.min(n)];
+            let mut at = 0usize;
+            let span = |ty: gguf::GgmlType, from: usize, len: usize| {
+                let (bs, ts) = (ty.block_size(), ty.type_size());
+                from / bs * ts..(from + len) / bs * ts
+            };
+            while at < n {
+                let len = COMPARE_CHUNK.min(n - at);
+                let (ya, yb) = (&mut xa[..len], &mut xb[..len]);
+                gguf::quant::dequantize_row(ta.info.ty, &da[span(ta.info.ty, at, len)], ya)
+                    .with_context(|| format!("tensor {:?}", ta.info.name))?;
+                gguf::quant::dequantize_row(tb.info.ty, &db[span(tb.info.ty, at, len)], yb)
+                    .with_context(|| format!("tensor {:?}", tb.info.name))?;
+                for (&x, &y) in ya.iter().zip(yb.iter()) {
+                    let (x, y) = (f64::from(x), f64::from(y));
+                    let d = x - y;
+                    sq += d * d;
+                    ab += x * y;
+                    aa += x * x;
+                    bb += y * y;
+                    max = max.max(d.abs());
+                }
+                at += len;
+            }
+            let cosine = if aa == 0.0 && bb == 0.0 {
+                1.0
+            } else {
+                // One square root of the product: identical vectors give exactly 1.
+                ab / (aa * bb).sqrt()
+            };
+            Ok(TensorComparison {
+                name: ta.info.name.clone(),
+                ty: ta.info.ty.name().into(),
+                other_type: tb.info.ty.name().into(),
+                max_abs_error: max,
+                rmse: (sq / n.max(1) as f64).sqrt(),
+                cosine,
+            })
+        })
+        .collect()
 }
 
 /// sha256 over one line per tensor: `name\ttype\tne0,ne1,..\tsha256\n`, in model order. Shards
@@ -479,6 +654,15 @@ fn compare(a: &Report, b: &Report) -> Vec<Finding> {
     if order_a != order_b {
         out.push(mk(None, "tensor order differs".into()));
     }
+    if let (Some(x), Some(y)) = (&a.metadata, &b.metadata) {
+        for d in diff_meta(x, y) {
+            out.push(Finding {
+                kind: "against.metadata".into(),
+                tensor: None,
+                message: d,
+            });
+        }
+    }
     if let (Some(x), Some(y)) = (&a.digest, &b.digest) {
         if x != y && out.is_empty() {
             out.push(mk(None, format!("model digest {x} vs {y}")));
@@ -531,6 +715,18 @@ fn print_human(r: &Report, hash: bool) {
     }
     if let Some(d) = &r.digest {
         println!("model digest: {d}");
+    }
+    if let Some(c) = &r.comparison {
+        println!(
+            "{:<44} {:<7} {:<7} {:>12} {:>12} {:>10}",
+            "value comparison", "type", "other", "max_abs_err", "rmse", "cosine"
+        );
+        for t in c {
+            println!(
+                "{:<44} {:<7} {:<7} {:>12.6e} {:>12.6e} {:>10.6}",
+                t.name, t.ty, t.other_type, t.max_abs_error, t.rmse, t.cosine
+            );
+        }
     }
     if let Some(g) = &r.gpu {
         println!(

@@ -15,6 +15,10 @@ pub trait Block: Sized + Copy {
     const ELEMS: usize;
     /// Decode one block from its `BYTES` little-endian bytes; `None` if `bytes` has another length.
     fn read(bytes: &[u8]) -> Option<Self>;
+    /// Encode the block into its `BYTES` little-endian bytes (the quantizers' output path).
+    /// `out` must be exactly `BYTES` long; a slice of another length is left untouched and
+    /// `false` returned.
+    fn write(&self, out: &mut [u8]) -> bool;
 }
 
 /// A field type with a fixed little-endian encoding.
@@ -22,12 +26,17 @@ trait LeField: Sized {
     const SIZE: usize;
     /// `b` is exactly `SIZE` bytes.
     fn from_le(b: &[u8]) -> Self;
+    /// `b` is exactly `SIZE` bytes.
+    fn put_le(&self, b: &mut [u8]);
 }
 
 impl LeField for u8 {
     const SIZE: usize = 1;
     fn from_le(b: &[u8]) -> Self {
         b[0]
+    }
+    fn put_le(&self, b: &mut [u8]) {
+        b[0] = *self;
     }
 }
 
@@ -36,12 +45,18 @@ impl LeField for u16 {
     fn from_le(b: &[u8]) -> Self {
         u16::from_le_bytes([b[0], b[1]])
     }
+    fn put_le(&self, b: &mut [u8]) {
+        b.copy_from_slice(&self.to_le_bytes());
+    }
 }
 
 impl LeField for f32 {
     const SIZE: usize = 4;
     fn from_le(b: &[u8]) -> Self {
         f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+    fn put_le(&self, b: &mut [u8]) {
+        b.copy_from_slice(&self.to_le_bytes());
     }
 }
 
@@ -50,12 +65,18 @@ impl LeField for i8 {
     fn from_le(b: &[u8]) -> Self {
         b[0] as i8
     }
+    fn put_le(&self, b: &mut [u8]) {
+        b[0] = *self as u8;
+    }
 }
 
 impl LeField for i16 {
     const SIZE: usize = 2;
     fn from_le(b: &[u8]) -> Self {
         i16::from_le_bytes([b[0], b[1]])
+    }
+    fn put_le(&self, b: &mut [u8]) {
+        b.copy_from_slice(&self.to_le_bytes());
     }
 }
 
@@ -67,6 +88,11 @@ impl<T: LeField + Copy + Default, const N: usize> LeField for [T; N] {
             *o = T::from_le(c);
         }
         out
+    }
+    fn put_le(&self, b: &mut [u8]) {
+        for (v, c) in self.iter().zip(b.chunks_exact_mut(T::SIZE)) {
+            v.put_le(c);
+        }
     }
 }
 
@@ -101,6 +127,19 @@ macro_rules! block {
                 )*
                 debug_assert_eq!(at, $bytes);
                 Some(Self { $($field),* })
+            }
+
+            fn write(&self, out: &mut [u8]) -> bool {
+                if out.len() != $bytes {
+                    return false;
+                }
+                let mut at = 0usize;
+                $(
+                    self.$field.put_le(&mut out[at..at + <$fty as LeField>::SIZE]);
+                    at += <$fty as LeField>::SIZE;
+                )*
+                debug_assert_eq!(at, $bytes);
+                true
             }
         }
     };
@@ -195,6 +234,13 @@ mod tests {
         assert_eq!(B::ELEMS, B::TYPE.block_size(), "{}", B::TYPE);
         assert!(B::read(&vec![0u8; B::BYTES + 1]).is_none());
         assert!(B::read(&vec![0u8; B::BYTES]).is_some());
+        // write is the inverse of read on arbitrary bytes.
+        let bytes: Vec<u8> = (0..B::BYTES).map(|i| (i * 37 + 11) as u8).collect();
+        let b = B::read(&bytes).unwrap_or_else(|| unreachable!());
+        let mut back = vec![0u8; B::BYTES];
+        assert!(b.write(&mut back));
+        assert_eq!(back, bytes, "{}", B::TYPE);
+        assert!(!b.write(&mut vec![0u8; B::BYTES - 1]));
     }
 
     #[test]

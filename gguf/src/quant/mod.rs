@@ -10,6 +10,10 @@
 //! Errors carry no tensor name: callers that know one add it.
 
 pub mod blocks;
+pub mod quantize;
+pub mod quantize_fast;
+pub mod quantize_imatrix;
+pub mod quantize_mix;
 pub mod reference;
 
 mod act;
@@ -53,6 +57,13 @@ pub enum QuantError {
     /// The operation does not exist for this type.
     #[error("{ty}: {what} is not supported")]
     Unsupported { ty: GgmlType, what: &'static str },
+    /// An importance-matrix row that does not match the tensor's row length.
+    #[error("{ty}: importance matrix has {got} values per row, the tensor {n_per_row}")]
+    ImatrixLength {
+        ty: GgmlType,
+        n_per_row: usize,
+        got: usize,
+    },
     /// The embedded lookup tables (gguf/data/iq_tables.bin) are malformed: a build problem.
     #[error("embedded quant lookup tables are invalid: {0}")]
     Tables(String),

@@ -64,13 +64,6 @@ pub fn matmul_rows(
         ));
     }
     let rb = w.row_bytes();
-    let bytes = w.bytes();
-    if bytes.len() < (row0 + m) * rb {
-        return Err(backend_err(
-            w,
-            format!("{} bytes, rows need {}", bytes.len(), (row0 + m) * rb),
-        ));
-    }
     let ty = w.ty();
     // out_t is [m, n]: each task owns whole weight rows.
     let rows_per_task = MAX_ROWS_PER_TASK.max(MIN_TASK_WORK / (k * n).max(1));
@@ -84,7 +77,13 @@ pub fn matmul_rows(
                 let first = row0 + c * rows_per_task;
                 for (r, out_row) in chunk.chunks_mut(n.max(1)).enumerate() {
                     let row = first + r;
-                    let src = &bytes[row * rb..(row + 1) * rb];
+                    let src = w.row_data(row);
+                    if src.len() != rb {
+                        return Err(backend_err(
+                            w,
+                            format!("row {row} outside the weight's bytes"),
+                        ));
+                    }
                     dequantize(ty, src, buf).map_err(|e| backend_err(w, e))?;
                     for (i, o) in out_row.iter_mut().enumerate().take(n) {
                         *o = dot(&x[i * k..(i + 1) * k], buf);
@@ -108,14 +107,13 @@ pub fn matmul_rows(
 /// Dequantized rows `rows` of a weight, concatenated.
 pub fn dequant_rows(w: &HostWeight, rows: &[usize]) -> Result<Vec<f32>, RuntimeError> {
     let k = w.row_len();
-    let rb = w.row_bytes();
-    let bytes = w.bytes();
     let mut out = vec![0f32; rows.len() * k];
     for (o, &r) in out.chunks_mut(k.max(1)).zip(rows) {
-        if r >= w.n_rows() || bytes.len() < (r + 1) * rb {
+        let src = w.row_data(r);
+        if r >= w.n_rows() || src.len() != w.row_bytes() {
             return Err(backend_err(w, format!("row {r} of {}", w.n_rows())));
         }
-        dequantize(w.ty(), &bytes[r * rb..(r + 1) * rb], o).map_err(|e| backend_err(w, e))?;
+        dequantize(w.ty(), src, o).map_err(|e| backend_err(w, e))?;
     }
     Ok(out)
 }

@@ -658,4 +658,22 @@ impl Backend for CpuBackend {
         }
         Ok(CpuTensor::new(x.rows, d, out))
     }
+
+    fn local_expert_ids(
+        &self,
+        mut ids: CpuIndex,
+        first: usize,
+        count: usize,
+    ) -> Result<CpuIndex, RuntimeError> {
+        let (lo, hi) = (first as i64, (first + count) as i64);
+        for v in ids.data.iter_mut() {
+            let e = *v as i64;
+            *v = if (lo..hi).contains(&e) {
+                (e - lo) as i32
+            } else {
+                -1
+            };
+        }
+        Ok(ids)
+    }
 }

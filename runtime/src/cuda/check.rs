@@ -71,6 +71,15 @@ pub fn logit_tolerance(opts: CudaOptions, n_layer: usize) -> f32 {
     (4.0 * (l * q + n * kv).sqrt()) as f32 + LOGIT_TOL
 }
 
+/// The logit tolerance of a model loaded on `device` (resolved) with the default options: the
+/// CPU's f32 summation order, or [`logit_tolerance`] of the CUDA path chosen by the environment.
+pub fn tolerance_for(device: crate::device::Device, n_layer: usize) -> f32 {
+    match device {
+        crate::device::Device::Cuda(_) => logit_tolerance(CudaOptions::default(), n_layer),
+        _ => LOGIT_TOL,
+    }
+}
+
 /// Outcome for one prompt.
 #[derive(Debug, Clone)]
 pub struct PromptCheck {

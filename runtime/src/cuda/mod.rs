@@ -38,6 +38,7 @@ use crate::weights::HostWeight;
 use crate::RuntimeError;
 
 pub mod check;
+pub mod comm;
 #[cfg(test)]
 mod tests;
 
@@ -195,11 +196,16 @@ impl CudaBackend {
 
     pub fn with_options(ordinal: usize, opts: CudaOptions) -> Result<Self, RuntimeError> {
         let gpu = Gpu::get(ordinal).map_err(kerr("opening the CUDA device"))?;
-        Ok(Self {
+        Ok(Self::on(gpu, opts))
+    }
+
+    /// A backend on an already opened device (a tensor-parallel rank's own context).
+    pub fn on(gpu: Arc<Gpu>, opts: CudaOptions) -> Self {
+        Self {
             gpu,
             opts,
             inputs: Arc::new(Mutex::new(Inputs::default())),
-        })
+        }
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -1199,6 +1205,15 @@ impl Backend for CudaBackend {
             )?;
         }
         Ok(out)
+    }
+
+    fn local_expert_ids(
+        &self,
+        ids: CudaIndex,
+        first: usize,
+        count: usize,
+    ) -> Result<CudaIndex, RuntimeError> {
+        comm::local_expert_ids(self, ids, first, count)
     }
 }
 

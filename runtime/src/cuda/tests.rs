@@ -201,7 +201,7 @@ fn glm5_heads_weights() -> (Metadata, HashMap<String, HostWeight>) {
             )
         }
         .expect("synthetic weight");
-        w.insert(t.name, hw);
+        w.insert(t.name.clone(), hw);
     }
     (md, w)
 }

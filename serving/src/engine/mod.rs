@@ -35,6 +35,22 @@ pub struct EngineConfig {
     pub context_length: usize,
 }
 
+/// Makes the error of a request whose logits came out non-finite (NaN / infinity), given the
+/// sequence's tokens (e.g. a re-run of the CPU reference naming the first bad layer:
+/// `runtime::numerics`); see [`Engine::start_with_hook`]. Without one the error names only the
+/// position. The request fails either way: nothing is ever sampled from such logits.
+#[derive(Clone)]
+pub struct NonFiniteHook(pub Arc<NonFiniteMessage>);
+
+/// Sequence tokens -> the error message of [`NonFiniteHook`].
+pub type NonFiniteMessage = dyn Fn(&[u32]) -> String + Send + Sync;
+
+impl std::fmt::Debug for NonFiniteHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NonFiniteHook")
+    }
+}
+
 impl EngineConfig {
     /// Defaults for a model: 128 waiting, 16 running, 512-token prefill chunks, full context.
     pub fn for_model(model: &dyn LanguageModel) -> Self {
@@ -218,16 +234,32 @@ impl Engine {
     /// Start the scheduler thread over `model`.
     pub fn start(
         model: Arc<dyn LanguageModel>,
+        config: EngineConfig,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<Engine> {
+        Self::start_with_hook(model, config, metrics, None)
+    }
+
+    /// [`start`](Self::start) with a [`NonFiniteHook`] for requests whose logits are NaN/inf.
+    pub fn start_with_hook(
+        model: Arc<dyn LanguageModel>,
         mut config: EngineConfig,
         metrics: Arc<Metrics>,
+        on_non_finite: Option<NonFiniteHook>,
     ) -> std::io::Result<Engine> {
         config.context_length = config
             .context_length
             .clamp(1, model.context_length().max(1));
         config.max_running = config.max_running.max(1);
         config.prefill_chunk = config.prefill_chunk.max(1);
+        // A model whose KV cache is one pool of device memory (tensor-parallel CUDA ranks):
+        // no request may need more than the pool, and admission reserves from it (`admit`).
+        let pool = model.cache_capacity_tokens();
+        if let Some(cap) = pool {
+            config.context_length = config.context_length.min(cap.max(1));
+        }
         metrics.kv_cache_capacity_tokens.store(
-            (config.max_running * config.context_length) as u64,
+            pool.unwrap_or(config.max_running * config.context_length) as u64,
             Ordering::Relaxed,
         );
         let shared = Arc::new(Shared {
@@ -240,6 +272,7 @@ impl Engine {
             model,
             shared: shared.clone(),
             config: config.clone(),
+            on_non_finite,
             metrics: metrics.clone(),
             running: Vec::new(),
         };
@@ -378,6 +411,7 @@ struct Scheduler {
     model: Arc<dyn LanguageModel>,
     shared: Arc<Shared>,
     config: EngineConfig,
+    on_non_finite: Option<NonFiniteHook>,
     metrics: Arc<Metrics>,
     running: Vec<Active>,
 }
@@ -409,6 +443,11 @@ impl Scheduler {
             }
             while self.running.len() < self.config.max_running {
                 let Some(job) = q.pop_front() else { break };
+                if !self.fits_cache_pool(&job.req) {
+                    // Waits until running sequences finish and return their share of the pool.
+                    q.push_front(job);
+                    break;
+                }
                 if job.tx.is_closed() {
                     self.metrics.record_finished("cancelled");
                     continue;
@@ -454,6 +493,17 @@ impl Scheduler {
             }
             q = self.shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
         }
+    }
+
+    /// Whether the model's KV pool (if it has one) holds `req` on top of what the running
+    /// sequences may still grow to (prompt + max_tokens each, reserved at admission).
+    fn fits_cache_pool(&self, req: &GenerationRequest) -> bool {
+        let Some(cap) = self.model.cache_capacity_tokens() else {
+            return true;
+        };
+        let reserve = |r: &GenerationRequest| r.prompt.len().saturating_add(r.max_tokens);
+        let held: usize = self.running.iter().map(|a| reserve(&a.job.req)).sum();
+        self.running.is_empty() || held.saturating_add(reserve(req)) <= cap
     }
 
     fn step(&mut self) {
@@ -554,6 +604,27 @@ impl Scheduler {
         for (i, (a, w)) in self.running.iter_mut().zip(&work).enumerate() {
             let Some(w) = *w else { continue };
             let Some(logits) = outputs.next() else { break };
+            if runtime::numerics::first_non_finite(&logits).is_some() {
+                let mut tokens = match w {
+                    Work::Prefill { to, .. } => a.job.req.prompt[..to].to_vec(),
+                    Work::Decode => a.job.req.prompt.clone(),
+                };
+                if let Work::Decode = w {
+                    tokens.push(a.next[0]);
+                }
+                let msg = match &self.on_non_finite {
+                    Some(h) => (h.0)(&tokens),
+                    None => format!(
+                        "the model produced non-finite logits (NaN or infinity) at token {}",
+                        tokens.len().saturating_sub(1)
+                    ),
+                };
+                tracing::error!("{msg}");
+                self.metrics.record_finished("error");
+                let _ = a.job.tx.send(Event::Failed(msg));
+                finished.push(i);
+                continue;
+            }
             let done = match w {
                 Work::Prefill { from, to } => {
                     self.metrics

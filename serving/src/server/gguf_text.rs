@@ -1,13 +1,19 @@
 //! [`TextCodec`] over a GGUF model's own tokenizer and chat template.
 
-use super::text::{Message, TextCodec};
+use super::text::{Bounded, Message, TextCodec};
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::tokenizer::Tokenizer;
 use crate::ServingError;
+use std::sync::Arc;
 
-/// The tokenizer and (when the GGUF has one) the chat template of a model.
+/// The tokenizer and (when the GGUF has one) the chat template of a model. The template escapes
+/// control-token text in everything the client sends, and chat prompts are tokenized with
+/// [`Tokenizer::encode_chat`], so a message cannot smuggle in `<|assistant|>`.
 pub struct GgufText {
-    tok: Tokenizer,
+    tok: Arc<Tokenizer>,
+    /// Renders and tokenizations running at once: their transient memory (tens of bytes per
+    /// prompt byte for a long single "word") is what a flood of huge prompts would multiply.
+    jobs: Jobs,
     template: Option<ChatTemplate>,
     /// Why there is no template, reported to chat requests.
     template_error: Option<String>,
@@ -17,13 +23,23 @@ impl GgufText {
     /// A model without a usable chat template still serves `/v1/completions`; chat requests
     /// then get a 400 naming the reason.
     pub fn from_gguf(meta: &gguf::Metadata) -> Result<Self, ServingError> {
-        let tok = Tokenizer::from_gguf(meta)?;
+        let tok = Arc::new(Tokenizer::from_gguf(meta)?);
         let (template, template_error) = match ChatTemplate::from_gguf(meta) {
-            Ok(t) => (Some(t), None),
+            Ok(mut t) => {
+                let esc = Arc::clone(&tok);
+                t.set_content_escaper(Arc::new(move |s| esc.escape_control_text(s)));
+                (Some(t), None)
+            }
             Err(e) => (None, Some(e.to_string())),
         };
         Ok(GgufText {
             tok,
+            jobs: Jobs::new(
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(2)
+                    .max(2),
+            ),
             template,
             template_error,
         })
@@ -41,8 +57,26 @@ impl GgufText {
 
 impl TextCodec for GgufText {
     fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, String> {
+        let _job = self.jobs.acquire();
         self.tok
             .encode(text, parse_special)
+            .map_err(|e| e.to_string())
+    }
+    fn encode_bounded(
+        &self,
+        text: &str,
+        parse_special: bool,
+        limit: usize,
+    ) -> Result<Bounded, String> {
+        let _job = self.jobs.acquire();
+        self.tok
+            .encode_bounded(text, parse_special, limit)
+            .map_err(|e| e.to_string())
+    }
+    fn encode_chat(&self, rendered: &str, limit: usize) -> Result<Bounded, String> {
+        let _job = self.jobs.acquire();
+        self.tok
+            .encode_chat(rendered, limit)
             .map_err(|e| e.to_string())
     }
     fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
@@ -74,6 +108,7 @@ impl TextCodec for GgufText {
             .map(|m| ChatMessage::new(m.role.as_str(), m.content.as_str()))
             .collect();
         let msgs = serde_json::to_value(msgs).map_err(|e| e.to_string())?;
+        let _job = self.jobs.acquire();
         t.render_json(&msgs, add_generation_prompt, kwargs)
             .map_err(|e| e.to_string())
     }
@@ -90,4 +125,38 @@ fn ids_bytes(t: &GgufText, ids: &[u32]) -> Vec<u8> {
         .filter_map(|&id| t.tok.token_bytes(id))
         .flatten()
         .collect()
+}
+
+/// A counting semaphore for blocking callers (the server runs these jobs on tokio's blocking
+/// pool, which would otherwise run hundreds at once).
+struct Jobs {
+    free: std::sync::Mutex<usize>,
+    wake: std::sync::Condvar,
+}
+
+struct Job<'a>(&'a Jobs);
+
+impl Jobs {
+    fn new(n: usize) -> Self {
+        Jobs {
+            free: std::sync::Mutex::new(n),
+            wake: std::sync::Condvar::new(),
+        }
+    }
+
+    fn acquire(&self) -> Job<'_> {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        while *free == 0 {
+            free = self.wake.wait(free).unwrap_or_else(|e| e.into_inner());
+        }
+        *free -= 1;
+        Job(self)
+    }
+}
+
+impl Drop for Job<'_> {
+    fn drop(&mut self) {
+        *self.0.free.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.0.wake.notify_one();
+    }
 }

@@ -9,6 +9,7 @@
 
 pub mod error;
 pub mod gguf_text;
+mod listener;
 mod openai;
 pub mod params;
 pub mod text;
@@ -27,13 +28,28 @@ use serde_json::{json, Value};
 use std::sync::{Arc, OnceLock};
 pub use text::{Message, TextCodec};
 
-/// Settings of the HTTP layer.
+/// Settings of the HTTP layer. The worst-case memory of requests not yet admitted to the engine
+/// is about `max_connections x max_body_bytes` of buffered bodies plus, per prompt being
+/// rendered and tokenized, the chat template's output cap and ~10x the prompt's bytes (docs:
+/// ARCHITECTURE.md, "Serving limits").
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Required as `Authorization: Bearer <key>` on every route but `/health` when set.
+    /// Required as `Authorization: Bearer <key>` on every route but `/health` when set; an
+    /// empty key is refused by [`ServerConfig::validate`].
     pub api_key: Option<String>,
     /// Largest request body accepted (bytes); larger ones get 413.
     pub max_body_bytes: usize,
+    /// Time a client has to send a request head, counted from the connection's start or the
+    /// end of its previous response (so it also closes idle keep-alive connections).
+    pub header_timeout: std::time::Duration,
+    /// Time a client has to send a request body once its head is in (408 after it).
+    pub body_timeout: std::time::Duration,
+    /// Open connections at most (also capped by the descriptor limit); see `listener`.
+    pub max_connections: usize,
+    /// Largest request head (request line + headers); larger ones get 431.
+    pub max_header_bytes: usize,
+    /// On shutdown, how long responses in progress may take to finish.
+    pub shutdown_grace: std::time::Duration,
 }
 
 impl Default for ServerConfig {
@@ -41,7 +57,29 @@ impl Default for ServerConfig {
         ServerConfig {
             api_key: None,
             max_body_bytes: 8 << 20,
+            header_timeout: std::time::Duration::from_secs(30),
+            body_timeout: std::time::Duration::from_secs(60),
+            max_connections: 512,
+            max_header_bytes: 64 << 10,
+            shutdown_grace: std::time::Duration::from_secs(5),
         }
+    }
+}
+
+impl ServerConfig {
+    /// Settings that cannot work: an empty API key (nobody could authenticate, yet the server
+    /// would look protected), zero timeouts or a zero connection limit.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+            return Err("the API key is empty: give a non-empty key or none".into());
+        }
+        if self.header_timeout.is_zero() || self.body_timeout.is_zero() {
+            return Err("timeouts must be positive".into());
+        }
+        if self.max_connections == 0 {
+            return Err("the connection limit must be at least 1".into());
+        }
+        Ok(())
     }
 }
 
@@ -82,9 +120,11 @@ pub fn cpu_backend(
     model_backend(&model, lm, name, metrics, configure)
 }
 
-/// A backend serving `lm` (any device), with the tokenizer and chat template of `model`.
+/// A backend serving `lm` (any device), with the tokenizer and chat template of `model`. A
+/// request whose logits come out non-finite fails with the first bad layer as located by the CPU
+/// reference ([`runtime::numerics`]).
 pub fn model_backend(
-    model: &gguf::Model,
+    model: &Arc<gguf::Model>,
     lm: Arc<dyn runtime::LanguageModel>,
     name: &str,
     metrics: Arc<Metrics>,
@@ -96,7 +136,18 @@ pub fn model_backend(
     }
     let mut cfg = EngineConfig::for_model(lm.as_ref());
     configure(&mut cfg);
-    let engine = Engine::start(lm, cfg, metrics).map_err(crate::ServingError::Thread)?;
+    let diag_model = Arc::clone(model);
+    let hook = crate::engine::NonFiniteHook(Arc::new(move |tokens: &[u32]| {
+        let d = runtime::numerics::locate_non_finite(Arc::clone(&diag_model), tokens)
+            .unwrap_or(runtime::numerics::Diagnosis::TooLarge);
+        runtime::numerics::non_finite_message(
+            "the serving device",
+            tokens.len().saturating_sub(1),
+            &d,
+        )
+    }));
+    let engine = Engine::start_with_hook(lm, cfg, metrics, Some(hook))
+        .map_err(crate::ServingError::Thread)?;
     Ok(Backend::new(engine, Arc::new(codec), name))
 }
 
@@ -166,15 +217,19 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Bind-independent serving loop: run the router on `listener` until `shutdown` resolves.
+/// Bind-independent serving loop: run the router on `listener` until `shutdown` resolves, with
+/// the timeouts and the connection limit of `state.config` (see [`listener`]). An invalid
+/// configuration ([`ServerConfig::validate`]) is an `InvalidInput` error.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+    state
+        .config
+        .validate()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    listener::run(listener, state, shutdown).await
 }
 
 /// A server on its own thread with its own async runtime, for tests and for embedding in
@@ -199,10 +254,10 @@ impl RunningServer {
             .name("http".into())
             .spawn(move || {
                 rt.block_on(async move {
-                    tokio::select! {
-                        _ = axum::serve(listener, router(state)) => {}
-                        _ = rx => {}
-                    }
+                    let _ = serve(listener, state, async {
+                        let _ = rx.await;
+                    })
+                    .await;
                 });
                 // Connections still open (streams) are cut here.
                 rt.shutdown_timeout(std::time::Duration::from_secs(1));
@@ -315,9 +370,23 @@ pub(crate) async fn read_json(state: &AppState, req: Request) -> Result<Value, A
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    let bytes = axum::body::to_bytes(req.into_body(), limit)
-        .await
-        .map_err(|_| too_large())?;
+    // A body that trickles in is cut off: a slow client must not hold a task forever.
+    let bytes = tokio::time::timeout(
+        state.config.body_timeout,
+        axum::body::to_bytes(req.into_body(), limit),
+    )
+    .await
+    .map_err(|_| {
+        ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!(
+                "the request body did not arrive within {} s",
+                state.config.body_timeout.as_secs()
+            ),
+        )
+    })?
+    .map_err(|_| too_large())?;
     serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))
 }
@@ -364,10 +433,22 @@ async fn tokenize(State(s): State<Arc<AppState>>, req: Request) -> Result<Json<V
     let parse_special = f.boolean("parse_special")?.unwrap_or(true);
     let with_pieces = f.boolean("with_pieces")?.unwrap_or(false);
     let codec = b.codec.clone();
-    let ids = tokio::task::spawn_blocking(move || codec.encode(&content, parse_special))
-        .await
-        .map_err(|_| ApiError::internal("tokenizer task failed"))?
-        .map_err(ApiError::bad_request)?;
+    // Bounded like prompts: counting a text far beyond the context is not worth seconds of CPU.
+    let limit = b.engine.context_length();
+    let ids =
+        tokio::task::spawn_blocking(move || codec.encode_bounded(&content, parse_special, limit))
+            .await
+            .map_err(|_| ApiError::internal("tokenizer task failed"))?
+            .map_err(ApiError::bad_request)?;
+    let ids = match ids {
+        text::Bounded::Complete(ids) => ids,
+        text::Bounded::Exceeds { limit } => {
+            return Err(ApiError::invalid(
+                "content",
+                format!("the text is longer than the context of {limit} tokens"),
+            ))
+        }
+    };
     let tokens: Vec<Value> = if with_pieces {
         ids.iter()
             .map(|&id| {

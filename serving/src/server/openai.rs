@@ -39,13 +39,29 @@ fn request_id(prefix: &str) -> String {
     )
 }
 
-/// Tokenization can take a while on long prompts: keep it off the async workers.
-async fn encode(b: &Backend, text: String) -> Result<Vec<u32>, ApiError> {
+/// Tokenization can take a while on long prompts: keep it off the async workers. The work is
+/// bounded by the context length (a longer prompt is refused before it is fully tokenized), and
+/// a chat prompt takes special tokens only from the template's own text.
+async fn encode(b: &Backend, text: String, chat: bool) -> Result<Vec<u32>, ApiError> {
     let codec = b.codec.clone();
-    tokio::task::spawn_blocking(move || codec.encode(&text, true))
-        .await
-        .map_err(|_| ApiError::internal("tokenizer task failed"))?
-        .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))
+    let limit = b.engine.context_length();
+    let r = tokio::task::spawn_blocking(move || {
+        if chat {
+            codec.encode_chat(&text, limit)
+        } else {
+            codec.encode_bounded(&text, true, limit)
+        }
+    })
+    .await
+    .map_err(|_| ApiError::internal("tokenizer task failed"))?
+    .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))?;
+    match r {
+        super::text::Bounded::Complete(ids) => Ok(ids),
+        super::text::Bounded::Exceeds { limit } => Err(ApiError::invalid(
+            if chat { "messages" } else { "prompt" },
+            format!("the prompt is longer than the context of {limit} tokens"),
+        )),
+    }
 }
 
 fn submit_error(e: SubmitError) -> ApiError {
@@ -127,7 +143,7 @@ async fn completions_inner(s: Arc<AppState>, req: Request) -> Result<Response, A
     let body = read_json(&s, req).await?;
     let r = params::parse_completion(&body)?;
     let (prompt_ids, prompt_text) = match r.prompt {
-        Prompt::Text(t) => (encode(&b, t.clone()).await?, t),
+        Prompt::Text(t) => (encode(&b, t.clone(), false).await?, t),
         Prompt::Tokens(ids) => {
             // Ids are checked against the vocabulary before decoding (and again by the engine).
             let vocab = b.engine.vocab_size();
@@ -420,7 +436,7 @@ async fn chat_inner(s: Arc<AppState>, req: Request) -> Result<Response, ApiError
             .await
             .map_err(|_| ApiError::internal("chat template task failed"))?
             .map_err(|e| ApiError::invalid("messages", format!("chat template: {e}")))?;
-    let ids = encode(&b, prompt).await?;
+    let ids = encode(&b, prompt, true).await?;
     let ctx = b.engine.context_length();
     // Without a limit a chat answer may use the rest of the context (OpenAI has no default).
     let max_tokens = r

@@ -7,7 +7,7 @@
 
 use super::error::ApiError;
 use super::text::Message;
-use crate::sampler::SamplingParams;
+use crate::sampler::{self, SamplingParams};
 use serde_json::{Map, Value};
 
 /// Most stop strings per request, and the longest one (bytes).
@@ -175,9 +175,11 @@ fn parse_common(f: &Fields<'_>, min_max_tokens: i64) -> Result<Common, ApiError>
         (None, Some(n)) if n >= 0 => Some(n as usize),
         _ => None,
     };
-    let temperature = f.number("temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32;
-    let top_p = f.number("top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32;
-    let min_p = f.number("min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32;
+    // The ranges are the sampler's, shared with `generate` (SamplingParams::validate).
+    let range = |r: sampler::SamplingRange| f.number(r.field, r.min, r.max);
+    let temperature = range(sampler::TEMPERATURE)?.unwrap_or(1.0) as f32;
+    let top_p = range(sampler::TOP_P)?.unwrap_or(1.0) as f32;
+    let min_p = range(sampler::MIN_P)?.unwrap_or(0.0) as f32;
     let top_k = f.integer("top_k", -1, i32::MAX as i64)?.unwrap_or(0).max(0) as usize;
     // -1 asks for a random seed (llama-server); other values are taken bit for bit.
     let seed = match f.integer("seed", i64::MIN, i64::MAX)? {

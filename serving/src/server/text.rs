@@ -4,6 +4,7 @@
 //! `reasoning_content`.
 
 use crate::engine::{Event, FinishReason, Generation, TokenLogprobs, Usage};
+pub use crate::tokenizer::Bounded;
 use std::sync::Arc;
 
 /// One chat message as the template sees it.
@@ -34,6 +35,28 @@ pub trait TextCodec: Send + Sync {
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, String>;
+
+    /// [`encode`](Self::encode) with the work bounded: more than `limit` tokens is reported as
+    /// `Exceeds` without tokenizing the rest (the GGUF codec stops at `limit + 1`).
+    fn encode_bounded(
+        &self,
+        text: &str,
+        parse_special: bool,
+        limit: usize,
+    ) -> Result<Bounded, String> {
+        let ids = self.encode(text, parse_special)?;
+        Ok(if ids.len() > limit {
+            Bounded::Exceeds { limit }
+        } else {
+            Bounded::Complete(ids)
+        })
+    }
+
+    /// Tokenize a prompt returned by [`render_chat`](Self::render_chat): special tokens the
+    /// template wrote become their ids, special-token text from message content stays text.
+    fn encode_chat(&self, rendered: &str, limit: usize) -> Result<Bounded, String> {
+        self.encode_bounded(rendered, true, limit)
+    }
 
     /// Text of a token sequence; `skip_special` leaves control tokens out.
     fn decode(&self, ids: &[u32], skip_special: bool) -> String {

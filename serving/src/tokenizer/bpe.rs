@@ -65,19 +65,22 @@ pub(crate) fn pair_key(a: u32, b: u32) -> u64 {
     ((a as u64) << 32) | b as u64
 }
 
+/// One symbol of the piece being merged. Indices are `u32` (a piece is at most the request
+/// body, far below 4 GiB) to keep a long piece at 16 bytes per input byte: a 1 MB single "word"
+/// is the worst case the pre-tokenizer can hand over.
 #[derive(Clone, Copy)]
 struct Sym {
     /// Token id, or `None` for a byte with no token in the vocabulary (it never merges).
     id: Option<u32>,
-    prev: usize,
-    next: usize,
+    prev: u32,
+    next: u32,
     alive: bool,
 }
 
-const NONE: usize = usize::MAX;
+const NONE: u32 = u32::MAX;
 
-/// (rank, left index, right index, left id, right id) of a possible merge.
-type Candidate = (u32, usize, usize, u32, u32);
+/// (rank, left index, right index, left id, right id) of a possible merge: 20 bytes.
+type Candidate = (u32, u32, u32, u32, u32);
 
 /// Applies the merges to one piece whose initial symbols are `initial` (one per input byte), in
 /// rank order with ties going to the leftmost pair, which is what both HF `tokenizers` and
@@ -88,25 +91,31 @@ pub(crate) fn merge(initial: &[Option<u32>], merges: &MergeTable, out: &mut Vec<
         out.extend(initial.iter().flatten());
         return;
     }
-    let n = initial.len();
-    let mut syms: Vec<Sym> = initial
-        .iter()
-        .enumerate()
-        .map(|(i, &id)| Sym {
-            id,
+    // Longer pieces than u32 indices allow cannot come from a request body; merge them in
+    // parts rather than fail (the result differs only at the seams of such absurd input).
+    if initial.len() >= NONE as usize {
+        for part in initial.chunks(NONE as usize - 1) {
+            merge(part, merges, out);
+        }
+        return;
+    }
+    let n = initial.len() as u32;
+    let mut syms: Vec<Sym> = (0..n)
+        .map(|i| Sym {
+            id: initial[i as usize],
             prev: if i == 0 { NONE } else { i - 1 },
             next: if i + 1 == n { NONE } else { i + 1 },
             alive: true,
         })
         .collect();
-    // (rank, left index, right index, left id, right id); stale entries are detected on pop by
-    // re-checking adjacency and ids (a merged symbol always gets a different, longer token).
+    // Stale entries are detected on pop by re-checking adjacency and ids (a merged symbol
+    // always gets a different, longer token).
     let mut heap: BinaryHeap<Reverse<Candidate>> = BinaryHeap::new();
-    let push = |heap: &mut BinaryHeap<_>, syms: &[Sym], l: usize, r: usize| {
+    let push = |heap: &mut BinaryHeap<_>, syms: &[Sym], l: u32, r: u32| {
         if l == NONE || r == NONE {
             return;
         }
-        if let (Some(a), Some(b)) = (syms[l].id, syms[r].id) {
+        if let (Some(a), Some(b)) = (syms[l as usize].id, syms[r as usize].id) {
             if let Some(&(rank, _)) = merges.get(&pair_key(a, b)) {
                 heap.push(Reverse((rank, l, r, a, b)));
             }
@@ -116,28 +125,28 @@ pub(crate) fn merge(initial: &[Option<u32>], merges: &MergeTable, out: &mut Vec<
         push(&mut heap, &syms, i, i + 1);
     }
     while let Some(Reverse((_, l, r, a, b))) = heap.pop() {
-        let (sl, sr) = (syms[l], syms[r]);
+        let (sl, sr) = (syms[l as usize], syms[r as usize]);
         if !sl.alive || !sr.alive || sl.next != r || sl.id != Some(a) || sr.id != Some(b) {
             continue;
         }
         let Some(&(_, merged)) = merges.get(&pair_key(a, b)) else {
             continue;
         };
-        syms[l].id = Some(merged);
-        syms[l].next = sr.next;
-        syms[r].alive = false;
+        syms[l as usize].id = Some(merged);
+        syms[l as usize].next = sr.next;
+        syms[r as usize].alive = false;
         if sr.next != NONE {
-            syms[sr.next].prev = l;
+            syms[sr.next as usize].prev = l;
         }
-        push(&mut heap, &syms, syms[l].prev, l);
-        push(&mut heap, &syms, l, syms[l].next);
+        push(&mut heap, &syms, syms[l as usize].prev, l);
+        push(&mut heap, &syms, l, syms[l as usize].next);
     }
     let mut i = 0;
     while i != NONE {
-        if let Some(id) = syms[i].id {
+        if let Some(id) = syms[i as usize].id {
             out.push(id);
         }
-        i = syms[i].next;
+        i = syms[i as usize].next;
     }
 }
 

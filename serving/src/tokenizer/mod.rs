@@ -117,6 +117,19 @@ pub struct Tokenizer {
     add_eos: bool,
     add_space_prefix: bool,
     eog: Vec<u32>,
+    /// Most input bytes one token can stand for: `len / max_token_bytes` is a lower bound on
+    /// the token count of any text, which refuses an over-long prompt before tokenizing it.
+    max_token_bytes: usize,
+}
+
+/// Result of [`Tokenizer::encode_bounded`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Bounded {
+    /// The whole text, in at most `limit` tokens.
+    Complete(Vec<u32>),
+    /// More than `limit` tokens; tokenizing stopped at `limit + 1` (or never started: the text
+    /// is longer than `limit + 1` tokens can be).
+    Exceeds { limit: usize },
 }
 
 /// Token texts that end generation in llama.cpp's vocabulary loader (it matches by text because
@@ -433,6 +446,13 @@ impl Tokenizer {
                 .collect(),
         )?;
 
+        let max_token_bytes = tokens
+            .iter()
+            .zip(&pieces)
+            .map(|(t, p): (&String, &Vec<u8>)| t.len().max(p.len()))
+            .max()
+            .unwrap_or(1)
+            .max(1);
         let add_bos = spec.add_bos.unwrap_or(add_bos_default);
         let add_eos = spec.add_eos.unwrap_or(false);
         if add_bos && bos.is_none() {
@@ -463,6 +483,7 @@ impl Tokenizer {
             add_eos,
             add_space_prefix: spec.add_space_prefix.unwrap_or(add_space_default),
             eog,
+            max_token_bytes,
         })
     }
 
@@ -482,18 +503,101 @@ impl Tokenizer {
         parse_special: bool,
     ) -> Result<Vec<u32>, ServingError> {
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
+        self.tokenize_into(
+            text,
+            add_special,
+            parse_special,
+            false,
+            usize::MAX,
+            &mut out,
+        )?;
+        Ok(out)
+    }
+
+    /// [`encode`](Self::encode) with the work bounded by `limit`: a text that cannot fit in
+    /// `limit` tokens (longer than `(limit + 1) * max_token_bytes()` bytes) is refused without
+    /// tokenizing, and tokenizing stops as soon as `limit + 1` tokens exist. This is what keeps
+    /// an 8 MB prompt against a 4k context from costing seconds of CPU before its 400.
+    pub fn encode_bounded(
+        &self,
+        text: &str,
+        parse_special: bool,
+        limit: usize,
+    ) -> Result<Bounded, ServingError> {
+        self.bounded(text, parse_special, false, limit)
+    }
+
+    /// Tokenizes a prompt rendered by a chat template whose message content was escaped with
+    /// [`escape_control_text`](Self::escape_control_text): control tokens written by the template
+    /// become their ids, control-token text inside content stays text. Bounded like
+    /// [`encode_bounded`](Self::encode_bounded).
+    pub fn encode_chat(&self, rendered: &str, limit: usize) -> Result<Bounded, ServingError> {
+        self.bounded(rendered, true, true, limit)
+    }
+
+    /// Content (a chat message, a tool description) with control-token text neutralized for
+    /// [`encode_chat`](Self::encode_chat); `None` when the text needs no change.
+    pub fn escape_control_text(&self, text: &str) -> Option<String> {
+        self.special.escape_control(text)
+    }
+
+    /// Most input bytes a single token can cover (see [`encode_bounded`](Self::encode_bounded)).
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
+    }
+
+    fn bounded(
+        &self,
+        text: &str,
+        parse_special: bool,
+        unescape: bool,
+        limit: usize,
+    ) -> Result<Bounded, ServingError> {
+        let cap = limit.saturating_add(1);
+        if text.len().div_ceil(self.max_token_bytes) > cap {
+            return Ok(Bounded::Exceeds { limit });
+        }
+        let mut out = Vec::with_capacity((text.len() / 3 + 2).min(cap));
+        let complete = self.tokenize_into(text, true, parse_special, unescape, cap, &mut out)?;
+        if !complete || out.len() > limit {
+            return Ok(Bounded::Exceeds { limit });
+        }
+        Ok(Bounded::Complete(out))
+    }
+
+    /// Appends the tokens of `text` to `out`, stopping once `out` holds `cap` tokens. Returns
+    /// whether the whole text was tokenized.
+    fn tokenize_into(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+        unescape: bool,
+        cap: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<bool, ServingError> {
         if add_special && self.add_bos {
             out.extend(self.bos);
         }
         let mut prev_special = true;
         for frag in self.special.partition(text, parse_special) {
+            if out.len() >= cap {
+                return Ok(false);
+            }
             match frag {
                 Fragment::Token(id) => {
                     out.push(id);
                     prev_special = true;
                 }
                 Fragment::Text(t) => {
-                    self.encode_text(t, prev_special, &mut out)?;
+                    let t = if unescape {
+                        special::unescape(t)
+                    } else {
+                        std::borrow::Cow::Borrowed(t)
+                    };
+                    if !self.encode_text(&t, prev_special, cap, out)? {
+                        return Ok(false);
+                    }
                     prev_special = false;
                 }
             }
@@ -501,15 +605,18 @@ impl Tokenizer {
         if add_special && self.add_eos {
             out.extend(self.eos);
         }
-        Ok(out)
+        Ok(true)
     }
 
+    /// Returns false when it stopped at `cap` tokens before the end of `text`.
     fn encode_text(
         &self,
         text: &str,
         after_special: bool,
+        cap: usize,
         out: &mut Vec<u32>,
-    ) -> Result<(), ServingError> {
+    ) -> Result<bool, ServingError> {
+        use std::ops::ControlFlow::{Break, Continue};
         match &self.kind {
             Kind::Bpe {
                 pre,
@@ -517,19 +624,24 @@ impl Tokenizer {
                 merges,
             } => {
                 let mut initial = Vec::new();
-                for piece in pre.split(text)? {
+                let flow = pre.for_each_piece(text, &mut |piece| {
+                    if out.len() >= cap {
+                        return Break(());
+                    }
                     if *ignore_merges {
                         let encoded: String =
                             piece.bytes().map(|b| bpe::ALPHABET[b as usize]).collect();
                         if let Some(&id) = self.token_to_id.get(&encoded) {
                             out.push(id);
-                            continue;
+                            return Continue(());
                         }
                     }
                     initial.clear();
                     initial.extend(piece.bytes().map(|b| self.byte_tokens[b as usize]));
                     bpe::merge(&initial, merges, out);
-                }
+                    Continue(())
+                })?;
+                Ok(flow == Continue(()))
             }
             Kind::Spm { scores, mergeable } => {
                 // SentencePiece marks word starts with U+2581; llama.cpp prefixes a space to the
@@ -547,9 +659,9 @@ impl Tokenizer {
                     byte_tokens: &self.byte_tokens,
                 };
                 spm::tokenize(&escaped, &vocab, out);
+                Ok(true)
             }
         }
-        Ok(())
     }
 
     /// Text of `ids`, invalid UTF-8 replaced by U+FFFD. With `skip_special`, control and unknown

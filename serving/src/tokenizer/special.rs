@@ -6,6 +6,32 @@ use aho_corasick::{AhoCorasick, MatchKind};
 
 use crate::ServingError;
 
+/// Inserted into control-token text found in chat message content, so that the rendered prompt
+/// no longer contains that token's text; a literal marker in content is doubled. U+FDD0 is a
+/// Unicode noncharacter, reserved for exactly this kind of internal use.
+pub(crate) const MARKER: char = '\u{FDD0}';
+
+/// Undo [`SpecialMatcher::escape_control`] on text that is about to be tokenized as plain text:
+/// a doubled marker becomes one literal marker, a single marker disappears.
+pub(crate) fn unescape(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.contains(MARKER) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == MARKER {
+            if chars.peek() == Some(&MARKER) {
+                chars.next();
+                out.push(MARKER);
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// A run of the input: plain text for the tokenizer, or an already-known token.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Fragment<'t> {
@@ -38,6 +64,47 @@ impl SpecialMatcher {
             ac: Some(ac),
             patterns,
         })
+    }
+
+    /// `text` (chat message content) with every occurrence of a control token's text broken by
+    /// [`MARKER`] after its first character, and literal markers doubled, so that parsing the
+    /// rendered prompt with `parse_special` cannot turn content into control tokens (a user
+    /// message containing `<|assistant|>` stays text). `None` when nothing needs changing, which
+    /// is every ordinary message: the template then sees the content unchanged.
+    pub(crate) fn escape_control(&self, text: &str) -> Option<String> {
+        let mut cuts: Vec<usize> = match &self.ac {
+            Some(ac) => ac
+                .find_overlapping_iter(text)
+                .filter(|m| self.patterns[m.pattern().as_usize()].2)
+                .filter_map(|m| {
+                    let first = text[m.start()..].chars().next()?;
+                    Some(m.start() + first.len_utf8())
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        if cuts.is_empty() && !text.contains(MARKER) {
+            return None;
+        }
+        cuts.sort_unstable();
+        cuts.dedup();
+        let mut out = String::with_capacity(text.len() + cuts.len() * 3 + 8);
+        let mut pos = 0;
+        let push = |out: &mut String, s: &str| {
+            for c in s.chars() {
+                out.push(c);
+                if c == MARKER {
+                    out.push(MARKER);
+                }
+            }
+        };
+        for cut in cuts {
+            push(&mut out, &text[pos..cut]);
+            out.push(MARKER);
+            pos = cut;
+        }
+        push(&mut out, &text[pos..]);
+        Some(out)
     }
 
     /// Splits `text` the way llama.cpp's `tokenizer_st_partition` does: special tokens are taken
@@ -107,5 +174,24 @@ mod tests {
         );
         assert_eq!(m.partition("abab", true), vec![Token(1), Token(1)]);
         assert_eq!(m.partition("", true), vec![]);
+    }
+
+    #[test]
+    fn escaped_control_text_is_not_parsed_and_unescapes_to_itself() {
+        let m = SpecialMatcher::new(vec![(1, "<|a|>", true), (2, "<u>", false)]).unwrap();
+        assert_eq!(m.escape_control("plain"), None);
+        for text in [
+            "x<|a|>y",
+            "<|a|><|a|>",
+            "<|<|a|>|>",
+            "m\u{FDD0}m<|a|>",
+            "\u{FDD0}\u{FDD0}",
+        ] {
+            let e = m.escape_control(text).unwrap();
+            // No control token survives; a user-defined one still does (always split).
+            assert!(m.partition(&e, true).iter().all(|f| !matches!(f, Token(1))));
+            assert_eq!(unescape(&e), text);
+        }
+        assert_eq!(m.escape_control("<u>"), None);
     }
 }

@@ -29,13 +29,13 @@ pub fn ids(v: &Value) -> Vec<u32> {
 }
 
 /// Logits of every prompt position, `[n, vocab]` row-major, from one prefill call.
-pub fn prefill_all(m: &GlmModel<CpuBackend>, prompt: &[u32]) -> Vec<f32> {
+pub fn prefill_all(m: &dyn LanguageModel, prompt: &[u32]) -> Vec<f32> {
     let mut seq = m.new_sequence();
     step(m, seq.as_mut(), prompt, true)
 }
 
 pub fn step(
-    m: &GlmModel<CpuBackend>,
+    m: &dyn LanguageModel,
     seq: &mut dyn SequenceState,
     tokens: &[u32],
     all: bool,
@@ -66,7 +66,7 @@ pub fn argmax(l: &[f32]) -> u32 {
 }
 
 /// Greedy continuation of `n` tokens using the KV cache; returns ids and each step's logits.
-pub fn greedy(m: &GlmModel<CpuBackend>, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+pub fn greedy(m: &dyn LanguageModel, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
     let mut seq = m.new_sequence();
     let mut logits = step(m, seq.as_mut(), prompt, false);
     let mut out = Vec::new();

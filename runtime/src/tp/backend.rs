@@ -1,0 +1,244 @@
+//! A tensor-parallel rank's backend: the base backend's ops unchanged, plus the collectives of
+//! the rank's group. The forward pass sees an ordinary [`Backend`].
+
+use crate::backend::{AttnParams, Backend, IndexerParams, RopeParams, RouteParams};
+use crate::weights::HostWeight;
+use crate::RuntimeError;
+use std::sync::Arc;
+
+/// The collectives of one rank of a group, over backend `B`'s tensors. Every rank of the group
+/// must call the same collectives in the same order (lock-step).
+pub trait RankComm<B: Backend>: Send + Sync {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+    /// In-place sum over the ranks, added in rank order on every rank (bitwise equal results).
+    fn all_reduce_sum(&self, be: &B, x: &mut B::Tensor) -> Result<(), RuntimeError>;
+    /// The ranks' equally tall tensors side by side, in rank order.
+    fn all_gather_cols(&self, be: &B, x: B::Tensor) -> Result<B::Tensor, RuntimeError>;
+    /// Wake every rank waiting in a collective with an error (this rank failed mid-step).
+    fn abort(&self);
+    /// Ready for the next step after an aborted one (called once every rank has stopped).
+    fn reset(&self);
+    /// A short description for reports (`host`, `oneshot`, `nccl`).
+    fn kind(&self) -> String;
+}
+
+/// Backend `B` as rank `comm.rank()` of a tensor-parallel group.
+pub struct Ranked<B: Backend> {
+    inner: B,
+    comm: Arc<dyn RankComm<B>>,
+}
+
+impl<B: Backend> Clone for Ranked<B> {
+    fn clone(&self) -> Self {
+        Ranked {
+            inner: self.inner.clone(),
+            comm: Arc::clone(&self.comm),
+        }
+    }
+}
+
+impl<B: Backend> Ranked<B> {
+    pub fn new(inner: B, comm: Arc<dyn RankComm<B>>) -> Self {
+        Ranked { inner, comm }
+    }
+    pub fn inner(&self) -> &B {
+        &self.inner
+    }
+    pub fn comm(&self) -> &Arc<dyn RankComm<B>> {
+        &self.comm
+    }
+}
+
+impl<B: Backend> Backend for Ranked<B> {
+    type Tensor = B::Tensor;
+    type Weight = B::Weight;
+    type Index = B::Index;
+
+    fn name(&self) -> String {
+        format!(
+            "{} [rank {}/{}]",
+            self.inner.name(),
+            self.comm.rank(),
+            self.comm.world()
+        )
+    }
+    fn upload(&self, w: HostWeight) -> Result<Self::Weight, RuntimeError> {
+        self.inner.upload(w)
+    }
+    fn new_tensor(&self, r: usize, c: usize, d: &[f32]) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.new_tensor(r, c, d)
+    }
+    fn to_host(&self, t: &Self::Tensor) -> Result<Vec<f32>, RuntimeError> {
+        self.inner.to_host(t)
+    }
+    fn index_to_host(&self, i: &Self::Index) -> Result<(usize, usize, Vec<i64>), RuntimeError> {
+        self.inner.index_to_host(i)
+    }
+    fn shape(&self, t: &Self::Tensor) -> (usize, usize) {
+        self.inner.shape(t)
+    }
+    fn empty(&self, cols: usize) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.empty(cols)
+    }
+    fn append_rows(&self, dst: &mut Self::Tensor, src: &Self::Tensor) -> Result<(), RuntimeError> {
+        self.inner.append_rows(dst, src)
+    }
+    fn truncate_rows(&self, t: &mut Self::Tensor, rows: usize) -> Result<(), RuntimeError> {
+        self.inner.truncate_rows(t, rows)
+    }
+    fn slice_rows(
+        &self,
+        x: &Self::Tensor,
+        start: usize,
+        n: usize,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.slice_rows(x, start, n)
+    }
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.gather_rows(x, rows)
+    }
+    fn concat_rows(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.concat_rows(parts)
+    }
+    fn slice_cols(
+        &self,
+        x: &Self::Tensor,
+        start: usize,
+        n: usize,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.slice_cols(x, start, n)
+    }
+    fn concat_cols(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.concat_cols(parts)
+    }
+    fn head_slice(
+        &self,
+        x: &Self::Tensor,
+        n_head: usize,
+        head_dim: usize,
+        start: usize,
+        n: usize,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.head_slice(x, n_head, head_dim, start, n)
+    }
+    fn head_concat(
+        &self,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        n_head: usize,
+        b_shared: bool,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.head_concat(a, b, n_head, b_shared)
+    }
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.matmul(x, w)
+    }
+    fn matmul_heads(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.matmul_heads(x, w)
+    }
+    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.embed(table, ids)
+    }
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.rms_norm(x, w, eps)
+    }
+    fn layer_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        b: &Self::Weight,
+        eps: f32,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.layer_norm(x, w, b, eps)
+    }
+    fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.add(a, b)
+    }
+    fn add_bias(&self, x: &Self::Tensor, b: &Self::Weight) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.add_bias(x, b)
+    }
+    fn scale(&self, x: &Self::Tensor, s: f32) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.scale(x, s)
+    }
+    fn silu_mul(
+        &self,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.silu_mul(gate, up)
+    }
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        positions: &[u32],
+        p: &RopeParams,
+    ) -> Result<(), RuntimeError> {
+        self.inner.rope(x, positions, p)
+    }
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        p: &AttnParams,
+        selected: Option<&Self::Index>,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.attention(q, k, v, p, selected)
+    }
+    fn indexer_topk(
+        &self,
+        q: &Self::Tensor,
+        weights: &Self::Tensor,
+        keys: &Self::Tensor,
+        p: &IndexerParams,
+    ) -> Result<Self::Index, RuntimeError> {
+        self.inner.indexer_topk(q, weights, keys, p)
+    }
+    fn moe_route(
+        &self,
+        logits: &Self::Tensor,
+        bias: Option<&Self::Weight>,
+        p: &RouteParams,
+    ) -> Result<(Self::Tensor, Self::Index), RuntimeError> {
+        self.inner.moe_route(logits, bias, p)
+    }
+    fn moe_ffn(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        down: &Self::Weight,
+        weights: &Self::Tensor,
+        experts: &Self::Index,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.moe_ffn(x, gate, up, down, weights, experts)
+    }
+
+    fn rank(&self) -> (usize, usize) {
+        (self.comm.rank(), self.comm.world())
+    }
+    fn all_reduce_sum(&self, x: &mut Self::Tensor) -> Result<(), RuntimeError> {
+        self.comm.all_reduce_sum(&self.inner, x)
+    }
+    fn all_gather_cols(&self, x: Self::Tensor) -> Result<Self::Tensor, RuntimeError> {
+        self.comm.all_gather_cols(&self.inner, x)
+    }
+    fn local_expert_ids(
+        &self,
+        ids: Self::Index,
+        first: usize,
+        count: usize,
+    ) -> Result<Self::Index, RuntimeError> {
+        self.inner.local_expert_ids(ids, first, count)
+    }
+}
