@@ -1,5 +1,9 @@
 // Op `sample`: token sampling on the device, one 1024-thread block per row of logits, returning
-// token ids (the logits never leave the GPU). HF's order: temperature, then top-k, then top-p.
+// token ids (the logits never leave the GPU). Order: temperature, then top-k, min-p, top-p
+// (runtime::sampling's rules; min-p keeps x >= max + temp * ln(min_p), i.e. tempered
+// probabilities of at least min_p times the best one's, and lowers K to their count).
+// A row holding a non-finite logit gets SAMPLE_NONFINITE added to its id (so the caller can
+// locate the fault without copying the logits).
 //   temp <= 0 or top_k == 1: greedy (largest logit, ties to the lower id, NaN never wins).
 //   Otherwise, with l = x / temp and u in [0, 1) given per row (the host's RNG):
 //   1. radix-select the C = min(K, 1024) largest logits (K = top_k, or V when top_k = 0; ties
@@ -22,7 +26,10 @@ struct SampleP {
     int top_k;
     float top_p;
     float u;
+    float min_p;
 };
+
+#define SAMPLE_NONFINITE (1 << 30)
 
 DEV uint32_t s_key(float f) { return select_key<false>(f); }
 
@@ -96,17 +103,30 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     // Greedy.
     float bv = NEG_INF;
     int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) argmax_step(bv, bi, xr[i], i);
+    float bad = 0.0f;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        argmax_step(bv, bi, xr[i], i);
+        bad += isfinite(xr[i]) ? 0.0f : 1.0f;
+    }
     block_argmax(bv, bi, sv, si);
+    const int flag = block_sum(bad, wsum) > 0.0f ? SAMPLE_NONFINITE : 0;
     if (!(p.temp > 0.0f) || p.top_k == 1 || bi == 0x7fffffff || bv == NEG_INF) {
-        if (threadIdx.x == 0) out[r] = bi == 0x7fffffff ? 0 : bi;
+        if (threadIdx.x == 0) out[r] = (bi == 0x7fffffff ? 0 : bi) + flag;
         return;
     }
     const float mx = bv, temp = p.temp;
     float nv = 0.0f;
     for (int i = threadIdx.x; i < V; i += blockDim.x) nv += s_key(xr[i]) ? 1.0f : 0.0f;
     const int n_valid = (int)block_sum(nv, wsum);  // exact: V < 2^24 (host check)
-    const int K = (p.top_k > 0 && p.top_k < n_valid) ? p.top_k : n_valid;
+    int K = (p.top_k > 0 && p.top_k < n_valid) ? p.top_k : n_valid;
+    if (p.min_p > 0.0f && p.min_p <= 1.0f) {
+        // Every entry >= the floor outranks every entry below it: the top-K after min-p is the
+        // top min(K, count) (the maximum itself always passes).
+        const uint32_t kf = s_key(mx + temp * logf(p.min_p));
+        float nf = 0.0f;
+        for (int i = threadIdx.x; i < V; i += blockDim.x) nf += s_key(xr[i]) >= kf ? 1.0f : 0.0f;
+        K = min(K, max(1, (int)block_sum(nf, wsum)));
+    }
     const int C = min(K, SAMPLE_CAND);
     // 1. The C largest, compacted in index order, then sorted.
     uint32_t prefix;
@@ -207,5 +227,5 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         m = block_sum(m, wsum);
         id = s_invcdf(xr, V, kmin, mx, temp, p.u * m, wsum, &sh_id);
     }
-    if (threadIdx.x == 0) out[r] = id < 0 ? bi : id;
+    if (threadIdx.x == 0) out[r] = (id < 0 ? bi : id) + flag;
 }

@@ -46,7 +46,7 @@ pub use norm::Rows;
 pub use ops::{Op, QType};
 pub use pool::{DevBuf, DevViewMut, PoolStats};
 pub use rope::{rope_inv_freq, RopeLayout, RopeStyle};
-pub use sample::SampleParams;
+pub use sample::{sampled_id, SampleParams, SAMPLE_NONFINITE};
 pub use verify::{compare_tensor, GpuDiff};
 
 /// Re-exported so callers can name buffer types without depending on cudarc themselves.

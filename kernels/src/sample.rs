@@ -21,6 +21,21 @@ pub struct SampleParams {
     pub top_p: f32,
     /// The row's uniform random number in [0, 1) (the caller's RNG, so runs are reproducible).
     pub u: f32,
+    /// Keep tokens whose tempered probability is at least `min_p` times the best one's
+    /// (applied after top-k, before top-p); outside (0, 1]: no cut.
+    pub min_p: f32,
+}
+
+/// Added to a row's sampled id when the row holds a NaN or infinite logit (ids are < 2^24).
+pub const SAMPLE_NONFINITE: i32 = 1 << 30;
+
+/// A raw output of [`Gpu::sample`] as (token id, whether the row held a non-finite logit).
+pub fn sampled_id(raw: i32) -> (u32, bool) {
+    let bad = raw >= SAMPLE_NONFINITE;
+    (
+        (raw - if bad { SAMPLE_NONFINITE } else { 0 }).max(0) as u32,
+        bad,
+    )
 }
 
 // SAFETY: plain struct laid out exactly as `struct SampleP` in sample.cu.
@@ -28,7 +43,8 @@ unsafe impl DeviceRepr for SampleParams {}
 
 impl Gpu {
     /// `out[r]` = the token sampled from row r of `logits` (`rows` rows of `n`, `stride` apart)
-    /// with `params[r]`.
+    /// with `params[r]`, plus [`SAMPLE_NONFINITE`] when the row holds a non-finite logit
+    /// (decode with [`sampled_id`]).
     pub fn sample(
         &self,
         logits: &impl DevicePtr<f32>,
@@ -43,7 +59,11 @@ impl Gpu {
             return Err(shape_err(OP, format!("{rows} rows of {n} logits")));
         }
         if let Some(p) = params.iter().find(|p| {
-            !(0.0..1.0).contains(&p.u) || p.top_k < 0 || p.top_p.is_nan() || p.temperature.is_nan()
+            !(0.0..1.0).contains(&p.u)
+                || p.top_k < 0
+                || p.top_p.is_nan()
+                || p.temperature.is_nan()
+                || p.min_p.is_nan()
         }) {
             return Err(shape_err(OP, format!("bad parameters {p:?}")));
         }

@@ -2495,13 +2495,29 @@ fn sample_ok(x: &[f32], p: kernels::SampleParams, id: usize) -> bool {
     if p.temperature <= 0.0 || p.top_k == 1 {
         return id == argmax;
     }
-    let mx = f64::from(x[argmax]);
-    let w = |i: usize| ((f64::from(x[i]) - mx) / f64::from(p.temperature)).exp();
     let k = if p.top_k > 0 && (p.top_k as usize) < n {
         p.top_k as usize
     } else {
         n
     };
+    if !(p.min_p > 0.0 && p.min_p <= 1.0) {
+        return sample_ok_top(x, p, id, argmax, k);
+    }
+    // min-p lowers K to the entries >= max + temp * ln(min_p), computed in f32 on the device;
+    // the device's logf may differ from Rust's ln by an ulp, so a logit within a few ulps of the
+    // floor may fall on either side: both counts are valid.
+    let floor = x[argmax] + p.temperature * p.min_p.ln();
+    let slack = 4.0 * f32::EPSILON * floor.abs().max(1.0);
+    let count = |f: f32| (0..n).filter(|&i| x[i] >= f).count().max(1);
+    let (lo, hi) = (count(floor + slack).min(k), count(floor - slack).min(k));
+    sample_ok_top(x, p, id, argmax, lo) || (hi != lo && sample_ok_top(x, p, id, argmax, hi))
+}
+
+/// [`sample_ok`] once top-k and min-p have fixed the candidate count `k`.
+fn sample_ok_top(x: &[f32], p: kernels::SampleParams, id: usize, argmax: usize, k: usize) -> bool {
+    let n = x.len();
+    let mx = f64::from(x[argmax]);
+    let w = |i: usize| ((f64::from(x[i]) - mx) / f64::from(p.temperature)).exp();
     let c = k.min(1024);
     let mut order: Vec<usize> = (0..n).collect();
     order.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
@@ -2578,48 +2594,78 @@ fn sampling_follows_temperature_top_k_top_p() {
             top_k: 0,
             top_p: 1.0,
             u: 0.5,
+            min_p: 0.0,
         },
         P {
             temperature: 0.7,
             top_k: 40,
             top_p: 1.0,
             u: 0.3,
+            min_p: 0.0,
         },
         P {
             temperature: 1.0,
             top_k: 40,
             top_p: 0.9,
             u: 0.95,
+            min_p: 0.0,
         },
         P {
             temperature: 1.0,
             top_k: 0,
             top_p: 0.9,
             u: 0.42,
+            min_p: 0.0,
         },
         P {
             temperature: 1.3,
             top_k: 0,
             top_p: 1.0,
             u: 0.77,
+            min_p: 0.0,
         },
         P {
             temperature: 1.0,
             top_k: 2000,
             top_p: 1.0,
             u: 0.12,
+            min_p: 0.0,
         },
         P {
             temperature: 1.0,
             top_k: 5000,
             top_p: 0.5,
             u: 0.61,
+            min_p: 0.0,
         },
         P {
             temperature: 0.5,
             top_k: 1,
             top_p: 0.3,
             u: 0.99,
+            min_p: 0.0,
+        },
+        // generate's defaults (min-p after top-k, before top-p), and min-p alone.
+        P {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            u: 0.37,
+            min_p: 0.05,
+        },
+        P {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            u: 0.83,
+            min_p: 0.01,
+        },
+        P {
+            temperature: 1.5,
+            top_k: 0,
+            top_p: 0.9,
+            u: 0.29,
+            min_p: 0.2,
         },
     ];
     let mut ok_all = true;
@@ -2643,4 +2689,23 @@ fn sampling_follows_temperature_top_k_top_p() {
         }
     }
     assert!(ok_all, "a sampled id is not a valid pick");
+    // A non-finite logit is reported (the id carries SAMPLE_NONFINITE) whatever the mode; a
+    // finite row is not flagged.
+    let n = 5000;
+    let mut x: Vec<f32> = (0..3 * n).map(|_| r.sym(2.0)).collect();
+    x[n + 17] = f32::NAN;
+    x[2 * n + 4000] = f32::INFINITY;
+    let dx = g.upload(&x).unwrap();
+    let ps = [cases[0], cases[1], cases[2]];
+    let mut ids = g.upload(&vec![-7i32; 3]).unwrap();
+    g.sample(&dx, 3, n, n, &ps, &mut ids).unwrap();
+    let got: Vec<(u32, bool)> = g
+        .download(&ids)
+        .unwrap()
+        .into_iter()
+        .map(kernels::sampled_id)
+        .collect();
+    let flags_ok = !got[0].1 && got[1].1 && got[2].1 && (got[0].0 as usize) < n;
+    row("sample", "non-finite flag", 0.0, 0.0, flags_ok);
+    assert!(flags_ok, "non-finite rows not flagged: {got:?}");
 }

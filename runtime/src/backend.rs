@@ -5,6 +5,7 @@
 //! row-major f32 tensors `[rows, cols]` with one row per token; weights keep their GGUF type and
 //! are uploaded once.
 
+use crate::sampling::{sample_host, SampleRequest};
 use crate::weights::HostWeight;
 use crate::RuntimeError;
 
@@ -231,6 +232,36 @@ pub trait Backend: Clone + Send + Sync + 'static {
         experts: &Self::Index,
     ) -> Result<Self::Tensor, RuntimeError>;
 
+    // --- fused ops (defaults: the op sequence they replace, so the CPU reference is unchanged) ---
+
+    /// `h = res + x`, then `(h, rms_norm(h, w))`: the residual add before a block's norm.
+    fn add_rms_norm(
+        &self,
+        res: &Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+    ) -> Result<(Self::Tensor, Self::Tensor), RuntimeError> {
+        let h = self.add(res, x)?;
+        let y = self.rms_norm(&h, w, eps)?;
+        Ok((h, y))
+    }
+
+    // --- sampling ---
+
+    /// One token per row of `logits` (`[rows, vocab]`, one row per request) by the rules of
+    /// [`crate::sampling`], with whether the row held a non-finite logit. The default copies
+    /// the logits to the host; a GPU backend samples on the device and copies the ids only.
+    fn sample(
+        &self,
+        logits: &Self::Tensor,
+        reqs: &[SampleRequest],
+    ) -> Result<Vec<(u32, bool)>, RuntimeError> {
+        let (rows, vocab) = self.shape(logits);
+        check_sample(rows, vocab, reqs.len())?;
+        Ok(sample_host(&self.to_host(logits)?, vocab, reqs))
+    }
+
     // --- tensor-parallel collectives ---
     //
     // The forward pass calls these where a rank's partial results meet. A single-device backend
@@ -285,6 +316,15 @@ pub(crate) fn check_same(op: &str, a: Shape, b: Shape) -> Result<(), RuntimeErro
         return Err(shape_err(format!(
             "{op}: shapes [{}, {}] and [{}, {}] differ",
             a.0, a.1, b.0, b.1
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn check_sample(rows: usize, vocab: usize, reqs: usize) -> Result<(), RuntimeError> {
+    if rows != reqs || vocab == 0 {
+        return Err(shape_err(format!(
+            "sample: [{rows}, {vocab}] logits for {reqs} requests"
         )));
     }
     Ok(())

@@ -17,7 +17,8 @@
 
 use crate::backend::{AttnParams, Backend, IndexerParams, RopeParams, RouteParams};
 use crate::cache::KvCache;
-use crate::lm::{LanguageModel, SeqStep, SequenceState};
+use crate::lm::{check_requests, LanguageModel, SeqStep, SequenceState};
+use crate::sampling::{finish_rows, SampleRequest, Sampled};
 use crate::spec::{AttentionSpec, FfnKind, GqaSpec, LayerSpec, MlaSpec, ModelSpec, TensorSpec};
 use crate::tp::{Part, ShardView};
 use crate::weights::HostWeight;
@@ -619,8 +620,22 @@ impl<B: Backend> GlmModel<B> {
         &self,
         batch: &mut [SeqStep<'_>],
         head: HeadOutput,
-        mut obs: Option<Observer<'_>>,
+        obs: Option<Observer<'_>>,
     ) -> Result<Vec<Vec<f32>>, RuntimeError> {
+        self.step(batch, head, obs, |m, logits, segs, all| {
+            m.logits_to_host(logits, segs, all)
+        })
+    }
+
+    /// One batched step; `finish` turns the head's logits (`None` for [`HeadOutput::GatherOnly`])
+    /// into the result before the caches commit (its failure rolls them back too).
+    fn step<R>(
+        &self,
+        batch: &mut [SeqStep<'_>],
+        head: HeadOutput,
+        mut obs: Option<Observer<'_>>,
+        finish: impl FnOnce(&Self, Option<B::Tensor>, &[Seg], &[bool]) -> Result<R, RuntimeError>,
+    ) -> Result<R, RuntimeError> {
         let mut caches: Vec<&mut KvCache<B>> = Vec::with_capacity(batch.len());
         let mut tokens: Vec<u32> = Vec::new();
         let mut segs: Vec<Seg> = Vec::with_capacity(batch.len());
@@ -643,7 +658,9 @@ impl<B: Backend> GlmModel<B> {
             caches.push(cache);
         }
         let lens: Vec<usize> = caches.iter().map(|c| c.len).collect();
-        let result = self.run(&tokens, &segs, &all_logits, &mut caches, head, &mut obs);
+        let result = self
+            .run(&tokens, &segs, &all_logits, &mut caches, head, &mut obs)
+            .and_then(|l| finish(self, l, &segs, &all_logits));
         match result {
             Ok(out) => {
                 for (c, s) in caches.iter_mut().zip(&segs) {
@@ -711,7 +728,7 @@ impl<B: Backend> GlmModel<B> {
         caches: &mut [&mut KvCache<B>],
         head: HeadOutput,
         obs: &mut Option<Observer<'_>>,
-    ) -> Result<Vec<Vec<f32>>, RuntimeError> {
+    ) -> Result<Option<B::Tensor>, RuntimeError> {
         let be = &self.backend;
         let positions: Vec<u32> = segs
             .iter()
@@ -745,9 +762,21 @@ impl<B: Backend> GlmModel<B> {
             HeadOutput::Local => (local, true),
         };
         self.emit(obs, || "logits".into(), &logits)?;
-        if !to_host {
+        Ok(to_host.then_some(logits))
+    }
+
+    /// Each sequence's logits rows on the host (none for a rank that only took part in the
+    /// gather).
+    fn logits_to_host(
+        &self,
+        logits: Option<B::Tensor>,
+        segs: &[Seg],
+        all_logits: &[bool],
+    ) -> Result<Vec<Vec<f32>>, RuntimeError> {
+        let be = &self.backend;
+        let Some(logits) = logits else {
             return Ok(Vec::new());
-        }
+        };
         let v = be.shape(&logits).1;
         let host = be.to_host(&logits)?;
         let mut out = Vec::with_capacity(segs.len());
@@ -789,8 +818,7 @@ impl<B: Backend> GlmModel<B> {
         // attn_output's input columns are this rank's heads: partial sums.
         be.all_reduce_sum(&mut a)?;
         self.emit(obs, || format!("blk.{li}.attn_output.out"), &a)?;
-        let h = be.add(&h, &a)?;
-        let x = be.rms_norm(&h, &layer.ffn_norm, self.spec.rms_eps)?;
+        let (h, x) = be.add_rms_norm(&h, &a, &layer.ffn_norm, self.spec.rms_eps)?;
         self.emit(obs, || format!("blk.{li}.ffn_norm.out"), &x)?;
         let mut f = self.ffn(li, &layer.ffn, &x, obs)?;
         // Dense down / routed experts + shared expert: one reduction for the whole block.
@@ -1186,6 +1214,27 @@ impl<B: Backend> LanguageModel for GlmModel<B> {
     }
     fn forward(&self, batch: &mut [SeqStep<'_>]) -> Result<Vec<Vec<f32>>, RuntimeError> {
         self.forward_observed(batch, None)
+    }
+    /// Samples with the backend's sampler on the gathered logits (on the GPU: only the ids
+    /// and, for requests with log-probabilities, the logits come back).
+    fn forward_sample(
+        &self,
+        batch: &mut [SeqStep<'_>],
+        reqs: &[SampleRequest],
+    ) -> Result<Vec<Sampled>, RuntimeError> {
+        check_requests(batch, reqs)?;
+        self.step(batch, HeadOutput::Gathered, None, |m, logits, _, _| {
+            let be = &m.backend;
+            let logits = logits.ok_or_else(|| model_err("forward_sample: no logits"))?;
+            let ids = be.sample(&logits, reqs)?;
+            let host = if reqs.iter().any(|r| r.logprobs.is_some()) {
+                Some(be.to_host(&logits)?)
+            } else {
+                None
+            };
+            let v = be.shape(&logits).1;
+            Ok(finish_rows(&ids, reqs, host.as_deref(), v))
+        })
     }
 }
 

@@ -302,7 +302,17 @@ impl Bencher<'_> {
                 all_logits: false,
             })
             .collect();
-        self.lm.forward(&mut batch)?;
+        // What `generate` and the server run per step: greedy sampling inside the model (on
+        // the GPU only the ids come back).
+        let reqs = vec![
+            runtime::sampling::SampleRequest {
+                params: runtime::sampling::SampleParams::GREEDY,
+                u: 0.0,
+                logprobs: None,
+            };
+            batch.len()
+        ];
+        self.lm.forward_sample(&mut batch, &reqs)?;
         Ok(())
     }
 

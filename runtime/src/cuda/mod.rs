@@ -31,9 +31,10 @@ use kernels::{
 
 use crate::backend::{
     check_append_rows, check_attention, check_head_concat, check_head_slice, check_indexer,
-    check_moe_ffn, check_rope, check_route, check_same, AttnParams, Backend, Gating, IndexerParams,
-    RopeParams, RopeStyle, RouteParams, Shape,
+    check_moe_ffn, check_rope, check_route, check_same, check_sample, AttnParams, Backend, Gating,
+    IndexerParams, RopeParams, RopeStyle, RouteParams, Shape,
 };
+use crate::sampling::SampleRequest;
 use crate::weights::HostWeight;
 use crate::RuntimeError;
 
@@ -883,6 +884,39 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    /// One launch: the sum goes to a new residual tensor, its norm to another.
+    fn add_rms_norm(
+        &self,
+        res: &CudaTensor,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+    ) -> Result<(CudaTensor, CudaTensor), RuntimeError> {
+        check_same("add", res.shape(), x.shape())?;
+        let wv = self.vector(w, "rms_norm")?;
+        let g = w.dims[0];
+        if g != x.cols {
+            // Grouped norms (several groups per row) keep the two-op form.
+            let h = self.add(res, x)?;
+            let y = self.rms_norm(&h, w, eps)?;
+            return Ok((h, y));
+        }
+        let mut h = self.alloc(x.rows, x.cols)?;
+        let mut y = self.alloc(x.rows, x.cols)?;
+        if x.rows > 0 {
+            let wv = wv.slice(0..g);
+            let xb = x.f32().ok_or_else(|| not_f32("add_rms_norm"))?;
+            let rb = res.f32().ok_or_else(|| not_f32("add_rms_norm"))?;
+            let hb = h.f32_mut().ok_or_else(|| not_f32("add_rms_norm"))?;
+            let yb = y.f32_mut().ok_or_else(|| not_f32("add_rms_norm"))?;
+            // The kernel forms x + res; f32 addition commutes, so this is bitwise `add`.
+            self.gpu
+                .add_rms_norm_to(xb, rb, hb, Some(&wv), yb, Rows::dense(x.rows, g), eps)
+                .map_err(kerr("add_rms_norm"))?;
+        }
+        Ok((h, y))
+    }
+
     fn layer_norm(
         &self,
         x: &CudaTensor,
@@ -1207,6 +1241,23 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    /// On the device (kernels/cuda/sample.cu); only the ids are copied back.
+    fn sample(
+        &self,
+        logits: &CudaTensor,
+        reqs: &[SampleRequest],
+    ) -> Result<Vec<(u32, bool)>, RuntimeError> {
+        check_sample(logits.rows, logits.cols, reqs.len())?;
+        let lb = logits.f32().ok_or_else(|| not_f32("sample"))?;
+        let params: Vec<kernels::SampleParams> = reqs.iter().map(device_sample_params).collect();
+        let mut ids = self.gpu.alloc::<i32>(reqs.len()).map_err(kerr("sample"))?;
+        self.gpu
+            .sample(lb, logits.rows, logits.cols, logits.cols, &params, &mut ids)
+            .map_err(kerr("sample"))?;
+        let raw = self.gpu.download(&ids).map_err(kerr("sample"))?;
+        Ok(raw.into_iter().map(kernels::sampled_id).collect())
+    }
+
     fn local_expert_ids(
         &self,
         ids: CudaIndex,
@@ -1400,6 +1451,23 @@ impl CudaBackend {
 }
 
 /// Open a GGUF model of a supported architecture on CUDA device `ordinal`.
+/// A request in the kernel's form: NaN temperature is greedy (as on the host), `u` rounded into
+/// [0, 1) in f32, a top-k beyond i32 means no cut, NaN min-p none.
+fn device_sample_params(r: &SampleRequest) -> kernels::SampleParams {
+    let p = &r.params;
+    kernels::SampleParams {
+        temperature: if p.temperature.is_nan() {
+            0.0
+        } else {
+            p.temperature
+        },
+        top_k: i32::try_from(p.top_k).unwrap_or(0),
+        top_p: if p.top_p.is_nan() { 1.0 } else { p.top_p },
+        u: (r.u.clamp(0.0, 1.0) as f32).min(1.0 - f32::EPSILON / 2.0),
+        min_p: if p.min_p.is_nan() { 0.0 } else { p.min_p },
+    }
+}
+
 pub fn load_cuda(
     model: Arc<gguf::Model>,
     ordinal: usize,

@@ -164,6 +164,22 @@ impl<B: Backend> Backend for Ranked<B> {
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor, RuntimeError> {
         self.inner.add(a, b)
     }
+    fn add_rms_norm(
+        &self,
+        res: &Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+    ) -> Result<(Self::Tensor, Self::Tensor), RuntimeError> {
+        self.inner.add_rms_norm(res, x, w, eps)
+    }
+    fn sample(
+        &self,
+        logits: &Self::Tensor,
+        reqs: &[crate::sampling::SampleRequest],
+    ) -> Result<Vec<(u32, bool)>, RuntimeError> {
+        self.inner.sample(logits, reqs)
+    }
     fn add_bias(&self, x: &Self::Tensor, b: &Self::Weight) -> Result<Self::Tensor, RuntimeError> {
         self.inner.add_bias(x, b)
     }
