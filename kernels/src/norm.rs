@@ -76,6 +76,35 @@ impl Gpu {
         )
     }
 
+    /// [`Gpu::rms_norm`] in place on `x` (`l.x_stride` must equal `l.y_stride`): normalizes the
+    /// first `l.n` columns of rows `l.y_stride` apart, leaving the others as they are.
+    pub fn rms_norm_in_place(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        w: Option<&CudaView<'_, f32>>,
+        l: Rows,
+        eps: f32,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "rmsnorm";
+        if l.x_stride != l.y_stride {
+            return Err(shape_err(OP, format!("in place with strides {l:?}")));
+        }
+        check_rows(OP, dlen(x), dlen(x), l)?;
+        let f = self.func(Op::RmsNorm, "rmsnorm_f32")?;
+        let cfg = self.cfg(OP, (l.rows as u64, 1, 1), block_for(l.n))?;
+        let s = self.stream();
+        let wp = opt_ptr(OP, "w", w, l.n, s)?;
+        let (xp, _gx) = x.device_ptr_mut(s);
+        let (xs, none) = (l.x_stride as i64, 0u64);
+        let n = to_i32(OP, "n", l.n)?;
+        let mut b = self.args(&f);
+        b.arg(&xp).arg(&xs).arg(&none).arg(&xs).arg(&none).arg(&xs);
+        b.arg(&wp).arg(&xp).arg(&xs).arg(&n).arg(&eps);
+        // SAFETY: extents checked above; the kernel allows y == x (each thread rewrites only
+        // the elements it read, after the row's reduction).
+        unsafe { self.launch(OP, b, cfg) }
+    }
+
     /// Fused residual: `h[r] = x[r] + res[r]` is written back into `res` (the residual stream),
     /// then `y[r] = rms_norm(h[r])`. Strides: x uses `x_stride`, res and y use `y_stride`.
     pub fn add_rms_norm(

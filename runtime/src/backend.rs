@@ -247,6 +247,27 @@ pub trait Backend: Clone + Send + Sync + 'static {
         Ok((h, y))
     }
 
+    /// RMSNorm (times `w`) of the first `len(w)` columns of every row, the other columns kept:
+    /// the MLA latent of `kv_a`'s output, whose rope columns follow it.
+    fn rms_norm_lead(
+        &self,
+        x: Self::Tensor,
+        w: &Self::Weight,
+        n: usize,
+        eps: f32,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        let cols = self.shape(&x).1;
+        if n > cols {
+            return Err(shape_err(format!("rms_norm_lead: {n} of {cols} columns")));
+        }
+        let lead = self.rms_norm(&self.slice_cols(&x, 0, n)?, w, eps)?;
+        if n == cols {
+            return Ok(lead);
+        }
+        let rest = self.slice_cols(&x, n, cols - n)?;
+        self.concat_cols(&[&lead, &rest])
+    }
+
     // --- sampling ---
 
     /// One token per row of `logits` (`[rows, vocab]`, one row per request) by the rules of

@@ -871,12 +871,17 @@ impl<B: Backend> GlmModel<B> {
         // Compressed keys/values: normalised latent and the roped shared key part.
         let kv_a = be.matmul(x, &w.kv_a)?;
         self.emit(obs, || format!("blk.{li}.attn_kv_a_mqa.out"), &kv_a)?;
-        let lat = be.slice_cols(&kv_a, 0, m.kv_lora_rank)?;
-        let lat = be.rms_norm(&lat, &w.kv_a_norm, m.lora_norm_eps)?;
-        self.emit(obs, || format!("blk.{li}.attn_kv_a_norm.out"), &lat)?;
-        let mut k_rot = be.slice_cols(&kv_a, m.kv_lora_rank, m.qk_rope)?;
-        be.rope(&mut k_rot, positions, &rope_p(1, m.qk_rope))?;
-        let kv_rows = be.concat_cols(&[&lat, &k_rot])?;
+        // The cache rows in place: latent normalised, then the shared key part roped.
+        let mut kv_rows = be.rms_norm_lead(kv_a, &w.kv_a_norm, m.kv_lora_rank, m.lora_norm_eps)?;
+        if obs.is_some() {
+            let lat = be.slice_cols(&kv_rows, 0, m.kv_lora_rank)?;
+            self.emit(obs, || format!("blk.{li}.attn_kv_a_norm.out"), &lat)?;
+        }
+        let k_rope = RopeParams {
+            offset: m.kv_lora_rank,
+            ..rope_p(1, m.cache_width())
+        };
+        be.rope(&mut kv_rows, positions, &k_rope)?;
 
         // Lightning indexer: keys always (they are cached), queries only when some query sees
         // more than top_k keys (otherwise every causal key is selected: dense attention).
@@ -921,9 +926,19 @@ impl<B: Backend> GlmModel<B> {
         let mut observed_sel: Vec<(usize, usize, Vec<i64>)> = Vec::new();
         for (si, s) in segs.iter().enumerate() {
             let cache = &mut caches[si].layers[li];
-            be.append_rows(&mut cache.kv, &be.slice_rows(&kv_rows, s.row0, s.n)?)?;
+            // A lone sequence appends its rows without slicing them out first.
+            let whole = segs.len() == 1;
+            if whole {
+                be.append_rows(&mut cache.kv, &kv_rows)?;
+            } else {
+                be.append_rows(&mut cache.kv, &be.slice_rows(&kv_rows, s.row0, s.n)?)?;
+            }
             if let (Some(keys), Some(ck)) = (&ix_keys, cache.index_keys.as_mut()) {
-                be.append_rows(ck, &be.slice_rows(keys, s.row0, s.n)?)?;
+                if whole {
+                    be.append_rows(ck, keys)?;
+                } else {
+                    be.append_rows(ck, &be.slice_rows(keys, s.row0, s.n)?)?;
+                }
             }
             let t = s.pos0 + s.n;
             let sel = match (&self.spec.indexer, layer.spec.own_indexer) {

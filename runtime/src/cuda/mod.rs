@@ -917,6 +917,37 @@ impl Backend for CudaBackend {
         Ok((h, y))
     }
 
+    /// In place (one launch, no copies).
+    fn rms_norm_lead(
+        &self,
+        mut x: CudaTensor,
+        w: &CudaWeight,
+        n: usize,
+        eps: f32,
+    ) -> Result<CudaTensor, RuntimeError> {
+        let wv = self.vector(w, "rms_norm")?;
+        if w.dims[0] != n || n > x.cols || n == 0 {
+            return Err(err(format!(
+                "rms_norm_lead: {n} of {} columns by {} {:?}",
+                x.cols, w.name, w.dims
+            )));
+        }
+        if x.rows > 0 {
+            let wv = wv.slice(0..n);
+            let l = Rows {
+                rows: x.rows,
+                n,
+                x_stride: x.cols,
+                y_stride: x.cols,
+            };
+            let xb = x.f32_mut().ok_or_else(|| not_f32("rms_norm_lead"))?;
+            self.gpu
+                .rms_norm_in_place(xb, Some(&wv), l, eps)
+                .map_err(kerr("rms_norm"))?;
+        }
+        Ok(x)
+    }
+
     fn layer_norm(
         &self,
         x: &CudaTensor,

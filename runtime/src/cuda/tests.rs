@@ -399,3 +399,41 @@ fn cuda_add_rms_norm_equals_add_then_rms_norm() {
         );
     }
 }
+
+/// The in-place latent norm (`rms_norm_lead`, the MLA cache rows) is bitwise the slice, norm and
+/// concatenation it replaces (same kernel, same block size, same reduction order), with the
+/// rope columns untouched, at GLM-5's 512 + 64 widths.
+#[test]
+fn cuda_rms_norm_lead_equals_slice_norm_concat() {
+    use crate::backend::Backend;
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (cuda_rms_norm_lead_equals_slice_norm_concat)");
+        return;
+    }
+    let be = CudaBackend::with_options(0, FAST).expect("device");
+    let mut r = Rng(0x5eed_0000_1ead_0001);
+    let (n, cols) = (512, 576);
+    let wv: Vec<f32> = (0..n).map(|_| 1.0 + 0.1 * (2.0 * r.unit() - 1.0)).collect();
+    let w = be
+        .upload(HostWeight::from_f32(String::from("kv_a_norm.weight"), vec![n], &wv).expect("w"))
+        .expect("upload");
+    for rows in [1usize, 1100] {
+        let xv: Vec<f32> = (0..rows * cols).map(|_| 4.0 * r.unit() - 2.0).collect();
+        let x = be.new_tensor(rows, cols, &xv).expect("x");
+        let lead = be
+            .rms_norm(&be.slice_cols(&x, 0, n).unwrap(), &w, 1e-6)
+            .unwrap();
+        let rest = be.slice_cols(&x, n, cols - n).unwrap();
+        let want = be
+            .to_host(&be.concat_cols(&[&lead, &rest]).unwrap())
+            .unwrap();
+        let got = be
+            .to_host(&be.rms_norm_lead(x, &w, n, 1e-6).expect("rms_norm_lead"))
+            .unwrap();
+        let same = got == want;
+        say(&format!(
+            "| rms_norm_lead | {rows}x{cols} | bitwise | {same} |"
+        ));
+        assert!(same, "rms_norm_lead differs at {rows} rows");
+    }
+}

@@ -173,6 +173,15 @@ impl<B: Backend> Backend for Ranked<B> {
     ) -> Result<(Self::Tensor, Self::Tensor), RuntimeError> {
         self.inner.add_rms_norm(res, x, w, eps)
     }
+    fn rms_norm_lead(
+        &self,
+        x: Self::Tensor,
+        w: &Self::Weight,
+        n: usize,
+        eps: f32,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.rms_norm_lead(x, w, n, eps)
+    }
     fn sample(
         &self,
         logits: &Self::Tensor,
