@@ -52,23 +52,31 @@ step() {
     echo "$name rc=$rc $(( $(date +%s) - t ))s" >> "$STEPS"
 }
 
+# Ordered by what the branch needs first (each box is a maximum; the deadline cuts the tail).
 # 1. Kernel correctness (sync after every launch so a fault names its op).
 step kernel-tests 110 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 2>&1'
-# 2. Kernel microbenchmarks at GLM-5 shapes vs the copy bandwidth.
-step kernel-bench 70 "$OUT/kernels.json" ./gguftool bench --kernels --json
+# 2. The CUDA backend against the CPU reference (fixtures both paths, 64 heads past 1,023 / 4,096
+#    with and without the per-expert prefill GEMMs, device sampling, the fused norms).
+step runtime-tests 90 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda --test-threads=1 --nocapture 2>&1'
 # 3. The GLM-5-shaped bench model (bench-models.md), 4 layers, made here.
 step synth 60 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
 # 4. End to end, fast path: prefill 512, decode 128 at depth 0; 8 sequences.
 step bench-d0 70 "$W/bench.json" ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 32,512 -n 128 -r 3 --npl 1,8 --json
+# 5. The serving path: generate (device sampling), greedy and sampled, against bench's tg.
+P="The quick brown fox jumps over the lazy dog while the band plays on"
+step generate-greedy 25 "$W/generate-greedy.json" ./gguftool generate -m /tmp/glm5.gguf --device cuda -p "$P" -n 128 --temp 0 --ignore-eos --json
+step generate-sampled 25 "$W/generate-sampled.json" ./gguftool generate -m /tmp/glm5.gguf --device cuda -p "$P" -n 128 --temp 0.8 --seed 7 --ignore-eos --json
+# 6. Prefill MoE as per-expert bf16 GEMMs (off by default) against bench-d0's pp512.
+step bench-moe-gemm 40 "$W/bench-moe-gemm.json" env GGUFTOOL_MOE_GEMM=1 ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 512 -n 16 -r 2 --json
+# 7. Kernel microbenchmarks at GLM-5 shapes vs the copy bandwidth.
+step kernel-bench 70 "$OUT/kernels.json" ./gguftool bench --kernels --json
 # The baseline (the branch's starting point) on the same file, same run: before/after.
 if [ -x gguftool-main ]; then
     step bench-main 50 "$W/bench-main.txt" ./gguftool-main bench --model /tmp/glm5.gguf --backend cuda --tokens 128
 fi
-# 5. The CUDA backend against the CPU reference (fixtures both paths, 64 heads past 1,023 / 4,096).
-step runtime-tests 70 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda --test-threads=1 --nocapture 2>&1'
-# 6. Long context and the exact path.
-step bench-d32k 80 "$W/bench-d32k.json" ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 512 -n 32 -d 32768 -r 2 --json
+# 8. The exact path and long context.
 step bench-exact 40 "$W/bench-exact.json" env GGUFTOOL_CUDA_EXACT=1 ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 512 -n 64 -r 2 --no-profile --json
+step bench-d32k 80 "$W/bench-d32k.json" ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 512 -n 32 -d 32768 -r 2 --json
 
 # Summary (the reply carries the end of the output).
 cat "$STEPS" >> "$LOG"
@@ -76,7 +84,8 @@ cd "$W"
 python3 - "$OUT/bench-all.json" <<'PY'
 import json, sys
 out = {}
-for f in ("bench.json", "bench-d32k.json", "bench-exact.json", "synth.json"):
+for f in ("bench.json", "bench-moe-gemm.json", "generate-greedy.json", "generate-sampled.json",
+          "bench-d32k.json", "bench-exact.json", "synth.json"):
     try:
         out[f] = json.load(open(f))
     except Exception as e:

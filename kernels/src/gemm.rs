@@ -28,7 +28,7 @@ enum Prec {
 
 impl Gpu {
     /// `y[n, r] = sum_k x[n, k] * W[r, k]` for `tokens` rows of x (`[tokens, k]`, dense) into y
-    /// (`[tokens, rows]`, dense), in f32. `shape.slabs` must be 1.
+    /// (`[tokens, rows]`, dense), in f32. Multiplies by the first slab of a stack.
     pub fn matmul(
         &self,
         shape: MatShape,
@@ -37,7 +37,7 @@ impl Gpu {
         tokens: usize,
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), KernelError> {
-        self.matmul_prec(shape, w, x, tokens, y, Prec::F32)
+        self.matmul_prec(shape, 0, w, x, tokens, y, Prec::F32)
     }
 
     /// As [`Gpu::matmul`] on the bf16 tensor cores (f32 accumulation and output).
@@ -49,12 +49,29 @@ impl Gpu {
         tokens: usize,
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), KernelError> {
-        self.matmul_prec(shape, w, x, tokens, y, Prec::Bf16)
+        self.matmul_prec(shape, 0, w, x, tokens, y, Prec::Bf16)
     }
 
+    /// [`Gpu::matmul_bf16`] by slab `slab` of a stack of `shape.slabs` matrices (one expert of
+    /// `ffn_*_exps`, in the GGUF or the repacked layout): the grouped expert GEMM of prefill,
+    /// called once per expert with that expert's gathered tokens.
+    pub fn matmul_bf16_slab(
+        &self,
+        shape: MatShape,
+        slab: usize,
+        w: &impl DevicePtr<u8>,
+        x: &impl DevicePtr<f32>,
+        tokens: usize,
+        y: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), KernelError> {
+        self.matmul_prec(shape, slab, w, x, tokens, y, Prec::Bf16)
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn matmul_prec(
         &self,
         shape: MatShape,
+        slab: usize,
         w: &impl DevicePtr<u8>,
         x: &impl DevicePtr<f32>,
         tokens: usize,
@@ -70,8 +87,11 @@ impl Gpu {
             slabs,
             packed,
         } = shape;
-        if slabs != 1 || tokens == 0 {
-            return Err(shape_err(OP, format!("{shape:?} x {tokens} tokens")));
+        if slab >= slabs || tokens == 0 {
+            return Err(shape_err(
+                OP,
+                format!("{shape:?} slab {slab} x {tokens} tokens"),
+            ));
         }
         need_len(OP, "x", dlen(x), tokens * k)?;
         need_len(OP, "y", dlen(y), tokens * rows)?;
@@ -108,12 +128,15 @@ impl Gpu {
             nblk: shape.blocks(),
         };
         let bpr = k / crate::quant::decoder_block(ty).0;
+        // Blocks before this slab (slabs are `rows * bpr` blocks each, in either layout: the
+        // repacked one addresses blocks by their index in the whole stack).
+        let blk0 = slab * rows * bpr;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let mut r0 = 0usize;
         while r0 < rows {
             let rt = tile_rows.min(rows - r0);
             // SAFETY: rows r0..r0+rt of W lie within w (checked), scratch holds tile_rows * k.
-            unsafe { self.dequant_raw(raw, r0 * bpr, rt * k, sp, prec == Prec::Bf16)? };
+            unsafe { self.dequant_raw(raw, blk0 + r0 * bpr, rt * k, sp, prec == Prec::Bf16)? };
             let m = to_i32(OP, "tile rows", rt)?;
             let yc = (yp + (r0 * 4) as u64) as *mut f32;
             let t0 = self.prof_start()?;

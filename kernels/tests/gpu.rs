@@ -2697,7 +2697,7 @@ fn sampling_follows_temperature_top_k_top_p() {
     x[2 * n + 4000] = f32::INFINITY;
     let dx = g.upload(&x).unwrap();
     let ps = [cases[0], cases[1], cases[2]];
-    let mut ids = g.upload(&vec![-7i32; 3]).unwrap();
+    let mut ids = g.upload(&[-7i32; 3]).unwrap();
     g.sample(&dx, 3, n, n, &ps, &mut ids).unwrap();
     let got: Vec<(u32, bool)> = g
         .download(&ids)

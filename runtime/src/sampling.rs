@@ -34,7 +34,7 @@ impl SampleParams {
     };
 
     pub fn is_greedy(&self) -> bool {
-        !(self.temperature > 0.0) || self.top_k == 1
+        self.temperature.is_nan() || self.temperature <= 0.0 || self.top_k == 1
     }
 }
 

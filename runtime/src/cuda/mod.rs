@@ -172,6 +172,10 @@ pub struct CudaBackend {
     gpu: Arc<Gpu>,
     opts: CudaOptions,
     inputs: Arc<Mutex<Inputs>>,
+    /// Prefill MoE (> [`GEMVQ_MAX_ROWS`] rows, fast path) as one bf16 tensor-core GEMM per
+    /// expert over its gathered tokens instead of grouped GEMVs (`GGUFTOOL_MOE_GEMM=1`; off by
+    /// default until measured on the device).
+    moe_gemm: bool,
 }
 
 fn err(msg: impl Into<String>) -> RuntimeError {
@@ -206,7 +210,14 @@ impl CudaBackend {
             gpu,
             opts,
             inputs: Arc::new(Mutex::new(Inputs::default())),
+            moe_gemm: std::env::var("GGUFTOOL_MOE_GEMM").is_ok_and(|v| v == "1"),
         }
+    }
+
+    /// Choose the prefill MoE path (see the `moe_gemm` field) regardless of the environment.
+    pub fn with_moe_gemm(mut self, on: bool) -> Self {
+        self.moe_gemm = on;
+        self
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -1256,7 +1267,9 @@ impl Backend for CudaBackend {
             && self.fast(&d_shape)
             && gate.ty == up.ty
             && gate.packed == up.packed;
-        if fast {
+        if fast && self.moe_gemm && x.rows > GEMVQ_MAX_ROWS {
+            self.moe_ffn_gemm(x, gate, up, down, weights, experts, &mut out)?;
+        } else if fast {
             self.moe_ffn_fast(x, gate, up, down, weights, experts, &mut out)?;
         } else {
             self.moe_ffn_exact(
@@ -1422,6 +1435,89 @@ impl CudaBackend {
             .map_err(kerr("moe_ffn down"))?;
         self.gpu
             .moe_combine(&y, d, &wv, n, kk, d, o, d, false, Some(&ids))
+            .map_err(kerr("moe_ffn combine"))
+    }
+
+    /// Prefill MoE on the tensor cores: the routing read back once (a prefill step syncs
+    /// anyway), then per expert in id order its (token, slot) pairs in pair order: gather the
+    /// tokens, gate and up as bf16 GEMMs on the expert's dequantized slab, SiLU * up, down GEMM
+    /// into that expert's run of a pair-sorted buffer; the rows put back in pair order and the
+    /// weighted sum in slot order (moe_combine, skipping `-1` slots). Deterministic: fixed
+    /// order, no atomics. Its error is one bf16 GEMM per matmul, within check.rs's budget.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_ffn_gemm(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        down: &CudaWeight,
+        weights: &CudaTensor,
+        experts: &CudaIndex,
+        out: &mut CudaTensor,
+    ) -> Result<(), RuntimeError> {
+        let (d, ff, n_exp) = (x.cols, gate.dims[1], gate.dims[2]);
+        let (n, kk) = (x.rows, experts.cols);
+        let (g_shape, u_shape, d_shape) = (
+            Self::shape_of(gate, ff, d, n_exp),
+            Self::shape_of(up, ff, d, n_exp),
+            Self::shape_of(down, d, ff, n_exp),
+        );
+        let (_, _, ids) = self.index_to_host(experts)?;
+        let mut by_e: Vec<Vec<usize>> = vec![Vec::new(); n_exp];
+        for (p, &e) in ids.iter().enumerate() {
+            if let Some(v) = usize::try_from(e).ok().and_then(|e| by_e.get_mut(e)) {
+                v.push(p);
+            }
+        }
+        let xb = x.f32().ok_or_else(|| not_f32("moe_ffn"))?;
+        let g = &self.gpu;
+        let most = by_e.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut xe = g.alloc::<f32>(most * d).map_err(kerr("moe_ffn"))?;
+        let mut ge = g.alloc::<f32>(most * ff).map_err(kerr("moe_ffn"))?;
+        let mut ue = g.alloc::<f32>(most * ff).map_err(kerr("moe_ffn"))?;
+        // Expert outputs in (expert, pair) order; `at[p]` = the row of pair p.
+        let mut ys = g
+            .alloc::<f32>((n * kk).max(1) * d)
+            .map_err(kerr("moe_ffn"))?;
+        let mut at = vec![0usize; n * kk];
+        let mut row0 = 0usize;
+        for (e, pairs) in by_e.iter().enumerate() {
+            let m = pairs.len();
+            if m == 0 {
+                continue;
+            }
+            let toks: Vec<usize> = pairs.iter().map(|p| p / kk).collect();
+            g.gather_rows(xb, n, d, &toks, &mut xe)
+                .map_err(kerr("moe_ffn gather"))?;
+            g.matmul_bf16_slab(g_shape, e, &gate.bytes, &xe, m, &mut ge)
+                .map_err(kerr("moe_ffn gate"))?;
+            g.matmul_bf16_slab(u_shape, e, &up.bytes, &xe, m, &mut ue)
+                .map_err(kerr("moe_ffn up"))?;
+            let mut act = g.alloc::<f32>(m * ff).map_err(kerr("moe_ffn"))?;
+            g.silu_mul(&ge, &ue, &mut act, Rows3::dense(m, ff))
+                .map_err(kerr("moe_ffn act"))?;
+            let mut ye = ys.slice_mut(row0 * d..(row0 + m) * d);
+            g.matmul_bf16_slab(d_shape, e, &down.bytes, &act, m, &mut ye)
+                .map_err(kerr("moe_ffn down"))?;
+            for (j, &p) in pairs.iter().enumerate() {
+                at[p] = row0 + j;
+            }
+            row0 += m;
+        }
+        // Pairs of other ranks' experts (-1) point at row 0 and are skipped by moe_combine
+        // (which writes zeros where a token has no pair at all).
+        let y = if row0 == 0 {
+            ys
+        } else {
+            let mut y = g.alloc::<f32>(n * kk * d).map_err(kerr("moe_ffn"))?;
+            g.gather_rows(&ys, row0, d, &at, &mut y)
+                .map_err(kerr("moe_ffn gather"))?;
+            y
+        };
+        let wb = weights.f32().ok_or_else(|| not_f32("moe_ffn"))?;
+        let (wv, idv) = (wb.slice(0..n * kk), experts.buf.slice(0..n * kk));
+        let o = out.f32_mut().ok_or_else(|| not_f32("moe_ffn"))?;
+        g.moe_combine(&y, d, &wv, n, kk, d, o, d, false, Some(&idv))
             .map_err(kerr("moe_ffn combine"))
     }
 
