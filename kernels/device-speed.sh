@@ -66,8 +66,8 @@ step bench-d0 70 "$W/bench.json" ./gguftool bench -m /tmp/glm5.gguf --device cud
 P="The quick brown fox jumps over the lazy dog while the band plays on"
 step generate-greedy 25 "$W/generate-greedy.json" ./gguftool generate -m /tmp/glm5.gguf --device cuda -p "$P" -n 128 --temp 0 --ignore-eos --json
 step generate-sampled 25 "$W/generate-sampled.json" ./gguftool generate -m /tmp/glm5.gguf --device cuda -p "$P" -n 128 --temp 0.8 --seed 7 --ignore-eos --json
-# 6. Prefill MoE as per-expert bf16 GEMMs (off by default) against bench-d0's pp512.
-step bench-moe-gemm 40 "$W/bench-moe-gemm.json" env GGUFTOOL_MOE_GEMM=1 ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 512 -n 16 -r 2 --json
+# 6. Prefill MoE and per-head matmuls as bf16 GEMMs (off by default) against bench-d0's pp512.
+step bench-prefill-gemm 40 "$W/bench-prefill-gemm.json" env GGUFTOOL_PREFILL_GEMM=1 ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 512 -n 16 -r 2 --json
 # 7. Kernel microbenchmarks at GLM-5 shapes vs the copy bandwidth.
 step kernel-bench 70 "$OUT/kernels.json" ./gguftool bench --kernels --json
 # The baseline (the branch's starting point) on the same file, same run: before/after.
@@ -84,7 +84,7 @@ cd "$W"
 python3 - "$OUT/bench-all.json" <<'PY'
 import json, sys
 out = {}
-for f in ("bench.json", "bench-moe-gemm.json", "generate-greedy.json", "generate-sampled.json",
+for f in ("bench.json", "bench-prefill-gemm.json", "generate-greedy.json", "generate-sampled.json",
           "bench-d32k.json", "bench-exact.json", "synth.json"):
     try:
         out[f] = json.load(open(f))

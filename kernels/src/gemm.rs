@@ -201,4 +201,105 @@ impl Gpu {
         let _ = &mut scratch;
         Ok(())
     }
+
+    /// Per-head matmul on the tensor cores: `y[t, h*m + r] = sum_j x[t, h*k + j] * W_h[r, j]`
+    /// for the `shape.slabs` heads of a 3-D weight (`attn_k_b` / `attn_v_b` in prefill), x
+    /// `[tokens, heads * k]`, y `[tokens, heads * m]`. The activations are converted to bf16
+    /// once, the heads dequantized to bf16 together (tiled to the scratch budget) and multiplied
+    /// by one strided-batched GEMM per tile (f32 accumulation): the same bf16 rounding as
+    /// [`Gpu::matmul_bf16`], without one launch per (head, 8 tokens).
+    pub fn matmul_heads_bf16(
+        &self,
+        shape: MatShape,
+        w: &impl DevicePtr<u8>,
+        x: &impl DevicePtr<f32>,
+        tokens: usize,
+        y: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "matmul_heads";
+        shape.check(OP, dlen(w))?;
+        let MatShape {
+            ty,
+            rows: m,
+            k,
+            slabs: nh,
+            packed,
+        } = shape;
+        if tokens == 0 {
+            return Err(shape_err(OP, format!("{shape:?} x 0 tokens")));
+        }
+        need_len(OP, "x", dlen(x), tokens * nh * k)?;
+        need_len(OP, "y", dlen(y), tokens * nh * m)?;
+        let per_head = m * k * 2;
+        let tile_heads = (TILE_BYTES / per_head).clamp(1, nh);
+        let blas_h = *self.blas()?.handle();
+        let s = self.stream();
+        let (wp, _g1) = w.device_ptr(s);
+        let (yp, _g3) = y.device_ptr_mut(s);
+        let mut scratch = self.alloc::<u8>(tile_heads * per_head)?;
+        let sp = scratch.ptr();
+        let mut xb = self.alloc::<u16>(tokens * nh * k)?;
+        self.to_bf16(x, &mut xb, tokens * nh * k)?;
+        let (n_tok, m32, k32) = (
+            to_i32(OP, "tokens", tokens)?,
+            to_i32(OP, "rows", m)?,
+            to_i32(OP, "k", k)?,
+        );
+        let (ldb, ldc) = (to_i32(OP, "x cols", nh * k)?, to_i32(OP, "y cols", nh * m)?);
+        let raw = RawWeight {
+            ty,
+            packed,
+            base: wp,
+            nblk: shape.blocks(),
+        };
+        let bpr = k / crate::quant::decoder_block(ty).0;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let mut h0 = 0usize;
+        while h0 < nh {
+            let ht = tile_heads.min(nh - h0);
+            // SAFETY: heads h0..h0+ht lie within w (checked), scratch holds tile_heads heads.
+            unsafe { self.dequant_raw(raw, h0 * m * bpr, ht * m * k, sp, true)? };
+            let t0 = self.prof_start()?;
+            // Batch h (column-major): C_h [m x tokens] at y + h*m, ldc = heads*m; A_h^T with
+            // A_h the head's row-major [m, k] tile (lda = k, stride m*k); B_h = x_h^T at
+            // x + h*k, ldb = heads*k.
+            // SAFETY: every batch's extents lie within scratch, xb and y (checked above).
+            let r = unsafe {
+                blas::gemm_strided_batched_ex(
+                    blas_h,
+                    blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                    blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                    m32,
+                    n_tok,
+                    k32,
+                    &alpha as *const f32 as *const _,
+                    sp as *const _,
+                    blas_sys::cudaDataType::CUDA_R_16BF,
+                    k32,
+                    (m * k) as i64,
+                    (xb.ptr() + (h0 * k * 2) as u64) as *const _,
+                    blas_sys::cudaDataType::CUDA_R_16BF,
+                    ldb,
+                    k as i64,
+                    &beta as *const f32 as *const _,
+                    (yp + (h0 * m * 4) as u64) as *mut _,
+                    blas_sys::cudaDataType::CUDA_R_32F,
+                    ldc,
+                    m as i64,
+                    to_i32(OP, "heads", ht)?,
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            };
+            self.prof_stop("gemm", t0)?;
+            r.map_err(|source| KernelError::Cublas {
+                what: "cublasGemmStridedBatchedEx",
+                source,
+            })?;
+            self.launched(OP, Ok::<(), cudarc::driver::DriverError>(()))?;
+            h0 += ht;
+        }
+        let _ = &mut scratch;
+        Ok(())
+    }
 }

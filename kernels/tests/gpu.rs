@@ -2297,6 +2297,91 @@ fn matmul_bf16_matches_f64() {
     }
 }
 
+/// One slab of a weight stack (an expert: `matmul_bf16_slab`) and every head of a 3-D weight
+/// (`matmul_heads_bf16`, strided-batched) against the f64 products of the CPU dequantization, in
+/// the GGUF (Q4_K) and the repacked (Q8_0) layout; same bound as `matmul_bf16_matches_f64`.
+#[test]
+fn matmul_bf16_slabs_and_heads_match_f64() {
+    let Some(g) = gpu("matmul_bf16_slabs_and_heads_match_f64") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("matmul_bf16_slabs");
+    let mut all_ok = true;
+    // (type, rows, k, slabs, tokens, heads?): heads multiply every slab by its own x columns.
+    for (ty, rows, k, slabs, tokens, heads) in [
+        (GgmlType::Q4_K, 130usize, 512usize, 3usize, 70usize, false),
+        (GgmlType::Q8_0, 97, 192, 4, 65, false),
+        (GgmlType::Q8_0, 64, 192, 5, 67, true),
+        (GgmlType::Q4_K, 40, 512, 3, 66, true),
+    ] {
+        let bytes = sane_blocks(ty, slabs * rows * k, &mut r);
+        let w = dequant_cpu(ty, &bytes);
+        let packed = repack::is_packed(ty);
+        let dev = if packed {
+            repack::repack(ty, &bytes).unwrap()
+        } else {
+            bytes
+        };
+        let shape = MatShape {
+            ty,
+            rows,
+            k,
+            slabs,
+            packed,
+        };
+        let xk = if heads { slabs * k } else { k };
+        let yr = if heads { slabs * rows } else { rows };
+        let x = r.vec(tokens * xk, 1.0);
+        let (dw, dx) = (g.upload(&dev).unwrap(), g.upload(&x).unwrap());
+        let mut dy = nan_buf(&g, tokens * yr);
+        let last = slabs - 1;
+        if heads {
+            g.matmul_heads_bf16(shape, &dw, &dx, tokens, &mut dy)
+                .unwrap();
+        } else {
+            g.matmul_bf16_slab(shape, last, &dw, &dx, tokens, &mut dy)
+                .unwrap();
+        }
+        let y = g.download(&dy).unwrap();
+        let (mut ok, mut worst) = (true, 0f64);
+        for t in 0..tokens {
+            for c in 0..yr {
+                // Output column c: head c / rows (or the last slab), weight row c % rows.
+                let (h, rr) = if heads {
+                    (c / rows, c % rows)
+                } else {
+                    (last, c)
+                };
+                let wrow = &w[(h * rows + rr) * k..(h * rows + rr + 1) * k];
+                let xrow = &x[t * xk + if heads { h * k } else { 0 }..][..k];
+                let (mut sum, mut mag) = (0f64, 0f64);
+                for i in 0..k {
+                    let p = f64::from(wrow[i]) * f64::from(xrow[i]);
+                    sum += p;
+                    mag += p.abs();
+                }
+                // Both operands rounded to bf16 (2^-9 each), f32 accumulation over k.
+                let tol = (2.0 / 512.0 + (k as f64 + 16.0) * U32) * mag + 1e-30;
+                let v = y[t * yr + c];
+                let e = (f64::from(v) - sum).abs();
+                ok &= v.is_finite() && e <= tol;
+                worst = worst.max(e / tol);
+            }
+        }
+        let what = if heads { "heads" } else { "slab" };
+        row(
+            &format!("matmul bf16 {what} {ty}"),
+            &format!("{slabs} x {rows}x{k} x {tokens} tokens"),
+            worst,
+            1.0,
+            ok,
+        );
+        all_ok &= ok;
+    }
+    assert!(all_ok, "a per-slab / per-head bf16 matmul is off");
+}
+
 #[test]
 fn launches_past_the_grid_y_limit() {
     let Some(g) = gpu("launches_past_the_grid_y_limit") else {

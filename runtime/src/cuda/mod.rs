@@ -172,10 +172,11 @@ pub struct CudaBackend {
     gpu: Arc<Gpu>,
     opts: CudaOptions,
     inputs: Arc<Mutex<Inputs>>,
-    /// Prefill MoE (> [`GEMVQ_MAX_ROWS`] rows, fast path) as one bf16 tensor-core GEMM per
-    /// expert over its gathered tokens instead of grouped GEMVs (`GGUFTOOL_MOE_GEMM=1`; off by
-    /// default until measured on the device).
-    moe_gemm: bool,
+    /// Prefill (> [`GEMVQ_MAX_ROWS`] rows, fast path) on the tensor cores where it used
+    /// multi-column GEMVs: MoE as one bf16 GEMM per expert over its gathered tokens, the
+    /// per-head `attn_k_b` / `attn_v_b` as one strided-batched bf16 GEMM
+    /// (`GGUFTOOL_PREFILL_GEMM=1`; off by default until measured on the device).
+    prefill_gemm: bool,
 }
 
 fn err(msg: impl Into<String>) -> RuntimeError {
@@ -210,13 +211,13 @@ impl CudaBackend {
             gpu,
             opts,
             inputs: Arc::new(Mutex::new(Inputs::default())),
-            moe_gemm: std::env::var("GGUFTOOL_MOE_GEMM").is_ok_and(|v| v == "1"),
+            prefill_gemm: std::env::var("GGUFTOOL_PREFILL_GEMM").is_ok_and(|v| v == "1"),
         }
     }
 
-    /// Choose the prefill MoE path (see the `moe_gemm` field) regardless of the environment.
-    pub fn with_moe_gemm(mut self, on: bool) -> Self {
-        self.moe_gemm = on;
+    /// Choose the prefill path (see the `prefill_gemm` field) regardless of the environment.
+    pub fn with_prefill_gemm(mut self, on: bool) -> Self {
+        self.prefill_gemm = on;
         self
     }
 
@@ -793,6 +794,13 @@ impl Backend for CudaBackend {
         let xb = x.f32().ok_or_else(|| not_f32("matmul_heads"))?;
         let o = out.f32_mut().ok_or_else(|| not_f32("matmul_heads"))?;
         // View x as [rows * n_head, k]: row c = token c / n_head, head c % n_head (its slab).
+        if self.fast(&shape) && self.prefill_gemm && x.rows > GEMVQ_MAX_ROWS {
+            return self
+                .gpu
+                .matmul_heads_bf16(shape, &w.bytes, xb, x.rows, o)
+                .map_err(kerr("matmul_heads"))
+                .map(|()| out);
+        }
         if self.fast(&shape) {
             let q = self.q8(x, x.rows * n_head, k)?;
             if x.rows == 1 {
@@ -1267,7 +1275,7 @@ impl Backend for CudaBackend {
             && self.fast(&d_shape)
             && gate.ty == up.ty
             && gate.packed == up.packed;
-        if fast && self.moe_gemm && x.rows > GEMVQ_MAX_ROWS {
+        if fast && self.prefill_gemm && x.rows > GEMVQ_MAX_ROWS {
             self.moe_ffn_gemm(x, gate, up, down, weights, experts, &mut out)?;
         } else if fast {
             self.moe_ffn_fast(x, gate, up, down, weights, experts, &mut out)?;

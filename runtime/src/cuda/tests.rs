@@ -226,17 +226,17 @@ fn glm5_heads_prompts_past_1023_and_4096_tokens() {
     )
     .expect("CPU model");
     let mut failures = Vec::new();
-    // "fast+moe-gemm": prefill MoE as per-expert bf16 GEMMs (GGUFTOOL_MOE_GEMM=1), whatever
-    // the environment says for the other two.
+    // "fast+prefill-gemm": prefill MoE and per-head matmuls as bf16 GEMMs
+    // (GGUFTOOL_PREFILL_GEMM=1); the other two off whatever the environment says.
     for (mode, opts, gemm) in [
         ("fast", FAST, false),
-        ("fast+moe-gemm", FAST, true),
+        ("fast+prefill-gemm", FAST, true),
         ("exact", EXACT, false),
     ] {
         let gpu = GlmModel::from_weights(
             CudaBackend::with_options(0, opts)
                 .expect("CUDA backend")
-                .with_moe_gemm(gemm),
+                .with_prefill_gemm(gemm),
             ModelSpec::from_metadata(&md).unwrap(),
             &get,
         )
