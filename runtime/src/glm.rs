@@ -750,7 +750,9 @@ impl<B: Backend> GlmModel<B> {
                 rows.push(s.row0 + s.n - 1);
             }
         }
-        let hs = be.gather_rows(&h, &rows)?;
+        // Every row wanted (one decoded token, or all logits): no gather copy.
+        let every = rows.len() == be.shape(&h).0;
+        let hs = if every { h } else { be.gather_rows(&h, &rows)? };
         let hn = be.rms_norm(&hs, &self.output_norm, self.spec.rms_eps)?;
         self.emit(obs, || "output_norm.out".into(), &hn)?;
         let w = self.output.as_ref().unwrap_or(&self.token_embd);
@@ -926,26 +928,16 @@ impl<B: Backend> GlmModel<B> {
         let mut observed_sel: Vec<(usize, usize, Vec<i64>)> = Vec::new();
         for (si, s) in segs.iter().enumerate() {
             let cache = &mut caches[si].layers[li];
-            // A lone sequence appends its rows without slicing them out first.
-            let whole = segs.len() == 1;
-            if whole {
-                be.append_rows(&mut cache.kv, &kv_rows)?;
-            } else {
-                be.append_rows(&mut cache.kv, &be.slice_rows(&kv_rows, s.row0, s.n)?)?;
-            }
+            be.append_rows(&mut cache.kv, &*self.seg_rows(&kv_rows, s, segs)?)?;
             if let (Some(keys), Some(ck)) = (&ix_keys, cache.index_keys.as_mut()) {
-                if whole {
-                    be.append_rows(ck, keys)?;
-                } else {
-                    be.append_rows(ck, &be.slice_rows(keys, s.row0, s.n)?)?;
-                }
+                be.append_rows(ck, &*self.seg_rows(keys, s, segs)?)?;
             }
             let t = s.pos0 + s.n;
             let sel = match (&self.spec.indexer, layer.spec.own_indexer) {
                 (Some(ix), true) => match (&ix_q, &cache.index_keys) {
                     (Some((qi, wts)), Some(keys)) if t > ix.top_k => Some(be.indexer_topk(
-                        &be.slice_rows(qi, s.row0, s.n)?,
-                        &be.slice_rows(wts, s.row0, s.n)?,
+                        &*self.seg_rows(qi, s, segs)?,
+                        &*self.seg_rows(wts, s, segs)?,
                         keys,
                         &IndexerParams {
                             n_head: ix.n_head,
@@ -978,8 +970,8 @@ impl<B: Backend> GlmModel<B> {
             };
             let o = match (self.mode, &q_abs, &q_full) {
                 (AttnMode::Absorbed, Some(qa), _) => {
-                    let qs = be.slice_rows(qa, s.row0, s.n)?;
-                    be.attention(&qs, &cache.kv, &cache.kv, &p, sel.as_ref())?
+                    let qs = self.seg_rows(qa, s, segs)?;
+                    be.attention(&*qs, &cache.kv, &cache.kv, &p, sel.as_ref())?
                 }
                 (AttnMode::Naive, _, Some(qf)) => {
                     let kv_b = w
@@ -992,14 +984,14 @@ impl<B: Backend> GlmModel<B> {
                     let kn = be.head_slice(&e, h_n, m.qk_nope + m.v_head, 0, m.qk_nope)?;
                     let vv = be.head_slice(&e, h_n, m.qk_nope + m.v_head, m.qk_nope, m.v_head)?;
                     let kk = be.head_concat(&kn, &kr, h_n, true)?;
-                    let qs = be.slice_rows(qf, s.row0, s.n)?;
+                    let qs = self.seg_rows(qf, s, segs)?;
                     let p = AttnParams {
                         n_kv_head: h_n,
                         k_dim: m.qk_head(),
                         v_dim: m.v_head,
                         ..p
                     };
-                    be.attention(&qs, &kk, &vv, &p, sel.as_ref())?
+                    be.attention(&*qs, &kk, &vv, &p, sel.as_ref())?
                 }
                 _ => return Err(model_err("attention mode state")),
             };
@@ -1027,8 +1019,7 @@ impl<B: Backend> GlmModel<B> {
                 );
             }
         }
-        let refs: Vec<&B::Tensor> = outs.iter().collect();
-        let o = be.concat_rows(&refs)?;
+        let o = self.stack_rows(outs)?;
         let o = match self.mode {
             AttnMode::Absorbed => be.matmul_heads(&o, &w.v_b)?,
             AttnMode::Naive => o,
@@ -1073,12 +1064,12 @@ impl<B: Backend> GlmModel<B> {
         let mut outs = Vec::with_capacity(segs.len());
         for (si, s) in segs.iter().enumerate() {
             let cache = &mut caches[si].layers[li];
-            be.append_rows(&mut cache.kv, &be.slice_rows(&k, s.row0, s.n)?)?;
+            be.append_rows(&mut cache.kv, &*self.seg_rows(&k, s, segs)?)?;
             let cv = cache
                 .v
                 .as_mut()
                 .ok_or_else(|| model_err("GQA cache without values"))?;
-            be.append_rows(cv, &be.slice_rows(&v, s.row0, s.n)?)?;
+            be.append_rows(cv, &*self.seg_rows(&v, s, segs)?)?;
             let p = AttnParams {
                 n_head: g.n_head,
                 n_kv_head: g.n_head_kv,
@@ -1087,11 +1078,35 @@ impl<B: Backend> GlmModel<B> {
                 scale: g.scale,
                 pos0: s.pos0,
             };
-            let qs = be.slice_rows(&q, s.row0, s.n)?;
-            outs.push(be.attention(&qs, &cache.kv, cv, &p, None)?);
+            let qs = self.seg_rows(&q, s, segs)?;
+            outs.push(be.attention(&*qs, &cache.kv, cv, &p, None)?);
         }
-        let refs: Vec<&B::Tensor> = outs.iter().collect();
-        be.matmul(&be.concat_rows(&refs)?, &w.out)
+        be.matmul(&self.stack_rows(outs)?, &w.out)
+    }
+
+    /// Rows of segment `s` of a batch-stacked tensor: the tensor itself when the batch is that
+    /// one sequence (no copy on the decode path).
+    fn seg_rows<'x>(
+        &self,
+        x: &'x B::Tensor,
+        s: &Seg,
+        segs: &[Seg],
+    ) -> Result<SegRows<'x, B::Tensor>, RuntimeError> {
+        if segs.len() == 1 {
+            return Ok(SegRows::Whole(x));
+        }
+        Ok(SegRows::Part(self.backend.slice_rows(x, s.row0, s.n)?))
+    }
+
+    /// The per-sequence parts stacked in order (one part: itself).
+    fn stack_rows(&self, mut parts: Vec<B::Tensor>) -> Result<B::Tensor, RuntimeError> {
+        if parts.len() == 1 {
+            if let Some(p) = parts.pop() {
+                return Ok(p);
+            }
+        }
+        let refs: Vec<&B::Tensor> = parts.iter().collect();
+        self.backend.concat_rows(&refs)
     }
 
     fn mlp(&self, m: &Mlp<B>, x: &B::Tensor) -> Result<B::Tensor, RuntimeError> {
@@ -1191,6 +1206,22 @@ pub enum HeadOutput {
     GatherOnly,
     /// This rank's vocabulary rows only (merged per token by the caller, e.g. greedy top-k).
     Local,
+}
+
+/// A segment's rows: borrowed when they are the whole tensor, else a copy.
+enum SegRows<'x, T> {
+    Whole(&'x T),
+    Part(T),
+}
+
+impl<T> std::ops::Deref for SegRows<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        match self {
+            SegRows::Whole(t) => t,
+            SegRows::Part(t) => t,
+        }
+    }
 }
 
 /// Rows of one sequence inside the stacked batch.
