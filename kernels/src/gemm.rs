@@ -163,26 +163,13 @@ impl Gpu {
                     )
                 },
                 Some(xb) => unsafe {
-                    blas::gemm_ex(
+                    gemm_bf16(
                         blas_h,
-                        blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                        blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                        m,
-                        n_tok,
-                        k32,
-                        &alpha as *const f32 as *const _,
-                        sp as *const _,
-                        blas_sys::cudaDataType::CUDA_R_16BF,
-                        k32,
-                        xb.ptr() as *const _,
-                        blas_sys::cudaDataType::CUDA_R_16BF,
-                        k32,
-                        &beta as *const f32 as *const _,
-                        yc as *mut _,
-                        blas_sys::cudaDataType::CUDA_R_32F,
-                        ldc,
-                        blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                        (m, n_tok, k32),
+                        (sp, k32, 0),
+                        (xb.ptr(), k32, 0),
+                        (yc as u64, ldc, 0),
+                        1,
                     )
                 },
             };
@@ -253,7 +240,6 @@ impl Gpu {
             nblk: shape.blocks(),
         };
         let bpr = k / crate::quant::decoder_block(ty).0;
-        let (alpha, beta) = (1.0f32, 0.0f32);
         let mut h0 = 0usize;
         while h0 < nh {
             let ht = tile_heads.min(nh - h0);
@@ -265,30 +251,13 @@ impl Gpu {
             // x + h*k, ldb = heads*k.
             // SAFETY: every batch's extents lie within scratch, xb and y (checked above).
             let r = unsafe {
-                blas::gemm_strided_batched_ex(
+                gemm_bf16(
                     blas_h,
-                    blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                    blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                    m32,
-                    n_tok,
-                    k32,
-                    &alpha as *const f32 as *const _,
-                    sp as *const _,
-                    blas_sys::cudaDataType::CUDA_R_16BF,
-                    k32,
-                    (m * k) as i64,
-                    (xb.ptr() + (h0 * k * 2) as u64) as *const _,
-                    blas_sys::cudaDataType::CUDA_R_16BF,
-                    ldb,
-                    k as i64,
-                    &beta as *const f32 as *const _,
-                    (yp + (h0 * m * 4) as u64) as *mut _,
-                    blas_sys::cudaDataType::CUDA_R_32F,
-                    ldc,
-                    m as i64,
+                    (m32, n_tok, k32),
+                    (sp, k32, (m * k) as i64),
+                    (xb.ptr() + (h0 * k * 2) as u64, ldb, k as i64),
+                    (yp + (h0 * m * 4) as u64, ldc, m as i64),
                     to_i32(OP, "heads", ht)?,
-                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
             };
             self.prof_stop("gemm", t0)?;
@@ -301,5 +270,85 @@ impl Gpu {
         }
         let _ = &mut scratch;
         Ok(())
+    }
+}
+
+/// `C = A^T B` on bf16 operands with f32 accumulation and output, cuBLAS' column-major view:
+/// `(m, n, k)`, then `(pointer, leading dimension, batch stride)` of A (`[k x m]`), B
+/// (`[k x n]`) and C (`[m x n]`, f32); `batch` > 1 runs the strided-batched form.
+///
+/// # Safety
+/// Every batch's extents must lie within the buffers the pointers name.
+unsafe fn gemm_bf16(
+    h: blas_sys::cublasHandle_t,
+    (m, n, k): (i32, i32, i32),
+    (a, lda, sa): (u64, i32, i64),
+    (b, ldb, sb): (u64, i32, i64),
+    (c, ldc, sc): (u64, i32, i64),
+    batch: i32,
+) -> Result<(), cudarc::cublas::result::CublasError> {
+    use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+    use blas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let (al, be) = (
+        &alpha as *const f32 as *const _,
+        &beta as *const f32 as *const _,
+    );
+    let (ct, algo) = (
+        blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+    );
+    let (a, b, c) = (a as *const _, b as *const _, c as *mut _);
+    // SAFETY: the caller's contract.
+    unsafe {
+        if batch == 1 {
+            blas::gemm_ex(
+                h,
+                CUBLAS_OP_T,
+                CUBLAS_OP_N,
+                m,
+                n,
+                k,
+                al,
+                a,
+                CUDA_R_16BF,
+                lda,
+                b,
+                CUDA_R_16BF,
+                ldb,
+                be,
+                c,
+                CUDA_R_32F,
+                ldc,
+                ct,
+                algo,
+            )
+        } else {
+            blas::gemm_strided_batched_ex(
+                h,
+                CUBLAS_OP_T,
+                CUBLAS_OP_N,
+                m,
+                n,
+                k,
+                al,
+                a,
+                CUDA_R_16BF,
+                lda,
+                sa,
+                b,
+                CUDA_R_16BF,
+                ldb,
+                sb,
+                be,
+                c,
+                CUDA_R_32F,
+                ldc,
+                sc,
+                batch,
+                ct,
+                algo,
+            )
+        }
     }
 }
