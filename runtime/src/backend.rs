@@ -107,6 +107,11 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// A `[0, cols]` tensor to grow with [`Backend::append_rows`] (KV caches).
     fn empty(&self, cols: usize) -> Result<Self::Tensor, RuntimeError>;
     fn append_rows(&self, dst: &mut Self::Tensor, src: &Self::Tensor) -> Result<(), RuntimeError>;
+    /// Make room for `rows` rows in a tensor grown by [`Backend::append_rows`], so appends up to
+    /// it neither reallocate nor copy (a KV cache sized up front). The default grows as it goes.
+    fn reserve_rows(&self, _t: &mut Self::Tensor, _rows: usize) -> Result<(), RuntimeError> {
+        Ok(())
+    }
     /// Keep the first `rows` rows (rolls a cache back after a failed step).
     fn truncate_rows(&self, t: &mut Self::Tensor, rows: usize) -> Result<(), RuntimeError>;
     fn slice_rows(

@@ -19,6 +19,12 @@ pub trait SequenceState: Send {
     }
     /// Bytes of cache memory this sequence holds (for metrics).
     fn cache_bytes(&self) -> usize;
+    /// Size the cache for `tokens` tokens in all up front, so decoding up to there never
+    /// reallocates or copies it (what a GPU decode step needs to stay allocation-free). A hint:
+    /// the default, and the CPU, grow as they go.
+    fn reserve(&mut self, _tokens: usize) -> Result<(), RuntimeError> {
+        Ok(())
+    }
     /// Backends downcast to their own cache type.
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }

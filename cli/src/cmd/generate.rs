@@ -167,6 +167,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let mut detok = Detokenizer::new(!args.special);
     let mut out = std::io::stdout().lock();
     let mut seq = lm.new_sequence();
+    // The whole run's cache at once: no reallocation and copy while decoding.
+    seq.reserve(prompt.len() + n_predict)
+        .context("allocating the KV cache")?;
     let mut steps: Vec<Step> = Vec::new();
     let mut text_out = String::new();
     let mut finish = "length";

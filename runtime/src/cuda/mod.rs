@@ -592,6 +592,10 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn reserve_rows(&self, t: &mut CudaTensor, rows: usize) -> Result<(), RuntimeError> {
+        self.reserve(t, rows)
+    }
+
     fn truncate_rows(&self, t: &mut CudaTensor, rows: usize) -> Result<(), RuntimeError> {
         if rows > t.rows {
             return Err(err(format!("truncate_rows: {rows} of {}", t.rows)));

@@ -447,3 +447,48 @@ fn cuda_rms_norm_lead_equals_slice_norm_concat() {
         assert!(same, "rms_norm_lead differs at {rows} rows");
     }
 }
+
+/// A cache reserved up front keeps its buffer (same device address, same capacity) while rows
+/// are appended up to the reservation, and keeps every appended row (bf16 and f32 caches).
+#[test]
+fn cuda_reserved_cache_never_reallocates() {
+    use super::Store;
+    use crate::backend::Backend;
+    use kernels::DeviceSlice;
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (cuda_reserved_cache_never_reallocates)");
+        return;
+    }
+    for opts in [FAST, EXACT] {
+        let be = CudaBackend::with_options(0, opts).expect("device");
+        let cols = 576;
+        let mut t = be.empty(cols).expect("empty");
+        be.reserve_rows(&mut t, 3000).expect("reserve");
+        let addr = |t: &super::CudaTensor| match &t.store {
+            Store::F32(b) => (b.ptr(), b.len()),
+            Store::Bf16(b) => (b.ptr(), b.len()),
+        };
+        let before = addr(&t);
+        let mut want = Vec::new();
+        for step in 0..30 {
+            // 1,100 rows in steps crossing the 1,024 rows a growing cache would start with,
+            // then single rows (decode).
+            let n = if step == 0 { 1100 } else { 50 };
+            let v: Vec<f32> = (0..n * cols)
+                .map(|i| ((i + step) % 97) as f32 * 0.25)
+                .collect();
+            let src = be.new_tensor(n, cols, &v).expect("rows");
+            be.append_rows(&mut t, &src).expect("append");
+            want.extend_from_slice(&v);
+            assert_eq!(addr(&t), before, "reallocated at step {step}");
+        }
+        // Multiples of 1/4 below 25 are exact in bf16.
+        let ok = be.to_host(&t).expect("download") == want;
+        say(&format!(
+            "| reserved cache | {} rows, kv_bf16 {} | same buffer, rows kept | {ok} |",
+            want.len() / cols,
+            opts.kv_bf16
+        ));
+        assert!(ok, "appended rows changed");
+    }
+}

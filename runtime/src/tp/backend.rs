@@ -164,6 +164,9 @@ impl<B: Backend> Backend for Ranked<B> {
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor, RuntimeError> {
         self.inner.add(a, b)
     }
+    fn reserve_rows(&self, t: &mut Self::Tensor, rows: usize) -> Result<(), RuntimeError> {
+        self.inner.reserve_rows(t, rows)
+    }
     fn add_rms_norm(
         &self,
         res: &Self::Tensor,
