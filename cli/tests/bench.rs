@@ -98,7 +98,7 @@ fn bad_flags_are_errors() {
     let model = fx("gguf/tiny-glm5-Q4_K_M.gguf");
     let m = model.to_str().unwrap();
     for args in [
-        vec!["-m", m, "--device", "cpu", "--tp", "2"],
+        vec!["-m", m, "--device", "cpu", "--tp", "0"],
         vec!["-m", m, "--device", "cpu", "-r", "0"],
         vec!["-m", m, "--device", "cpu", "--npl", "0"],
         vec!["-m", m, "--device", "cpu", "-p", "0", "-n", "0"],
