@@ -177,6 +177,9 @@ pub struct CudaBackend {
     /// per-head `attn_k_b` / `attn_v_b` as one strided-batched bf16 GEMM
     /// (`GGUFTOOL_PREFILL_GEMM=1`; off by default until measured on the device).
     prefill_gemm: bool,
+    /// Sample on the device (sample.cu); `GGUFTOOL_DEVICE_SAMPLING=0` copies the logits and
+    /// samples on the host with the same rules instead (a fallback, and a comparison).
+    device_sampling: bool,
 }
 
 fn err(msg: impl Into<String>) -> RuntimeError {
@@ -212,6 +215,7 @@ impl CudaBackend {
             opts,
             inputs: Arc::new(Mutex::new(Inputs::default())),
             prefill_gemm: std::env::var("GGUFTOOL_PREFILL_GEMM").is_ok_and(|v| v == "1"),
+            device_sampling: std::env::var("GGUFTOOL_DEVICE_SAMPLING").map_or(true, |v| v != "0"),
         }
     }
 
@@ -1304,6 +1308,10 @@ impl Backend for CudaBackend {
         reqs: &[SampleRequest],
     ) -> Result<Vec<(u32, bool)>, RuntimeError> {
         check_sample(logits.rows, logits.cols, reqs.len())?;
+        if !self.device_sampling {
+            let host = self.to_host(logits)?;
+            return Ok(crate::sampling::sample_host(&host, logits.cols, reqs));
+        }
         let lb = logits.f32().ok_or_else(|| not_f32("sample"))?;
         let params: Vec<kernels::SampleParams> = reqs.iter().map(device_sample_params).collect();
         let mut ids = self.gpu.alloc::<i32>(reqs.len()).map_err(kerr("sample"))?;
