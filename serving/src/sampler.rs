@@ -129,6 +129,12 @@ impl Sampler {
         &self.params
     }
 
+    /// The next uniform number in [0, 1) of this sampler's stream: what a model sampling on the
+    /// device (`LanguageModel::forward_sample`) takes in place of [`Sampler::sample`]'s draw.
+    pub fn next_uniform(&mut self) -> f64 {
+        self.rng.next_f64()
+    }
+
     /// Pick the next token id. An empty slice yields 0; non-finite logits never win over finite ones.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.params.is_greedy() {

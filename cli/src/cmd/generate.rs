@@ -2,10 +2,11 @@
 //! continue a prompt, streaming the text as it is produced (or one JSON object for scripts).
 
 use anyhow::{bail, Context, Result};
+use runtime::sampling::{SampleParams, SampleRequest, Sampled};
 use runtime::{LanguageModel, SeqStep};
 use serde_json::json;
 use serving::chat::{ChatMessage, ChatTemplate};
-use serving::sampler::{top_logprobs, Sampler, SamplingParams};
+use serving::sampler::{Sampler, SamplingParams};
 use serving::tokenizer::{Bounded, Detokenizer, Tokenizer};
 use std::io::Write;
 use std::path::PathBuf;
@@ -120,13 +121,14 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let device = loaded.device;
     let lm: &dyn LanguageModel = loaded.lm.as_ref();
     let load_s = load_start.elapsed().as_secs_f64();
-    // Greedy decoding needs each step's best tokens only: a tensor-parallel model merges its
-    // ranks' candidates instead of gathering the vocabulary.
-    let greedy = SamplingParams {
+    // The model samples (on the GPU: on the device, copying back the ids, and the logits only
+    // with --logprobs); the seeded stream of `Sampler` supplies each step's uniform number.
+    let params = SampleParams {
         temperature: args.temperature,
-        ..SamplingParams::default()
-    }
-    .is_greedy();
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+    };
 
     // A prompt needs room for at least one generated token.
     let limit = lm.context_length().saturating_sub(1);
@@ -165,20 +167,17 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let mut detok = Detokenizer::new(!args.special);
     let mut out = std::io::stdout().lock();
     let mut seq = lm.new_sequence();
+    // The whole run's cache at once: no reallocation and copy while decoding.
+    seq.reserve(prompt.len() + n_predict)
+        .context("allocating the KV cache")?;
     let mut steps: Vec<Step> = Vec::new();
     let mut text_out = String::new();
     let mut finish = "length";
 
-    let k = args.logprobs.unwrap_or(0);
     let t0 = Instant::now();
     let mut fed: Vec<u32> = prompt.clone();
-    let check = |next: &Next, fed: &[u32]| -> Result<()> {
-        let finite = match next {
-            Next::Logits(l) => runtime::numerics::first_non_finite(l).is_none(),
-            // Top-k drops non-finite logits: an empty or short list means some were.
-            Next::Top(t) => !t.is_empty() && t.iter().all(|&(_, lp)| lp.is_finite()),
-        };
-        if finite {
+    let check = |next: &Sampled, fed: &[u32]| -> Result<()> {
+        if !next.non_finite {
             return Ok(());
         }
         let d = runtime::numerics::locate_non_finite(Arc::clone(&model), fed)
@@ -188,26 +187,26 @@ pub fn run(args: Args) -> Result<ExitCode> {
             runtime::numerics::non_finite_message(&device.name(), fed.len() - 1, &d)
         )
     };
-    let mut next = forward(lm, seq.as_mut(), &prompt, greedy, k)?;
+    let mut request = || SampleRequest {
+        params,
+        u: if params.is_greedy() {
+            0.0
+        } else {
+            sampler.next_uniform()
+        },
+        logprobs: args.logprobs,
+    };
+    let mut next = forward(lm, seq.as_mut(), &prompt, request())?;
     check(&next, &fed)?;
     let prompt_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     for i in 0..n_predict {
-        let (id, logprob, top) = match &next {
-            Next::Logits(logits) => {
-                let id = sampler.sample(logits);
-                (
-                    id,
-                    serving::sampler::logprob(logits, id),
-                    top_logprobs(logits, k),
-                )
-            }
-            Next::Top(t) => {
-                let &(id, lp) = t.first().context("the model returned no candidates")?;
-                (id, lp, t[..k.min(t.len())].to_vec())
-            }
-        };
-        steps.push(Step { id, logprob, top });
+        let id = next.id;
+        steps.push(Step {
+            id,
+            logprob: next.logprob.unwrap_or(f32::NAN),
+            top: std::mem::take(&mut next.top),
+        });
         if !args.ignore_eos && tok.is_eog(id) {
             finish = "stop";
             break;
@@ -219,7 +218,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             out.flush()?;
         }
         if i + 1 < n_predict {
-            next = forward(lm, seq.as_mut(), &[id], greedy, k)?;
+            next = forward(lm, seq.as_mut(), &[id], request())?;
             fed.push(id);
             check(&next, &fed)?;
         }
@@ -307,33 +306,18 @@ pub fn run(args: Args) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// What one step gives the sampler.
-enum Next {
-    Logits(Vec<f32>),
-    /// Greedy: the best tokens with their log-probabilities, best first.
-    Top(runtime::TopTokens),
-}
-
+/// One step: append `tokens`, sample the next token.
 fn forward(
     lm: &dyn LanguageModel,
     seq: &mut dyn runtime::SequenceState,
     tokens: &[u32],
-    greedy: bool,
-    k: usize,
-) -> Result<Next> {
+    req: SampleRequest,
+) -> Result<Sampled> {
     let mut b = [SeqStep {
         seq,
         tokens,
         all_logits: false,
     }];
-    if greedy {
-        let mut out = lm.forward_top_k(&mut b, k.max(1)).context("forward pass")?;
-        return Ok(Next::Top(
-            out.pop().context("the model returned no logits")?,
-        ));
-    }
-    let mut out = lm.forward(&mut b).context("forward pass")?;
-    Ok(Next::Logits(
-        out.pop().context("the model returned no logits")?,
-    ))
+    let mut out = lm.forward_sample(&mut b, &[req]).context("forward pass")?;
+    out.pop().context("the model returned no token")
 }
