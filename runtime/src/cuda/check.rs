@@ -455,8 +455,13 @@ mod unit {
     /// The observed comparison of a model with itself (CPU) finds no difference, no flip.
     #[test]
     fn a_model_matches_itself() {
-        let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../tests/fixtures/gguf/tiny-glm5-Q4_K_M.gguf");
+        // GGUFTOOL_FIXTURES: the fixtures away from the checkout (the GPU machine's copy).
+        let path = std::env::var_os("GGUFTOOL_FIXTURES")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| {
+                std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+            })
+            .join("gguf/tiny-glm5-Q4_K_M.gguf");
         let model = std::sync::Arc::new(gguf::Model::open(&path).expect("fixture"));
         let a = crate::glm::load_cpu(model.clone()).unwrap();
         let b = crate::glm::load_cpu(model).unwrap();
