@@ -112,18 +112,32 @@ pub fn sample_row(logits: &[f32], p: &SampleParams, u: f64) -> u32 {
             keep = i + 1;
         }
     }
-    let mass: f64 = w[..keep].iter().sum();
+    let mut kept: Vec<(u32, f64)> = cands[..keep]
+        .iter()
+        .zip(&w)
+        .map(|(c, &x)| (c.0, x))
+        .collect();
+    // The device sorts only its DEVICE_SORTED largest candidates and walks a wider
+    // distribution in index order (kernels/cuda/sample.cu, step 3); the same walk here keeps a
+    // seed's tokens the same on both (the distribution is the same either way).
+    if kept.len() > DEVICE_SORTED {
+        kept.sort_unstable_by_key(|c| c.0);
+    }
+    let mass: f64 = kept.iter().map(|c| c.1).sum();
     let target = u * mass;
     let mut acc = 0.0;
-    for (c, x) in cands[..keep].iter().zip(&w) {
+    for &(id, x) in &kept {
         acc += x;
         if target < acc {
-            return c.0;
+            return id;
         }
     }
     // Rounding can leave the target a hair above the sum: the last kept token.
-    cands[keep - 1].0
+    kept[keep - 1].0
 }
+
+/// Candidates the device's sampler sorts (SAMPLE_CAND in kernels/cuda/sample.cu).
+pub const DEVICE_SORTED: usize = 1024;
 
 /// `Sampled` for each row of `logits` (`[rows, vocab]`, host) given the ids already chosen,
 /// with the log-probabilities the requests ask for.
@@ -244,5 +258,37 @@ mod tests {
         assert_eq!(s[0].top[0].0, 1);
         assert_eq!(s[1].logprob, None);
         assert!(s[1].non_finite);
+    }
+
+    #[test]
+    fn wide_distributions_are_walked_in_index_order_like_the_device() {
+        // 5,000 tokens, no top-k/top-p: wider than DEVICE_SORTED, so the inverse CDF runs over
+        // the ids in ascending order.
+        let logits: Vec<f32> = (0..5000u32)
+            .map(|i| ((i * 7919) % 1000) as f32 / 200.0)
+            .collect();
+        let p = SampleParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+        };
+        let mx = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let w: Vec<f64> = logits
+            .iter()
+            .map(|&l| (f64::from(l) - f64::from(mx)).exp())
+            .collect();
+        let total: f64 = w.iter().sum();
+        for u in [0.0, 0.1, 0.37, 0.71, 0.999] {
+            let mut acc = 0.0;
+            let want = w
+                .iter()
+                .position(|x| {
+                    acc += x;
+                    u * total < acc
+                })
+                .unwrap() as u32;
+            assert_eq!(sample_row(&logits, &p, u), want, "u {u}");
+        }
     }
 }
