@@ -7,6 +7,7 @@ pub mod engine;
 pub mod error;
 pub mod sampler;
 pub mod server;
+pub mod speculative;
 pub mod tokenizer;
 
 pub use error::ServingError;

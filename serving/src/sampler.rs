@@ -113,6 +113,7 @@ pub struct Sampler {
     rng: Xoshiro256,
     /// Reused candidate buffer: sampling runs once per token, the vocabulary can be 150k entries.
     scratch: Vec<(u32, f32)>,
+    weights: Vec<f64>,
 }
 
 impl Sampler {
@@ -122,6 +123,7 @@ impl Sampler {
             params,
             rng: Xoshiro256::new(seed),
             scratch: Vec::new(),
+            weights: Vec::new(),
         }
     }
 
@@ -134,6 +136,68 @@ impl Sampler {
         if self.params.is_greedy() {
             return argmax(logits);
         }
+        let kept_total = match self.filter(logits) {
+            Ok(t) => t,
+            Err(id) => return id,
+        };
+        let target = self.rng.next_f64() * kept_total;
+        let mut acc = 0.0;
+        for (c, w) in self.scratch.iter().zip(&self.weights) {
+            acc += w;
+            if target < acc {
+                return c.0;
+            }
+        }
+        // Rounding can leave `target` a hair above the final sum; the last kept token is the answer.
+        self.scratch.last().map_or(0, |c| c.0)
+    }
+
+    /// The distribution [`Sampler::sample`] draws from: temperature and filters applied,
+    /// renormalised (greedy: all mass on the argmax). Speculative decoding compares the draft's
+    /// and the model's distributions in this form, so that its output follows this one.
+    pub fn distribution(&mut self, logits: &[f32]) -> Dist {
+        if self.params.is_greedy() {
+            return Dist(vec![(argmax(logits), 1.0)]);
+        }
+        let total = match self.filter(logits) {
+            Ok(t) => t,
+            Err(id) => return Dist(vec![(id, 1.0)]),
+        };
+        let mut d: Vec<(u32, f64)> = self
+            .scratch
+            .iter()
+            .zip(&self.weights)
+            .map(|(c, w)| (c.0, w / total))
+            .collect();
+        d.sort_unstable_by_key(|e| e.0);
+        Dist(d)
+    }
+
+    /// A uniform draw in [0, 1) from this sampler's stream.
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.next_f64()
+    }
+
+    /// Draw a token from `d` (the last token on rounding; 0 for an empty distribution).
+    pub fn draw(&mut self, d: &Dist) -> u32 {
+        if d.0.len() == 1 {
+            return d.0[0].0;
+        }
+        let target = self.rng.next_f64() * d.0.iter().map(|e| e.1).sum::<f64>();
+        let mut acc = 0.0;
+        for &(id, p) in &d.0 {
+            acc += p;
+            if target < acc {
+                return id;
+            }
+        }
+        d.0.last().map_or(0, |e| e.0)
+    }
+
+    /// Temperature, top-k, min-p and top-p: leaves the kept candidates (best first) in
+    /// `scratch` with their unnormalised weights in `weights` and returns the weights' sum, or
+    /// `Err(id)` when the answer is fixed (nothing finite: the argmax; no usable mass: the best).
+    fn filter(&mut self, logits: &[f32]) -> Result<f64, u32> {
         let inv_t = 1.0 / self.params.temperature as f64;
         let cands = &mut self.scratch;
         cands.clear();
@@ -145,7 +209,7 @@ impl Sampler {
                 .map(|(i, &l)| (i as u32, l)),
         );
         if cands.is_empty() {
-            return argmax(logits);
+            return Err(argmax(logits));
         }
         // Highest logit first, lowest id among equals: a total order, so results do not depend on
         // the sort algorithm and ties resolve like greedy decoding.
@@ -163,10 +227,9 @@ impl Sampler {
             cands.retain(|c| c.1 as f64 >= floor);
         }
         cands.sort_unstable_by(order);
-        let weights: Vec<f64> = cands
-            .iter()
-            .map(|c| ((c.1 as f64 - max) * inv_t).exp())
-            .collect();
+        let weights = &mut self.weights;
+        weights.clear();
+        weights.extend(cands.iter().map(|c| ((c.1 as f64 - max) * inv_t).exp()));
         let total: f64 = weights.iter().sum();
         let mut keep = weights.len();
         let top_p = self.params.top_p as f64;
@@ -180,20 +243,26 @@ impl Sampler {
                 }
             }
         }
-        let kept_total: f64 = weights[..keep].iter().sum();
+        cands.truncate(keep);
+        weights.truncate(keep);
+        let kept_total: f64 = weights.iter().sum();
         if !(kept_total.is_finite() && kept_total > 0.0) {
-            return cands[0].0;
+            return Err(cands[0].0);
         }
-        let target = self.rng.next_f64() * kept_total;
-        let mut acc = 0.0;
-        for (c, w) in cands[..keep].iter().zip(&weights) {
-            acc += w;
-            if target < acc {
-                return c.0;
-            }
-        }
-        // Rounding can leave `target` a hair above the final sum; the last kept token is the answer.
-        cands[keep - 1].0
+        Ok(kept_total)
+    }
+}
+
+/// A token distribution: `(id, probability)` with ascending ids, probabilities summing to 1.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Dist(pub Vec<(u32, f64)>);
+
+impl Dist {
+    /// Probability of `id` (0 outside the support).
+    pub fn p(&self, id: u32) -> f64 {
+        self.0
+            .binary_search_by_key(&id, |e| e.0)
+            .map_or(0.0, |i| self.0[i].1)
     }
 }
 

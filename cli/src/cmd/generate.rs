@@ -75,6 +75,8 @@ pub struct Args {
     threads: Option<usize>,
     #[command(flatten)]
     tp: super::tp::TpArgs,
+    #[command(flatten)]
+    draft: super::draft::DraftArgs,
 }
 
 struct Step {
@@ -120,6 +122,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let device = loaded.device;
     let lm: &dyn LanguageModel = loaded.lm.as_ref();
     let load_s = load_start.elapsed().as_secs_f64();
+    let draft_k = args.draft.k_for(lm)?;
     // Greedy decoding needs each step's best tokens only: a tensor-parallel model merges its
     // ranks' candidates instead of gathering the vocabulary.
     let greedy = SamplingParams {
@@ -164,7 +167,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let mut sampler = Sampler::new(sampling);
     let mut detok = Detokenizer::new(!args.special);
     let mut out = std::io::stdout().lock();
-    let mut seq = lm.new_sequence();
+    let mut seq = draft_k.is_none().then(|| lm.new_sequence());
+    let mut spec = match draft_k {
+        Some(k) => {
+            Some(serving::speculative::SpecSequence::new(lm, k).context("starting --draft mtp")?)
+        }
+        None => None,
+    };
     let mut steps: Vec<Step> = Vec::new();
     let mut text_out = String::new();
     let mut finish = "length";
@@ -176,6 +185,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         let finite = match next {
             Next::Logits(l) => runtime::numerics::first_non_finite(l).is_none(),
             Next::Top(t) => t.iter().all(|&(_, lp)| lp.is_finite()),
+            Next::Chosen(e) => runtime::numerics::first_non_finite(&e.logits).is_none(),
         };
         if finite {
             return Ok(());
@@ -187,7 +197,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
             runtime::numerics::non_finite_message(&device.name(), fed.len() - 1, &d)
         )
     };
-    let mut next = forward(lm, seq.as_mut(), &prompt, greedy, k)?;
+    // With drafts: tokens already chosen by the last verification round, in order.
+    let mut queue: std::collections::VecDeque<serving::speculative::Emitted> = Default::default();
+    let mut next = match (&mut seq, &mut spec) {
+        (Some(s), _) => forward(lm, s.as_mut(), &prompt, greedy, k)?,
+        (None, Some(sp)) => Next::Logits(sp.prefill(lm, &prompt).context("forward pass")?),
+        (None, None) => bail!("no sequence"),
+    };
     check(&next, &fed)?;
     let prompt_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
@@ -205,6 +221,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 let &(id, lp) = t.first().context("the model returned no candidates")?;
                 (id, lp, t[..k.min(t.len())].to_vec())
             }
+            Next::Chosen(e) => (
+                e.id,
+                serving::sampler::logprob(&e.logits, e.id),
+                top_logprobs(&e.logits, k),
+            ),
         };
         steps.push(Step { id, logprob, top });
         if !args.ignore_eos && tok.is_eog(id) {
@@ -218,8 +239,20 @@ pub fn run(args: Args) -> Result<ExitCode> {
             out.flush()?;
         }
         if i + 1 < n_predict {
-            next = forward(lm, seq.as_mut(), &[id], greedy, k)?;
             fed.push(id);
+            next = match (&mut seq, &mut spec) {
+                (Some(s), _) => forward(lm, s.as_mut(), &[id], greedy, k)?,
+                (None, Some(sp)) => {
+                    if queue.is_empty() {
+                        queue.extend(
+                            sp.step(lm, &mut sampler, id, n_predict - i - 1)
+                                .context("speculative decoding round")?,
+                        );
+                    }
+                    Next::Chosen(queue.pop_front().context("no token from the round")?)
+                }
+                (None, None) => bail!("no sequence"),
+            };
             check(&next, &fed)?;
         }
     }
@@ -258,6 +291,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
             "device": device.name(),
             "tp": loaded.tp,
             "load": {"weight_bytes": loaded.weight_bytes, "seconds": loaded.load_s},
+            "draft": spec.as_ref().map(|s| {
+                let mut d = s.stats.to_json();
+                d["kind"] = json!("mtp");
+                d["n"] = json!(draft_k);
+                d["rounds"] = json!(s.stats.rounds);
+                d
+            }),
             "timings": {
                 "load_s": load_s,
                 "prompt_tokens": prompt.len(),
@@ -302,6 +342,21 @@ pub fn run(args: Args) -> Result<ExitCode> {
             decode_s * 1e3,
             n_decode_forwards as f64 / decode_s.max(1e-9),
         );
+        if let Some(s) = &spec {
+            eprintln!(
+                "[draft mtp, {} per round] drafted {}, accepted {} ({:.1}%), per position: {}",
+                draft_k.unwrap_or(0),
+                s.stats.n_drafted(),
+                s.stats.n_accepted(),
+                100.0 * s.stats.acceptance_rate(),
+                s.stats
+                    .per_position_rates()
+                    .iter()
+                    .map(|r| format!("{r:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -311,6 +366,8 @@ enum Next {
     Logits(Vec<f32>),
     /// Greedy: the best tokens with their log-probabilities, best first.
     Top(runtime::TopTokens),
+    /// Chosen by a speculative round, with the trunk logits it was chosen from.
+    Chosen(serving::speculative::Emitted),
 }
 
 fn forward(

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod completions;
 pub mod convert;
 pub mod doctor;
+pub mod draft;
 pub mod edit;
 pub mod generate;
 pub mod info;

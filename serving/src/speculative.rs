@@ -1,0 +1,280 @@
+//! Speculative decoding with the model's own NextN / MTP draft layer (`generate --draft mtp`,
+//! `serve --draft mtp`, `bench --draft mtp`).
+//!
+//! One round: the draft layer proposes `k` tokens one after another (each from its own
+//! distribution `q_i`), the trunk scores the pending token and the `k` drafts in one batched
+//! forward (`k + 1` positions, distributions `p_0 .. p_k`), and the drafts are accepted left to
+//! right with the standard speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023):
+//! draft `d_i` is kept with probability `min(1, p_{i-1}(d_i) / q_i(d_i))`; at the first
+//! rejection one token is drawn from `norm(max(0, p_{i-1} - q_i))` and the round ends; when all
+//! `k` are kept a bonus token is drawn from `p_k`. The emitted tokens then follow exactly the
+//! distribution non-speculative sampling would give (the same temperature and filters are
+//! applied to both `p` and `q`, see [`Sampler::distribution`]); with greedy settings both are
+//! one-hot, so the output is the non-speculative greedy output token for token.
+//! Rejected positions are rolled back in the trunk's and the draft layer's caches; the draft
+//! layer then catches up on the accepted positions with the trunk's own hidden states.
+
+use crate::sampler::{Dist, Sampler};
+use runtime::{LanguageModel, RuntimeError, SeqStep, SequenceState};
+
+/// Most draft tokens per round.
+pub const MAX_DRAFT: usize = 4;
+
+/// Acceptance counters: `per_position[i] = (drafted, accepted)` at draft depth `i + 1`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DraftStats {
+    pub per_position: Vec<(u64, u64)>,
+    /// Verification rounds run.
+    pub rounds: u64,
+}
+
+impl DraftStats {
+    pub fn n_drafted(&self) -> u64 {
+        self.per_position.iter().map(|p| p.0).sum()
+    }
+    pub fn n_accepted(&self) -> u64 {
+        self.per_position.iter().map(|p| p.1).sum()
+    }
+    /// Accepted / drafted (0 when nothing was drafted).
+    pub fn acceptance_rate(&self) -> f64 {
+        ratio(self.n_accepted(), self.n_drafted())
+    }
+    /// The acceptance rate at each draft depth.
+    pub fn per_position_rates(&self) -> Vec<f64> {
+        self.per_position
+            .iter()
+            .map(|&(d, a)| ratio(a, d))
+            .collect()
+    }
+    /// Add another sequence's counters.
+    pub fn merge(&mut self, o: &DraftStats) {
+        if self.per_position.len() < o.per_position.len() {
+            self.per_position.resize(o.per_position.len(), (0, 0));
+        }
+        for (s, p) in self.per_position.iter_mut().zip(&o.per_position) {
+            s.0 += p.0;
+            s.1 += p.1;
+        }
+        self.rounds += o.rounds;
+    }
+    /// `{n_drafted, n_accepted, acceptance_rate, per_position}` (docs/JSON.md).
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "n_drafted": self.n_drafted(),
+            "n_accepted": self.n_accepted(),
+            "acceptance_rate": self.acceptance_rate(),
+            "per_position": self.per_position_rates(),
+        })
+    }
+    fn record(&mut self, drafted: usize, accepted: usize) {
+        if self.per_position.len() < drafted {
+            self.per_position.resize(drafted, (0, 0));
+        }
+        for (i, p) in self.per_position.iter_mut().take(drafted).enumerate() {
+            p.0 += 1;
+            p.1 += u64::from(i < accepted);
+        }
+        self.rounds += 1;
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// One emitted token and the trunk's logits it was chosen from (for logprobs).
+#[derive(Debug, Clone)]
+pub struct Emitted {
+    pub id: u32,
+    pub logits: Vec<f32>,
+}
+
+/// The acceptance rule on one round: `p` holds the `k + 1` target distributions, `q` the `k`
+/// draft distributions, `drafts` the drafted tokens (each drawn from its `q`). Returns how many
+/// drafts are kept and the token that follows them (the residual draw at a rejection, or the
+/// bonus draw from `p[k]`). `uniform` yields draws in [0, 1).
+pub fn accept(
+    p: &[Dist],
+    q: &[Dist],
+    drafts: &[u32],
+    uniform: &mut dyn FnMut() -> f64,
+    draw: &mut dyn FnMut(&Dist) -> u32,
+) -> (usize, u32) {
+    let k = drafts.len();
+    debug_assert!(p.len() == k + 1 && q.len() == k);
+    for i in 0..k {
+        let d = drafts[i];
+        let (pd, qd) = (p[i].p(d), q[i].p(d));
+        // q(d) > 0 for a token drawn from q; a one-hot p (greedy) accepts exactly its argmax.
+        let keep = pd >= qd || (qd > 0.0 && uniform() < pd / qd);
+        if !keep {
+            return (i, draw(&residual(&p[i], &q[i])));
+        }
+    }
+    (k, draw(&p[k]))
+}
+
+/// `norm(max(0, p - q))`; `p` itself when that has no mass (p = q up to rounding).
+pub fn residual(p: &Dist, q: &Dist) -> Dist {
+    let mut r: Vec<(u32, f64)> =
+        p.0.iter()
+            .map(|&(id, pp)| (id, (pp - q.p(id)).max(0.0)))
+            .filter(|e| e.1 > 0.0)
+            .collect();
+    let total: f64 = r.iter().map(|e| e.1).sum();
+    if !(total > 0.0 && total.is_finite()) {
+        return p.clone();
+    }
+    for e in &mut r {
+        e.1 /= total;
+    }
+    Dist(r)
+}
+
+/// A sequence decoded speculatively: its drafting sequence state, the token chosen last (not
+/// yet fed to the trunk) and the counters.
+pub struct SpecSequence {
+    seq: Box<dyn SequenceState>,
+    k: usize,
+    /// Tokens the draft layer has to catch up on before it drafts (one per pending trunk state).
+    catch_up: Vec<u32>,
+    pub stats: DraftStats,
+}
+
+impl SpecSequence {
+    /// A new sequence drafting `k` tokens per round (1 ..= [`MAX_DRAFT`]); fails with
+    /// [`RuntimeError::NoDraftLayer`] for a model without one.
+    pub fn new(lm: &dyn LanguageModel, k: usize) -> Result<Self, RuntimeError> {
+        if !(1..=MAX_DRAFT).contains(&k) {
+            return Err(RuntimeError::Backend(format!(
+                "draft tokens per round must be 1..={MAX_DRAFT}, not {k}"
+            )));
+        }
+        Ok(SpecSequence {
+            seq: lm.new_draft_sequence()?,
+            k,
+            catch_up: Vec::new(),
+            stats: DraftStats::default(),
+        })
+    }
+
+    /// Tokens in the trunk's cache.
+    pub fn len(&self) -> usize {
+        self.seq.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.seq.is_empty()
+    }
+    pub fn state(&self) -> &dyn SequenceState {
+        self.seq.as_ref()
+    }
+
+    /// Run the prompt through the trunk; returns the logits of the first token to generate.
+    pub fn prefill(
+        &mut self,
+        lm: &dyn LanguageModel,
+        prompt: &[u32],
+    ) -> Result<Vec<f32>, RuntimeError> {
+        let l = trunk(lm, self.seq.as_mut(), prompt, false)?;
+        // The draft layer pairs prompt position i with token i + 1; the last pairs with the
+        // first generated token, supplied by `step`.
+        self.catch_up = prompt[1..].to_vec();
+        l.into_iter()
+            .next()
+            .ok_or_else(|| RuntimeError::Backend("the model returned no logits".into()))
+    }
+
+    /// One round after token `last` was chosen (and emitted): draft up to `k` tokens (fewer
+    /// when only `max_new` more tokens are wanted), verify them with the trunk, and return the
+    /// tokens that follow `last` (1 ..= k + 1 of them), each with the trunk logits it was chosen
+    /// from. `last` is fed to the trunk here.
+    pub fn step(
+        &mut self,
+        lm: &dyn LanguageModel,
+        sampler: &mut Sampler,
+        last: u32,
+        max_new: usize,
+    ) -> Result<Vec<Emitted>, RuntimeError> {
+        let n0 = self.seq.len();
+        // Room in the context for `last` and the drafts.
+        let room = lm.context_length().saturating_sub(n0 + 1);
+        let k = self.k.min(max_new.saturating_sub(1)).min(room);
+        let mut drafts = Vec::with_capacity(k);
+        let mut q = Vec::with_capacity(k);
+        if k > 0 {
+            let mut feed = std::mem::take(&mut self.catch_up);
+            feed.push(last);
+            let mut logits = lm.draft_forward(self.seq.as_mut(), &feed)?;
+            for i in 0..k {
+                let qd = sampler.distribution(&logits);
+                let d = sampler.draw(&qd);
+                drafts.push(d);
+                q.push(qd);
+                if i + 1 < k {
+                    logits = lm.draft_forward(self.seq.as_mut(), &[d])?;
+                }
+            }
+        } else {
+            // No draft this round: the draft layer still owes rows for these positions.
+            self.catch_up.push(last);
+        }
+        let mut tokens = Vec::with_capacity(k + 1);
+        tokens.push(last);
+        tokens.extend_from_slice(&drafts);
+        let logits = trunk(lm, self.seq.as_mut(), &tokens, true)?;
+        let vocab = lm.vocab_size();
+        let flat = logits
+            .into_iter()
+            .next()
+            .filter(|l| l.len() == tokens.len() * vocab)
+            .ok_or_else(|| RuntimeError::Backend("verification returned no logits".into()))?;
+        let rows: Vec<&[f32]> = flat.chunks(vocab).collect();
+        let p: Vec<Dist> = rows.iter().map(|r| sampler.distribution(r)).collect();
+        let (n_acc, next) = {
+            let s = std::cell::RefCell::new(&mut *sampler);
+            accept(
+                &p,
+                &q,
+                &drafts,
+                &mut || s.borrow_mut().uniform(),
+                &mut |d| s.borrow_mut().draw(d),
+            )
+        };
+        if k > 0 {
+            self.stats.record(k, n_acc);
+            // Keep `last` and the accepted drafts; the rest of the trunk's rows go.
+            self.seq.truncate(n0 + 1 + n_acc)?;
+            self.catch_up = drafts[..n_acc].to_vec();
+        }
+        let mut out: Vec<Emitted> = drafts[..n_acc]
+            .iter()
+            .zip(&rows)
+            .map(|(&id, r)| Emitted {
+                id,
+                logits: r.to_vec(),
+            })
+            .collect();
+        out.push(Emitted {
+            id: next,
+            logits: rows[n_acc].to_vec(),
+        });
+        Ok(out)
+    }
+}
+
+fn trunk(
+    lm: &dyn LanguageModel,
+    seq: &mut dyn SequenceState,
+    tokens: &[u32],
+    all_logits: bool,
+) -> Result<Vec<Vec<f32>>, RuntimeError> {
+    lm.forward(&mut [SeqStep {
+        seq,
+        tokens,
+        all_logits,
+    }])
+}
