@@ -40,6 +40,9 @@ pub struct Args {
     /// Tensor parallelism of the decode benchmark (`--tp N --tp-devices ...`, see docs/TP.md).
     #[command(flatten)]
     tp: super::tp::TpArgs,
+    /// Speculative decoding in the decode benchmark (`--draft mtp --draft-n K`).
+    #[command(flatten)]
+    draft: super::bench_draft::BenchDraftArgs,
 }
 
 struct Bench {
@@ -126,6 +129,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             &args.backend,
             args.json.as_deref(),
             &args.tp,
+            &args.draft,
         );
     }
     if args.tp.tp != runtime::device::TpSize::Ranks(1) {
@@ -353,6 +357,7 @@ fn decode_bench(
     backend: &str,
     json: Option<&std::path::Path>,
     tp: &super::tp::TpArgs,
+    draft: &super::bench_draft::BenchDraftArgs,
 ) -> Result<ExitCode> {
     let (use_gpu, use_cpu) = match backend {
         "both" => (true, true),
@@ -361,6 +366,7 @@ fn decode_bench(
         other => bail!("--backend {other}: expected both, cuda or cpu"),
     };
     use runtime::lm::{LanguageModel, SeqStep};
+    use serde_json::json;
     use std::time::Instant;
     let model = std::sync::Arc::new(
         gguf::Model::open(path).with_context(|| format!("opening {}", path.display()))?,
@@ -453,6 +459,13 @@ fn decode_bench(
         let (p, d, t) = run(l.lm.as_ref())?;
         println!("| cuda {name} | {p:.0} | {d:.1} |");
         doc["cuda"] = serde_json::json!({"device": name, "tp": r.world, "prefill_tok_s": p, "decode_tok_s": d});
+        doc["cuda"]["draft"] = json!(super::bench_draft::run(
+            draft,
+            l.lm.as_ref(),
+            &prompt,
+            n_tokens,
+            d
+        )?);
         outs.push(t);
     } else if use_gpu {
         let gpu = runtime::cuda::load_cuda(model.clone(), device)?;
@@ -460,6 +473,7 @@ fn decode_bench(
         let (p, d, t) = run(&gpu)?;
         println!("| cuda:{device} {name} | {p:.0} | {d:.1} |");
         doc["cuda"] = serde_json::json!({"device": name, "prefill_tok_s": p, "decode_tok_s": d});
+        doc["cuda"]["draft"] = json!(super::bench_draft::run(draft, &gpu, &prompt, n_tokens, d)?);
         outs.push(t);
     }
     if use_cpu && split {
@@ -468,6 +482,13 @@ fn decode_bench(
         let (p, d, t) = run(l.lm.as_ref())?;
         println!("| cpu {world} ranks | {p:.0} | {d:.1} |");
         doc["cpu"] = serde_json::json!({"tp": world, "prefill_tok_s": p, "decode_tok_s": d});
+        doc["cpu"]["draft"] = json!(super::bench_draft::run(
+            draft,
+            l.lm.as_ref(),
+            &prompt,
+            n_tokens,
+            d
+        )?);
         outs.push(t);
     } else if use_cpu {
         let cpu = runtime::glm::load_cpu(model)?;
@@ -477,6 +498,7 @@ fn decode_bench(
             rayon::current_num_threads()
         );
         doc["cpu"] = serde_json::json!({"threads": rayon::current_num_threads(), "prefill_tok_s": p, "decode_tok_s": d});
+        doc["cpu"]["draft"] = json!(super::bench_draft::run(draft, &cpu, &prompt, n_tokens, d)?);
         outs.push(t);
     }
     if let [g, c] = outs.as_slice() {

@@ -1,6 +1,7 @@
 //! One module per subcommand: `Args` (clap) and `run`.
 
 pub mod bench;
+pub mod bench_draft;
 pub mod completions;
 pub mod convert;
 pub mod doctor;

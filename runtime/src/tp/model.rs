@@ -456,25 +456,15 @@ fn rank_loop<B: Backend>(
     while let Ok(cmd) = rx.recv() {
         match cmd {
             Cmd::Forward { steps, want } => {
-                let r = catch_unwind(AssertUnwindSafe(|| {
+                let r = guarded(rank, &model, "a forward pass", || {
                     rank_step(rank, &model, &mut caches, &steps, want)
-                }))
-                .unwrap_or_else(|_| {
-                    Err(RuntimeError::Tp {
-                        world: model.view().world,
-                        msg: format!("rank {rank} panicked during a forward pass"),
-                    })
                 });
-                if r.is_err() {
-                    // Release the ranks waiting for this one in a collective.
-                    model.backend().comm().abort();
-                }
                 if reply.send((rank, Reply::Forward(r))).is_err() {
                     return;
                 }
             }
             Cmd::Draft { seq, len, tokens } => {
-                let r = catch_unwind(AssertUnwindSafe(|| {
+                let r = guarded(rank, &model, "a draft step", || {
                     let c = caches
                         .get_mut(&seq)
                         .filter(|c| c.len() == len)
@@ -491,16 +481,7 @@ fn rank_loop<B: Backend>(
                     model
                         .forward_draft(c, &tokens, head, None)
                         .map(|l| RankOut::Logits(vec![l]))
-                }))
-                .unwrap_or_else(|_| {
-                    Err(RuntimeError::Tp {
-                        world: model.view().world,
-                        msg: format!("rank {rank} panicked during a draft step"),
-                    })
                 });
-                if r.is_err() {
-                    model.backend().comm().abort();
-                }
                 if reply.send((rank, Reply::Forward(r))).is_err() {
                     return;
                 }
@@ -527,6 +508,26 @@ fn rank_loop<B: Backend>(
             Cmd::Stop => return,
         }
     }
+}
+
+/// Run one rank's part of a step: a panic becomes an error, and any error releases the ranks
+/// waiting for this one in a collective.
+fn guarded<B: Backend>(
+    rank: usize,
+    model: &GlmModel<Ranked<B>>,
+    what: &str,
+    f: impl FnOnce() -> Result<RankOut, RuntimeError>,
+) -> Result<RankOut, RuntimeError> {
+    let r = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        Err(RuntimeError::Tp {
+            world: model.view().world,
+            msg: format!("rank {rank} panicked during {what}"),
+        })
+    });
+    if r.is_err() {
+        model.backend().comm().abort();
+    }
+    r
 }
 
 fn rank_step<B: Backend>(
