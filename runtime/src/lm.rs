@@ -121,7 +121,9 @@ pub(crate) fn last_positions_only(batch: &[SeqStep<'_>]) -> Result<(), RuntimeEr
 }
 
 /// The best `k` entries of one vocabulary slice (ids from `id0`) as raw logits, and the slice's
-/// `log(sum(exp))` in f64 (NaN ignored): what one rank contributes to a merged top-k.
+/// `log(sum(exp))` in f64: what one rank contributes to a merged top-k. A NaN logit is never a
+/// candidate but makes `lse` NaN, so every merged log-probability is NaN and callers that check
+/// for non-finite values see the broken step (greedy decoding never gathers the logits).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LocalTop {
     pub top: Vec<(u32, f32)>,
@@ -139,7 +141,9 @@ pub fn local_top(logits: &[f32], k: usize, id0: u32) -> LocalTop {
         .iter()
         .filter(|l| !l.is_nan())
         .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let lse = if max.is_finite() {
+    let lse = if logits.iter().any(|l| l.is_nan()) {
+        f64::NAN
+    } else if max.is_finite() {
         let m = max as f64;
         m + logits
             .iter()
@@ -171,7 +175,9 @@ pub fn merge_top(parts: &[LocalTop], k: usize) -> TopTokens {
         .iter()
         .map(|p| p.lse)
         .fold(f64::NEG_INFINITY, f64::max);
-    let lse = if m.is_finite() {
+    let lse = if parts.iter().any(|p| p.lse.is_nan()) {
+        f64::NAN
+    } else if m.is_finite() {
         m + parts.iter().map(|p| (p.lse - m).exp()).sum::<f64>().ln()
     } else {
         m

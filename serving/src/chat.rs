@@ -162,6 +162,14 @@ impl ChatTemplate {
         &self.source
     }
 
+    /// The top-level variables the template reads (`messages`, `tools`, `enable_thinking`, ...).
+    pub fn variables(&self) -> std::collections::BTreeSet<String> {
+        self.env
+            .get_template(NAME)
+            .map(|t| t.undeclared_variables(false).into_iter().collect())
+            .unwrap_or_default()
+    }
+
     pub fn limits(&self) -> ChatLimits {
         self.limits
     }

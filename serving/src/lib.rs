@@ -5,6 +5,7 @@
 pub mod chat;
 pub mod engine;
 pub mod error;
+pub mod grammar;
 pub mod sampler;
 pub mod server;
 pub mod speculative;

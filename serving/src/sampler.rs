@@ -266,6 +266,101 @@ impl Dist {
     }
 }
 
+/// A rule restricting which tokens may come next: a grammar (JSON schema, GBNF, Lark, a forced
+/// tool call) compiled for the model's vocabulary. One instance per generated sequence; the
+/// engine asks for the mask before sampling each token and commits the token it sampled.
+pub trait TokenConstraint: Send {
+    /// Compute the next mask ahead of [`TokenConstraint::allowed`] (the engine calls it on
+    /// another thread while the forward pass runs); constraints with cheap masks need not.
+    fn prepare(&mut self) {}
+    /// The tokens allowed at the next position as a bit set over the vocabulary (bit `id % 32`
+    /// of word `id / 32`; words past the end of the slice allow nothing). `Err` when the
+    /// constraint failed (its message is reported to the client).
+    fn allowed(&mut self) -> Result<&[u32], String>;
+    /// Advance past the sampled token; `Err` when the constraint cannot accept it.
+    fn commit(&mut self, id: u32) -> Result<(), String>;
+    /// The constraint is complete: nothing more may be generated.
+    fn is_finished(&self) -> bool;
+}
+
+/// Makes one [`TokenConstraint`] per sequence from a grammar compiled once per request (so
+/// `n > 1` choices share the compilation).
+pub trait ConstraintSource: Send + Sync {
+    fn start(&self) -> Result<Box<dyn TokenConstraint>, String>;
+}
+
+/// Sets every token not in `mask` (a [`TokenConstraint::allowed`] bit set) to `-inf`. Words
+/// that allow everything are skipped, so a mostly open mask costs a pass over the words only.
+pub fn apply_mask(logits: &mut [f32], mask: &[u32]) {
+    for (w, chunk) in logits.chunks_mut(32).enumerate() {
+        let bits = mask.get(w).copied().unwrap_or(0);
+        if bits == u32::MAX && chunk.len() == 32 {
+            continue;
+        }
+        if bits == 0 {
+            chunk.fill(f32::NEG_INFINITY);
+            continue;
+        }
+        for (i, x) in chunk.iter_mut().enumerate() {
+            if bits & (1 << i) == 0 {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// llama.cpp's `repeat_penalty` over its `repeat_last_n` window: the last N tokens of the
+/// sequence (prompt included, as llama-server feeds the prompt to its sampler) are counted, and
+/// the logit of every token in the window is divided by the penalty when positive and
+/// multiplied by it otherwise (once per distinct token, whatever its count).
+#[derive(Debug, Clone)]
+pub struct RepeatWindow {
+    penalty: f32,
+    last_n: usize,
+    ring: std::collections::VecDeque<u32>,
+    counts: std::collections::HashMap<u32, u32>,
+}
+
+impl RepeatWindow {
+    /// `None` when the penalty is disabled (1.0 or an empty window).
+    pub fn new(penalty: f32, last_n: usize) -> Option<Self> {
+        (penalty != 1.0 && last_n > 0).then(|| RepeatWindow {
+            penalty,
+            last_n,
+            ring: std::collections::VecDeque::with_capacity(last_n),
+            counts: std::collections::HashMap::with_capacity(last_n),
+        })
+    }
+
+    /// One more token of the sequence; the oldest leaves the window when it is full.
+    pub fn push(&mut self, id: u32) {
+        if self.ring.len() == self.last_n {
+            if let Some(old) = self.ring.pop_front() {
+                if let Some(c) = self.counts.get_mut(&old) {
+                    *c -= 1;
+                    if *c == 0 {
+                        self.counts.remove(&old);
+                    }
+                }
+            }
+        }
+        self.ring.push_back(id);
+        *self.counts.entry(id).or_default() += 1;
+    }
+
+    pub fn apply(&self, logits: &mut [f32]) {
+        for &id in self.counts.keys() {
+            if let Some(x) = logits.get_mut(id as usize) {
+                if *x <= 0.0 {
+                    *x *= self.penalty;
+                } else {
+                    *x /= self.penalty;
+                }
+            }
+        }
+    }
+}
+
 /// Index of the largest logit, lowest index on ties; NaN never wins. 0 for an empty slice.
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best: Option<(usize, f32)> = None;
@@ -576,6 +671,48 @@ mod tests {
         assert_eq!(logprob(&logits, 3), f32::NEG_INFINITY);
         assert_eq!(top_logprobs(&logits, 10).len(), 3);
         assert!(top_logprobs(&logits, 0).is_empty());
+    }
+
+    #[test]
+    fn mask_bans_exactly_the_unset_bits() {
+        // 70 tokens: word 0 allows 0 and 31, word 1 everything, word 2 (tokens 64..70) only 65.
+        let mut logits = vec![1.0f32; 70];
+        apply_mask(&mut logits, &[1 | 1 << 31, u32::MAX, 1 << 1]);
+        for (i, x) in logits.iter().enumerate() {
+            let allowed = i == 0 || i == 31 || (32..64).contains(&i) || i == 65;
+            assert_eq!(x.is_finite(), allowed, "token {i}");
+        }
+        // A short mask allows nothing past its end.
+        let mut logits = vec![1.0f32; 40];
+        apply_mask(&mut logits, &[u32::MAX]);
+        assert!(logits[32..].iter().all(|x| *x == f32::NEG_INFINITY));
+        assert!(logits[..32].iter().all(|x| *x == 1.0));
+    }
+
+    #[test]
+    fn repeat_penalty_follows_llama_cpp() {
+        // Window of 3: after 5 6 5 7 the window holds 6 5 7 (the first 5 left it).
+        let mut w = RepeatWindow::new(2.0, 3).unwrap();
+        for t in [5, 6, 5, 7] {
+            w.push(t);
+        }
+        let mut logits = vec![4.0f32; 8];
+        logits[6] = -1.0;
+        w.apply(&mut logits);
+        // Positive logits are divided, negative ones multiplied, once per distinct token.
+        assert_eq!(logits[5], 2.0);
+        assert_eq!(logits[6], -2.0);
+        assert_eq!(logits[7], 2.0);
+        assert_eq!(logits[4], 4.0);
+        w.push(8);
+        w.push(8);
+        w.push(8);
+        let mut logits = vec![4.0f32; 9];
+        w.apply(&mut logits);
+        assert_eq!(logits[8], 2.0);
+        assert!(logits[..8].iter().all(|x| *x == 4.0), "{logits:?}");
+        assert!(RepeatWindow::new(1.0, 64).is_none());
+        assert!(RepeatWindow::new(1.1, 0).is_none());
     }
 
     #[test]

@@ -208,7 +208,10 @@ fn concurrent_requests_share_forward_passes() {
         assert_eq!(tokens_and_end(&drain(g)).0, want);
     }
     assert_eq!(model.max_batch.load(Ordering::SeqCst), 8);
-    assert_eq!(model.live.load(Ordering::SeqCst), 0, "every sequence freed");
+    // The engine frees a sequence right after sending its last event.
+    wait_until("every sequence freed", || {
+        model.live.load(Ordering::SeqCst) == 0
+    });
 }
 
 #[test]
@@ -323,4 +326,102 @@ fn metrics_count_tokens() {
     assert_eq!(m.generation_tokens.load(Ordering::SeqCst), 5);
     assert_eq!(m.time_to_first_token.count(), 1);
     assert_eq!(m.inter_token_latency.count(), 4);
+}
+
+/// A constraint that allows exactly the bytes of `text`, one after the other, then is done;
+/// it fails when asked for a mask at position `fail_at`.
+struct Spell {
+    text: Vec<u8>,
+    pos: usize,
+    fail_at: Option<usize>,
+    mask: Vec<u32>,
+}
+
+impl serving::sampler::TokenConstraint for Spell {
+    fn allowed(&mut self) -> Result<&[u32], String> {
+        if self.fail_at == Some(self.pos) {
+            return Err("spelling broke".into());
+        }
+        self.mask = vec![0; 9];
+        let t = self.text[self.pos] as usize;
+        self.mask[t / 32] |= 1 << (t % 32);
+        Ok(&self.mask)
+    }
+    fn commit(&mut self, id: u32) -> Result<(), String> {
+        assert_eq!(
+            id,
+            u32::from(self.text[self.pos]),
+            "the engine sampled a masked token"
+        );
+        self.pos += 1;
+        Ok(())
+    }
+    fn is_finished(&self) -> bool {
+        self.pos == self.text.len()
+    }
+}
+
+struct SpellSource(&'static str, Option<usize>);
+
+impl serving::sampler::ConstraintSource for SpellSource {
+    fn start(&self) -> Result<Box<dyn serving::sampler::TokenConstraint>, String> {
+        Ok(Box::new(Spell {
+            text: self.0.as_bytes().to_vec(),
+            pos: 0,
+            fail_at: self.1,
+            mask: Vec::new(),
+        }))
+    }
+}
+
+#[test]
+fn constraints_mask_every_step_and_end_the_answer() {
+    let model = MockModel::new(256);
+    let (e, metrics) = engine(&model, |_| {});
+    // The mock wants "bcd..." after "a"; the constraint spells "xyz" and then ends the answer
+    // with `stop` although max_tokens allows more.
+    let mut r = req("a", 20);
+    r.constraint = Some(serving::engine::SharedConstraint(Arc::new(SpellSource(
+        "xyz", None,
+    ))));
+    r.logprobs = Some(1);
+    let events = drain(e.submit(r).unwrap());
+    let (text, end) = tokens_and_end(&events);
+    assert_eq!(text, "xyz");
+    assert_eq!(end.unwrap().0, FinishReason::Stop);
+    // Reported logprobs stay those of the raw distribution: 'x' was not the model's choice.
+    let Event::Token {
+        logprobs: Some(lp), ..
+    } = &events[0]
+    else {
+        panic!("{events:?}")
+    };
+    assert!((lp.logprob as f64 - other_logprob()).abs() < 1e-5);
+    assert_eq!(lp.top[0].0, u32::from(b'b'));
+    // A failing constraint fails its request only.
+    let mut r = req("a", 20);
+    r.constraint = Some(serving::engine::SharedConstraint(Arc::new(SpellSource(
+        "xyz",
+        Some(1),
+    ))));
+    let events = drain(e.submit(r).unwrap());
+    assert!(
+        matches!(events.last(), Some(Event::Failed(m)) if m.contains("spelling broke")),
+        "{events:?}"
+    );
+    assert_eq!(metrics.finished_count("error"), 1);
+    let (text, _) = tokens_and_end(&drain(e.submit(req("a", 3)).unwrap()));
+    assert_eq!(text, "bcd");
+}
+
+#[test]
+fn min_tokens_bans_the_stop_tokens_until_reached() {
+    let model = MockModel::new(256);
+    let (e, _) = engine(&model, |_| {});
+    // After "xy" the mock says "z" then <eos>; with min_tokens 3 the <eos> is banned once.
+    let mut r = req("xy", 10);
+    r.min_tokens = 3;
+    let (text, end) = tokens_and_end(&drain(e.submit(r).unwrap()));
+    assert!(text.starts_with('z') && text.len() >= 3, "{text}");
+    assert!(end.is_some());
 }

@@ -407,7 +407,7 @@ fn api_key_protects_all_but_health() {
 fn tokenize_detokenize_models_metrics() {
     let s = start(Options::default());
     let r = http::post(s.addr, "/tokenize", &json!({"content": "ab<eos>"}));
-    assert_eq!(r.json(), json!({"tokens": [97, 98, 256]}));
+    assert_eq!(r.json()["tokens"], json!([97, 98, 256]));
     let r = http::post(
         s.addr,
         "/tokenize",
@@ -417,7 +417,7 @@ fn tokenize_detokenize_models_metrics() {
     assert_eq!(toks.len(), 6);
     assert_eq!(toks[0], json!({"id": 97, "piece": "a"}));
     let r = http::post(s.addr, "/detokenize", &json!({"tokens": [97, 98, 256]}));
-    assert_eq!(r.json(), json!({"content": "ab<eos>"}));
+    assert_eq!(r.json()["content"], "ab<eos>");
     assert_openai_error(
         &http::post(s.addr, "/detokenize", &json!({"tokens": [97, 9999]})),
         400,
@@ -434,12 +434,15 @@ fn tokenize_detokenize_models_metrics() {
     assert!(m.header("content-type").unwrap().starts_with("text/plain"));
     let t = m.text();
     assert!(t.contains("# TYPE gguftool_prompt_tokens_total counter"));
-    assert!(t.contains("\ngguftool_prompt_tokens_total 3\n"), "{t}");
-    assert!(t.contains("\ngguftool_generation_tokens_total 2\n"));
-    assert!(t.contains("gguftool_http_requests_total{route=\"/v1/completions\",status=\"200\"} 1"));
+    assert!(
+        t.contains("\ngguftool_prompt_tokens_total{model_name=\"mock\"} 3\n"),
+        "{t}"
+    );
+    assert!(t.contains("\ngguftool_generation_tokens_total{model_name=\"mock\"} 2\n"));
+    assert!(t.contains("gguftool_http_requests_total{model_name=\"mock\",route=\"/v1/completions\",status=\"200\"} 1"));
     assert!(t.contains("# TYPE gguftool_time_to_first_token_seconds histogram"));
-    assert!(t.contains("gguftool_inter_token_latency_seconds_count 1"));
-    assert!(t.contains("gguftool_num_requests_waiting 0"));
+    assert!(t.contains("gguftool_inter_token_latency_seconds_count{model_name=\"mock\"} 1"));
+    assert!(t.contains("gguftool_num_requests_waiting{model_name=\"mock\"} 0"));
     assert!(t.contains("gguftool_kv_cache_usage_ratio"));
 }
 

@@ -184,7 +184,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let check = |next: &Next, fed: &[u32]| -> Result<()> {
         let finite = match next {
             Next::Logits(l) => runtime::numerics::first_non_finite(l).is_none(),
-            Next::Top(t) => t.iter().all(|&(_, lp)| lp.is_finite()),
+            // Top-k drops non-finite logits: an empty or short list means some were.
+            Next::Top(t) => !t.is_empty() && t.iter().all(|&(_, lp)| lp.is_finite()),
             Next::Chosen(e) => runtime::numerics::first_non_finite(&e.logits).is_none(),
         };
         if finite {

@@ -35,9 +35,17 @@ pub struct Args {
     /// Compute device: auto (a CUDA GPU when present, else the CPU), cpu, cuda, cuda:N.
     #[arg(long, default_value = "auto")]
     device: runtime::device::Device,
-    /// Model name reported by /v1/models and in responses.
-    #[arg(long)]
+    /// Model id reported by /v1/models and in responses (no spaces; default: the file name
+    /// without `.gguf` and split suffix).
+    #[arg(long, value_parser = parse_model_id)]
     alias: Option<String>,
+    /// Let browser pages from ORIGIN call the API (CORS; `*` for any origin; repeat for
+    /// several). Off by default.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
+    /// Jinja chat template file replacing the model's own `tokenizer.chat_template`.
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
     /// Largest request body accepted, in bytes.
     #[arg(long, default_value_t = 8 << 20, value_parser = clap::value_parser!(u64).range(1024..=(1 << 30)))]
     max_body_bytes: u64,
@@ -98,11 +106,20 @@ async fn serve(args: Args) -> Result<ExitCode> {
         .await
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
     let addr = listener.local_addr().context("reading the bound address")?;
+    // Read before binding: a missing template is an error at once, not after the model loads.
+    let chat_template = match &args.chat_template {
+        Some(p) => Some(
+            std::fs::read_to_string(p)
+                .with_context(|| format!("reading the chat template {}", p.display()))?,
+        ),
+        None => None,
+    };
     let metrics = Arc::new(Metrics::default());
     let state = AppState::new(
         ServerConfig {
             api_key: args.api_key.clone(),
             max_body_bytes: args.max_body_bytes as usize,
+            cors_origins: args.cors_origins.clone(),
             max_connections: args.max_connections as usize,
             header_timeout: std::time::Duration::from_secs(args.header_timeout),
             body_timeout: std::time::Duration::from_secs(args.body_timeout),
@@ -127,10 +144,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
         let (gguf, default_name) = match &model {
             Some(p) => (
                 gguf::Model::open(p).with_context(|| format!("opening {}", p.display()))?,
-                p.file_name().map_or_else(
-                    || p.display().to_string(),
-                    |f| f.to_string_lossy().into_owned(),
-                ),
+                model_id(p),
             ),
             None => (
                 gguf::Model::from_static(
@@ -138,7 +152,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
                     super::generate::DEMO_MODEL_NAME,
                 )
                 .context("opening the bundled demo model")?,
-                super::generate::DEMO_MODEL_NAME.to_string(),
+                DEMO_MODEL_ID.to_string(),
             ),
         };
         let name = name.unwrap_or(default_name);
@@ -164,7 +178,8 @@ async fn serve(args: Args) -> Result<ExitCode> {
                 "gguftool serve: KV cache budget {cap} tokens shared by all slots (free device memory after the weights)"
             );
         }
-        let backend = server::model_backend(&gguf, lm, &name, load_metrics, |c| {
+        let template = chat_template.as_deref();
+        let backend = server::model_backend_with(&gguf, lm, &name, load_metrics, template, |c| {
             c.max_queue = max_queue as usize;
             c.max_running = parallel as usize;
             if let Some(n) = ctx {
@@ -189,7 +204,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
         }
     };
     println!(
-        "gguftool serve: model {:?} ready (context {} tokens, {} slots, queue {}); try:\n  curl http://{addr}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"1 2 3 4 5\", \"max_tokens\": 8, \"temperature\": 0}}'",
+        "gguftool serve: model {:?} ready (context {} tokens, {} slots, queue {}); chat page: http://{addr}/ ; try:\n  curl http://{addr}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"1 2 3 4 5\", \"max_tokens\": 8, \"temperature\": 0}}'",
         backend.model_name,
         backend.engine.context_length(),
         backend.engine.config().max_running,
@@ -207,6 +222,46 @@ async fn serve(args: Args) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Model id of the bundled demo model.
+const DEMO_MODEL_ID: &str = "tiny-glm5-Q4_K_M";
+
+/// The model id of a GGUF path: its file name without `.gguf` and without a split suffix
+/// (`-00001-of-00003`), whitespace replaced, so clients can send it back verbatim.
+fn model_id(p: &std::path::Path) -> String {
+    let name = p.file_name().map_or_else(
+        || p.display().to_string(),
+        |f| f.to_string_lossy().into_owned(),
+    );
+    let mut stem = name.strip_suffix(".gguf").unwrap_or(&name).to_string();
+    if let Some(i) = stem.rfind("-of-") {
+        let (head, tail) = stem.split_at(i);
+        let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+        if digits(&tail[4..])
+            && head.len() > 6
+            && head.as_bytes()[head.len() - 6] == b'-'
+            && digits(&head[head.len() - 5..])
+        {
+            stem.truncate(i - 6);
+        }
+    }
+    stem.chars()
+        .map(|c| {
+            if c.is_whitespace() || c.is_control() {
+                '_'
+            } else {
+                c
+            }
+        })
+        .collect()
+}
+
+fn parse_model_id(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err("a model id must be non-empty, without spaces or control characters".into());
+    }
+    Ok(s.to_string())
 }
 
 /// Ctrl-C or SIGTERM.
@@ -228,5 +283,25 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {}
         _ = term => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_ids_have_no_spaces_or_split_suffix() {
+        let id = |p: &str| model_id(std::path::Path::new(p));
+        assert_eq!(id("/m/tiny-glm5-Q4_K_M.gguf"), "tiny-glm5-Q4_K_M");
+        assert_eq!(
+            id("GLM-5-UD-Q4_K_XL-00003-of-00010.gguf"),
+            "GLM-5-UD-Q4_K_XL"
+        );
+        assert_eq!(id("my model.gguf"), "my_model");
+        assert_eq!(id("x-of-00002.gguf"), "x-of-00002");
+        assert!(parse_model_id("a b").is_err());
+        assert!(parse_model_id("").is_err());
+        assert_eq!(parse_model_id("glm-5").unwrap(), "glm-5");
     }
 }

@@ -20,6 +20,9 @@ use super::tables::tables;
 use super::QuantError;
 use crate::{GgmlType, QK_K};
 
+mod iq12;
+use iq12::{iq1_m, iq1_s, iq1s_grid, iq2_s, iq2_xs, iq2s_grid, iq2xs_grid};
+
 const GROUP_MAX_EPS: f32 = 1e-15;
 
 /// Whether [`quantize_rows`] can produce `ty`.
@@ -44,6 +47,10 @@ pub fn can_quantize(ty: GgmlType) -> bool {
             | IQ3_S
             | IQ3_XXS
             | IQ2_XXS
+            | IQ2_XS
+            | IQ2_S
+            | IQ1_S
+            | IQ1_M
             | TQ1_0
             | TQ2_0
             | MXFP4
@@ -202,44 +209,36 @@ pub(crate) fn quantize_row(
             }
         }
         IQ4_XS => {
-            let t = tables()?;
-            let values = &t.kvalues_iq4nl;
-            for (i, (xb, yb)) in x
-                .chunks_exact(QK_K)
-                .zip(y.chunks_exact_mut(136))
-                .enumerate()
-            {
-                let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
-                iq4_xs(xb, w, values).write(yb);
-            }
+            let values = &tables()?.kvalues_iq4nl;
+            super_blocks(x, qw, y, |b, w| iq4_xs(b, w, values));
         }
         IQ2_XXS => {
             let g = iq2xxs_grid()?;
-            let w = qw.ok_or(QuantError::Unsupported {
-                ty,
-                what: "quantization without an importance matrix",
-            })?;
-            for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(66)).enumerate() {
-                iq2_xxs(xb, &w[QK_K * i..QK_K * i + QK_K], g).write(yb);
-            }
+            weighted_k(x, needs_weights(ty, qw)?, y, |b, w| iq2_xxs(b, w, g));
+        }
+        IQ2_XS => {
+            let g = iq2xs_grid()?;
+            weighted_k(x, needs_weights(ty, qw)?, y, |b, w| iq2_xs(b, w, g));
+        }
+        IQ2_S => {
+            let g = iq2s_grid()?;
+            super_blocks(x, qw, y, |b, w| iq2_s(b, w, g));
+        }
+        IQ1_S => {
+            let g = iq1s_grid()?;
+            weighted_k(x, needs_weights(ty, qw)?, y, |b, w| iq1_s(b, w, g));
+        }
+        IQ1_M => {
+            let g = iq1s_grid()?;
+            super_blocks(x, qw, y, |b, w| iq1_m(b, w, g));
         }
         IQ3_XXS => {
             let g = iq3xxs_grid()?;
-            for (i, (xb, yb)) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(98)).enumerate() {
-                let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
-                iq3_xxs(xb, w, g).write(yb);
-            }
+            super_blocks(x, qw, y, |b, w| iq3_xxs(b, w, g));
         }
         IQ3_S => {
             let g = iq3s_grid()?;
-            for (i, (xb, yb)) in x
-                .chunks_exact(QK_K)
-                .zip(y.chunks_exact_mut(110))
-                .enumerate()
-            {
-                let w = qw.map(|w| &w[QK_K * i..QK_K * i + QK_K]);
-                iq3_s(xb, w, g).write(yb);
-            }
+            super_blocks(x, qw, y, |b, w| iq3_s(b, w, g));
         }
         _ => {
             return Err(QuantError::Unsupported {
@@ -249,6 +248,14 @@ pub(crate) fn quantize_row(
         }
     }
     Ok(())
+}
+
+/// The importance weights of a type ggml cannot quantize without them.
+fn needs_weights(ty: GgmlType, qw: Option<&[f32]>) -> Result<&[f32], QuantError> {
+    qw.ok_or(QuantError::Unsupported {
+        ty,
+        what: "quantization without an importance matrix",
+    })
 }
 
 /// Quantize every block of a row with `f`.
@@ -275,6 +282,22 @@ fn weighted_legacy<B: Block>(x: &[f32], qw: &[f32], y: &mut [u8], f: impl Fn(&[f
             weight[j] = qb[j] * (sigma2 + xb[j] * xb[j]).sqrt();
         }
         f(xb, &weight).write(yb);
+    }
+}
+
+/// Every super-block of a row with its slice of the importance weights, if any.
+fn super_blocks<B: Block>(
+    x: &[f32],
+    qw: Option<&[f32]>,
+    y: &mut [u8],
+    f: impl Fn(&[f32], Option<&[f32]>) -> B,
+) {
+    for (i, (xb, yb)) in x
+        .chunks_exact(QK_K)
+        .zip(y.chunks_exact_mut(B::BYTES))
+        .enumerate()
+    {
+        f(xb, qw.map(|w| &w[QK_K * i..QK_K * i + QK_K])).write(yb);
     }
 }
 
@@ -1930,10 +1953,14 @@ fn iq3_weights(xb: &[f32], qw: Option<&[f32]>, sigma2: f32) -> ([f32; 32], [f32;
     (weight, waux)
 }
 
-/// How the two IQ3 quantizers differ in their scale search.
-struct Iq3Search {
-    /// Inverse-scale steps `is` tried: `-steps..=steps`.
+/// How a grid quantizer searches a sub-block's scale (`quantize_row_iq3_*_impl`,
+/// `quantize_row_iq2_{xs,s}_impl` differ only in these).
+struct GridSearch {
+    /// Magnitude codes run `0..kmaxq` (odd magnitudes `1..=2 kmaxq - 1`).
+    kmaxq: i32,
+    /// Inverse-scale steps `is` tried: `-steps..=steps`, each `step` apart.
     steps: i32,
+    step: f32,
     /// Whether a group counts as on the grid before any candidate scale was accepted.
     on_grid_init: bool,
     /// Whether the final pass re-snaps only the groups that were off the grid.
@@ -1941,102 +1968,100 @@ struct Iq3Search {
 }
 
 /// `sum w * x * q` and `sum w * q * q` for magnitude codes `l` (q = 2l + 1).
-fn iq3_sums(weight: &[f32; 32], xval: &[f32; 32], l: &[i8; 32]) -> (f32, f32) {
+fn grid_sums(weight: &[f32], xval: &[f32], l: &[i8]) -> (f32, f32) {
     let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
-    for i in 0..32 {
-        let w = weight[i];
-        let q = (2 * i32::from(l[i]) + 1) as f32;
-        sumqx += w * xval[i] * q;
+    for ((&w, &x), &c) in weight.iter().zip(xval).zip(l) {
+        let q = (2 * i32::from(c) + 1) as f32;
+        sumqx += w * x * q;
         sumq2 += w * q * q;
     }
     (sumqx, sumq2)
 }
 
-/// Magnitude codes of the 4 values of group `k` at inverse scale `id`, clamped to 0..=7.
-fn iq3_codes(xval: &[f32; 32], k: usize, id: f32) -> [i8; 4] {
-    std::array::from_fn(|i| nearest_int(0.5 * (id * xval[4 * k + i] - 1.0)).clamp(0, 7) as i8)
+impl<const N: usize, const BITS: usize> Grid<N, BITS> {
+    /// Magnitude codes of the `N` values of group `k` at inverse scale `id`, clamped to
+    /// `0..kmaxq`, into `l[N k..]`; returns their code.
+    fn codes(xval: &[f32], k: usize, id: f32, kmaxq: i32, l: &mut [i8]) -> usize {
+        for i in 0..N {
+            l[N * k + i] =
+                nearest_int(0.5 * (id * xval[N * k + i] - 1.0)).clamp(0, kmaxq - 1) as i8;
+        }
+        Self::code(&l[N * k..N * k + N])
+    }
+
+    /// The scale search of one sub-block of `E` magnitudes `xval` (largest `max` > 0): the
+    /// best of the candidate scales, groups snapped to the grid, then the off-grid groups
+    /// re-snapped at the chosen scale and the scale refitted. Returns the scale and the
+    /// magnitude codes (every group on the grid).
+    fn search<const E: usize>(
+        &self,
+        xval: &[f32; E],
+        weight: &[f32; E],
+        waux: &[f32; E],
+        max: f32,
+        how: &GridSearch,
+    ) -> (f32, [i8; E]) {
+        let groups = E / N;
+        let top = (2 * how.kmaxq - 1) as f32;
+        let mut l = [0i8; E];
+        let mut best = 0.0f32;
+        let mut scale = max / top;
+        let mut is_on_grid = [how.on_grid_init; 8];
+        let mut laux = [0i8; E];
+        let mut on_aux = [false; 8];
+        for is in -how.steps..=how.steps {
+            let id = (top + is as f32 * how.step) / max;
+            let this_scale = 1.0 / id;
+            for k in 0..groups {
+                let u = Self::codes(xval, k, id, how.kmaxq, &mut laux);
+                on_aux[k] = self.map[u] >= 0;
+                if !on_aux[k] {
+                    let r = N * k..N * k + N;
+                    self.best_neighbour(
+                        u,
+                        &xval[r.clone()],
+                        &waux[r.clone()],
+                        this_scale,
+                        &mut laux[r],
+                    );
+                }
+            }
+            let (sumqx, sumq2) = grid_sums(weight, xval, &laux);
+            if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
+                scale = sumqx / sumq2;
+                best = scale * sumqx;
+                l = laux;
+                is_on_grid = on_aux;
+            }
+        }
+        if is_on_grid[..groups].iter().any(|b| !*b) && scale > 0.0 {
+            let id = 1.0 / scale;
+            for k in 0..groups {
+                if how.skip_on_grid && is_on_grid[k] {
+                    continue;
+                }
+                let u = Self::codes(xval, k, id, how.kmaxq, &mut l);
+                if self.map[u] < 0 {
+                    let r = N * k..N * k + N;
+                    self.best_neighbour(u, &xval[r.clone()], &waux[r.clone()], scale, &mut l[r]);
+                }
+            }
+            let (sumqx, sumq2) = grid_sums(weight, xval, &l);
+            if sumq2 > 0.0 {
+                scale = sumqx / sumq2;
+            }
+        }
+        (scale, l)
+    }
 }
 
-/// The scale search shared by IQ3_XXS and IQ3_S for one sub-block of magnitudes `xval`
-/// (largest `max` > 0): the best of the candidate scales, groups snapped to the grid, then the
-/// off-grid groups re-snapped at the chosen scale and the scale refitted. Returns the scale and
-/// the magnitude codes (every group on the grid).
-fn iq3_search(
-    g: &Iq3Grid,
-    xval: &[f32; 32],
-    weight: &[f32; 32],
-    waux: &[f32; 32],
-    max: f32,
-    how: &Iq3Search,
-) -> (f32, [i8; 32]) {
-    const KMAXQ: i32 = 8;
-    let mut l = [0i8; 32];
-    let mut best = 0.0f32;
-    let mut scale = max / (2 * KMAXQ - 1) as f32;
-    let mut is_on_grid = [how.on_grid_init; 8];
-    let mut laux = [0i8; 32];
-    let mut on_aux = [false; 8];
-    for is in -how.steps..=how.steps {
-        let id = ((2 * KMAXQ - 1) as f32 + is as f32 * 0.2) / max;
-        let this_scale = 1.0 / id;
-        for k in 0..8 {
-            laux[4 * k..4 * k + 4].copy_from_slice(&iq3_codes(xval, k, id));
-            let u = Iq3Grid::code(&laux[4 * k..4 * k + 4]);
-            on_aux[k] = g.map[u] >= 0;
-            if !on_aux[k] {
-                g.best_neighbour(
-                    u,
-                    &xval[4 * k..4 * k + 4],
-                    &waux[4 * k..4 * k + 4],
-                    this_scale,
-                    &mut laux[4 * k..4 * k + 4],
-                );
-            }
-        }
-        let (sumqx, sumq2) = iq3_sums(weight, xval, &laux);
-        if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
-            scale = sumqx / sumq2;
-            best = scale * sumqx;
-            l = laux;
-            is_on_grid = on_aux;
-        }
-    }
-    if is_on_grid.iter().any(|b| !*b) && scale > 0.0 {
-        let id = 1.0 / scale;
-        for k in 0..8 {
-            if how.skip_on_grid && is_on_grid[k] {
-                continue;
-            }
-            let u = Iq3Grid::code(&iq3_codes(xval, k, id));
-            let gi = if g.map[u] < 0 {
-                g.best_neighbour(
-                    u,
-                    &xval[4 * k..4 * k + 4],
-                    &waux[4 * k..4 * k + 4],
-                    scale,
-                    &mut l[4 * k..4 * k + 4],
-                )
-            } else {
-                g.map[u] as usize
-            };
-            for i in 0..4 {
-                l[4 * k + i] = ((g.points[gi][i] - 1) / 2) as i8;
-            }
-        }
-        let (sumqx, sumq2) = iq3_sums(weight, xval, &l);
-        if sumq2 > 0.0 {
-            scale = sumqx / sumq2;
-        }
-    }
-    (scale, l)
-}
-
-/// Magnitudes and sign bits (per 8 values) of a sub-block.
-fn iq3_signs(xb: &[f32]) -> ([f32; 32], [u8; 4], [u32; 4]) {
-    let mut xval = [0.0f32; 32];
-    let mut signs = [0u8; 4];
-    let mut nflip = [0u32; 4];
-    for k in 0..4 {
+/// Magnitudes and sign bits (per 8 values) of a sub-block of `E = 8 G` values, and the number
+/// of negatives per 8.
+fn group_signs<const E: usize, const G: usize>(xb: &[f32]) -> ([f32; E], [u8; G], [u32; G]) {
+    let mut xval = [0.0f32; E];
+    let mut signs = [0u8; G];
+    let mut nflip = [0u32; G];
+    for k in 0..G {
         for i in 0..8 {
             let v = xb[8 * k + i];
             if v >= 0.0 {
@@ -2052,18 +2077,14 @@ fn iq3_signs(xb: &[f32]) -> ([f32; 32], [u8; 4], [u32; 4]) {
 }
 
 fn iq3_sigma2(x: &[f32]) -> f32 {
-    let mut sumx2 = 0.0f32;
-    for v in x {
-        sumx2 += v * v;
-    }
-    2.0 * sumx2 / QK_K as f32
+    2.0 * sum_squares(x) / QK_K as f32
 }
 
-/// The largest magnitude (ggml's `MAX` chain from the first element).
-fn iq3_max(xval: &[f32; 32]) -> f32 {
-    let mut max = xval[0];
-    for &v in &xval[1..] {
-        max = c_max(max, v);
+/// The largest value (ggml's `MAX` chain from the first element).
+fn chain_max(v: &[f32]) -> f32 {
+    let mut max = v[0];
+    for &x in &v[1..] {
+        max = c_max(max, x);
     }
     max
 }
@@ -2072,8 +2093,10 @@ fn iq3_max(xval: &[f32; 32]) -> f32 {
 /// whose values are all zero does not advance the `qs`/`signs` write position (its scale is 0;
 /// later sub-blocks' bytes shift down) — reproduced because the bytes must match.
 fn iq3_s(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3S {
-    const HOW: Iq3Search = Iq3Search {
+    const HOW: GridSearch = GridSearch {
+        kmaxq: 8,
         steps: 9,
+        step: 0.2,
         on_grid_init: false,
         skip_on_grid: false,
     };
@@ -2091,19 +2114,18 @@ fn iq3_s(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3S {
     for ib in 0..8 {
         let xb = &x[32 * ib..32 * ib + 32];
         let (weight, waux) = iq3_weights(xb, qw.map(|q| &q[32 * ib..32 * ib + 32]), sigma2);
-        let (xval, mut block_signs, _) = iq3_signs(xb);
-        let max = iq3_max(&xval);
-        if max == 0.0 {
+        // ggml skips only all-zero sub-blocks: below the least subnormal is exactly zero.
+        let Some((scale, l, block_signs)) = signed_sub_block::<4, 3, 32, 4>(
+            g,
+            xb,
+            (&weight, &waux),
+            f32::from_bits(1),
+            false,
+            &HOW,
+        ) else {
             scales[ib] = 0.0;
             continue;
-        }
-        let (mut scale, l) = iq3_search(g, &xval, &weight, &waux, max, &HOW);
-        if scale < 0.0 {
-            scale = -scale;
-            for s in block_signs.iter_mut() {
-                *s = !*s;
-            }
-        }
+        };
         for k in 0..8 {
             // Every code here came from the grid or its neighbour lists (ggml aborts
             // otherwise); index 0 keeps the block decodable should it ever happen.
@@ -2134,8 +2156,10 @@ fn iq3_s(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3S {
 
 /// `quantize_row_iq3_xxs_impl` (grid 256) for one super-block.
 fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
-    const HOW: Iq3Search = Iq3Search {
+    const HOW: GridSearch = GridSearch {
+        kmaxq: 8,
         steps: 15,
+        step: 0.2,
         on_grid_init: true,
         skip_on_grid: true,
     };
@@ -2148,20 +2172,12 @@ fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
     for ib in 0..8 {
         let xb = &x[32 * ib..32 * ib + 32];
         let (weight, waux) = iq3_weights(xb, qw.map(|q| &q[32 * ib..32 * ib + 32]), sigma2);
-        let (mut xval, mut block_signs, nflip) = iq3_signs(xb);
-        even_sign_parity(xb, &weight, &mut xval, &mut block_signs, &nflip);
-        let max = iq3_max(&xval);
-        if max < EPS {
+        let Some((scale, l, block_signs)) =
+            signed_sub_block::<4, 3, 32, 4>(g, xb, (&weight, &waux), EPS, true, &HOW)
+        else {
             scales[ib] = 0.0;
             continue;
-        }
-        let (mut scale, l) = iq3_search(g, &xval, &weight, &waux, max, &HOW);
-        if scale < 0.0 {
-            scale = -scale;
-            for s in block_signs.iter_mut() {
-                *s = !*s & 127;
-            }
-        }
+        };
         for k in 0..8 {
             q3[8 * ib + k] = g.map[Iq3Grid::code(&l[4 * k..4 * k + 4])].max(0) as u8;
         }
@@ -2196,17 +2212,42 @@ fn iq3_xxs(x: &[f32], qw: Option<&[f32]>, g: &Iq3Grid) -> BlockIq3Xxs {
     }
 }
 
+/// One sub-block of the grid types with a searched scale (IQ3_S, IQ3_XXS, IQ2_XS, IQ2_S):
+/// magnitudes and sign bits (with `parity`, the even-parity fix-up and 7-bit signs), the scale
+/// search, the signs flipped if the scale came out negative. `None` when the largest magnitude
+/// is below `eps` (scale 0).
+fn signed_sub_block<const N: usize, const BITS: usize, const E: usize, const G: usize>(
+    g: &Grid<N, BITS>,
+    xb: &[f32],
+    (weight, waux): (&[f32; E], &[f32; E]),
+    eps: f32,
+    parity: bool,
+    how: &GridSearch,
+) -> Option<(f32, [i8; E], [u8; G])> {
+    let (mut xval, mut signs, nflip) = group_signs::<E, G>(xb);
+    if parity {
+        even_sign_parity(xb, weight, &mut xval, &mut signs, &nflip);
+    }
+    let max = chain_max(&xval);
+    if max < eps {
+        return None;
+    }
+    let (mut scale, l) = g.search(&xval, weight, waux, max, how);
+    if scale < 0.0 {
+        scale = -scale;
+        let mask = if parity { 127 } else { 255 };
+        for s in signs.iter_mut() {
+            *s = !*s & mask;
+        }
+    }
+    Some((scale, l, signs))
+}
+
 /// IQ2_XXS/IQ3_XXS store 7 sign bits per 8 values, the eighth implied by even parity: in a
 /// group with an odd number of negatives the value that matters least (smallest `w x²`) has its
 /// sign flipped. The stored sign bytes keep 7 bits.
-fn even_sign_parity(
-    xb: &[f32],
-    weight: &[f32; 32],
-    xval: &mut [f32; 32],
-    signs: &mut [u8; 4],
-    nflip: &[u32; 4],
-) {
-    for k in 0..4 {
+fn even_sign_parity(xb: &[f32], weight: &[f32], xval: &mut [f32], signs: &mut [u8], nflip: &[u32]) {
+    for k in 0..signs.len() {
         if nflip[k] % 2 == 1 {
             let mut imin = 0usize;
             let mut min = weight[8 * k] * xb[8 * k] * xb[8 * k];
@@ -2242,12 +2283,7 @@ impl Iq2Grid {
         scale: f32,
         l: &mut [i8],
     ) -> usize {
-        const KMAXQ: i32 = 3;
-        for i in 0..8 {
-            l[8 * k + i] =
-                nearest_int(0.5 * (id * xval[8 * k + i] - 1.0)).clamp(0, KMAXQ - 1) as i8;
-        }
-        let u = Self::code(&l[8 * k..8 * k + 8]);
+        let u = Self::codes(xval, k, id, 3, l);
         if self.map[u] >= 0 {
             return self.map[u] as usize;
         }
@@ -2263,10 +2299,7 @@ impl Iq2Grid {
 
 fn iq2xxs_grid() -> Result<&'static Iq2Grid, QuantError> {
     static CELL: std::sync::OnceLock<Result<Iq2Grid, String>> = std::sync::OnceLock::new();
-    let t = tables()?;
-    CELL.get_or_init(|| Iq2Grid::from_levels(&t.iq2xxs[..], &[0x08, 0x19, 0x2b], 2, IQ2_MAP_SIZE))
-        .as_ref()
-        .map_err(|e| QuantError::Tables(e.clone()))
+    iq12::iq2_grid(&CELL, &tables()?.iq2xxs[..], 2)
 }
 
 /// `quantize_row_iq2_xxs_impl` for one super-block (needs importance weights).
@@ -2286,9 +2319,9 @@ fn iq2_xxs(x: &[f32], qw: &[f32], g: &Iq2Grid) -> BlockIq2Xxs {
         for i in 0..32 {
             waux[i] = weight[i].sqrt();
         }
-        let (mut xval, mut block_signs, nflip) = iq3_signs(xb);
+        let (mut xval, mut block_signs, nflip) = group_signs::<32, 4>(xb);
         even_sign_parity(xb, &weight, &mut xval, &mut block_signs, &nflip);
-        let max = iq3_max(&xval);
+        let max = chain_max(&xval);
         if max < GROUP_MAX_EPS {
             scales[ib] = 0.0;
             continue;
@@ -2309,7 +2342,7 @@ fn iq2_xxs(x: &[f32], qw: &[f32], g: &Iq2Grid) -> BlockIq2Xxs {
             for k in 0..4 {
                 g.snap(&xval, &waux, k, id, this_scale, &mut laux);
             }
-            let (sumqx, sumq2) = iq3_sums(&weight, &xval, &laux);
+            let (sumqx, sumq2) = grid_sums(&weight, &xval, &laux);
             if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
                 scale = sumqx / sumq2;
                 best = scale * sumqx;
@@ -2324,7 +2357,7 @@ fn iq2_xxs(x: &[f32], qw: &[f32], g: &Iq2Grid) -> BlockIq2Xxs {
                     l[8 * k + i] = ((g.points[gi][i] - 1) / 2) as i8;
                 }
             }
-            let (sumqx, sumq2) = iq3_sums(&weight, &xval, &l);
+            let (sumqx, sumq2) = grid_sums(&weight, &xval, &l);
             if sumq2 > 0.0 {
                 scale = sumqx / sumq2;
             }

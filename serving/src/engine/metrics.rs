@@ -103,6 +103,10 @@ pub struct Metrics {
     pub request_latency: Histogram,
     pub queue_time: Histogram,
     pub step_tokens: Histogram,
+    /// Added as a `model_name` label to every series (vLLM's convention), once a model is set.
+    model_name: std::sync::OnceLock<String>,
+    /// KV bytes per cached token, as last measured on running sequences (f64 bits; 0: never).
+    kv_bytes_per_token_bits: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -126,6 +130,8 @@ impl Default for Metrics {
             request_latency: Histogram::new(REQUEST_BOUNDS),
             queue_time: Histogram::new(REQUEST_BOUNDS),
             step_tokens: Histogram::new(BATCH_BOUNDS),
+            model_name: std::sync::OnceLock::new(),
+            kv_bytes_per_token_bits: AtomicU64::new(0),
         }
     }
 }
@@ -159,12 +165,43 @@ impl Metrics {
         c.fetch_add(micros, Ordering::Relaxed);
     }
 
+    /// The served model's id, labelled on every series from now on (set once; later calls are
+    /// ignored, as one server serves one model).
+    pub fn set_model_name(&self, name: &str) {
+        let _ = self.model_name.set(name.to_string());
+    }
+
+    /// The cache held by running sequences: updates the gauges and the per-token measurement.
+    pub fn record_kv(&self, tokens: u64, bytes: u64) {
+        self.kv_cache_tokens.store(tokens, Ordering::Relaxed);
+        self.kv_cache_bytes.store(bytes, Ordering::Relaxed);
+        if tokens > 0 {
+            let per = bytes as f64 / tokens as f64;
+            self.kv_bytes_per_token_bits
+                .store(per.to_bits(), Ordering::Relaxed);
+        }
+    }
+
+    /// KV cache bytes per token, measured on the last running sequences (`None` before any).
+    pub fn kv_bytes_per_token(&self) -> Option<f64> {
+        let b = self.kv_bytes_per_token_bits.load(Ordering::Relaxed);
+        (b != 0).then(|| f64::from_bits(b))
+    }
+
     pub fn finished_count(&self, reason: &str) -> u64 {
         lock(&self.finished).get(reason).copied().unwrap_or(0)
     }
 
     /// Prometheus text exposition (version 0.0.4).
     pub fn render(&self) -> String {
+        let o = self.render_unlabelled();
+        match self.model_name.get() {
+            Some(name) => with_label(&o, "model_name", name),
+            None => o,
+        }
+    }
+
+    fn render_unlabelled(&self) -> String {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let mut o = String::with_capacity(8192);
         let mut one = |name: &str, kind: &str, help: &str, v: String| {
@@ -339,6 +376,32 @@ impl Metrics {
     }
 }
 
+/// Adds `key="value"` to the labels of every sample line of a rendered exposition.
+fn with_label(text: &str, key: &str, value: &str) -> String {
+    let label = format!("{key}=\"{}\"", escape_label(value));
+    let mut out = String::with_capacity(text.len() + text.len() / 4);
+    for line in text.lines() {
+        if line.starts_with('#') || line.is_empty() {
+            out.push_str(line);
+        } else if let Some(brace) = line.find('{') {
+            out.push_str(&line[..=brace]);
+            out.push_str(&label);
+            out.push(',');
+            out.push_str(&line[brace + 1..]);
+        } else if let Some(space) = line.find(' ') {
+            out.push_str(&line[..space]);
+            out.push('{');
+            out.push_str(&label);
+            out.push('}');
+            out.push_str(&line[space..]);
+        } else {
+            out.push_str(line);
+        }
+        out.push('\n');
+    }
+    out
+}
+
 fn escape_label(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('"', "\\\"")
@@ -377,5 +440,29 @@ mod tests {
         );
         assert!(s.contains("gguftool_requests_finished_total{reason=\"stop\"} 1"));
         assert!(s.contains("llamacpp:kv_cache_usage_ratio 0"));
+    }
+
+    #[test]
+    fn model_name_labels_every_series() {
+        let m = Metrics::default();
+        m.record_http("/v1/models", 200);
+        m.time_to_first_token.observe(0.5);
+        m.set_model_name("tiny \"glm\"");
+        let s = m.render();
+        let label = "model_name=\"tiny \\\"glm\\\"\"";
+        assert!(
+            s.contains(&format!("gguftool_prompt_tokens_total{{{label}}} 0\n")),
+            "{s}"
+        );
+        assert!(s.contains(&format!(
+            "gguftool_http_requests_total{{{label},route=\"/v1/models\",status=\"200\"}} 1"
+        )));
+        assert!(s.contains(&format!(
+            "gguftool_time_to_first_token_seconds_bucket{{{label},le=\"0.5\"}} 1"
+        )));
+        assert!(s.contains(&format!("vllm:num_requests_running{{{label}}} 0")));
+        for line in s.lines().filter(|l| !l.starts_with('#')) {
+            assert!(line.contains(label), "{line}");
+        }
     }
 }

@@ -8,7 +8,9 @@
 
 pub mod metrics;
 
-use crate::sampler::{self, Sampler, SamplingParams};
+use crate::sampler::{
+    self, ConstraintSource, RepeatWindow, Sampler, SamplingParams, TokenConstraint,
+};
 pub use metrics::Metrics;
 use runtime::lm::{LanguageModel, SeqStep, SequenceState};
 use std::collections::{HashMap, VecDeque};
@@ -81,6 +83,24 @@ pub struct GenerationRequest {
     /// OpenAI presence / frequency penalties over the generated tokens.
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
+    /// llama.cpp's `repeat_penalty` (1 disables) over the last `repeat_last_n` tokens of the
+    /// sequence, prompt included.
+    pub repeat_penalty: f32,
+    pub repeat_last_n: usize,
+    /// A grammar the generated tokens must follow (structured output, forced tool calls).
+    pub constraint: Option<SharedConstraint>,
+    /// `stop_tokens` are banned until this many tokens were generated (vLLM's `min_tokens`).
+    pub min_tokens: usize,
+}
+
+/// A [`ConstraintSource`] shared by the choices of one request.
+#[derive(Clone)]
+pub struct SharedConstraint(pub Arc<dyn ConstraintSource>);
+
+impl std::fmt::Debug for SharedConstraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SharedConstraint")
+    }
 }
 
 impl GenerationRequest {
@@ -96,6 +116,10 @@ impl GenerationRequest {
             logit_bias: Vec::new(),
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 0,
+            constraint: None,
+            min_tokens: 0,
         }
     }
 }
@@ -391,6 +415,11 @@ struct Active {
     prompt_lps: Vec<TokenLogprobs>,
     /// Generated-token counts for presence / frequency penalties.
     counts: HashMap<u32, u32>,
+    repeat: Option<RepeatWindow>,
+    constraint: Option<Box<dyn TokenConstraint>>,
+    /// The raw logits of the last step, kept (in a reused buffer) only when logprobs are
+    /// reported, since sampling adjusts the logits in place.
+    raw: Vec<f32>,
     last_token: Option<Instant>,
 }
 
@@ -468,8 +497,23 @@ impl Scheduler {
                     });
                     continue;
                 }
+                let constraint = match job.req.constraint.as_ref().map(|c| c.0.start()) {
+                    None => None,
+                    Some(Ok(c)) => Some(c),
+                    Some(Err(e)) => {
+                        self.metrics.record_finished("error");
+                        let _ = job.tx.send(Event::Failed(format!("grammar: {e}")));
+                        continue;
+                    }
+                };
+                let mut repeat = RepeatWindow::new(job.req.repeat_penalty, job.req.repeat_last_n);
+                if let Some(w) = repeat.as_mut() {
+                    let p = &job.req.prompt;
+                    for &t in &p[p.len().saturating_sub(job.req.repeat_last_n)..] {
+                        w.push(t);
+                    }
+                }
                 let state = self.model.new_sequence();
-                let counts = HashMap::new();
                 self.running.push(Active {
                     sampler: Sampler::new(job.req.sampling),
                     job,
@@ -478,7 +522,10 @@ impl Scheduler {
                     next: [0],
                     generated: 0,
                     prompt_lps: Vec::new(),
-                    counts,
+                    counts: HashMap::new(),
+                    repeat,
+                    constraint,
+                    raw: Vec::new(),
                     last_token: None,
                 });
             }
@@ -547,13 +594,19 @@ impl Scheduler {
         }
 
         let mut steps: Vec<SeqStep<'_>> = Vec::with_capacity(self.running.len());
+        let mut constraints: Vec<&mut Box<dyn TokenConstraint>> = Vec::new();
         let mut n_tokens = 0;
         let mut prefill_only = true;
         for (a, w) in self.running.iter_mut().zip(&work) {
             let Some(w) = *w else { continue };
             let Active {
-                state, job, next, ..
+                state,
+                job,
+                next,
+                constraint,
+                ..
             } = a;
+            constraints.extend(constraint.as_mut());
             let (tokens, all_logits): (&[u32], bool) = match w {
                 Work::Prefill { from, to } => {
                     (&job.req.prompt[from..to], job.req.prompt_logprobs.is_some())
@@ -577,7 +630,7 @@ impl Scheduler {
 
         let t0 = Instant::now();
         let model = &self.model;
-        let result = catch_unwind(AssertUnwindSafe(|| model.forward(&mut steps)));
+        let result = forward_with_masks(model.as_ref(), &mut steps, constraints);
         drop(steps);
         self.metrics
             .record_step(n_tokens, prefill_only, t0.elapsed().as_micros() as u64);
@@ -603,7 +656,9 @@ impl Scheduler {
         let mut finished: Vec<usize> = Vec::new();
         for (i, (a, w)) in self.running.iter_mut().zip(&work).enumerate() {
             let Some(w) = *w else { continue };
-            let Some(logits) = outputs.next() else { break };
+            let Some(mut logits) = outputs.next() else {
+                break;
+            };
             if runtime::numerics::first_non_finite(&logits).is_some() {
                 let mut tokens = match w {
                     Work::Prefill { to, .. } => a.job.req.prompt[..to].to_vec(),
@@ -631,9 +686,9 @@ impl Scheduler {
                         .prompt_tokens
                         .fetch_add((to - from) as u64, Ordering::Relaxed);
                     a.prefilled = to;
-                    prefill_logits(a, from, to, &logits, vocab, &self.metrics)
+                    prefill_logits(a, from, to, &mut logits, vocab, &self.metrics)
                 }
-                Work::Decode => sample_next(a, &logits, &self.metrics),
+                Work::Decode => sample_next(a, &mut logits, &self.metrics),
             };
             if done {
                 finished.push(i);
@@ -650,10 +705,7 @@ impl Scheduler {
             tokens += a.state.len() as u64;
             bytes += a.state.cache_bytes() as u64;
         }
-        self.metrics
-            .kv_cache_tokens
-            .store(tokens, Ordering::Relaxed);
-        self.metrics.kv_cache_bytes.store(bytes, Ordering::Relaxed);
+        self.metrics.record_kv(tokens, bytes);
         self.metrics
             .requests_running
             .store(self.running.len() as u64, Ordering::Relaxed);
@@ -679,12 +731,41 @@ impl Scheduler {
     }
 }
 
+/// The forward pass, with the grammar masks of this step's samples computed on another thread
+/// meanwhile: a mask depends only on the tokens sampled so far, so on a GPU its cost hides
+/// behind the forward pass instead of adding to the step.
+fn forward_with_masks(
+    model: &dyn LanguageModel,
+    steps: &mut [SeqStep<'_>],
+    mut constraints: Vec<&mut Box<dyn TokenConstraint>>,
+) -> std::thread::Result<Result<Vec<Vec<f32>>, runtime::RuntimeError>> {
+    let mut forward = || catch_unwind(AssertUnwindSafe(|| model.forward(steps)));
+    if constraints.is_empty() {
+        return forward();
+    }
+    std::thread::scope(|scope| {
+        let masks = std::thread::Builder::new()
+            .name("grammar-masks".into())
+            .spawn_scoped(scope, move || {
+                for c in constraints.iter_mut() {
+                    c.prepare();
+                }
+            });
+        let result = forward();
+        // A panic in a grammar shows again (as an error) when its mask is asked for.
+        if let Ok(h) = masks {
+            let _ = h.join();
+        }
+        result
+    })
+}
+
 /// Handle the logits of a prompt chunk. Returns true when the request is finished.
 fn prefill_logits(
     a: &mut Active,
     from: usize,
     to: usize,
-    logits: &[f32],
+    logits: &mut [f32],
     vocab: usize,
     metrics: &Metrics,
 ) -> bool {
@@ -720,7 +801,7 @@ fn prefill_logits(
             finish(a, FinishReason::Length, metrics);
             true
         }
-        rows => sample_next(a, &logits[(rows - 1) * vocab..], metrics),
+        rows => sample_next(a, &mut logits[(rows - 1) * vocab..], metrics),
     }
 }
 
@@ -737,38 +818,54 @@ fn finish(a: &Active, reason: FinishReason, metrics: &Metrics) {
 }
 
 /// Sample a token from the last position's logits, send it, and decide whether the request ends.
-fn sample_next(a: &mut Active, logits: &[f32], metrics: &Metrics) -> bool {
+/// The logits are adjusted in place (bias, penalties, grammar mask), in this order as llama.cpp's
+/// sampler chain does.
+fn sample_next(a: &mut Active, logits: &mut [f32], metrics: &Metrics) -> bool {
     let req = &a.job.req;
-    let penalize = req.presence_penalty != 0.0 || req.frequency_penalty != 0.0;
-    let adjusted;
-    let view: &[f32] = if req.logit_bias.is_empty() && (a.counts.is_empty() || !penalize) {
-        logits
-    } else {
-        let mut l = logits.to_vec();
-        for &(id, bias) in &req.logit_bias {
-            if let Some(x) = l.get_mut(id as usize) {
-                *x += bias;
-            }
-        }
-        if penalize {
-            for (&id, &c) in &a.counts {
-                if let Some(x) = l.get_mut(id as usize) {
-                    *x -= req.presence_penalty + req.frequency_penalty * c as f32;
-                }
-            }
-        }
-        adjusted = l;
-        &adjusted
-    };
-    let id = a.sampler.sample(view);
     // Reported logprobs are those of the model's raw distribution (OpenAI semantics).
+    if req.logprobs.is_some() {
+        a.raw.clear();
+        a.raw.extend_from_slice(logits);
+    }
+    for &(id, bias) in &req.logit_bias {
+        if let Some(x) = logits.get_mut(id as usize) {
+            *x += bias;
+        }
+    }
+    if let Some(w) = &a.repeat {
+        w.apply(logits);
+    }
+    if req.presence_penalty != 0.0 || req.frequency_penalty != 0.0 {
+        for (&id, &c) in &a.counts {
+            if let Some(x) = logits.get_mut(id as usize) {
+                *x -= req.presence_penalty + req.frequency_penalty * c as f32;
+            }
+        }
+    }
+    if a.generated < req.min_tokens {
+        for &id in &req.stop_tokens {
+            if let Some(x) = logits.get_mut(id as usize) {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+    }
+    if let Some(c) = a.constraint.as_mut() {
+        match c.allowed() {
+            Ok(mask) => sampler::apply_mask(logits, mask),
+            Err(e) => return fail(a, &format!("grammar: {e}"), metrics),
+        }
+    }
+    let id = a.sampler.sample(logits);
     let lp = req.logprobs.map(|k| TokenLogprobs {
-        logprob: sampler::logprob(logits, id),
-        top: sampler::top_logprobs(logits, k),
+        logprob: sampler::logprob(&a.raw, id),
+        top: sampler::top_logprobs(&a.raw, k),
     });
     a.generated += 1;
-    if penalize {
+    if req.presence_penalty != 0.0 || req.frequency_penalty != 0.0 {
         *a.counts.entry(id).or_default() += 1;
+    }
+    if let Some(w) = a.repeat.as_mut() {
+        w.push(id);
     }
     let now = Instant::now();
     match a.last_token {
@@ -783,8 +880,18 @@ fn sample_next(a: &mut Active, logits: &[f32], metrics: &Metrics) -> bool {
         finish(a, FinishReason::Stop, metrics);
         return true;
     }
+    if let Some(c) = a.constraint.as_mut() {
+        if let Err(e) = c.commit(id) {
+            return fail(a, &format!("grammar: {e}"), metrics);
+        }
+    }
     if a.job.tx.send(Event::Token { id, logprobs: lp }).is_err() {
         metrics.record_finished("cancelled");
+        return true;
+    }
+    // A complete grammar allows nothing more: the answer is finished.
+    if a.constraint.as_ref().is_some_and(|c| c.is_finished()) {
+        finish(a, FinishReason::Stop, metrics);
         return true;
     }
     // `check` made prompt + max_tokens fit the context, so this also bounds the cache.
@@ -794,4 +901,11 @@ fn sample_next(a: &mut Active, logits: &[f32], metrics: &Metrics) -> bool {
     }
     a.next = [id];
     false
+}
+
+/// The request failed on its own (not the backend's) account: tell the client, end it.
+fn fail(a: &Active, msg: &str, metrics: &Metrics) -> bool {
+    metrics.record_finished("error");
+    let _ = a.job.tx.send(Event::Failed(msg.to_string()));
+    true
 }

@@ -1,7 +1,7 @@
 //! [`TextCodec`] over a GGUF model's own tokenizer and chat template.
 
 use super::text::{Bounded, Message, TextCodec};
-use crate::chat::{ChatMessage, ChatTemplate};
+use crate::chat::ChatTemplate;
 use crate::tokenizer::Tokenizer;
 use crate::ServingError;
 use std::sync::Arc;
@@ -23,15 +23,35 @@ impl GgufText {
     /// A model without a usable chat template still serves `/v1/completions`; chat requests
     /// then get a 400 naming the reason.
     pub fn from_gguf(meta: &gguf::Metadata) -> Result<Self, ServingError> {
+        Self::with_template(meta, None)
+    }
+
+    /// Like [`GgufText::from_gguf`], with `template` (Jinja source, e.g. from
+    /// `--chat-template FILE`) replacing the GGUF's own chat template. A template that does
+    /// not compile is an error here, not a disabled chat endpoint.
+    pub fn with_template(
+        meta: &gguf::Metadata,
+        template: Option<&str>,
+    ) -> Result<Self, ServingError> {
         let tok = Arc::new(Tokenizer::from_gguf(meta)?);
-        let (template, template_error) = match ChatTemplate::from_gguf(meta) {
-            Ok(mut t) => {
-                let esc = Arc::clone(&tok);
-                t.set_content_escaper(Arc::new(move |s| esc.escape_control_text(s)));
+        let (template, template_error) = match template {
+            Some(src) => {
+                let token_text =
+                    |id: Option<u32>| id.and_then(|i| tok.token_text(i)).map(str::to_string);
+                let t = ChatTemplate::new(src, token_text(tok.bos_id()), token_text(tok.eos_id()))?;
                 (Some(t), None)
             }
-            Err(e) => (None, Some(e.to_string())),
+            None => match ChatTemplate::from_gguf(meta) {
+                Ok(t) => (Some(t), None),
+                Err(e) => (None, Some(e.to_string())),
+            },
         };
+        // Whichever template it is, client strings reach it with control-token text escaped.
+        let template = template.map(|mut t| {
+            let esc = Arc::clone(&tok);
+            t.set_content_escaper(Arc::new(move |s| esc.escape_control_text(s)));
+            t
+        });
         Ok(GgufText {
             tok,
             jobs: Jobs::new(
@@ -103,14 +123,20 @@ impl TextCodec for GgufText {
                 self.template_error.as_deref().unwrap_or("absent")
             ));
         };
-        let msgs: Vec<ChatMessage> = messages
-            .iter()
-            .map(|m| ChatMessage::new(m.role.as_str(), m.content.as_str()))
-            .collect();
-        let msgs = serde_json::to_value(msgs).map_err(|e| e.to_string())?;
+        let msgs: Vec<serde_json::Value> = messages.iter().map(Message::to_template_json).collect();
         let _job = self.jobs.acquire();
-        t.render_json(&msgs, add_generation_prompt, kwargs)
-            .map_err(|e| e.to_string())
+        t.render_json(
+            &serde_json::Value::Array(msgs),
+            add_generation_prompt,
+            kwargs,
+        )
+        .map_err(|e| e.to_string())
+    }
+    fn chat_template(&self) -> Option<&str> {
+        self.template.as_ref().map(ChatTemplate::source)
+    }
+    fn template_variables(&self) -> Option<std::collections::BTreeSet<String>> {
+        self.template.as_ref().map(ChatTemplate::variables)
     }
     fn decode(&self, ids: &[u32], skip_special: bool) -> String {
         // The tokenizer knows model-specific decoding rules (SentencePiece space prefix).

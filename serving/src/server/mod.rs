@@ -1,18 +1,26 @@
 //! OpenAI-compatible HTTP server (axum): `/v1/completions`, `/v1/chat/completions` (streaming
-//! with SSE), `/v1/models`, llama-server's `/tokenize` and `/detokenize`, `/health` and
-//! Prometheus `/metrics`.
+//! with SSE, tool calls, structured output), `/v1/models[/{id}]`, Anthropic's `/v1/messages`,
+//! llama-server's `/tokenize`, `/detokenize` (also in vLLM's body shapes), `/props` and
+//! `/apply-template`, `/health`, Prometheus `/metrics`, and a chat page at `/`.
 //!
 //! The server only translates between HTTP and the [`Engine`]: it validates requests at the edge
 //! ([`params`]), renders chat templates and tokenizes (through [`TextCodec`]), and turns the
 //! engine's token events back into text ([`text`]). Every error is an OpenAI-shaped JSON object
 //! ([`ApiError`]), including axum's own rejections (bad JSON, unknown route, wrong method).
 
+mod anthropic;
+pub mod choice;
+mod cors;
 pub mod error;
+mod extra;
 pub mod gguf_text;
 mod listener;
 mod openai;
+mod page;
 pub mod params;
+mod prompt;
 pub mod text;
+pub mod tools;
 
 use crate::engine::{Engine, EngineConfig, Metrics};
 use axum::body::Body;
@@ -39,6 +47,8 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// Largest request body accepted (bytes); larger ones get 413.
     pub max_body_bytes: usize,
+    /// Origins browsers may call the API from (`*` for any); empty: no CORS headers.
+    pub cors_origins: Vec<String>,
     /// Time a client has to send a request head, counted from the connection's start or the
     /// end of its previous response (so it also closes idle keep-alive connections).
     pub header_timeout: std::time::Duration,
@@ -57,6 +67,7 @@ impl Default for ServerConfig {
         ServerConfig {
             api_key: None,
             max_body_bytes: 8 << 20,
+            cors_origins: Vec::new(),
             header_timeout: std::time::Duration::from_secs(30),
             body_timeout: std::time::Duration::from_secs(60),
             max_connections: 512,
@@ -92,19 +103,31 @@ pub struct Backend {
     /// Ids of `<think>` / `</think>` when the vocabulary has both (GLM reasoning split).
     think: Option<(u32, u32)>,
     eog: Vec<u32>,
+    /// Chat-side facts learned once: tool format, template variables, grammar vocabulary.
+    chat: extra::ChatSupport,
 }
 
 impl Backend {
     pub fn new(engine: Engine, codec: Arc<dyn TextCodec>, model_name: impl Into<String>) -> Self {
         let think = codec.token_id("<think>").zip(codec.token_id("</think>"));
         let eog = codec.eog_ids();
+        let model_name = model_name.into();
+        engine.metrics().set_model_name(&model_name);
+        let chat = extra::ChatSupport::new(codec.as_ref());
         Backend {
             engine,
             codec,
-            model_name: model_name.into(),
+            model_name,
             think,
             eog,
+            chat,
         }
+    }
+
+    /// The GGUF the model came from, for `/props` and the model page.
+    pub fn with_model(mut self, model: Arc<gguf::Model>) -> Self {
+        self.chat.model = Some(model);
+        self
     }
 }
 
@@ -130,7 +153,19 @@ pub fn model_backend(
     metrics: Arc<Metrics>,
     configure: impl FnOnce(&mut EngineConfig),
 ) -> Result<Backend, crate::ServingError> {
-    let codec = GgufText::from_gguf(model.metadata())?;
+    model_backend_with(model, lm, name, metrics, None, configure)
+}
+
+/// [`model_backend`] with `chat_template` (Jinja source) replacing the GGUF's own template.
+pub fn model_backend_with(
+    model: &Arc<gguf::Model>,
+    lm: Arc<dyn runtime::LanguageModel>,
+    name: &str,
+    metrics: Arc<Metrics>,
+    chat_template: Option<&str>,
+    configure: impl FnOnce(&mut EngineConfig),
+) -> Result<Backend, crate::ServingError> {
+    let codec = GgufText::with_template(model.metadata(), chat_template)?;
     if let Some(e) = codec.template_error() {
         tracing::warn!("chat completions disabled: {e}");
     }
@@ -148,7 +183,7 @@ pub fn model_backend(
     }));
     let engine = Engine::start_with_hook(lm, cfg, metrics, Some(hook))
         .map_err(crate::ServingError::Thread)?;
-    Ok(Backend::new(engine, Arc::new(codec), name))
+    Ok(Backend::new(engine, Arc::new(codec), name).with_model(Arc::clone(model)))
 }
 
 /// Shared state of all handlers. The model may still be loading (`/health` answers 503 then).
@@ -196,7 +231,13 @@ pub fn router(state: Arc<AppState>) -> Router {
     let api = Router::new()
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(extra::model))
+        .route("/props", get(extra::props))
+        .route("/apply-template", post(extra::apply_template))
+        .route("/verify", post(extra::verify))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/metrics", get(metrics))
@@ -207,6 +248,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
+        .merge(page::routes())
         .merge(api)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -214,6 +256,8 @@ pub fn router(state: Arc<AppState>) -> Router {
             state.clone(),
             count_requests,
         ))
+        // Outermost: a browser's preflight carries no credentials and must not reach the key check.
+        .layer(middleware::from_fn_with_state(state.clone(), cors::cors))
         .with_state(state)
 }
 
@@ -315,6 +359,8 @@ async fn require_api_key(State(s): State<Arc<AppState>>, req: Request, next: Nex
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
+            // Anthropic clients send the key as `x-api-key`.
+            .or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()))
             .map(str::trim);
         if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
             return ApiError::unauthorized().into_response();
@@ -331,9 +377,15 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 async fn count_requests(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     // Only known routes become labels, so random paths cannot blow up the series count.
-    const ROUTES: [&str; 8] = [
+    const ROUTES: [&str; 14] = [
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/props",
+        "/apply-template",
+        "/verify",
+        "/",
         "/v1/models",
         "/tokenize",
         "/detokenize",
@@ -419,36 +471,21 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-/// llama-server's `/tokenize`: `{"content", "parse_special"?, "with_pieces"?}` -> `{"tokens"}`.
+/// llama-server's `/tokenize`: `{"content", "parse_special"?, "with_pieces"?}` -> `{"tokens"}`;
+/// also vLLM's `{"prompt"}` or `{"messages", ...}` (rendered with the chat template), answered
+/// with vLLM's `count`, `max_model_len` and (with `return_token_strs`) `token_strs` as well.
 async fn tokenize(State(s): State<Arc<AppState>>, req: Request) -> Result<Json<Value>, ApiError> {
     let b = s.backend()?;
     let body = read_json(&s, req).await?;
     let f = params::Fields::of(&body)?;
-    let content = f
-        .string("content")?
-        .ok_or_else(|| ApiError::invalid("content", "'content' is required"))?
-        .to_string();
+    let input = extra::tokenize_input(&f)?;
     // Models served here add no BOS of their own (GLM); the flag is accepted for compatibility.
     f.boolean("add_special")?;
+    f.boolean("add_special_tokens")?;
+    let return_strs = f.boolean("return_token_strs")?.unwrap_or(false);
     let parse_special = f.boolean("parse_special")?.unwrap_or(true);
     let with_pieces = f.boolean("with_pieces")?.unwrap_or(false);
-    let codec = b.codec.clone();
-    // Bounded like prompts: counting a text far beyond the context is not worth seconds of CPU.
-    let limit = b.engine.context_length();
-    let ids =
-        tokio::task::spawn_blocking(move || codec.encode_bounded(&content, parse_special, limit))
-            .await
-            .map_err(|_| ApiError::internal("tokenizer task failed"))?
-            .map_err(ApiError::bad_request)?;
-    let ids = match ids {
-        text::Bounded::Complete(ids) => ids,
-        text::Bounded::Exceeds { limit } => {
-            return Err(ApiError::invalid(
-                "content",
-                format!("the text is longer than the context of {limit} tokens"),
-            ))
-        }
-    };
+    let ids = extra::tokenize_ids(&b, input, parse_special).await?;
     let tokens: Vec<Value> = if with_pieces {
         ids.iter()
             .map(|&id| {
@@ -463,7 +500,7 @@ async fn tokenize(State(s): State<Arc<AppState>>, req: Request) -> Result<Json<V
     } else {
         ids.iter().map(|&id| json!(id)).collect()
     };
-    Ok(Json(json!({ "tokens": tokens })))
+    Ok(Json(extra::tokenize_answer(&b, tokens, &ids, return_strs)))
 }
 
 /// llama-server's `/detokenize`: `{"tokens": [ids]}` -> `{"content"}`.
@@ -495,7 +532,9 @@ async fn detokenize(State(s): State<Arc<AppState>>, req: Request) -> Result<Json
             ))
         }
     };
-    Ok(Json(json!({ "content": b.codec.decode(&ids, false) })))
+    let text = b.codec.decode(&ids, false);
+    // llama-server's `content`, vLLM's `prompt`.
+    Ok(Json(json!({ "content": text, "prompt": text })))
 }
 
 /// An SSE response over a stream of already formatted `data:` events.

@@ -8,10 +8,65 @@ pub use crate::tokenizer::Bounded;
 use std::sync::Arc;
 
 /// One chat message as the template sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// An assistant turn's thinking text (GLM templates render it inside `<think>`).
+    pub reasoning_content: Option<String>,
+    /// Calls an assistant turn made.
+    pub tool_calls: Vec<ToolCall>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
+    /// The function a `tool` message comes from.
+    pub name: Option<String>,
+}
+
+impl Message {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Message {
+            role: role.into(),
+            content: content.into(),
+            ..Message::default()
+        }
+    }
+
+    /// The message as chat templates receive it (transformers' conventions: tool call
+    /// arguments as an object, so templates can iterate them).
+    pub fn to_template_json(&self) -> serde_json::Value {
+        let mut m = serde_json::json!({"role": self.role, "content": self.content});
+        if let Some(r) = &self.reasoning_content {
+            m["reasoning_content"] = r.clone().into();
+        }
+        if !self.tool_calls.is_empty() {
+            let calls: Vec<serde_json::Value> = self
+                .tool_calls
+                .iter()
+                .map(|c| {
+                    let args = serde_json::from_str::<serde_json::Value>(&c.arguments)
+                        .unwrap_or_else(|_| c.arguments.clone().into());
+                    serde_json::json!({"id": c.id, "type": "function",
+                        "function": {"name": c.name, "arguments": args}})
+                })
+                .collect();
+            m["tool_calls"] = calls.into();
+        }
+        if let Some(id) = &self.tool_call_id {
+            m["tool_call_id"] = id.clone().into();
+        }
+        if let Some(n) = &self.name {
+            m["name"] = n.clone().into();
+        }
+        m
+    }
+}
+
+/// One function call: OpenAI's `tool_calls[i]` (`arguments` is JSON text).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
 }
 
 /// Tokenizer and chat template of the served model. The real binary wraps the GGUF tokenizer;
@@ -35,6 +90,17 @@ pub trait TextCodec: Send + Sync {
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, String>;
+
+    /// The chat template's source, when the model has one.
+    fn chat_template(&self) -> Option<&str> {
+        None
+    }
+
+    /// Top-level variables the chat template reads (`enable_thinking`, `tools`, ...), so that a
+    /// template kwarg it never reads is refused instead of silently ignored. `None`: unknown.
+    fn template_variables(&self) -> Option<std::collections::BTreeSet<String>> {
+        None
+    }
 
     /// [`encode`](Self::encode) with the work bounded: more than `limit` tokens is reported as
     /// `Exceeds` without tokenizing the rest (the GGUF codec stops at `limit + 1`).
@@ -128,6 +194,7 @@ impl Utf8Stream {
 pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
+    matched: Option<String>,
 }
 
 impl StopMatcher {
@@ -135,6 +202,7 @@ impl StopMatcher {
         StopMatcher {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             held: String::new(),
+            matched: None,
         }
     }
 
@@ -148,9 +216,10 @@ impl StopMatcher {
         let first = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min();
-        if let Some(pos) = first {
+            .filter_map(|s| self.held.find(s.as_str()).map(|p| (p, s)))
+            .min_by_key(|(p, _)| *p);
+        if let Some((pos, stop)) = first {
+            self.matched = Some(stop.clone());
             let out = self.held[..pos].to_string();
             self.held.clear();
             return (out, true);
@@ -178,6 +247,11 @@ impl StopMatcher {
     /// End of generation: the held text was not a stop string after all.
     pub fn finish(&mut self) -> String {
         std::mem::take(&mut self.held)
+    }
+
+    /// The stop string that ended the text, once one has.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 }
 
@@ -210,6 +284,8 @@ pub enum Piece {
     Finish {
         reason: FinishReason,
         usage: Usage,
+        /// The stop string that ended the generation, if one did.
+        stop: Option<String>,
     },
     Error(String),
 }
@@ -224,6 +300,11 @@ pub struct TextOptions {
     pub start_in_reasoning: bool,
     /// Reported in the usage of a generation cut by a stop string.
     pub prompt_tokens: usize,
+    /// Control tokens whose text is shown anyway (tool-call markers a parser needs to see).
+    pub visible_specials: Vec<u32>,
+    /// Keep thinking text in the content, markers included (llama-server's
+    /// `reasoning_format: none`).
+    pub reasoning_inline: bool,
 }
 
 /// Converts a [`Generation`]'s events to [`Piece`]s. Dropping it cancels the generation.
@@ -236,12 +317,20 @@ pub struct TextStream {
     think: Option<(u32, u32)>,
     generated: usize,
     prompt_tokens: usize,
+    visible: Vec<u32>,
     queued: std::collections::VecDeque<Piece>,
 }
 
 impl TextStream {
     pub fn new(rx: Generation, codec: Arc<dyn TextCodec>, opts: TextOptions) -> Self {
-        let channel = if opts.think.is_some() && opts.start_in_reasoning {
+        let mut visible = opts.visible_specials;
+        let think = if opts.reasoning_inline {
+            visible.extend(opts.think.iter().flat_map(|&(a, b)| [a, b]));
+            None
+        } else {
+            opts.think
+        };
+        let channel = if think.is_some() && opts.start_in_reasoning {
             Channel::Reasoning
         } else {
             Channel::Content
@@ -252,9 +341,10 @@ impl TextStream {
             utf8: Utf8Stream::default(),
             stop: StopMatcher::new(opts.stop),
             channel,
-            think: opts.think,
+            think,
             generated: 0,
             prompt_tokens: opts.prompt_tokens,
+            visible,
             queued: Default::default(),
         }
     }
@@ -268,6 +358,17 @@ impl TextStream {
             let rx = self.rx.as_mut()?;
             let ev = rx.recv().await;
             self.handle(ev);
+        }
+    }
+
+    /// Stops the generation now (the engine cancels it when the receiver is gone) and returns
+    /// the usage so far.
+    pub fn cancel(&mut self) -> Usage {
+        self.rx = None;
+        self.queued.clear();
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.generated,
         }
     }
 
@@ -308,7 +409,7 @@ impl TextStream {
                         return;
                     }
                 }
-                let bytes = if self.codec.is_special(id) {
+                let bytes = if self.codec.is_special(id) && !self.visible.contains(&id) {
                     Vec::new()
                 } else {
                     self.codec.token_bytes(id).unwrap_or_default()
@@ -329,6 +430,7 @@ impl TextStream {
                             prompt_tokens: self.prompt_tokens,
                             completion_tokens: self.generated,
                         },
+                        stop: self.stop.matched().map(str::to_string),
                     });
                 }
             }
@@ -341,7 +443,11 @@ impl TextStream {
                         tokens: Vec::new(),
                     });
                 }
-                self.queued.push_back(Piece::Finish { reason, usage });
+                self.queued.push_back(Piece::Finish {
+                    reason,
+                    usage,
+                    stop: self.stop.matched().map(str::to_string),
+                });
                 self.rx = None;
             }
             Some(Event::Failed(msg)) => {
@@ -394,6 +500,7 @@ mod tests {
     fn earliest_stop_wins() {
         let mut m = StopMatcher::new(vec!["c".into(), "ab".into()]);
         assert_eq!(m.push("zabc"), ("z".to_string(), true));
+        assert_eq!(m.matched(), Some("ab"));
     }
 
     #[test]

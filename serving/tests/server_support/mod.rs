@@ -276,6 +276,47 @@ impl TextCodec for MockCodec {
         }
         Ok(s)
     }
+    fn template_variables(&self) -> Option<std::collections::BTreeSet<String>> {
+        Some(["enable_thinking".to_string()].into())
+    }
+}
+
+/// The mock's byte tokenizer with a real Jinja chat template (GLM-style tool rendering).
+pub struct TemplateCodec(pub serving::chat::ChatTemplate);
+
+impl TextCodec for TemplateCodec {
+    fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, String> {
+        MockCodec.encode(text, parse_special)
+    }
+    fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        MockCodec.token_bytes(id)
+    }
+    fn is_special(&self, id: u32) -> bool {
+        MockCodec.is_special(id)
+    }
+    fn eog_ids(&self) -> Vec<u32> {
+        MockCodec.eog_ids()
+    }
+    fn token_id(&self, piece: &str) -> Option<u32> {
+        MockCodec.token_id(piece)
+    }
+    fn render_chat(
+        &self,
+        messages: &[Message],
+        add_gen: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, String> {
+        let msgs: Vec<serde_json::Value> = messages.iter().map(Message::to_template_json).collect();
+        self.0
+            .render_json(&serde_json::Value::Array(msgs), add_gen, kwargs)
+            .map_err(|e| e.to_string())
+    }
+    fn chat_template(&self) -> Option<&str> {
+        Some(self.0.source())
+    }
+    fn template_variables(&self) -> Option<std::collections::BTreeSet<String>> {
+        Some(self.0.variables())
+    }
 }
 
 pub struct TestServer {
@@ -292,6 +333,8 @@ pub struct Options {
     pub server: ServerConfig,
     /// Start without a model (health 503) and load it only when the test says so.
     pub ready: bool,
+    /// Tokenizer and template; the byte-level [`MockCodec`] when `None`.
+    pub codec: Option<Arc<dyn TextCodec>>,
 }
 
 impl Default for Options {
@@ -301,6 +344,7 @@ impl Default for Options {
             engine: None,
             server: ServerConfig::default(),
             ready: true,
+            codec: None,
         }
     }
 }
@@ -311,7 +355,8 @@ pub fn start(opts: Options) -> TestServer {
     let metrics = Arc::new(Metrics::default());
     let state = AppState::new(opts.server, metrics.clone());
     if opts.ready {
-        make_ready(&state, &model, &metrics, opts.engine);
+        let codec = opts.codec.unwrap_or_else(|| Arc::new(MockCodec));
+        make_ready_with(&state, &model, &metrics, opts.engine, codec);
     }
     let server = RunningServer::start("127.0.0.1:0".parse().unwrap(), state.clone()).unwrap();
     TestServer {
@@ -329,10 +374,20 @@ pub fn make_ready(
     metrics: &Arc<Metrics>,
     cfg: Option<EngineConfig>,
 ) {
+    make_ready_with(state, model, metrics, cfg, Arc::new(MockCodec));
+}
+
+pub fn make_ready_with(
+    state: &AppState,
+    model: &Arc<MockModel>,
+    metrics: &Arc<Metrics>,
+    cfg: Option<EngineConfig>,
+    codec: Arc<dyn TextCodec>,
+) {
     let m: Arc<dyn LanguageModel> = model.clone();
     let cfg = cfg.unwrap_or_else(|| EngineConfig::for_model(m.as_ref()));
     let engine = Engine::start(m, cfg, metrics.clone()).unwrap();
-    state.set_ready(Backend::new(engine, Arc::new(MockCodec), "mock"));
+    state.set_ready(Backend::new(engine, codec, "mock"));
 }
 
 /// Poll `cond` every millisecond for at most 10 s (a bound on a hang, not a timing assertion).
