@@ -46,6 +46,21 @@ impl DraftStats {
             .map(|&(d, a)| ratio(a, d))
             .collect()
     }
+    /// What was counted after `before` (an earlier copy of these counters).
+    pub fn since(&self, before: &DraftStats) -> DraftStats {
+        DraftStats {
+            per_position: self
+                .per_position
+                .iter()
+                .enumerate()
+                .map(|(i, &(d, a))| {
+                    let (d0, a0) = before.per_position.get(i).copied().unwrap_or((0, 0));
+                    (d - d0, a - a0)
+                })
+                .collect(),
+            rounds: self.rounds - before.rounds,
+        }
+    }
     /// Add another sequence's counters.
     pub fn merge(&mut self, o: &DraftStats) {
         if self.per_position.len() < o.per_position.len() {
@@ -136,71 +151,53 @@ pub fn residual(p: &Dist, q: &Dist) -> Dist {
     Dist(r)
 }
 
-/// A sequence decoded speculatively: its drafting sequence state, the token chosen last (not
-/// yet fed to the trunk) and the counters.
-pub struct SpecSequence {
-    seq: Box<dyn SequenceState>,
+/// The speculative state of one sequence (the sequence state itself lives with its owner, the
+/// engine's slot or a [`SpecSequence`]): drafts per round, the tokens the draft layer has to
+/// catch up on, the counters.
+#[derive(Debug, Clone)]
+pub struct Drafter {
     k: usize,
     /// Tokens the draft layer has to catch up on before it drafts (one per pending trunk state).
     catch_up: Vec<u32>,
     pub stats: DraftStats,
 }
 
-impl SpecSequence {
-    /// A new sequence drafting `k` tokens per round (1 ..= [`MAX_DRAFT`]); fails with
-    /// [`RuntimeError::NoDraftLayer`] for a model without one.
-    pub fn new(lm: &dyn LanguageModel, k: usize) -> Result<Self, RuntimeError> {
+impl Drafter {
+    /// Drafting `k` tokens per round (1 ..= [`MAX_DRAFT`]).
+    pub fn new(k: usize) -> Result<Self, RuntimeError> {
         if !(1..=MAX_DRAFT).contains(&k) {
             return Err(RuntimeError::Backend(format!(
                 "draft tokens per round must be 1..={MAX_DRAFT}, not {k}"
             )));
         }
-        Ok(SpecSequence {
-            seq: lm.new_draft_sequence()?,
+        Ok(Drafter {
             k,
             catch_up: Vec::new(),
             stats: DraftStats::default(),
         })
     }
 
-    /// Tokens in the trunk's cache.
-    pub fn len(&self) -> usize {
-        self.seq.len()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.seq.is_empty()
-    }
-    pub fn state(&self) -> &dyn SequenceState {
-        self.seq.as_ref()
-    }
-
-    /// Run the prompt through the trunk; returns the logits of the first token to generate.
-    pub fn prefill(
-        &mut self,
-        lm: &dyn LanguageModel,
-        prompt: &[u32],
-    ) -> Result<Vec<f32>, RuntimeError> {
-        let l = trunk(lm, self.seq.as_mut(), prompt, false)?;
+    /// The prompt went through the trunk (in one or several steps) of a sequence from
+    /// [`LanguageModel::new_draft_sequence`].
+    pub fn prefilled(&mut self, prompt: &[u32]) {
         // The draft layer pairs prompt position i with token i + 1; the last pairs with the
-        // first generated token, supplied by `step`.
-        self.catch_up = prompt[1..].to_vec();
-        l.into_iter()
-            .next()
-            .ok_or_else(|| RuntimeError::Backend("the model returned no logits".into()))
+        // first generated token, supplied by `round`.
+        self.catch_up = prompt.get(1..).unwrap_or_default().to_vec();
     }
 
-    /// One round after token `last` was chosen (and emitted): draft up to `k` tokens (fewer
-    /// when only `max_new` more tokens are wanted), verify them with the trunk, and return the
-    /// tokens that follow `last` (1 ..= k + 1 of them), each with the trunk logits it was chosen
-    /// from. `last` is fed to the trunk here.
-    pub fn step(
+    /// One round on `seq` after token `last` was chosen (and emitted): draft up to `k` tokens
+    /// (fewer when only `max_new` more tokens are wanted), verify them with the trunk, and
+    /// return the tokens that follow `last` (1 ..= k + 1 of them), each with the trunk logits it
+    /// was chosen from. `last` is fed to the trunk here.
+    pub fn round(
         &mut self,
         lm: &dyn LanguageModel,
+        seq: &mut dyn SequenceState,
         sampler: &mut Sampler,
         last: u32,
         max_new: usize,
     ) -> Result<Vec<Emitted>, RuntimeError> {
-        let n0 = self.seq.len();
+        let n0 = seq.len();
         // Room in the context for `last` and the drafts.
         let room = lm.context_length().saturating_sub(n0 + 1);
         let k = self.k.min(max_new.saturating_sub(1)).min(room);
@@ -209,14 +206,14 @@ impl SpecSequence {
         if k > 0 {
             let mut feed = std::mem::take(&mut self.catch_up);
             feed.push(last);
-            let mut logits = lm.draft_forward(self.seq.as_mut(), &feed)?;
+            let mut logits = lm.draft_forward(seq, &feed)?;
             for i in 0..k {
                 let qd = sampler.distribution(&logits);
                 let d = sampler.draw(&qd);
                 drafts.push(d);
                 q.push(qd);
                 if i + 1 < k {
-                    logits = lm.draft_forward(self.seq.as_mut(), &[d])?;
+                    logits = lm.draft_forward(seq, &[d])?;
                 }
             }
         } else {
@@ -226,7 +223,7 @@ impl SpecSequence {
         let mut tokens = Vec::with_capacity(k + 1);
         tokens.push(last);
         tokens.extend_from_slice(&drafts);
-        let logits = trunk(lm, self.seq.as_mut(), &tokens, true)?;
+        let logits = trunk(lm, seq, &tokens, true)?;
         let vocab = lm.vocab_size();
         let flat = logits
             .into_iter()
@@ -248,7 +245,7 @@ impl SpecSequence {
         if k > 0 {
             self.stats.record(k, n_acc);
             // Keep `last` and the accepted drafts; the rest of the trunk's rows go.
-            self.seq.truncate(n0 + 1 + n_acc)?;
+            seq.truncate(n0 + 1 + n_acc)?;
             self.catch_up = drafts[..n_acc].to_vec();
         }
         let mut out: Vec<Emitted> = drafts[..n_acc]
@@ -264,6 +261,63 @@ impl SpecSequence {
             logits: rows[n_acc].to_vec(),
         });
         Ok(out)
+    }
+}
+
+/// A sequence decoded speculatively from start to end (`generate`, `bench`): its drafting
+/// sequence state and its [`Drafter`].
+pub struct SpecSequence {
+    seq: Box<dyn SequenceState>,
+    drafter: Drafter,
+    pub stats: DraftStats,
+}
+
+impl SpecSequence {
+    /// A new sequence drafting `k` tokens per round (1 ..= [`MAX_DRAFT`]); fails with
+    /// [`RuntimeError::NoDraftLayer`] for a model without one.
+    pub fn new(lm: &dyn LanguageModel, k: usize) -> Result<Self, RuntimeError> {
+        let drafter = Drafter::new(k)?;
+        Ok(SpecSequence {
+            seq: lm.new_draft_sequence()?,
+            drafter,
+            stats: DraftStats::default(),
+        })
+    }
+
+    /// Tokens in the trunk's cache.
+    pub fn len(&self) -> usize {
+        self.seq.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.seq.is_empty()
+    }
+
+    /// Run the prompt through the trunk; returns the logits of the first token to generate.
+    pub fn prefill(
+        &mut self,
+        lm: &dyn LanguageModel,
+        prompt: &[u32],
+    ) -> Result<Vec<f32>, RuntimeError> {
+        let l = trunk(lm, self.seq.as_mut(), prompt, false)?;
+        self.drafter.prefilled(prompt);
+        l.into_iter()
+            .next()
+            .ok_or_else(|| RuntimeError::Backend("the model returned no logits".into()))
+    }
+
+    /// [`Drafter::round`] on this sequence.
+    pub fn step(
+        &mut self,
+        lm: &dyn LanguageModel,
+        sampler: &mut Sampler,
+        last: u32,
+        max_new: usize,
+    ) -> Result<Vec<Emitted>, RuntimeError> {
+        let r = self
+            .drafter
+            .round(lm, self.seq.as_mut(), sampler, last, max_new);
+        self.stats = self.drafter.stats.clone();
+        r
     }
 }
 

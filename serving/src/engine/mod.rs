@@ -11,6 +11,7 @@ pub mod metrics;
 use crate::sampler::{
     self, ConstraintSource, RepeatWindow, Sampler, SamplingParams, TokenConstraint,
 };
+use crate::speculative::Drafter;
 pub use metrics::Metrics;
 use runtime::lm::{LanguageModel, SeqStep, SequenceState};
 use std::collections::{HashMap, VecDeque};
@@ -35,6 +36,10 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Longest sequence (prompt + generated); at most the model's context length.
     pub context_length: usize,
+    /// Speculative decoding with the model's NextN/MTP layer, this many drafts per round
+    /// (`serve --draft mtp`); `None`: off. Requests whose logits are adjusted per token (logit
+    /// bias, penalties, grammars, `min_tokens`) decode without drafts.
+    pub draft: Option<usize>,
 }
 
 /// Makes the error of a request whose logits came out non-finite (NaN / infinity), given the
@@ -61,6 +66,7 @@ impl EngineConfig {
             max_running: 16,
             prefill_chunk: 512,
             context_length: model.context_length(),
+            draft: None,
         }
     }
 }
@@ -421,6 +427,8 @@ struct Active {
     /// reported, since sampling adjusts the logits in place.
     raw: Vec<f32>,
     last_token: Option<Instant>,
+    /// Speculative decoding state when this sequence drafts (its `state` is a drafting one).
+    drafter: Option<Drafter>,
 }
 
 impl Active {
@@ -432,8 +440,13 @@ impl Active {
 /// What one sequence does in the current step.
 #[derive(Clone, Copy)]
 enum Work {
-    Prefill { from: usize, to: usize },
+    Prefill {
+        from: usize,
+        to: usize,
+    },
     Decode,
+    /// A drafting sequence's round (draft, verify, roll back), run on its own after the batch.
+    Speculate,
 }
 
 struct Scheduler {
@@ -513,8 +526,27 @@ impl Scheduler {
                         w.push(t);
                     }
                 }
-                let state = self.model.new_sequence();
+                let draftable = job.req.logit_bias.is_empty()
+                    && job.req.presence_penalty == 0.0
+                    && job.req.frequency_penalty == 0.0
+                    && repeat.is_none()
+                    && constraint.is_none()
+                    && job.req.min_tokens == 0;
+                let drafting = match self.config.draft {
+                    Some(k) if draftable && self.model.draft_layers() > 0 => {
+                        match (Drafter::new(k), self.model.new_draft_sequence()) {
+                            (Ok(d), Ok(s)) => Some((d, s)),
+                            _ => None,
+                        }
+                    }
+                    _ => None,
+                };
+                let (drafter, state) = match drafting {
+                    Some((d, s)) => (Some(d), s),
+                    None => (None, self.model.new_sequence()),
+                };
                 self.running.push(Active {
+                    drafter,
                     sampler: Sampler::new(job.req.sampling),
                     job,
                     state,
@@ -571,7 +603,9 @@ impl Scheduler {
         let mut any_prefill_started = false;
         for a in &self.running {
             let left = a.prefill_left();
-            if left == 0 {
+            if left == 0 && a.drafter.is_some() {
+                work.push(Some(Work::Speculate));
+            } else if left == 0 {
                 work.push(Some(Work::Decode));
             } else if budget > 0 || !any_prefill_started {
                 // Prompt logprobs need a full logits row per token (vocab x 4 bytes: 600 KB for
@@ -599,6 +633,9 @@ impl Scheduler {
         let mut prefill_only = true;
         for (a, w) in self.running.iter_mut().zip(&work) {
             let Some(w) = *w else { continue };
+            if let Work::Speculate = w {
+                continue;
+            }
             let Active {
                 state,
                 job,
@@ -615,6 +652,7 @@ impl Scheduler {
                     prefill_only = false;
                     (&next[..], false)
                 }
+                Work::Speculate => continue,
             };
             n_tokens += tokens.len();
             steps.push(SeqStep {
@@ -630,10 +668,17 @@ impl Scheduler {
 
         let t0 = Instant::now();
         let model = &self.model;
-        let result = forward_with_masks(model.as_ref(), &mut steps, constraints);
+        let result = if steps.is_empty() {
+            Ok(Ok(Vec::new()))
+        } else {
+            forward_with_masks(model.as_ref(), &mut steps, constraints)
+        };
+        let batched = !steps.is_empty();
         drop(steps);
-        self.metrics
-            .record_step(n_tokens, prefill_only, t0.elapsed().as_micros() as u64);
+        if batched {
+            self.metrics
+                .record_step(n_tokens, prefill_only, t0.elapsed().as_micros() as u64);
+        }
         let vocab = self.model.vocab_size();
         let outputs = match result {
             Ok(Ok(out))
@@ -656,13 +701,19 @@ impl Scheduler {
         let mut finished: Vec<usize> = Vec::new();
         for (i, (a, w)) in self.running.iter_mut().zip(&work).enumerate() {
             let Some(w) = *w else { continue };
+            if let Work::Speculate = w {
+                if speculate(a, self.model.as_ref(), &self.metrics) {
+                    finished.push(i);
+                }
+                continue;
+            }
             let Some(mut logits) = outputs.next() else {
                 break;
             };
             if runtime::numerics::first_non_finite(&logits).is_some() {
                 let mut tokens = match w {
                     Work::Prefill { to, .. } => a.job.req.prompt[..to].to_vec(),
-                    Work::Decode => a.job.req.prompt.clone(),
+                    Work::Decode | Work::Speculate => a.job.req.prompt.clone(),
                 };
                 if let Work::Decode = w {
                     tokens.push(a.next[0]);
@@ -686,9 +737,15 @@ impl Scheduler {
                         .prompt_tokens
                         .fetch_add((to - from) as u64, Ordering::Relaxed);
                     a.prefilled = to;
+                    if to == a.job.req.prompt.len() {
+                        if let Some(d) = a.drafter.as_mut() {
+                            d.prefilled(&a.job.req.prompt);
+                        }
+                    }
                     prefill_logits(a, from, to, &mut logits, vocab, &self.metrics)
                 }
                 Work::Decode => sample_next(a, &mut logits, &self.metrics),
+                Work::Speculate => false,
             };
             if done {
                 finished.push(i);
@@ -860,6 +917,54 @@ fn sample_next(a: &mut Active, logits: &mut [f32], metrics: &Metrics) -> bool {
         logprob: sampler::logprob(&a.raw, id),
         top: sampler::top_logprobs(&a.raw, k),
     });
+    emit(a, id, lp, metrics)
+}
+
+/// One speculative round of a drafting sequence (its last token was sent): the emitted tokens
+/// go out one by one as if sampled singly (logprobs from the trunk logits each was chosen
+/// from); stop tokens and `max_tokens` end it at once. Returns true when the request ended.
+fn speculate(a: &mut Active, model: &dyn LanguageModel, metrics: &Metrics) -> bool {
+    let Some(drafter) = a.drafter.as_mut() else {
+        return fail(a, "speculative step without a drafter", metrics);
+    };
+    let t0 = Instant::now();
+    let max_new = a.job.req.max_tokens.saturating_sub(a.generated);
+    let before = drafter.stats.clone();
+    let round = catch_unwind(AssertUnwindSafe(|| {
+        drafter.round(model, a.state.as_mut(), &mut a.sampler, a.next[0], max_new)
+    }));
+    let emitted = match round {
+        Ok(Ok(e)) => e,
+        Ok(Err(e)) => return fail(a, &format!("speculative decoding: {e}"), metrics),
+        Err(_) => return fail(a, "backend panicked during a speculative round", metrics),
+    };
+    metrics.record_step(emitted.len(), false, t0.elapsed().as_micros() as u64);
+    metrics.record_draft(&drafter.stats.since(&before));
+    if emitted
+        .iter()
+        .any(|e| runtime::numerics::first_non_finite(&e.logits).is_some())
+    {
+        return fail(
+            a,
+            "the model produced non-finite logits (NaN or infinity) in a verification step",
+            metrics,
+        );
+    }
+    for e in emitted {
+        let lp = a.job.req.logprobs.map(|k| TokenLogprobs {
+            logprob: sampler::logprob(&e.logits, e.id),
+            top: sampler::top_logprobs(&e.logits, k),
+        });
+        if emit(a, e.id, lp, metrics) {
+            return true;
+        }
+    }
+    false
+}
+
+/// Send token `id` (chosen from this step's logits) and decide whether the request ends.
+fn emit(a: &mut Active, id: u32, lp: Option<TokenLogprobs>, metrics: &Metrics) -> bool {
+    let req = &a.job.req;
     a.generated += 1;
     if req.presence_penalty != 0.0 || req.frequency_penalty != 0.0 {
         *a.counts.entry(id).or_default() += 1;
