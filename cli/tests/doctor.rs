@@ -868,7 +868,7 @@ fn checks_1_and_2_read_no_tensor_data_of_a_400_gb_model() {
     let spec = runtime::spec::ModelSpec::from_metadata(&meta).unwrap();
     let tensors: Vec<TensorInfo> = spec
         .tensor_specs()
-        .into_iter()
+        .iter()
         .filter(|t| t.required || t.name.ends_with("exp_probs_b.bias"))
         .map(|t| {
             let dims: Vec<u64> = t.dims.iter().map(|&d| d as u64).collect();

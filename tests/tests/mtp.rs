@@ -373,3 +373,68 @@ fn cuda_greedy_with_mtp_drafts_equals_plain_greedy() {
         }
     }
 }
+
+/// `serve --draft mtp` through the engine: several requests at once (continuous batching with
+/// drafting sequences), greedy tokens and their logprobs equal to an engine without drafts,
+/// a request with a penalty decoding without drafts, stop tokens honoured, and the draft
+/// counters in the metrics.
+#[test]
+fn engine_with_mtp_drafts_serves_the_plain_greedy_tokens_and_counts_drafts() {
+    use serving::engine::{Engine, EngineConfig, Event, GenerationRequest, Metrics};
+    let m = open("gguf/tiny-glm5-BF16.gguf");
+    let lm: Arc<dyn LanguageModel> = Arc::new(runtime::glm::load_cpu(Arc::clone(&m)).unwrap());
+    let run = |draft: Option<usize>| {
+        let mut cfg = EngineConfig::for_model(lm.as_ref());
+        cfg.draft = draft;
+        let metrics = Arc::new(Metrics::default());
+        let engine = Engine::start(Arc::clone(&lm), cfg, Arc::clone(&metrics)).unwrap();
+        let mut gens = Vec::new();
+        for (i, (_, prompt)) in prompts().into_iter().enumerate() {
+            let mut r = GenerationRequest::new(prompt, 20, SamplingParams::greedy());
+            r.logprobs = Some(2);
+            if i == 1 {
+                r.presence_penalty = 0.5;
+            }
+            if i == 2 {
+                // `<|endoftext|>` and `.` (id 13, the byte-level token of 0x2e): the fact
+                // prompt's continuation ends a sentence, which must end both engines alike.
+                r.stop_tokens = vec![1975, 13];
+            }
+            gens.push(engine.submit(r).unwrap());
+        }
+        let out: Vec<Vec<(u32, f32)>> = gens
+            .iter_mut()
+            .map(|g| {
+                let mut v = Vec::new();
+                while let Some(e) = g.blocking_recv() {
+                    match e {
+                        Event::Token { id, logprobs } => v.push((id, logprobs.unwrap().logprob)),
+                        Event::Finished { .. } => break,
+                        Event::Failed(m) => panic!("request failed: {m}"),
+                        Event::PromptLogprobs(_) => {}
+                    }
+                }
+                v
+            })
+            .collect();
+        (out, metrics.draft())
+    };
+    let (plain, none) = run(None);
+    let (spec, st) = run(Some(3));
+    assert_eq!(none.n_drafted(), 0);
+    assert!(st.n_drafted() > 0 && st.n_accepted() > 0, "{st:?}");
+    for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
+        let ids = |v: &[(u32, f32)]| v.iter().map(|x| x.0).collect::<Vec<_>>();
+        assert_eq!(ids(a), ids(b), "request {i}");
+        for (x, y) in a.iter().zip(b) {
+            // The verification step's rows are computed as the plain steps' (CPU: the same
+            // per-row arithmetic), so the logprobs agree to f32 rounding of the log-softmax.
+            assert!(
+                (x.1 - y.1).abs() <= 1e-5,
+                "request {i}: logprob {} vs {}",
+                x.1,
+                y.1
+            );
+        }
+    }
+}
