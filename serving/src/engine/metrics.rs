@@ -320,30 +320,24 @@ impl Metrics {
             "Accepted / drafted tokens since start (0 when nothing was drafted).",
             d.acceptance_rate().to_string(),
         );
-        let _ = writeln!(
-            o,
-            "# HELP gguftool_spec_decode_num_accepted_tokens_per_pos_total Draft tokens accepted, by draft depth (1 = first).\n\
-             # TYPE gguftool_spec_decode_num_accepted_tokens_per_pos_total counter"
+        let per_pos = |o: &mut String, name: &str, help: &str, v: &dyn Fn(&(u64, u64)) -> u64| {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter");
+            for (i, p) in d.per_position.iter().enumerate() {
+                let _ = writeln!(o, "{name}{{position=\"{}\"}} {}", i + 1, v(p));
+            }
+        };
+        per_pos(
+            &mut o,
+            "gguftool_spec_decode_num_accepted_tokens_per_pos_total",
+            "Draft tokens accepted, by draft depth (1 = first).",
+            &|p| p.1,
         );
-        for (i, &(_, a)) in d.per_position.iter().enumerate() {
-            let _ = writeln!(
-                o,
-                "gguftool_spec_decode_num_accepted_tokens_per_pos_total{{position=\"{}\"}} {a}",
-                i + 1
-            );
-        }
-        let _ = writeln!(
-            o,
-            "# HELP gguftool_spec_decode_num_draft_tokens_per_pos_total Draft tokens proposed, by draft depth (1 = first).\n\
-             # TYPE gguftool_spec_decode_num_draft_tokens_per_pos_total counter"
+        per_pos(
+            &mut o,
+            "gguftool_spec_decode_num_draft_tokens_per_pos_total",
+            "Draft tokens proposed, by draft depth (1 = first).",
+            &|p| p.0,
         );
-        for (i, &(n, _)) in d.per_position.iter().enumerate() {
-            let _ = writeln!(
-                o,
-                "gguftool_spec_decode_num_draft_tokens_per_pos_total{{position=\"{}\"}} {n}",
-                i + 1
-            );
-        }
         let _ = writeln!(
             o,
             "# HELP gguftool_requests_finished_total Requests that left the engine, by reason.\n\
