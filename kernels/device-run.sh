@@ -26,14 +26,14 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     [ "$drc" = 0 ] || rc=$drc
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-    ./gguftool bench --gpu --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+    ./gguftool bench --kernels --json > "$OUT/bench.json" 2> "$OUT/bench.txt"
     for m in tiny-glm5-Q4_K_M tiny-glm5-BF16; do
-        ./gguftool bench --model "$FIX/gguf/$m.gguf" --tokens 128 --json "$OUT/decode-$m.json" 2>&1 | tee -a "$OUT/bench.txt"
+        ./gguftool bench -m "$FIX/gguf/$m.gguf" -p 32 -n 128 --device cuda 2>&1 | tee -a "$OUT/bench.txt"
     done
-    # GLM-5-shaped model (bench-models preset, 2 layers: dense + MoE), generated here, GPU only.
-    if timeout 180 ./gguftool synth --preset glm5 --layers 2 -o /tmp/glm5-2l.gguf --force --quiet; then
-        timeout 200 ./gguftool bench --model /tmp/glm5-2l.gguf --backend cuda --tokens 32 \
-            --json "$OUT/decode-glm5-2l.json" 2>&1 | tee -a "$OUT/bench.txt"
+    # GLM-5-shaped model (bench-models preset, 4 layers: dense + 3 MoE), generated here.
+    if timeout 180 ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --quiet; then
+        timeout 200 ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 512 -n 128 \
+            2>&1 | tee -a "$OUT/bench.txt"
     fi
 fi
 echo "== summary (exit $rc)"

@@ -573,6 +573,13 @@ mod tests {
     use super::*;
     use std::os::unix::fs::FileTypeExt;
 
+    /// `remove_temporaries` removes every temporary of the process: tests that make temporaries
+    /// run one at a time so one test's cleanup never deletes another's `.partial`.
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        static LOCK: Mutex<()> = Mutex::new(());
+        LOCK.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn names(d: &Path) -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir(d)
             .unwrap()
@@ -584,6 +591,7 @@ mod tests {
 
     #[test]
     fn file_appears_only_on_commit_and_temporaries_are_unique() {
+        let _serial = serial();
         let d = tempfile::tempdir().unwrap();
         let t = d.path().join("out.gguf");
         let a = PartialFile::create(&t, false).unwrap();
@@ -602,6 +610,7 @@ mod tests {
 
     #[test]
     fn dropped_file_leaves_nothing() {
+        let _serial = serial();
         let d = tempfile::tempdir().unwrap();
         let t = d.path().join("x");
         drop(PartialFile::create(&t, false).unwrap());
@@ -610,6 +619,7 @@ mod tests {
 
     #[test]
     fn only_regular_files_are_replaced() {
+        let _serial = serial();
         let d = tempfile::tempdir().unwrap();
         let reg = d.path().join("reg");
         std::fs::write(&reg, b"old").unwrap();
@@ -638,6 +648,7 @@ mod tests {
 
     #[test]
     fn registered_temporaries_are_removed() {
+        let _serial = serial();
         let d = tempfile::tempdir().unwrap();
         let f = PartialFile::create(&d.path().join("x"), false).unwrap();
         let dir = AtomicDir::create(&d.path().join("y"), false, &[]).unwrap();
@@ -650,6 +661,7 @@ mod tests {
 
     #[test]
     fn directory_swap_keeps_foreign_files_safe() {
+        let _serial = serial();
         let d = tempfile::tempdir().unwrap();
         let out = d.path().join("out");
         // First write: absent target.
@@ -683,6 +695,7 @@ mod tests {
 
     #[test]
     fn directory_containing_an_input_is_refused() {
+        let _serial = serial();
         let d = tempfile::tempdir().unwrap();
         let out = d.path().join("d");
         std::fs::create_dir(&out).unwrap();
@@ -699,6 +712,7 @@ mod tests {
 
     #[test]
     fn special_directories_are_refused() {
+        let _serial = serial();
         assert!(check_output_dir(Path::new("/"), true, &[]).is_err());
         assert!(check_output_dir(Path::new("."), true, &[]).is_err());
         let cwd = std::env::current_dir().unwrap();

@@ -103,31 +103,44 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// Grid (H, S), 256 threads: o = sum_p acc_p * e^(m_p - M) / sum_p z_p * e^(m_p - M), p ascending.
-// A query with no visible key (impossible for causal attention) gets zeros.
+// Grid (H, min(S, 65535)), 256 threads, tokens grid-strided over y:
+// o = sum_p acc_p * e^(m_p - M) / sum_p z_p * e^(m_p - M).
+// The split weights e^(m_p - M) are computed once per (token, head) into shared memory (threads
+// over splits, block reductions in a fixed order), then each thread sums its output dims over
+// the splits with independent loads: no serial chain of L2 reads per split. n_split <= 1024
+// (checked by the host). A query with no visible key (impossible for causal attention) gets
+// zeros.
+#define COMBINE_MAX_SPLITS 1024
 extern "C" __global__ void __launch_bounds__(256)
     attn_combine_f32(const float* __restrict__ part, int n_split, int H, int Dv,
-                     float* __restrict__ o, long long o_tok_stride, long long o_head_stride) {
+                     float* __restrict__ o, long long o_tok_stride, long long o_head_stride,
+                     long long tokens) {
+    __shared__ float wsplit[COMBINE_MAX_SPLITS];
+    __shared__ float scratch[32];
     const int h = blockIdx.x;
-    const long long s = blockIdx.y;
-    const float* pr = part + (s * H + h) * (long long)n_split * (Dv + 2);
-    float M = NEG_INF;
-    for (int p = 0; p < n_split; ++p) M = fmaxf(M, pr[p * (long long)(Dv + 2)]);
-    float Z = 0.0f;
-    if (M != NEG_INF)
-        for (int p = 0; p < n_split; ++p) {
-            const float mp = pr[p * (long long)(Dv + 2)];
-            if (mp != NEG_INF) Z += pr[p * (long long)(Dv + 2) + 1] * expf(mp - M);
+    const long long row = Dv + 2;
+    for (long long s = blockIdx.y; s < tokens; s += gridDim.y) {
+        const float* pr = part + (s * H + h) * (long long)n_split * row;
+        float m = NEG_INF;
+        for (int p = threadIdx.x; p < n_split; p += blockDim.x) m = fmaxf(m, pr[p * row]);
+        const float M = block_max(m, scratch);
+        float z = 0.0f;
+        for (int p = threadIdx.x; p < n_split; p += blockDim.x) {
+            const float mp = pr[p * row];
+            const float e = (mp == NEG_INF || M == NEG_INF) ? 0.0f : expf(mp - M);
+            wsplit[p] = e;
+            z += pr[p * row + 1] * e;
         }
-    const float inv = Z > 0.0f ? 1.0f / Z : 0.0f;
-    float* orow = o + s * o_tok_stride + (long long)h * o_head_stride;
-    for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
-        float acc = 0.0f;
-        if (M != NEG_INF)
-            for (int p = 0; p < n_split; ++p) {
-                const float mp = pr[p * (long long)(Dv + 2)];
-                if (mp != NEG_INF) acc += pr[p * (long long)(Dv + 2) + 2 + d] * expf(mp - M);
-            }
-        orow[d] = acc * inv;
+        // The barriers inside block_sum also publish wsplit.
+        const float Z = block_sum(z, scratch);
+        const float inv = Z > 0.0f ? 1.0f / Z : 0.0f;
+        float* orow = o + s * o_tok_stride + (long long)h * o_head_stride;
+        for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
+            float acc = 0.0f;
+#pragma unroll 8
+            for (int p = 0; p < n_split; ++p) acc += pr[p * row + 2 + d] * wsplit[p];
+            orow[d] = acc * inv;
+        }
+        __syncthreads();  // wsplit is rewritten for the next token
     }
 }

@@ -108,3 +108,93 @@ DEV void block_argmax(float& v, int& i, float* sv, int* si) {
     i = lane < nw ? si[lane] : 0x7fffffff;
     warp_argmax(v, i);
 }
+
+// Exclusive prefix count of `flag` over the block in thread order; `total` gets the block sum.
+DEV int block_excl_scan(int flag, int* warp_tot, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const unsigned b = __ballot_sync(0xffffffffu, flag);
+    const int in_warp = __popc(b & ((1u << lane) - 1u));
+    __syncthreads();
+    if (lane == 0) warp_tot[warp] = __popc(b);
+    __syncthreads();
+    int before = 0, tot = 0;
+    for (int w = 0; w < nw; ++w) {
+        const int c = warp_tot[w];
+        if (w < warp) before += c;
+        tot += c;
+    }
+    total = tot;
+    return before + in_warp;
+}
+
+// Order-preserving 32-bit key of a float (a larger float has a larger key); NaN maps to 0 and,
+// with NO_NEG_INF, so does -inf (the scorers' mask value): key 0 is never selected.
+template <bool NO_NEG_INF>
+DEV uint32_t select_key(float f) {
+    if (f != f || (NO_NEG_INF && f == NEG_INF)) return 0u;
+    const uint32_t u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Radix select over one row (a block of threads): the key of the k-th largest nonzero key and
+// how many entries equal to it belong to the k largest (`remaining`), 8 bits per pass from the
+// top. Histograms are per block in shared memory (`hist`, 256 ints); equal digits of a warp are
+// counted with one atomic (__match_any_sync), since scores cluster in a few digits and plain
+// per-element atomics on one bin serialize. 1 <= k <= number of nonzero keys.
+template <bool NO_NEG_INF>
+DEV void radix_select(const float* __restrict__ xr, int n, int k, int* hist, uint32_t* sh_prefix,
+                      int* sh_rem, uint32_t& prefix, int& remaining) {
+    const int lane = threadIdx.x & 31;
+    prefix = 0;
+    uint32_t mask = 0;
+    remaining = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        for (int base = 0; base < n; base += blockDim.x) {
+            const int i = base + threadIdx.x;
+            const uint32_t key = i < n ? select_key<NO_NEG_INF>(xr[i]) : 0u;
+            const uint32_t bin = (key && (key & mask) == prefix) ? ((key >> shift) & 0xFF) : 256u;
+            const unsigned peers = __match_any_sync(0xffffffffu, bin);
+            if (bin < 256u && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int rem = remaining, b = 255;
+            for (; b > 0; --b) {
+                if (hist[b] >= rem) break;
+                rem -= hist[b];
+            }
+            *sh_prefix = prefix | ((uint32_t)b << shift);
+            *sh_rem = rem;
+        }
+        __syncthreads();
+        prefix = *sh_prefix;
+        remaining = *sh_rem;
+        mask |= 0xFFu << shift;
+        __syncthreads();
+    }
+}
+
+// The selected entries in index order: every nonzero key above `prefix`, and the first
+// `remaining` equal to it (all nonzero keys when !select). emit(position, index) for each;
+// returns how many were selected. `warp_tot` is 32 ints of shared memory.
+template <bool NO_NEG_INF, typename Emit>
+DEV int compact_selected(const float* __restrict__ xr, int n, bool select, uint32_t prefix,
+                         int remaining, int* warp_tot, Emit emit) {
+    int written = 0, ties_seen = 0;
+    for (int base = 0; base < n; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        const uint32_t key = i < n ? select_key<NO_NEG_INF>(xr[i]) : 0u;
+        const int is_tie = select && key != 0u && key == prefix;
+        int tie_tot;
+        const int tie_rank = ties_seen + block_excl_scan(is_tie, warp_tot, tie_tot);
+        const int take = key != 0u && (!select || key > prefix || (is_tie && tie_rank < remaining));
+        int take_tot;
+        const int at = written + block_excl_scan(take, warp_tot, take_tot);
+        if (take) emit(at, i);
+        written += take_tot;
+        ties_seen += tie_tot;
+    }
+    return written;
+}

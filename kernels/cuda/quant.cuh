@@ -321,8 +321,7 @@ DEV void deq32<QT_Q3_K>(const uint8_t* __restrict__ b, int c, const QTables&, fl
 // m = (s[j+4] >> 4) | ((s[j] >> 6) << 4). With jj = j & 3 every byte needed is byte jj of one of
 // the three scale words: for j < 4, s[j] in word 0 and s[j+4] in word 1; for j >= 4, s[j-4],
 // s[j] and s[j+4] in words 0, 1 and 2.
-DEV void k_header(const uint8_t* __restrict__ b, int j, float& d1, float& m1) {
-    const uint4 h = ldw4(b);
+DEV void k_scales(const uint4& h, int j, float& d1, float& m1) {
     const float d = f16_to_f32((uint16_t)(h.x & 0xFFFF)), dmin = f16_to_f32((uint16_t)(h.x >> 16));
     const int sh = 8 * (j & 3);
     const uint32_t ba = (h.y >> sh) & 0xFF, bb = (h.z >> sh) & 0xFF, bc = (h.w >> sh) & 0xFF;
@@ -330,6 +329,9 @@ DEV void k_header(const uint8_t* __restrict__ b, int j, float& d1, float& m1) {
     const uint32_t m = j < 4 ? (bb & 63) : ((bc >> 4) | ((bb >> 6) << 4));
     d1 = d * u2f_small(sc);
     m1 = dmin * u2f_small(m);
+}
+DEV void k_header(const uint8_t* __restrict__ b, int j, float& d1, float& m1) {
+    k_scales(ldw4(b), j, d1, m1);
 }
 
 // Q4_K {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]} (144 B: blocks stay 16-byte aligned).
@@ -699,6 +701,157 @@ template <int QT> DEV float plain_elem(const uint8_t* __restrict__ base, long lo
         default: return __int_as_float(0x7fc00000);
     }
 }
+
+// ---- Repacked layouts (kernels/src/repack.rs) -------------------------------------------------
+// Types whose GGUF blocks are not 16-byte aligned are stored on the device as a lossless
+// permutation of the same bytes: per tensor of `nblk` blocks, one region per field, block g's
+// field at region + g * field_size. Quant bytes then sit on 16-byte boundaries (one vector load
+// per 32 weights). Type ids 100 + the GGUF id; QB/BB are the GGUF block's elements and bytes.
+#define QT_R 100
+#define QT_Q4_0_R (QT_R + QT_Q4_0)
+#define QT_Q4_1_R (QT_R + QT_Q4_1)
+#define QT_Q5_0_R (QT_R + QT_Q5_0)
+#define QT_Q5_1_R (QT_R + QT_Q5_1)
+#define QT_Q8_0_R (QT_R + QT_Q8_0)
+#define QT_Q6_K_R (QT_R + QT_Q6_K)
+#define QT_IQ4_NL_R (QT_R + QT_IQ4_NL)
+QTRAITS(QT_Q4_0_R, 32, 18)
+QTRAITS(QT_Q4_1_R, 32, 20)
+QTRAITS(QT_Q5_0_R, 32, 22)
+QTRAITS(QT_Q5_1_R, 32, 24)
+QTRAITS(QT_Q8_0_R, 32, 34)
+QTRAITS(QT_Q6_K_R, 256, 210)
+QTRAITS(QT_IQ4_NL_R, 32, 18)
+
+// A weight tensor on the device: GGUF blocks back to back, or a repacked tensor of nblk blocks.
+struct WMat {
+    const uint8_t* base;
+    long long nblk;
+};
+
+DEV uint4 ld16(const uint8_t* p) { return ldw4(p); }
+DEV float rp_f16(const uint8_t* p) { return f16_to_f32((uint16_t)ld_u16(p)); }
+
+// Elements [32c, 32c + 32) of block g (c < QB/32) of a tensor, in either layout. The values are
+// formed exactly as deq32<> forms them for the GGUF block (same products, same order).
+template <int QT>
+DEV void dec_chunk(const WMat& m, long long g, int c, const QTables& t, float (&y)[32]) {
+    deq32<QT>(m.base + g * QTraits<QT>::BB, c, t, y);
+}
+
+// Q4_0_R: qs[16] at 16g, d at 16n + 2g.
+template <>
+DEV void dec_chunk<QT_Q4_0_R>(const WMat& m, long long g, int, const QTables&, float (&y)[32]) {
+    const uint4 v = ld16(m.base + 16 * g);
+    const float d = rp_f16(m.base + 16 * m.nblk + 2 * g);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        const uint32_t q = (w[k >> 2] >> (8 * (k & 3))) & 0xFF;
+        y[k] = i2f_small((int)(q & 0xF) - 8, 8) * d;
+        y[k + 16] = i2f_small((int)(q >> 4) - 8, 8) * d;
+    }
+}
+// Q4_1_R: qs[16] at 16g, d at 16n + 2g, m at 18n + 2g.
+template <>
+DEV void dec_chunk<QT_Q4_1_R>(const WMat& m, long long g, int, const QTables&, float (&y)[32]) {
+    const uint4 v = ld16(m.base + 16 * g);
+    const float d = rp_f16(m.base + 16 * m.nblk + 2 * g), mn = rp_f16(m.base + 18 * m.nblk + 2 * g);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        const uint32_t q = (w[k >> 2] >> (8 * (k & 3))) & 0xFF;
+        y[k] = d * u2f_small(q & 0xF) + mn;
+        y[k + 16] = d * u2f_small(q >> 4) + mn;
+    }
+}
+// Q5_0_R: qs[16] at 16g, qh (u32) at 16n + 4g, d at 20n + 2g.
+template <>
+DEV void dec_chunk<QT_Q5_0_R>(const WMat& m, long long g, int, const QTables&, float (&y)[32]) {
+    const uint4 v = ld16(m.base + 16 * g);
+    const uint32_t qh = ldw32(m.base + 16 * m.nblk + 4 * g);
+    const float d = rp_f16(m.base + 20 * m.nblk + 2 * g);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        const uint32_t q = (w[k >> 2] >> (8 * (k & 3))) & 0xFF;
+        const uint32_t lo = (q & 0xF) | (((qh >> k) & 1) << 4);
+        const uint32_t hi = (q >> 4) | (((qh >> (k + 16)) & 1) << 4);
+        y[k] = i2f_small((int)lo - 16, 16) * d;
+        y[k + 16] = i2f_small((int)hi - 16, 16) * d;
+    }
+}
+// Q5_1_R: qs[16] at 16g, qh at 16n + 4g, d at 20n + 2g, m at 22n + 2g.
+template <>
+DEV void dec_chunk<QT_Q5_1_R>(const WMat& m, long long g, int, const QTables&, float (&y)[32]) {
+    const uint4 v = ld16(m.base + 16 * g);
+    const uint32_t qh = ldw32(m.base + 16 * m.nblk + 4 * g);
+    const float d = rp_f16(m.base + 20 * m.nblk + 2 * g), mn = rp_f16(m.base + 22 * m.nblk + 2 * g);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        const uint32_t q = (w[k >> 2] >> (8 * (k & 3))) & 0xFF;
+        const uint32_t lo = (q & 0xF) | (((qh >> k) & 1) << 4);
+        const uint32_t hi = (q >> 4) | (((qh >> (k + 16)) & 1) << 4);
+        y[k] = d * u2f_small(lo) + mn;
+        y[k + 16] = d * u2f_small(hi) + mn;
+    }
+}
+// Q8_0_R: qs[32] at 32g, d at 32n + 2g.
+template <>
+DEV void dec_chunk<QT_Q8_0_R>(const WMat& m, long long g, int, const QTables&, float (&y)[32]) {
+    const float d = rp_f16(m.base + 32 * m.nblk + 2 * g);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const uint4 v = ld16(m.base + 32 * g + 16 * i);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 16; ++k)
+            y[16 * i + k] = i2f_small((int)(int8_t)((w[k >> 2] >> (8 * (k & 3))) & 0xFF), 128) * d;
+    }
+}
+// IQ4_NL_R: qs[16] at 16g, d at 16n + 2g.
+template <>
+DEV void dec_chunk<QT_IQ4_NL_R>(const WMat& m, long long g, int, const QTables& t, float (&y)[32]) {
+    const uint4 v = ld16(m.base + 16 * g);
+    const float d = rp_f16(m.base + 16 * m.nblk + 2 * g);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        const uint32_t q = (w[k >> 2] >> (8 * (k & 3))) & 0xFF;
+        y[k] = d * (float)t.kvalues[q & 0xF];
+        y[k + 16] = d * (float)t.kvalues[q >> 4];
+    }
+}
+// Q6_K_R: ql[128] + qh[64] at 192g, scales[16] at 192n + 16g, d at 208n + 2g.
+// Chunk c: half h = c/4, r0 = 32*(c%4): ql[64h + (r0 & 63) ...] >> 4*(r0/64), qh[32h ...] >> 2*(r0/32).
+template <>
+DEV void dec_chunk<QT_Q6_K_R>(const WMat& m, long long g, int c, const QTables&, float (&y)[32]) {
+    const uint8_t* b = m.base + 192 * g;
+    const float d = rp_f16(m.base + 208 * m.nblk + 2 * g);
+    const int8_t* sc = (const int8_t*)(m.base + 192 * m.nblk + 16 * g);
+    const int h = c >> 2, r0 = 32 * (c & 3);
+    const int lsh = 4 * (r0 >> 6), hsh = 2 * (r0 >> 5);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const float dl = d * (float)sc[2 * c + half];
+        const uint4 lv = ld16(b + 64 * h + (r0 & 63) + 16 * half);
+        const uint4 hv = ld16(b + 128 + 32 * h + 16 * half);
+        const uint32_t lw[4] = {lv.x, lv.y, lv.z, lv.w};
+        const uint32_t hw[4] = {hv.x, hv.y, hv.z, hv.w};
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+            const int lo = (int)((lw[k >> 2] >> (8 * (k & 3) + lsh)) & 0xF);
+            const int hi = (int)((hw[k >> 2] >> (8 * (k & 3) + hsh)) & 3);
+            y[16 * half + k] = dl * i2f_small((lo | (hi << 4)) - 32, 32);
+        }
+    }
+}
+
+// The repacked types, for instantiation macros.
+#define FOR_EACH_RTYPE(X) \
+    X(QT_Q4_0_R, q4_0_r) X(QT_Q4_1_R, q4_1_r) X(QT_Q5_0_R, q5_0_r) X(QT_Q5_1_R, q5_1_r) \
+    X(QT_Q8_0_R, q8_0_r) X(QT_Q6_K_R, q6_k_r) X(QT_IQ4_NL_R, iq4_nl_r)
 
 // Every GPU-supported type, for instantiation macros: X(QT, suffix).
 #define FOR_EACH_QTYPE(X) \

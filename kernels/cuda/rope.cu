@@ -7,33 +7,37 @@
 
 extern "C" __global__ void rope_f32(float* __restrict__ x, long long tok_stride, long long head_stride,
                                     int off, int n_rot, const int* __restrict__ pos,
-                                    const float* __restrict__ inv_freq, int style) {
+                                    const float* __restrict__ inv_freq, int style,
+                                    long long tokens) {
     const int half = n_rot >> 1;
     const int j = threadIdx.x;
     const int h = blockIdx.x;
-    const long long s = blockIdx.y;
     const bool active = j < half;
-    float* p = x + s * tok_stride + (long long)h * head_stride + off;
-    float o1 = 0.0f, o2 = 0.0f;
-    if (active) {
-        const float ang = (float)pos[s] * inv_freq[j];
-        float sn, cs;
-        sincosf(ang, &sn, &cs);
-        const int i1 = style == 2 ? j : 2 * j, i2 = style == 2 ? j + half : 2 * j + 1;
-        const float x1 = p[i1], x2 = p[i2];
-        o1 = x1 * cs - x2 * sn;
-        o2 = x2 * cs + x1 * sn;
-    }
-    // Every pair is read before any is overwritten (the de-interleaved write crosses pairs).
-    __syncthreads();
-    if (active) {
-        if (style == 1) {
-            p[j] = o1;
-            p[half + j] = o2;
-        } else {
+    // Tokens grid-stride over grid.y (limited to 65535; the bound is uniform per block, so the
+    // barrier below is reached by every thread). Different tokens never share elements.
+    for (long long s = blockIdx.y; s < tokens; s += gridDim.y) {
+        float* p = x + s * tok_stride + (long long)h * head_stride + off;
+        float o1 = 0.0f, o2 = 0.0f;
+        if (active) {
+            const float ang = (float)pos[s] * inv_freq[j];
+            float sn, cs;
+            sincosf(ang, &sn, &cs);
             const int i1 = style == 2 ? j : 2 * j, i2 = style == 2 ? j + half : 2 * j + 1;
-            p[i1] = o1;
-            p[i2] = o2;
+            const float x1 = p[i1], x2 = p[i2];
+            o1 = x1 * cs - x2 * sn;
+            o2 = x2 * cs + x1 * sn;
+        }
+        // Every pair is read before any is overwritten (the de-interleaved write crosses pairs).
+        __syncthreads();
+        if (active) {
+            if (style == 1) {
+                p[j] = o1;
+                p[half + j] = o2;
+            } else {
+                const int i1 = style == 2 ? j : 2 * j, i2 = style == 2 ? j + half : 2 * j + 1;
+                p[i1] = o1;
+                p[i2] = o2;
+            }
         }
     }
 }

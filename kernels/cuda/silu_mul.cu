@@ -3,10 +3,13 @@
 
 extern "C" __global__ void silu_mul_f32(const float* __restrict__ g, long long g_stride,
                                         const float* __restrict__ u, long long u_stride,
-                                        float* __restrict__ out, long long o_stride, int n) {
+                                        float* __restrict__ out, long long o_stride, int n,
+                                        long long rows) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    const long long r = blockIdx.y;
     if (i >= n) return;
-    const float gv = g[r * g_stride + i];
-    out[r * o_stride + i] = gv / (1.0f + expf(-gv)) * u[r * u_stride + i];
+    // Rows grid-stride over grid.y (limited to 65535).
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        const float gv = g[r * g_stride + i];
+        out[r * o_stride + i] = gv / (1.0f + expf(-gv)) * u[r * u_stride + i];
+    }
 }

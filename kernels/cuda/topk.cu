@@ -1,35 +1,11 @@
 // Op `topk`: the DSA top-k key selection per query row (spec §1.7-1.8). One 1024-thread block
 // per row. Candidates are entries that are not -inf and not NaN (the scorer writes -inf for
 // causally masked keys). If at most k candidates exist, all are kept; otherwise the k largest,
-// found by an 8-bit radix select on order-preserving keys, ties resolved to the lower index.
+// found by an 8-bit radix select on order-preserving keys (prelude.cuh), ties resolved to the
+// lower index.
 // Output: the selected indices in ascending order, then -1 up to k; count[s] = number selected.
 
 #define TOPK_THREADS 1024
-
-DEV uint32_t order_key(float f) {
-    // NaN and -inf map to 0 (never selected: candidates need key > 0).
-    if (f != f || f == NEG_INF) return 0u;
-    const uint32_t u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// Exclusive prefix count of `flag` over the block in thread order; `total` gets the block sum.
-DEV int block_excl_scan(int flag, int* warp_tot, int& total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const unsigned b = __ballot_sync(0xffffffffu, flag);
-    const int in_warp = __popc(b & ((1u << lane) - 1u));
-    __syncthreads();
-    if (lane == 0) warp_tot[warp] = __popc(b);
-    __syncthreads();
-    int before = 0, tot = 0;
-    for (int w = 0; w < nw; ++w) {
-        const int c = warp_tot[w];
-        if (w < warp) before += c;
-        tot += c;
-    }
-    total = tot;
-    return before + in_warp;
-}
 
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
     topk_f32(const float* __restrict__ x, long long x_stride, int n, int k, int* __restrict__ out,
@@ -44,52 +20,19 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
     int* orow = out + s * out_stride;
 
     float nv = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) nv += order_key(xr[i]) ? 1.0f : 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) nv += select_key<true>(xr[i]) ? 1.0f : 0.0f;
     const int n_valid = (int)block_sum(nv, scratch);  // exact: n < 2^24 (checked by the host)
 
-    uint32_t prefix = 0, mask = 0;
-    int remaining = k;  // how many of the elements equal to the threshold are still to take
-    if (n_valid > k) {
-        for (int shift = 24; shift >= 0; shift -= 8) {
-            for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
-            __syncthreads();
-            for (int i = threadIdx.x; i < n; i += blockDim.x) {
-                const uint32_t key = order_key(xr[i]);
-                if (key && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xFF], 1);
-            }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                int rem = remaining, b = 255;
-                for (; b > 0; --b) {
-                    if (hist[b] >= rem) break;
-                    rem -= hist[b];
-                }
-                sh_prefix = prefix | ((uint32_t)b << shift);
-                sh_remaining = rem;
-            }
-            __syncthreads();
-            prefix = sh_prefix;
-            remaining = sh_remaining;
-            mask |= 0xFFu << shift;
-            __syncthreads();
-        }
-    }
-    // Compaction in index order. Without selection (n_valid <= k) every candidate is taken.
+    // How many of the elements equal to the threshold are still to take.
+    uint32_t prefix = 0;
+    int remaining = k;
     const bool select = n_valid > k;
-    int written = 0, ties_seen = 0;
-    for (int base = 0; base < n; base += blockDim.x) {
-        const int i = base + threadIdx.x;
-        const uint32_t key = i < n ? order_key(xr[i]) : 0u;
-        const int is_tie = select && key != 0u && key == prefix;
-        int tie_tot;
-        const int tie_rank = ties_seen + block_excl_scan(is_tie, warp_tot, tie_tot);
-        const int take = key != 0u && (!select || key > prefix || (is_tie && tie_rank < remaining));
-        int take_tot;
-        const int at = written + block_excl_scan(take, warp_tot, take_tot);
-        if (take && at < k) orow[at] = i;
-        written += take_tot;
-        ties_seen += tie_tot;
-    }
+    if (select) radix_select<true>(xr, n, k, hist, &sh_prefix, &sh_remaining, prefix, remaining);
+    // Compaction in index order. Without selection (n_valid <= k) every candidate is taken.
+    const int written = compact_selected<true>(xr, n, select, prefix, remaining, warp_tot,
+                                               [&](int at, int i) {
+                                                   if (at < k) orow[at] = i;
+                                               });
     const int sel = written < k ? written : k;
     for (int j = sel + threadIdx.x; j < k; j += blockDim.x) orow[j] = -1;
     if (threadIdx.x == 0 && count) count[s] = sel;

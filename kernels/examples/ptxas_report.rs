@@ -9,11 +9,19 @@ fn main() {
         _ => "sm_90",
     };
     let filter = std::env::args().nth(2).unwrap_or_default();
+    // Optional third argument: only modules whose op name contains it.
+    let op_filter = std::env::args().nth(3).unwrap_or_default();
     if !kernels::nvrtc::available() {
         eprintln!("no NVRTC library");
         std::process::exit(2);
     }
     for op in kernels::Op::ALL {
+        if !format!("{op:?}")
+            .to_lowercase()
+            .contains(&op_filter.to_lowercase())
+        {
+            continue;
+        }
         let t = std::time::Instant::now();
         match kernels::nvrtc::compile(op, arch, true) {
             Ok(c) => {

@@ -9,9 +9,14 @@ use crate::ops::Op;
 
 const BLOCK: u32 = 256;
 
-/// Launch grid of the one-thread-per-element kernels: `n` columns across x, `rows` rows in y.
+/// Launch grid of the one-thread-per-element kernels over `n` elements (x only).
 fn elem_grid(n: usize, rows: usize) -> (u64, u64, u64) {
     ((n as u64).div_ceil(BLOCK as u64), rows as u64, 1)
+}
+
+/// Grid x of the row-wise kernels (rows grid-stride over y, see `Gpu::cfg_rows`).
+fn elem_x(n: usize) -> u64 {
+    (n as u64).div_ceil(BLOCK as u64)
 }
 
 /// `rows` rows of `n` values, each operand with its own row stride.
@@ -53,13 +58,14 @@ impl Gpu {
         need_len(OP, "up", dlen(up), span(l.rows, l.b_stride, l.n))?;
         need_len(OP, "out", dlen(out), span(l.rows, l.out_stride, l.n))?;
         let f = self.func(Op::SiluMul, "silu_mul_f32")?;
-        let cfg = self.cfg(OP, elem_grid(l.n, l.rows), BLOCK)?;
+        let cfg = self.cfg_rows(OP, elem_x(l.n), l.rows, BLOCK)?;
         let s = self.stream();
         let (gp, _g1) = gate.device_ptr(s);
         let (up_, _g2) = up.device_ptr(s);
         let (op, _g3) = out.device_ptr_mut(s);
         let (gs, us, os) = (l.a_stride as i64, l.b_stride as i64, l.out_stride as i64);
         let n = to_i32(OP, "n", l.n)?;
+        let rows = l.rows as i64;
         let mut b = self.args(&f);
         b.arg(&gp)
             .arg(&gs)
@@ -67,7 +73,8 @@ impl Gpu {
             .arg(&us)
             .arg(&op)
             .arg(&os)
-            .arg(&n);
+            .arg(&n)
+            .arg(&rows);
         // SAFETY: extents checked above.
         unsafe { self.launch(OP, b, cfg) }
     }
@@ -180,14 +187,15 @@ impl Gpu {
         need_len(OP, "src", dlen(src), span(rows, src_stride, n))?;
         need_len(OP, "dst", dlen(dst), span(rows, dst_stride, n))?;
         let f = self.func(Op::Elementwise, "copy_rows_f32")?;
-        let cfg = self.cfg(OP, elem_grid(n, rows), BLOCK)?;
+        let cfg = self.cfg_rows(OP, elem_x(n), rows, BLOCK)?;
         let s = self.stream();
         let (sp, _gs) = src.device_ptr(s);
         let (dp, _gd) = dst.device_ptr_mut(s);
         let (ss, ds) = (src_stride as i64, dst_stride as i64);
         let n32 = to_i32(OP, "n", n)?;
+        let r64 = rows as i64;
         let mut bl = self.args(&f);
-        bl.arg(&sp).arg(&ss).arg(&dp).arg(&ds).arg(&n32);
+        bl.arg(&sp).arg(&ss).arg(&dp).arg(&ds).arg(&n32).arg(&r64);
         // SAFETY: extents checked above.
         unsafe { self.launch(OP, bl, cfg) }
     }
@@ -209,14 +217,15 @@ impl Gpu {
         need_len(OP, "b", dlen(b), cols)?;
         need_len(OP, "y", dlen(y), rows * cols)?;
         let f = self.func(Op::Elementwise, "add_bias_f32")?;
-        let cfg = self.cfg(OP, elem_grid(cols, rows), BLOCK)?;
+        let cfg = self.cfg_rows(OP, elem_x(cols), rows, BLOCK)?;
         let s = self.stream();
         let (xp, _g1) = x.device_ptr(s);
         let (bp, _g2) = b.device_ptr(s);
         let (yp, _g3) = y.device_ptr_mut(s);
         let c32 = to_i32(OP, "cols", cols)?;
+        let r64 = rows as i64;
         let mut bl = self.args(&f);
-        bl.arg(&xp).arg(&bp).arg(&yp).arg(&c32);
+        bl.arg(&xp).arg(&bp).arg(&yp).arg(&c32).arg(&r64);
         // SAFETY: extents checked above.
         unsafe { self.launch(OP, bl, cfg) }
     }
@@ -244,16 +253,17 @@ impl Gpu {
             .iter()
             .map(|&r| to_i32(OP, "row", r))
             .collect::<Result<_, _>>()?;
-        let dids = self.upload(&ids)?;
+        let dids = self.upload_async(&ids)?;
         let f = self.func(Op::Elementwise, "gather_rows_f32")?;
-        let cfg = self.cfg(OP, elem_grid(cols, idx.len()), BLOCK)?;
+        let cfg = self.cfg_rows(OP, elem_x(cols), idx.len(), BLOCK)?;
         let s = self.stream();
         let (sp, _g1) = src.device_ptr(s);
         let (ip, _g2) = dids.device_ptr(s);
         let (dp, _g3) = dst.device_ptr_mut(s);
         let c32 = to_i32(OP, "cols", cols)?;
+        let r64 = idx.len() as i64;
         let mut bl = self.args(&f);
-        bl.arg(&sp).arg(&ip).arg(&dp).arg(&c32);
+        bl.arg(&sp).arg(&ip).arg(&dp).arg(&c32).arg(&r64);
         // SAFETY: every index checked against src_rows above.
         unsafe { self.launch(OP, bl, cfg) }
     }
@@ -272,6 +282,31 @@ impl Gpu {
             return Ok(());
         }
         let f = self.func(Op::Elementwise, "f32_to_bf16")?;
+        let cfg = self.cfg(OP, elem_grid(n, 1), BLOCK)?;
+        let s = self.stream();
+        let (sp, _gs) = src.device_ptr(s);
+        let (dp, _gd) = dst.device_ptr_mut(s);
+        let n64 = n as i64;
+        let mut bl = self.args(&f);
+        bl.arg(&sp).arg(&dp).arg(&n64);
+        // SAFETY: both hold >= n elements.
+        unsafe { self.launch(OP, bl, cfg) }
+    }
+
+    /// bf16 bit patterns -> f32 (exact), the first `n` elements.
+    pub fn from_bf16(
+        &self,
+        src: &impl DevicePtr<u16>,
+        dst: &mut impl DevicePtrMut<f32>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "bf16_to_f32";
+        need_len(OP, "src", dlen(src), n)?;
+        need_len(OP, "dst", dlen(dst), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(Op::Elementwise, "bf16_to_f32")?;
         let cfg = self.cfg(OP, elem_grid(n, 1), BLOCK)?;
         let s = self.stream();
         let (sp, _gs) = src.device_ptr(s);

@@ -126,10 +126,13 @@ impl Gpu {
         let f_part = self.func(Op::Attention, "attn_av_partial_f32")?;
         let f_comb = self.func(Op::Attention, "attn_combine_f32")?;
         let per_token = 4 * m.heads * (n_keys + n_split * (m.d_v + 2));
-        let chunk = (SCRATCH_BYTES / per_token.max(1)).clamp(1, m.tokens);
+        // Tokens per launch group: bounded scratch, and within the grid's y limit.
+        let chunk = (SCRATCH_BYTES / per_token.max(1))
+            .clamp(1, m.tokens)
+            .min(self.info().max_grid.1 as usize);
         let s = self.stream();
-        let mut scores = self.zeros::<f32>(chunk * m.heads * n_keys)?;
-        let mut part = self.zeros::<f32>(chunk * m.heads * n_split * (m.d_v + 2))?;
+        let mut scores = self.alloc::<f32>(chunk * m.heads * n_keys)?;
+        let mut part = self.alloc::<f32>(chunk * m.heads * n_split * (m.d_v + 2))?;
         let (qp, _gq) = q.device_ptr(s);
         let (kp, _gk) = k.device_ptr(s);
         let (vp, _gv) = v.device_ptr(s);
@@ -195,7 +198,8 @@ impl Gpu {
             b2.arg(&ip_c).arg(&istride).arg(&sl).arg(&pp);
             // SAFETY: keys whose score is finite passed the range check of attn_scores.
             unsafe { self.launch(OP, b2, cfg2) }?;
-            let cfg3 = self.cfg(OP, (m.heads as u64, cs as u64, 1), 256)?;
+            let cfg3 = self.cfg_rows(OP, m.heads as u64, cs, 256)?;
+            let cs64 = cs as i64;
             let mut b3 = self.args(&f_comb);
             b3.arg(&pp)
                 .arg(&ns)
@@ -203,7 +207,8 @@ impl Gpu {
                 .arg(&dv)
                 .arg(&op_c)
                 .arg(&ots)
-                .arg(&ohs);
+                .arg(&ohs)
+                .arg(&cs64);
             // SAFETY: o extent checked above.
             unsafe { self.launch(OP, b3, cfg3) }?;
             s0 += cs;

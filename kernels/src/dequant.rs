@@ -1,4 +1,5 @@
-//! Dequantization on the device: whole tensors to f32 / bf16, and row gathers (embeddings).
+//! Dequantization on the device: whole tensors or block ranges to f32 / bf16, and row gathers
+//! (embeddings), from GGUF blocks or the repacked device layout (`crate::repack`).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use gguf::GgmlType;
@@ -6,9 +7,11 @@ use gguf::GgmlType;
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
 use crate::ops::Op;
-use crate::quant::{block_alignment, decoder_block, type_kernels};
+use crate::quant::{block_alignment, decoder_block, type_kernels, WMat};
 
 const BLOCK: u32 = 128;
+/// Grid-x cap of the grid-strided dequantizer (enough blocks to fill any GPU many times).
+const MAX_BLOCKS: u64 = 1 << 16;
 
 /// Elements `n_bytes` of `ty` decode to, checking for whole blocks.
 pub fn elements_of(op: &'static str, ty: GgmlType, n_bytes: usize) -> Result<usize, KernelError> {
@@ -33,12 +36,42 @@ pub(crate) fn check_aligned(
     Ok(())
 }
 
+/// A weight tensor on the device for the raw launchers: its type, layout and block count.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawWeight {
+    pub ty: GgmlType,
+    pub packed: bool,
+    pub base: u64,
+    /// Blocks of the whole tensor (decoder blocks: 32 values for plain types).
+    pub nblk: usize,
+}
+
+impl RawWeight {
+    pub(crate) fn wmat(&self) -> WMat {
+        WMat {
+            base: self.base,
+            nblk: self.nblk as i64,
+        }
+    }
+}
+
 impl Gpu {
     /// Dequantize `src` (whole blocks of `ty`, as stored in the GGUF file) into `dst` (f32).
     /// `dst` must hold at least as many values as `src` decodes to.
     pub fn dequantize(
         &self,
         ty: GgmlType,
+        src: &impl DevicePtr<u8>,
+        dst: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), KernelError> {
+        self.dequantize_layout(ty, false, src, dst)
+    }
+
+    /// As [`Gpu::dequantize`], for a tensor in the GGUF layout or (`packed`) the repacked one.
+    pub fn dequantize_layout(
+        &self,
+        ty: GgmlType,
+        packed: bool,
         src: &impl DevicePtr<u8>,
         dst: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), KernelError> {
@@ -50,48 +83,45 @@ impl Gpu {
         }
         let (sp, _gs) = src.device_ptr(self.stream());
         let (dp, _gd) = dst.device_ptr_mut(self.stream());
+        let w = RawWeight {
+            ty,
+            packed,
+            base: sp,
+            nblk: n / decoder_block(ty).0,
+        };
         // SAFETY: src holds exactly the blocks of n elements, dst at least n floats.
-        unsafe { self.dequant_raw(ty, sp, n, dp) }
+        unsafe { self.dequant_raw(w, 0, n, dp, false) }
     }
 
-    /// Launch the f32 dequantizer on raw device addresses.
+    /// Launch a dequantizer on raw device addresses: `n` values starting at block `g0` of `w`,
+    /// to f32 (`bf16 = false`) or bf16 bit patterns.
     ///
     /// # Safety
-    /// `src` must hold the whole blocks of `n` elements of `ty` and `dst` room for `n` floats.
+    /// Blocks `g0 ..` covering `n` values must lie within `w`, and `dst` must have room for `n`
+    /// values of the output type.
     pub(crate) unsafe fn dequant_raw(
         &self,
-        ty: GgmlType,
-        sp: u64,
+        w: RawWeight,
+        g0: usize,
         n: usize,
         dp: u64,
+        bf16: bool,
     ) -> Result<(), KernelError> {
-        // SAFETY: the caller's contract.
-        unsafe { self.dequant_launch("dequant", type_kernels(ty).dequant, ty, sp, n, dp) }
-    }
-
-    /// The whole-tensor dequantizers (f32 and bf16 output) take the same arguments and grid;
-    /// `kernel` picks the output type.
-    ///
-    /// # Safety
-    /// As [`Gpu::dequant_raw`], with `dst` room for `n` values of the kernel's output type.
-    unsafe fn dequant_launch(
-        &self,
-        op: &'static str,
-        kernel: &'static str,
-        ty: GgmlType,
-        sp: u64,
-        n: usize,
-        dp: u64,
-    ) -> Result<(), KernelError> {
-        let f = self.func(Op::Dequant, kernel)?;
+        let op = if bf16 { "dequant_bf16" } else { "dequant" };
+        let k = type_kernels(w.ty, w.packed);
+        let f = self.func(Op::Dequant, if bf16 { k.dequant_bf16 } else { k.dequant })?;
         let tables = self.tables()?.params;
         let chunks = n.div_ceil(32) as u64;
-        let cfg = self.cfg(op, (chunks.div_ceil(BLOCK as u64), 1, 1), BLOCK)?;
-        check_aligned(op, "src", sp, block_alignment(ty))?;
+        let cfg = self.cfg(
+            op,
+            (chunks.div_ceil(BLOCK as u64).min(MAX_BLOCKS), 1, 1),
+            BLOCK,
+        )?;
+        check_aligned(op, "src", w.base, block_alignment(w.ty, w.packed))?;
         check_aligned(op, "dst", dp, 16)?;
-        let n64 = n as i64;
+        let (m, g0, n64) = (w.wmat(), g0 as i64, n as i64);
         let mut b = self.args(&f);
-        b.arg(&sp).arg(&dp).arg(&n64).arg(&tables);
+        b.arg(&m).arg(&g0).arg(&dp).arg(&n64).arg(&tables);
         // SAFETY: extents are the caller's contract; alignment checked above.
         unsafe { self.launch(op, b, cfg) }
     }
@@ -111,15 +141,23 @@ impl Gpu {
         }
         let (sp, _gs) = src.device_ptr(self.stream());
         let (dp, _gd) = dst.device_ptr_mut(self.stream());
+        let w = RawWeight {
+            ty,
+            packed: false,
+            base: sp,
+            nblk: n / decoder_block(ty).0,
+        };
         // SAFETY: src holds exactly the blocks of n elements, dst at least n bf16 values.
-        unsafe { self.dequant_launch(OP, type_kernels(ty).dequant_bf16, ty, sp, n, dp) }
+        unsafe { self.dequant_raw(w, 0, n, dp, true) }
     }
 
-    /// `dst[r, :] = row ids[r]` of the `[nrows, k]` matrix `src` of type `ty` (embedding lookup).
-    /// Ids outside `0..nrows` produce NaN rows (never out-of-bounds reads).
+    /// `dst[r, :] = row ids[r]` of the `[nrows, k]` matrix `src` of type `ty` (embedding lookup),
+    /// in the GGUF layout or (`packed`) the repacked one. Ids outside `0..nrows` produce NaN rows
+    /// (never out-of-bounds reads).
     pub fn get_rows(
         &self,
         ty: GgmlType,
+        packed: bool,
         src: &impl DevicePtr<u8>,
         k: usize,
         ids: &impl DevicePtr<i32>,
@@ -154,23 +192,27 @@ impl Gpu {
             return Ok(());
         }
         need_len(OP, "dst", dlen(dst), nids * k)?;
-        let f = self.func(Op::Dequant, type_kernels(ty).get_rows)?;
+        let f = self.func(Op::Dequant, type_kernels(ty, packed).get_rows)?;
         let tables = self.tables()?.params;
         let chunks = (k / 32) as u64;
-        let cfg = self.cfg(OP, (chunks.div_ceil(BLOCK as u64), nids as u64, 1), BLOCK)?;
+        let cfg = self.cfg_rows(OP, chunks.div_ceil(BLOCK as u64), nids, BLOCK)?;
         let (sp, _gs) = src.device_ptr(self.stream());
         let (ip, _gi) = ids.device_ptr(self.stream());
         let (dp, _gd) = dst.device_ptr_mut(self.stream());
-        check_aligned(OP, "src", sp, block_alignment(ty))?;
+        check_aligned(OP, "src", sp, block_alignment(ty, packed))?;
         check_aligned(OP, "dst", dp, 16)?;
-        let rb = row_bytes as i64;
+        let m = WMat {
+            base: sp,
+            nblk: (nrows * (k / qb)) as i64,
+        };
         let nr = nrows as i64;
+        let ni = nids as i64;
         let k32 = to_i32(OP, "k", k)?;
         let mut b = self.args(&f);
-        b.arg(&sp)
-            .arg(&rb)
+        b.arg(&m)
             .arg(&nr)
             .arg(&ip)
+            .arg(&ni)
             .arg(&dp)
             .arg(&k32)
             .arg(&tables);

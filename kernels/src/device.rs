@@ -14,6 +14,7 @@ use cudarc::nvrtc::Ptx;
 use crate::error::KernelError;
 use crate::nvrtc;
 use crate::ops::Op;
+use crate::pool::{DevBuf, Pool, PoolStats, Staging, STAGING_SLOT};
 use crate::quant::DeviceTables;
 
 /// Whether the CUDA driver library can be loaded (cudarc would panic on first use otherwise).
@@ -60,7 +61,7 @@ pub struct KernelResources {
 #[derive(Clone)]
 pub(crate) struct Kernel {
     pub f: CudaFunction,
-    pub name: &'static str,
+    pub name: Arc<str>,
     pub params: Arc<Vec<usize>>,
 }
 
@@ -124,12 +125,49 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     info: DeviceInfo,
     modules: Mutex<HashMap<Op, Arc<CudaModule>>>,
-    funcs: Mutex<HashMap<&'static str, Kernel>>,
+    funcs: Mutex<HashMap<String, Kernel>>,
     signatures: Mutex<HashMap<String, Arc<Vec<usize>>>>,
     resources: Mutex<Vec<KernelResources>>,
     tables: OnceLock<DeviceTables>,
     blas: OnceLock<cudarc::cublas::CudaBlas>,
     sync_each: AtomicBool,
+    pool: Arc<Pool>,
+    staging: Mutex<Staging>,
+    profiling: AtomicBool,
+    profile: Mutex<
+        Vec<(
+            &'static str,
+            cudarc::driver::CudaEvent,
+            cudarc::driver::CudaEvent,
+        )>,
+    >,
+}
+
+/// Device time of one kind of kernel (the op name its wrapper launches under).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KindTime {
+    pub kind: String,
+    /// Microseconds (total, or per unit after [`Profile::per`]).
+    pub us: f64,
+    pub launches: f64,
+}
+
+/// Device time by kernel kind over a profiled region, largest first.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Profile {
+    pub kinds: Vec<KindTime>,
+}
+
+impl Profile {
+    /// Divide every figure by `n` (e.g. tokens), for per-token costs.
+    pub fn per(mut self, n: usize) -> Profile {
+        let n = n.max(1) as f64;
+        for k in &mut self.kinds {
+            k.us /= n;
+            k.launches /= n;
+        }
+        self
+    }
 }
 
 static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
@@ -197,6 +235,11 @@ impl Gpu {
                 .map_err(KernelError::driver("cuDeviceTotalMem"))? as u64,
         };
         let sync_each = std::env::var("GGUFTOOL_CUDA_SYNC").is_ok_and(|v| v == "1");
+        // Cached free memory: enough for every activation of a long prefill chunk to recur
+        // without cuMemAlloc, bounded so idle caches never crowd out weights and KV caches.
+        let pool_cap = (info.total_mem as usize / 16).clamp(256 << 20, 8 << 30);
+        let pool = Pool::new(stream.clone(), pool_cap);
+        let staging = Mutex::new(Staging::new(ctx.clone()));
         Ok(Gpu {
             ctx,
             stream,
@@ -208,6 +251,10 @@ impl Gpu {
             tables: OnceLock::new(),
             blas: OnceLock::new(),
             sync_each: AtomicBool::new(sync_each),
+            pool,
+            staging,
+            profiling: AtomicBool::new(false),
+            profile: Mutex::new(Vec::new()),
         })
     }
 
@@ -245,6 +292,16 @@ impl Gpu {
             .clone()
     }
 
+    /// Largest dynamic shared memory a block may opt in to on this device.
+    pub(crate) fn max_smem_optin(&self) -> usize {
+        self.ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map(|v| v.max(0) as usize)
+            .unwrap_or(48 << 10)
+    }
+
     fn module(&self, op: Op) -> Result<Arc<CudaModule>, KernelError> {
         let mut mods = self.modules.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(m) = mods.get(&op) {
@@ -261,7 +318,7 @@ impl Gpu {
                 nvrtc: format!("{vmaj}.{vmin}"),
             });
         }
-        let compiled = nvrtc::compile(op, &self.info.arch, false)?;
+        let compiled = nvrtc::compile_cached(op, &self.info.arch)?;
         {
             let mut sigs = self.signatures.lock().unwrap_or_else(|p| p.into_inner());
             for (name, sizes) in ptx_signatures(&compiled.ptx) {
@@ -277,7 +334,7 @@ impl Gpu {
     }
 
     /// The kernel `name` of `op`, compiling and loading the module on first use.
-    pub(crate) fn func(&self, op: Op, name: &'static str) -> Result<Kernel, KernelError> {
+    pub(crate) fn func(&self, op: Op, name: &str) -> Result<Kernel, KernelError> {
         if let Some(k) = self
             .funcs
             .lock()
@@ -310,12 +367,25 @@ impl Gpu {
                 registers,
                 local_bytes,
             });
-        let k = Kernel { f, name, params };
+        let k = Kernel {
+            f,
+            name: name.into(),
+            params,
+        };
         self.funcs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(name, k.clone());
+            .insert(name.to_string(), k.clone());
         Ok(k)
+    }
+
+    /// Allow `bytes` of dynamic shared memory for `k` (needed above 48 KiB).
+    pub(crate) fn allow_smem(&self, k: &Kernel, bytes: usize) -> Result<(), KernelError> {
+        k.f.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(KernelError::driver("cuFuncSetAttribute"))
     }
 
     /// Start collecting the arguments of a launch of `k` on this device's stream.
@@ -347,9 +417,80 @@ impl Gpu {
                 ),
             });
         }
+        let t0 = self.prof_start()?;
         // SAFETY: the caller's contract; the signature matches.
         let r = unsafe { a.inner.launch(cfg) };
+        self.prof_stop(op, t0)?;
         self.launched(op, r)
+    }
+
+    /// Start attributing device time to kernel kinds: every launch is bracketed by events.
+    pub fn profile_begin(&self) {
+        self.profile
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        self.profiling.store(true, Ordering::Relaxed);
+    }
+
+    /// Stop profiling; waits for the device and sums the bracketed times per kind.
+    pub fn profile_end(&self) -> Result<Profile, KernelError> {
+        self.profiling.store(false, Ordering::Relaxed);
+        self.synchronize()?;
+        let recs = std::mem::take(&mut *self.profile.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut by: Vec<KindTime> = Vec::new();
+        for (kind, a, b) in &recs {
+            let ms = a
+                .elapsed_ms(b)
+                .map_err(KernelError::driver("cuEventElapsedTime"))?;
+            match by.iter_mut().find(|k| k.kind == *kind) {
+                Some(k) => {
+                    k.us += f64::from(ms) * 1e3;
+                    k.launches += 1.0;
+                }
+                None => by.push(KindTime {
+                    kind: kind.to_string(),
+                    us: f64::from(ms) * 1e3,
+                    launches: 1.0,
+                }),
+            }
+        }
+        by.sort_by(|a, b| b.us.total_cmp(&a.us));
+        Ok(Profile { kinds: by })
+    }
+
+    /// With profiling on, an event recorded before a launch.
+    pub(crate) fn prof_start(&self) -> Result<Option<cudarc::driver::CudaEvent>, KernelError> {
+        if !self.profiling.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let e = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(KernelError::driver("cuEventCreate"))?;
+        e.record(&self.stream)
+            .map_err(KernelError::driver("cuEventRecord"))?;
+        Ok(Some(e))
+    }
+
+    /// Close the bracket opened by [`Gpu::prof_start`].
+    pub(crate) fn prof_stop(
+        &self,
+        op: &'static str,
+        start: Option<cudarc::driver::CudaEvent>,
+    ) -> Result<(), KernelError> {
+        let Some(start) = start else { return Ok(()) };
+        let e = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(KernelError::driver("cuEventCreate"))?;
+        e.record(&self.stream)
+            .map_err(KernelError::driver("cuEventRecord"))?;
+        self.profile
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((op, start, e));
+        Ok(())
     }
 
     /// Fails unless `grid` fits the device's limits.
@@ -387,6 +528,18 @@ impl Gpu {
             block_dim: (block, 1, 1),
             shared_mem_bytes: 0,
         })
+    }
+
+    /// Grid for a kernel that grid-strides over rows in y: `(x, min(rows, device y limit), 1)`.
+    pub(crate) fn cfg_rows(
+        &self,
+        op: &'static str,
+        x: u64,
+        rows: usize,
+        block: u32,
+    ) -> Result<LaunchConfig, KernelError> {
+        let y = (rows as u64).clamp(1, u64::from(self.info.max_grid.1));
+        self.cfg(op, (x, y, 1), block)
     }
 
     /// Map a launch result and, in sync mode, wait for the kernel and report its fault.
@@ -462,9 +615,10 @@ impl Gpu {
         dst: &mut impl cudarc::driver::DevicePtrMut<T>,
     ) -> Result<(), KernelError> {
         need_len("copy", "dst", dst.len(), src.len())?;
-        self.stream
-            .memcpy_dtod(src, dst)
-            .map_err(|source| KernelError::Launch { op: "copy", source })
+        let t0 = self.prof_start()?;
+        let r = self.stream.memcpy_dtod(src, dst);
+        self.prof_stop("copy", t0)?;
+        r.map_err(|source| KernelError::Launch { op: "copy", source })
     }
 
     // ---- buffers -------------------------------------------------------------------------
@@ -486,12 +640,70 @@ impl Gpu {
             .map_err(KernelError::driver("cuMemAlloc"))
     }
 
-    /// Copy a device buffer back (waits for the stream).
+    /// An uninitialized device buffer of `n` elements from the caching pool (no driver call
+    /// when a buffer of its size class was returned before). The caller must write every
+    /// element before reading it.
+    pub fn alloc<T: DeviceRepr>(&self, n: usize) -> Result<DevBuf<T>, KernelError> {
+        self.pool.alloc::<T>(n.max(1), true)
+    }
+
+    /// An uninitialized buffer outside the pool's free lists (freed on drop): for long-lived,
+    /// growing buffers such as KV caches.
+    pub fn alloc_persistent<T: DeviceRepr>(&self, n: usize) -> Result<DevBuf<T>, KernelError> {
+        self.pool.alloc::<T>(n.max(1), false)
+    }
+
+    /// Pool statistics (cached, live and peak bytes).
+    pub fn pool_stats(&self) -> PoolStats {
+        self.pool.stats()
+    }
+
+    /// Release the pool's cached buffers.
+    pub fn pool_trim(&self) {
+        self.pool.trim()
+    }
+
+    /// Queue an upload of `host` into a new pooled buffer: through pinned memory (truly
+    /// asynchronous) for inputs up to 1 MiB, else a pageable copy.
+    pub fn upload_async<T: DeviceRepr>(&self, host: &[T]) -> Result<DevBuf<T>, KernelError> {
+        let mut d = self.alloc::<T>(host.len())?;
+        if host.is_empty() {
+            return Ok(d);
+        }
+        if std::mem::size_of_val(host) <= STAGING_SLOT {
+            let dst = d.ptr();
+            self.staging
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .upload(&self.stream, host, dst)?;
+        } else {
+            self.stream
+                .memcpy_htod(host, &mut d)
+                .map_err(KernelError::driver("cuMemcpyHtoD"))?;
+        }
+        Ok(d)
+    }
+
+    /// Copy a device buffer back (waits for the stream; through pinned memory when it fits).
     pub fn download<T: DeviceRepr + Clone + Default>(
         &self,
         dev: &impl cudarc::driver::DevicePtr<T>,
     ) -> Result<Vec<T>, KernelError> {
         let mut out = vec![T::default(); dev.len()];
+        if out.is_empty() {
+            return Ok(out);
+        }
+        {
+            let (src, _g) = dev.device_ptr(&self.stream);
+            let staged = self
+                .staging
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .download(&self.stream, src, &mut out)?;
+            if staged {
+                return Ok(out);
+            }
+        }
         self.stream
             .memcpy_dtoh(dev, &mut out)
             .map_err(|source| KernelError::Launch {

@@ -1,35 +1,32 @@
-//! Quantized matrix-vector products for decode, reading each weight byte once in its GGUF format.
-//!
-//! Choice: f32 activations with weights dequantized in registers (not llama.cpp's q8_1 + dp4a).
-//! At batch 1 the kernel is bound by weight bytes, and unpack + scale + one FMA per weight fits
-//! the ALU budget (~4 lane-instructions per Q4_K weight at full HBM rate, gpu-kernels.md §1.4),
-//! so integer dot products buy no speed there; what f32 activations buy is exactness: the products
-//! use the very values `gguf::quant::reference::dequantize` produces, so the GPU agrees with the
-//! CPU oracle to f32 summation rounding (~1e-6 relative) instead of q8_1's ~1e-3..1e-2, and greedy
-//! decoding on the GPU follows the CPU reference token for token. A q8_1/dp4a variant is the
-//! planned path for batches of 2-8 tokens, where FMAs per weight multiply.
+//! Matrix-vector products for decode with f32 activations (the exact path): every weight byte is
+//! read once in its device layout and decoded in registers by the same decoders as the dequant
+//! op, so the result equals an f32 oracle up to summation order (~1e-6 relative) and greedy
+//! decoding follows the CPU reference token for token. Every GGUF type has it. The fast path for
+//! the main types is [`crate::gemvq`] (q8 activations, integer dot products).
 
-use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut, DeviceRepr};
 use gguf::GgmlType;
 
 use crate::dequant::check_aligned;
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
 use crate::ops::Op;
-use crate::quant::{block_alignment, type_kernels};
+use crate::quant::{block_alignment, type_kernels, WMat};
 
-/// From this many rows on, a block computes 4 rows (activation reuse); below it 1 row per block
+/// From this many rows on, a lane computes 4 rows (activation reuse); below it 1 row per lane
 /// keeps enough blocks in flight for small matrices (kv_a: 576 rows).
 const MULTI_ROW_MIN: usize = 2048;
 
-/// A stack of `slabs` matrices of `rows x k` elements of type `ty`, stored back to back in GGUF
-/// order (experts of `ffn_*_exps`, heads of `attn_k_b` / `attn_v_b`); `slabs = 1` for a plain matrix.
+/// A stack of `slabs` matrices of `rows x k` elements of type `ty`, stored back to back
+/// (experts of `ffn_*_exps`, heads of `attn_k_b` / `attn_v_b`); `slabs = 1` for a plain matrix.
+/// `packed`: the tensor is in the repacked device layout (`crate::repack`).
 #[derive(Debug, Clone, Copy)]
 pub struct MatShape {
     pub ty: GgmlType,
     pub rows: usize,
     pub k: usize,
     pub slabs: usize,
+    pub packed: bool,
 }
 
 impl MatShape {
@@ -39,6 +36,7 @@ impl MatShape {
             rows,
             k,
             slabs: 1,
+            packed: false,
         }
     }
 
@@ -56,12 +54,52 @@ impl MatShape {
     pub fn bytes(&self) -> Option<usize> {
         self.slab_bytes()?.checked_mul(self.slabs)
     }
+
+    /// Decoder blocks of the whole stack.
+    pub(crate) fn blocks(&self) -> usize {
+        let qb = crate::quant::decoder_block(self.ty).0;
+        self.rows * self.slabs * (self.k / qb)
+    }
+
+    /// The common checks of every GEMV: non-empty, whole blocks, `w` long enough.
+    pub(crate) fn check(&self, op: &'static str, w_len: usize) -> Result<(), KernelError> {
+        let bad = |msg: String| KernelError::BadShape { op, msg };
+        if self.rows == 0 || self.k == 0 || self.slabs == 0 {
+            return Err(bad(format!("empty shape {self:?}")));
+        }
+        if !self.k.is_multiple_of(32) || !self.k.is_multiple_of(self.ty.block_size()) {
+            return Err(bad(format!(
+                "row length {} is not a multiple of 32 and of the {} block ({})",
+                self.k,
+                self.ty,
+                self.ty.block_size()
+            )));
+        }
+        if self.packed && !crate::repack::is_packed(self.ty) {
+            return Err(bad(format!("{} has no repacked layout", self.ty)));
+        }
+        let total = self
+            .bytes()
+            .ok_or_else(|| bad(format!("{self:?} overflows")))?;
+        need_len(op, "w", w_len, total)
+    }
+}
+
+/// Lanes per output row: the largest power of two <= 32 dividing the row's 32-element chunks,
+/// so every lane has work for any K (K = 192: 2 lanes, 6 chunks, 3 each).
+pub(crate) fn lanes_per_row(k: usize) -> usize {
+    let chunks = (k / 32).max(1);
+    let mut l = 32;
+    while l > 1 && !chunks.is_multiple_of(l) {
+        l /= 2;
+    }
+    l
 }
 
 /// How the channels of a batched GEMV pick their inputs and weights.
 #[derive(Debug, Clone, Copy)]
 pub struct Channels<'a> {
-    /// Number of independent GEMVs (grid.y).
+    /// Number of independent GEMVs (grid.y, grid-strided: any count fits).
     pub count: usize,
     /// Expert id per channel (`ids[ch]` selects the slab); `None`: channel `ch` uses slab
     /// `ch % slabs` (per-head matrices for every token, or one matrix for several tokens).
@@ -73,6 +111,27 @@ pub struct Channels<'a> {
     /// Channel `ch` writes `rows` outputs at `y + ch * y_stride`.
     pub y_stride: usize,
 }
+
+/// The `GemvF` kernel parameter (gemv.cu).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct GemvF {
+    w: WMat,
+    nrows: i32,
+    k: i32,
+    n_slabs: i32,
+    lpr: i32,
+    ids: u64,
+    x: u64,
+    x_stride: i64,
+    x_div: i32,
+    count: i32,
+    y: u64,
+    y_stride: i64,
+}
+
+// SAFETY: plain struct laid out exactly as `struct GemvF` in gemv.cu.
+unsafe impl DeviceRepr for GemvF {}
 
 impl Gpu {
     /// `y[r] = sum_k W[r, k] * x[k]` for a single matrix.
@@ -94,8 +153,8 @@ impl Gpu {
     }
 
     /// Channel-batched GEMV: `y[ch][r] = sum_k W_{e(ch)}[r, k] * x_{ch / x_div}[k]` with
-    /// `e(ch) = ids[ch]` or `ch`. One launch covers all selected experts of a MoE layer (only their
-    /// slabs are read) or all heads of an absorption matrix.
+    /// `e(ch) = ids[ch]` or `ch % slabs`. One launch covers all selected experts of a MoE layer
+    /// (only their slabs are read) or all heads of an absorption matrix.
     pub fn gemv_batched(
         &self,
         shape: MatShape,
@@ -105,19 +164,10 @@ impl Gpu {
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), KernelError> {
         const OP: &str = "gemv";
-        let MatShape { ty, rows, k, slabs } = shape;
+        shape.check(OP, dlen(w))?;
         let bad = |msg: String| KernelError::BadShape { op: OP, msg };
-        if rows == 0 || k == 0 || slabs == 0 || ch.count == 0 {
-            return Err(bad(format!(
-                "empty shape {shape:?} x {} channels",
-                ch.count
-            )));
-        }
-        if !k.is_multiple_of(32) || !k.is_multiple_of(ty.block_size()) {
-            return Err(bad(format!(
-                "row length {k} is not a multiple of 32 and of the {ty} block ({})",
-                ty.block_size()
-            )));
+        if ch.count == 0 {
+            return Err(bad("no channels".into()));
         }
         if ch.x_div == 0 {
             return Err(bad("x_div must be at least 1".into()));
@@ -128,16 +178,7 @@ impl Gpu {
                 ch.x_stride
             )));
         }
-        let row_bytes = shape
-            .row_bytes()
-            .ok_or_else(|| bad(format!("{shape:?} overflows")))?;
-        let slab_bytes = shape
-            .slab_bytes()
-            .ok_or_else(|| bad(format!("{shape:?} overflows")))?;
-        let total = shape
-            .bytes()
-            .ok_or_else(|| bad(format!("{shape:?} overflows")))?;
-        need_len(OP, "w", dlen(w), total)?;
+        let MatShape { ty, rows, k, .. } = shape;
         let x_need = ((ch.count - 1) / ch.x_div) * ch.x_stride + k;
         need_len(OP, "x", dlen(x), x_need)?;
         let y_need = (ch.count - 1) * ch.y_stride + rows;
@@ -145,15 +186,16 @@ impl Gpu {
         if let Some(ids) = ch.ids {
             need_len(OP, "ids", ids.len(), ch.count)?;
         }
-        let (name, rows_per_block) = if rows >= MULTI_ROW_MIN {
-            (type_kernels(ty).gemv4, 4)
+        let lpr = lanes_per_row(k);
+        let (name, r) = if rows >= MULTI_ROW_MIN {
+            (type_kernels(ty, shape.packed).gemv4, 4)
         } else {
-            (type_kernels(ty).gemv, 1)
+            (type_kernels(ty, shape.packed).gemv, 1)
         };
         let f = self.func(Op::Gemv, name)?;
         let tables = self.tables()?.params;
-        let grid = (rows.div_ceil(rows_per_block) as u64, ch.count as u64, 1u64);
-        let cfg = self.cfg(OP, grid, 128)?;
+        let rows_per_block = 4 * (32 / lpr) * r;
+        let cfg = self.cfg_rows(OP, rows.div_ceil(rows_per_block) as u64, ch.count, 128)?;
         let stream = self.stream();
         let (wp, _gw) = w.device_ptr(stream);
         let (xp, _gx) = x.device_ptr(stream);
@@ -162,32 +204,53 @@ impl Gpu {
             Some(ids) => ids.device_ptr(stream).0,
             None => 0u64,
         };
-        check_aligned(OP, "w", wp, block_alignment(ty))?;
+        check_aligned(OP, "w", wp, block_alignment(ty, shape.packed))?;
         check_aligned(OP, "x", xp, 16)?;
-        let rb = row_bytes as i64;
-        let nrows = to_i32(OP, "rows", rows)?;
-        let k32 = to_i32(OP, "k", k)?;
-        let ws = slab_bytes as i64;
-        let nslabs = to_i32(OP, "slabs", slabs)?;
-        let xs = ch.x_stride as i64;
-        let xd = to_i32(OP, "x_div", ch.x_div)?;
-        let ys = ch.y_stride as i64;
+        let p = GemvF {
+            w: WMat {
+                base: wp,
+                nblk: shape.blocks() as i64,
+            },
+            nrows: to_i32(OP, "rows", rows)?,
+            k: to_i32(OP, "k", k)?,
+            n_slabs: to_i32(OP, "slabs", shape.slabs)?,
+            lpr: lpr as i32,
+            ids: ip,
+            x: xp,
+            x_stride: ch.x_stride as i64,
+            x_div: to_i32(OP, "x_div", ch.x_div)?,
+            count: to_i32(OP, "channels", ch.count)?,
+            y: yp,
+            y_stride: ch.y_stride as i64,
+        };
         let mut b = self.args(&f);
-        b.arg(&wp)
-            .arg(&rb)
-            .arg(&nrows)
-            .arg(&k32)
-            .arg(&ws)
-            .arg(&ip)
-            .arg(&nslabs)
-            .arg(&xp)
-            .arg(&xs)
-            .arg(&xd)
-            .arg(&yp)
-            .arg(&ys)
-            .arg(&tables);
+        b.arg(&p).arg(&tables);
         // SAFETY: buffer extents checked above for every channel; expert ids are range-checked
         // in the kernel (out-of-range ids write NaN rows and read nothing).
         unsafe { self.launch(OP, b, cfg) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lanes_per_row;
+
+    #[test]
+    fn every_lane_has_work() {
+        for (k, l) in [
+            (32, 1),
+            (64, 2),
+            (192, 2),
+            (512, 16),
+            (1024, 32),
+            (2048, 32),
+            (6144, 32),
+            (16384, 32),
+            (12288, 32),
+            (96, 1),
+        ] {
+            assert_eq!(lanes_per_row(k), l, "K = {k}");
+            assert!((k / 32).is_multiple_of(lanes_per_row(k)));
+        }
     }
 }

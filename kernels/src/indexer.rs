@@ -29,10 +29,11 @@ pub struct IndexerShape {
 
 impl Gpu {
     /// `out[s,t] = sum_h w[s,h] * relu(scale * q[s,h] . k[t])` for `t <= pos[s]`, -inf otherwise.
-    pub fn indexer_scores(
+    /// Keys f32 or bf16 (`u16` bit patterns).
+    pub fn indexer_scores<C: crate::mla::CacheElem>(
         &self,
         q: &impl DevicePtr<f32>,
-        k: &impl DevicePtr<f32>,
+        k: &impl DevicePtr<C>,
         w: &impl DevicePtr<f32>,
         pos: &impl DevicePtr<i32>,
         out: &mut impl DevicePtrMut<f32>,
@@ -66,12 +67,15 @@ impl Gpu {
             dlen(out),
             span(sh.tokens, sh.out_stride, sh.kv_len),
         )?;
-        let f = self.func(Op::IndexerScores, "indexer_scores_f32")?;
-        let cfg = self.cfg(
-            OP,
-            ((sh.kv_len as u64).div_ceil(8), sh.tokens as u64, 1),
-            256,
+        let f = self.func(
+            Op::IndexerScores,
+            if C::BF16 {
+                "indexer_scores_bf16"
+            } else {
+                "indexer_scores_f32"
+            },
         )?;
+        let cfg = self.cfg_rows(OP, (sh.kv_len as u64).div_ceil(8), sh.tokens, 256)?;
         let s = self.stream();
         let (qp, _g1) = q.device_ptr(s);
         let (kp, _g2) = k.device_ptr(s);
@@ -94,7 +98,13 @@ impl Gpu {
             .arg(&ks)
             .arg(&wp)
             .arg(&ws);
-        b.arg(&pp).arg(&t).arg(&sh.scale).arg(&op).arg(&os);
+        let n64 = sh.tokens as i64;
+        b.arg(&pp)
+            .arg(&t)
+            .arg(&sh.scale)
+            .arg(&op)
+            .arg(&os)
+            .arg(&n64);
         // SAFETY: extents checked above.
         unsafe { self.launch(OP, b, cfg) }
     }

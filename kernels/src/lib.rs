@@ -15,28 +15,39 @@ pub mod device;
 pub mod error;
 pub mod gemm;
 pub mod gemv;
+pub mod gemvq;
 pub mod indexer;
 mod launch;
+pub mod mla;
 pub mod moe;
 pub mod norm;
 pub mod nvrtc;
 pub mod ops;
+pub mod pool;
 mod quant;
+pub mod repack;
 pub mod rope;
+pub mod sample;
 pub mod verify;
 
 pub use act::Rows3;
 pub use attention::{AttnShape, KeyLists};
 pub use comm::{can_access_peer, OneShotHandles, OneShotRank};
-pub use device::{device_count, driver_available, DeviceInfo, Gpu, KernelResources};
+pub use device::{
+    device_count, driver_available, DeviceInfo, Gpu, KernelResources, KindTime, Profile,
+};
 pub use error::KernelError;
 pub use gemv::{Channels, MatShape};
+pub use gemvq::{gemvq_supported, Q8Act, QChannels, QMode, Q8_REL_ERR};
 pub use indexer::IndexerShape;
-pub use moe::{Gating, RouterConfig};
+pub use mla::{CacheElem, MlaShape};
+pub use moe::{ExpertGroups, Gating, RouterConfig, MOE_TILE};
 pub use norm::Rows;
-pub use ops::Op;
+pub use ops::{Op, QType};
+pub use pool::{DevBuf, DevViewMut, PoolStats};
 pub use rope::{rope_inv_freq, RopeLayout, RopeStyle};
+pub use sample::{sampled_id, SampleParams, SAMPLE_NONFINITE};
 pub use verify::{compare_tensor, GpuDiff};
 
 /// Re-exported so callers can name buffer types without depending on cudarc themselves.
-pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
+pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};

@@ -8,6 +8,7 @@ use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
 use crate::launch::{opt_ptr, shape_err, span};
 use crate::ops::Op;
+use crate::pool::DevBuf;
 
 /// How router logits become expert probabilities.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,7 +131,7 @@ impl Gpu {
         need_len(OP, "w", dlen(w), tokens * top_k)?;
         need_len(OP, "out", dlen(out), span(tokens, out_stride, d))?;
         let f = self.func(Op::MoeCombine, "moe_combine_f32")?;
-        let lc = self.cfg(OP, ((d as u64).div_ceil(256), tokens as u64, 1), 256)?;
+        let lc = self.cfg_rows(OP, (d as u64).div_ceil(256), tokens, 256)?;
         let s = self.stream();
         let (yp, _g1) = y.device_ptr(s);
         let (wp, _g2) = w.device_ptr(s);
@@ -149,8 +150,90 @@ impl Gpu {
             .arg(&d32)
             .arg(&op)
             .arg(&os);
-        b.arg(&acc).arg(&ip);
+        let t64 = tokens as i64;
+        b.arg(&acc).arg(&ip).arg(&t64);
         // SAFETY: extents checked above.
         unsafe { self.launch(OP, b, lc) }
+    }
+}
+
+/// Columns (tokens) per tile of the grouped expert GEMVs (moe_sort.cu's MOE_TILE).
+pub const MOE_TILE: usize = 8;
+
+/// A batch's (token, slot) pairs grouped by expert (moe_sort.cu), as the maps the grouped
+/// [`Gpu::gemv_q`] launches take: tile `i` of up to [`MOE_TILE`] pairs uses expert
+/// `tile_expert[i]` (-1: unused tile); its column `j` (entry `i * MOE_TILE + j`, -1: unused)
+/// is token `tok[..]`, sorted position `pos[..]` and pair `pair[..]` (= token * top_k + slot).
+pub struct ExpertGroups {
+    pub max_tiles: usize,
+    pub tile_expert: DevBuf<i32>,
+    pub tok: DevBuf<i32>,
+    pub pos: DevBuf<i32>,
+    pub pair: DevBuf<i32>,
+    _work: [DevBuf<i32>; 3],
+}
+
+impl Gpu {
+    /// Group `n_pairs` expert ids (`top_k` per token, -1 = none) by expert, on the device and
+    /// without reading the routing back: the tile count is the worst case
+    /// `ceil(n_pairs / MOE_TILE) + n_experts`.
+    pub fn moe_group(
+        &self,
+        ids: &impl DevicePtr<i32>,
+        n_pairs: usize,
+        top_k: usize,
+        n_experts: usize,
+    ) -> Result<ExpertGroups, KernelError> {
+        const OP: &str = "moe_sort";
+        if n_pairs == 0 || top_k == 0 || n_experts == 0 || n_pairs >= 1 << 24 {
+            return Err(shape_err(
+                OP,
+                format!("{n_pairs} pairs, top_k {top_k}, {n_experts} experts"),
+            ));
+        }
+        need_len(OP, "ids", dlen(ids), n_pairs)?;
+        let max_tiles = n_pairs.div_ceil(MOE_TILE) + n_experts;
+        let mut counts = self.alloc::<i32>(n_experts)?;
+        let mut offsets = self.alloc::<i32>(n_experts)?;
+        let mut tile_base = self.alloc::<i32>(n_experts)?;
+        let tile_expert = self.alloc::<i32>(max_tiles)?;
+        let tok = self.alloc::<i32>(max_tiles * MOE_TILE)?;
+        let pos = self.alloc::<i32>(max_tiles * MOE_TILE)?;
+        let pair = self.alloc::<i32>(max_tiles * MOE_TILE)?;
+        let (ip, _g) = ids.device_ptr(self.stream());
+        let (n32, e32, k32, mt) = (
+            to_i32(OP, "pairs", n_pairs)?,
+            to_i32(OP, "experts", n_experts)?,
+            to_i32(OP, "top_k", top_k)?,
+            to_i32(OP, "tiles", max_tiles)?,
+        );
+        let (cp, op, bp) = (counts.ptr(), offsets.ptr(), tile_base.ptr());
+        let (tp, kp, pp, rp) = (tile_expert.ptr(), tok.ptr(), pos.ptr(), pair.ptr());
+        let f = self.func(Op::MoeSort, "moe_count")?;
+        let mut b = self.args(&f);
+        b.arg(&ip).arg(&n32).arg(&cp);
+        // SAFETY: ids holds n_pairs values, counts n_experts.
+        unsafe { self.launch(OP, b, self.cfg(OP, (n_experts as u64, 1, 1), 256)?) }?;
+        let f = self.func(Op::MoeSort, "moe_plan")?;
+        let mut b = self.args(&f);
+        b.arg(&cp).arg(&e32).arg(&mt).arg(&k32).arg(&op).arg(&bp);
+        b.arg(&tp).arg(&kp).arg(&pp).arg(&rp);
+        // SAFETY: every buffer sized above for n_experts / max_tiles.
+        unsafe { self.launch(OP, b, self.cfg(OP, (1, 1, 1), 1024)?) }?;
+        let f = self.func(Op::MoeSort, "moe_scatter")?;
+        let mut b = self.args(&f);
+        b.arg(&ip).arg(&n32).arg(&k32).arg(&op).arg(&bp).arg(&mt);
+        b.arg(&kp).arg(&pp).arg(&rp);
+        // SAFETY: as above; tiles beyond max_tiles are never written (checked in the kernel).
+        unsafe { self.launch(OP, b, self.cfg(OP, (n_experts as u64, 1, 1), 1024)?) }?;
+        let _ = (&mut counts, &mut offsets, &mut tile_base);
+        Ok(ExpertGroups {
+            max_tiles,
+            tile_expert,
+            tok,
+            pos,
+            pair,
+            _work: [counts, offsets, tile_base],
+        })
     }
 }

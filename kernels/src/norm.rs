@@ -1,6 +1,6 @@
 //! RMSNorm (with an optional fused residual add) and LayerNorm, one block per row.
 
-use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
@@ -47,6 +47,15 @@ fn check_rows(op: &'static str, x_len: usize, y_len: usize, l: Rows) -> Result<(
     need_len(op, "y", y_len, span(l.rows, l.y_stride, l.n))
 }
 
+/// The residual operand of the fused RMSNorm.
+enum Residual<'a, I, R> {
+    None,
+    /// Read and overwritten with the sum.
+    InPlace(&'a mut R),
+    /// Read from the first, the sum written to the second.
+    Split(&'a I, &'a mut R),
+}
+
 impl Gpu {
     /// `y[r] = w * x[r] / sqrt(mean(x[r]^2) + eps)` (`w = None`: no weight).
     pub fn rms_norm(
@@ -57,7 +66,43 @@ impl Gpu {
         l: Rows,
         eps: f32,
     ) -> Result<(), KernelError> {
-        self.rms_norm_impl(x, None::<&mut cudarc::driver::CudaSlice<f32>>, w, y, l, eps)
+        self.rms_norm_impl(
+            x,
+            Residual::<CudaSlice<f32>, CudaSlice<f32>>::None,
+            w,
+            y,
+            l,
+            eps,
+        )
+    }
+
+    /// [`Gpu::rms_norm`] in place on `x` (`l.x_stride` must equal `l.y_stride`): normalizes the
+    /// first `l.n` columns of rows `l.y_stride` apart, leaving the others as they are.
+    pub fn rms_norm_in_place(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        w: Option<&CudaView<'_, f32>>,
+        l: Rows,
+        eps: f32,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "rmsnorm";
+        if l.x_stride != l.y_stride {
+            return Err(shape_err(OP, format!("in place with strides {l:?}")));
+        }
+        check_rows(OP, dlen(x), dlen(x), l)?;
+        let f = self.func(Op::RmsNorm, "rmsnorm_f32")?;
+        let cfg = self.cfg(OP, (l.rows as u64, 1, 1), block_for(l.n))?;
+        let s = self.stream();
+        let wp = opt_ptr(OP, "w", w, l.n, s)?;
+        let (xp, _gx) = x.device_ptr_mut(s);
+        let (xs, none) = (l.x_stride as i64, 0u64);
+        let n = to_i32(OP, "n", l.n)?;
+        let mut b = self.args(&f);
+        b.arg(&xp).arg(&xs).arg(&none).arg(&xs).arg(&none).arg(&xs);
+        b.arg(&wp).arg(&xp).arg(&xs).arg(&n).arg(&eps);
+        // SAFETY: extents checked above; the kernel allows y == x (each thread rewrites only
+        // the elements it read, after the row's reduction).
+        unsafe { self.launch(OP, b, cfg) }
     }
 
     /// Fused residual: `h[r] = x[r] + res[r]` is written back into `res` (the residual stream),
@@ -71,13 +116,29 @@ impl Gpu {
         l: Rows,
         eps: f32,
     ) -> Result<(), KernelError> {
-        self.rms_norm_impl(x, Some(res), w, y, l, eps)
+        self.rms_norm_impl(x, Residual::<CudaSlice<f32>, _>::InPlace(res), w, y, l, eps)
     }
 
-    fn rms_norm_impl<R: DevicePtrMut<f32>>(
+    /// [`Gpu::add_rms_norm`] keeping the residual input: `h[r] = x[r] + res[r]` goes to `h`
+    /// (stride `y_stride`, like res and y).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm_to(
         &self,
         x: &impl DevicePtr<f32>,
-        res: Option<&mut R>,
+        res: &impl DevicePtr<f32>,
+        h: &mut impl DevicePtrMut<f32>,
+        w: Option<&CudaView<'_, f32>>,
+        y: &mut impl DevicePtrMut<f32>,
+        l: Rows,
+        eps: f32,
+    ) -> Result<(), KernelError> {
+        self.rms_norm_impl(x, Residual::Split(res, h), w, y, l, eps)
+    }
+
+    fn rms_norm_impl<I: DevicePtr<f32>, R: DevicePtrMut<f32>>(
+        &self,
+        x: &impl DevicePtr<f32>,
+        res: Residual<'_, I, R>,
         w: Option<&CudaView<'_, f32>>,
         y: &mut impl DevicePtrMut<f32>,
         l: Rows,
@@ -91,21 +152,30 @@ impl Gpu {
         let wp = opt_ptr(OP, "w", w, l.n, s)?;
         let (xp, _gx) = x.device_ptr(s);
         let (yp, _gy) = y.device_ptr_mut(s);
-        let (rp, _gr) = match res {
-            Some(r) => {
-                need_len(OP, "res", dlen(r), span(l.rows, l.y_stride, l.n))?;
+        let need = span(l.rows, l.y_stride, l.n);
+        // (residual in, residual out): the kernel reads res (stride ys) and writes the sum to
+        // xo (stride ys); both 0 without a residual.
+        let (ip, op, _gi, _go) = match res {
+            Residual::None => (0u64, 0u64, None, None),
+            Residual::InPlace(r) => {
+                need_len(OP, "res", dlen(r), need)?;
                 let (p, g) = r.device_ptr_mut(s);
-                (p, Some(g))
+                (p, p, None, Some(g))
             }
-            None => (0u64, None),
+            Residual::Split(i, o) => {
+                need_len(OP, "res", dlen(i), need)?;
+                need_len(OP, "h", dlen(o), need)?;
+                let (pi, gi) = i.device_ptr(s);
+                let (po, go) = o.device_ptr_mut(s);
+                (pi, po, Some(gi), Some(go))
+            }
         };
         let (xs, ys) = (l.x_stride as i64, l.y_stride as i64);
         let n = to_i32(OP, "n", l.n)?;
         let mut b = self.args(&f);
-        // With a residual, the kernel reads res (stride ys), writes the sum back into res (xo).
-        b.arg(&xp).arg(&xs).arg(&rp).arg(&ys).arg(&rp).arg(&ys);
+        b.arg(&xp).arg(&xs).arg(&ip).arg(&ys).arg(&op).arg(&ys);
         b.arg(&wp).arg(&yp).arg(&ys).arg(&n).arg(&eps);
-        // SAFETY: extents of x, res, y and w checked above.
+        // SAFETY: extents of x, res, h, y and w checked above.
         unsafe { self.launch(OP, b, cfg) }
     }
 

@@ -97,10 +97,105 @@ pub fn full_source(op: Op) -> String {
     let mut s = String::new();
     for (name, text) in op.sections() {
         s.push_str(&format!("#line 1 \"{name}\"\n"));
-        s.push_str(text);
+        s.push_str(&text);
         s.push('\n');
     }
     s
+}
+
+/// 64-bit FNV-1a with a chosen basis (two bases give the 128-bit cache key).
+fn fnv(basis: u64, parts: &[&[u8]]) -> u64 {
+    let mut h = basis;
+    for p in parts {
+        for &b in *p {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Directory of the on-disk CUBIN cache: `$GGUFTOOL_KERNEL_CACHE`, else
+/// `$XDG_CACHE_HOME/gguftool/kernels`, else `~/.cache/gguftool/kernels`; `None` when no home.
+fn cache_dir() -> Option<std::path::PathBuf> {
+    if let Some(d) = std::env::var_os("GGUFTOOL_KERNEL_CACHE") {
+        return (!d.is_empty()).then(|| d.into());
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache")))?;
+    Some(base.join("gguftool").join("kernels"))
+}
+
+const CACHE_MAGIC: &[u8; 8] = b"GGTKC001";
+
+/// [`compile`] through the on-disk cache, keyed by the full source, the options, the arch and
+/// the NVRTC version (a kernel edit, another GPU or another CUDA never hits a stale entry).
+/// Cache I/O failures only cost a compilation.
+pub fn compile_cached(op: Op, arch: &str) -> Result<Compiled, KernelError> {
+    let src = full_source(op);
+    let opts = options(op, arch, false).join(" ");
+    let ver = version()
+        .map(|(a, b)| format!("{a}.{b}"))
+        .unwrap_or_default();
+    let parts: [&[u8]; 4] = [
+        src.as_bytes(),
+        opts.as_bytes(),
+        arch.as_bytes(),
+        ver.as_bytes(),
+    ];
+    let key = format!(
+        "{}-{arch}-{:016x}{:016x}.bin",
+        op.name(),
+        fnv(0xcbf2_9ce4_8422_2325, &parts),
+        fnv(0x6c62_272e_07bb_0142, &parts)
+    );
+    let path = cache_dir().map(|d| d.join(key));
+    if let Some(p) = &path {
+        if let Ok(bytes) = std::fs::read(p) {
+            if let Some(c) = decode_cache(op, arch, &bytes) {
+                return Ok(c);
+            }
+        }
+    }
+    let c = compile(op, arch, false)?;
+    if let Some(p) = &path {
+        let mut out = Vec::with_capacity(16 + c.ptx.len() + c.cubin.len());
+        out.extend_from_slice(CACHE_MAGIC);
+        out.extend_from_slice(&(c.ptx.len() as u64).to_le_bytes());
+        out.extend_from_slice(c.ptx.as_bytes());
+        out.extend_from_slice(&c.cubin);
+        if let Some(dir) = p.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        // Written aside and renamed, so a concurrent reader never sees half a file.
+        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &out).is_ok() && std::fs::rename(&tmp, p).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+    Ok(c)
+}
+
+fn decode_cache(op: Op, arch: &str, b: &[u8]) -> Option<Compiled> {
+    if b.len() < 16 || &b[..8] != CACHE_MAGIC {
+        return None;
+    }
+    let n = u64::from_le_bytes(b[8..16].try_into().ok()?) as usize;
+    let ptx = std::str::from_utf8(b.get(16..16usize.checked_add(n)?)?).ok()?;
+    let cubin = b.get(16 + n..)?;
+    if cubin.is_empty() {
+        return None;
+    }
+    Some(Compiled {
+        op,
+        arch: arch.to_string(),
+        cubin: cubin.to_vec(),
+        ptx: ptx.to_string(),
+        log: String::new(),
+    })
 }
 
 /// Compile one op's CUDA C for `arch` (`"sm_90"`, ...). `verbose` adds ptxas' resource report to the log.

@@ -1,48 +1,151 @@
 //! The kernel sources: one op per `.cu` file under `kernels/cuda/`, embedded in the binary.
 //!
 //! NVRTC compiles `prelude.cuh` + the op's headers + the op's file as one translation unit
-//! (NVRTC 13.0 has no include path to the CUDA headers, so nothing is `#include`d).
+//! (NVRTC 13.0 has no include path to the CUDA headers, so nothing is `#include`d). The integer
+//! GEMV (`gemvq.cu`) is compiled once per weight type (a `#define` selects it), so a model only
+//! compiles the types it has.
+
+use gguf::GgmlType;
 
 /// Shared prelude of every module: integer typedefs, f16/bf16 conversions, reductions.
 const PRELUDE: &str = include_str!("../cuda/prelude.cuh");
 /// The ggml block decoders, shared by the ops that read quantized weights.
 const QUANT: &str = include_str!("../cuda/quant.cuh");
 
-/// One compiled module = one op file. Modules are compiled lazily, once per device.
+/// Weight types with an integer-dot-product GEMV (gemvq.cu). `Q4_K`, `Q5_K` and `IQ4_XS` read
+/// GGUF blocks; the others read the repacked layout (`crate::repack`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum QType {
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q4K,
+    Q5K,
+    Q6K,
+    IQ4NL,
+    IQ4XS,
+}
+
+impl QType {
+    pub const ALL: [QType; 10] = [
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::Q8_0,
+        QType::Q4K,
+        QType::Q5K,
+        QType::Q6K,
+        QType::IQ4NL,
+        QType::IQ4XS,
+    ];
+
+    /// The integer GEMV type for a weight type, if it has one.
+    pub fn of(ty: GgmlType) -> Option<QType> {
+        Some(match ty {
+            GgmlType::Q4_0 => QType::Q4_0,
+            GgmlType::Q4_1 => QType::Q4_1,
+            GgmlType::Q5_0 => QType::Q5_0,
+            GgmlType::Q5_1 => QType::Q5_1,
+            GgmlType::Q8_0 => QType::Q8_0,
+            GgmlType::Q4_K => QType::Q4K,
+            GgmlType::Q5_K => QType::Q5K,
+            GgmlType::Q6_K => QType::Q6K,
+            GgmlType::IQ4_NL => QType::IQ4NL,
+            GgmlType::IQ4_XS => QType::IQ4XS,
+            _ => return None,
+        })
+    }
+
+    /// `(QT_* macro, kernel suffix)` of the device layout this type is read in.
+    fn device(self) -> (&'static str, &'static str) {
+        match self {
+            QType::Q4_0 => ("QT_Q4_0_R", "q4_0_r"),
+            QType::Q4_1 => ("QT_Q4_1_R", "q4_1_r"),
+            QType::Q5_0 => ("QT_Q5_0_R", "q5_0_r"),
+            QType::Q5_1 => ("QT_Q5_1_R", "q5_1_r"),
+            QType::Q8_0 => ("QT_Q8_0_R", "q8_0_r"),
+            QType::Q4K => ("QT_Q4_K", "q4_k"),
+            QType::Q5K => ("QT_Q5_K", "q5_k"),
+            QType::Q6K => ("QT_Q6_K_R", "q6_k_r"),
+            QType::IQ4NL => ("QT_IQ4_NL_R", "iq4_nl_r"),
+            QType::IQ4XS => ("QT_IQ4_XS", "iq4_xs"),
+        }
+    }
+
+    pub fn suffix(self) -> &'static str {
+        self.device().1
+    }
+}
+
+/// The gemvq kernel variants: `(prefix, columns, mode)`.
+pub(crate) const GEMVQ_VARIANTS: [(&str, usize, u8); 7] = [
+    ("gemvq1_", 1, 0),
+    ("gemvq2_", 2, 0),
+    ("gemvq4_", 4, 0),
+    ("gemvq8_", 8, 0),
+    ("gemvq_glu1_", 1, 1),
+    ("gemvq_glu8_", 8, 1),
+    ("gemvq_comb_", 1, 2),
+];
+
+/// One compiled module = one op file (gemvq: one module per weight type). Compiled lazily, once
+/// per device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Op {
     Dequant,
     Gemv,
+    GemvQ(QType),
+    Quantize,
     RmsNorm,
     LayerNorm,
     Rope,
     Attention,
+    Mla,
     IndexerScores,
     TopK,
     MoeRouter,
     MoeCombine,
+    MoeSort,
     SiluMul,
     Elementwise,
     Argmax,
+    Sample,
     AllReduce,
 }
 
 impl Op {
-    /// Every op, for the compile check.
-    pub const ALL: [Op; 14] = [
+    /// Every module, for the compile check.
+    pub const ALL: [Op; 28] = [
         Op::Dequant,
         Op::Gemv,
+        Op::Quantize,
         Op::RmsNorm,
         Op::LayerNorm,
         Op::Rope,
         Op::Attention,
+        Op::Mla,
         Op::IndexerScores,
         Op::TopK,
         Op::MoeRouter,
         Op::MoeCombine,
+        Op::MoeSort,
         Op::SiluMul,
         Op::Elementwise,
         Op::Argmax,
+        Op::Sample,
+        Op::GemvQ(QType::Q4_0),
+        Op::GemvQ(QType::Q4_1),
+        Op::GemvQ(QType::Q5_0),
+        Op::GemvQ(QType::Q5_1),
+        Op::GemvQ(QType::Q8_0),
+        Op::GemvQ(QType::Q4K),
+        Op::GemvQ(QType::Q5K),
+        Op::GemvQ(QType::Q6K),
+        Op::GemvQ(QType::IQ4NL),
+        Op::GemvQ(QType::IQ4XS),
         Op::AllReduce,
     ];
 
@@ -50,17 +153,22 @@ impl Op {
         match self {
             Op::Dequant => "dequant",
             Op::Gemv => "gemv",
+            Op::GemvQ(_) => "gemvq",
+            Op::Quantize => "quantize",
             Op::RmsNorm => "rmsnorm",
             Op::LayerNorm => "layernorm",
             Op::Rope => "rope",
             Op::Attention => "attention",
+            Op::Mla => "mla",
             Op::IndexerScores => "indexer_scores",
             Op::TopK => "topk",
             Op::MoeRouter => "moe_router",
             Op::MoeCombine => "moe_combine",
+            Op::MoeSort => "moe_sort",
             Op::SiluMul => "silu_mul",
             Op::Elementwise => "elementwise",
             Op::Argmax => "argmax",
+            Op::Sample => "sample",
             Op::AllReduce => "allreduce",
         }
     }
@@ -69,17 +177,22 @@ impl Op {
         match self {
             Op::Dequant => "dequant.cu",
             Op::Gemv => "gemv.cu",
+            Op::GemvQ(_) => "gemvq.cu",
+            Op::Quantize => "quantize.cu",
             Op::RmsNorm => "rmsnorm.cu",
             Op::LayerNorm => "layernorm.cu",
             Op::Rope => "rope.cu",
             Op::Attention => "attention.cu",
+            Op::Mla => "mla.cu",
             Op::IndexerScores => "indexer_scores.cu",
             Op::TopK => "topk.cu",
             Op::MoeRouter => "moe_router.cu",
             Op::MoeCombine => "moe_combine.cu",
+            Op::MoeSort => "moe_sort.cu",
             Op::SiluMul => "silu_mul.cu",
             Op::Elementwise => "elementwise.cu",
             Op::Argmax => "argmax.cu",
+            Op::Sample => "sample.cu",
             Op::AllReduce => "allreduce.cu",
         }
     }
@@ -89,64 +202,84 @@ impl Op {
         match self {
             Op::Dequant => include_str!("../cuda/dequant.cu"),
             Op::Gemv => include_str!("../cuda/gemv.cu"),
+            Op::GemvQ(_) => include_str!("../cuda/gemvq.cu"),
+            Op::Quantize => include_str!("../cuda/quantize.cu"),
             Op::RmsNorm => include_str!("../cuda/rmsnorm.cu"),
             Op::LayerNorm => include_str!("../cuda/layernorm.cu"),
             Op::Rope => include_str!("../cuda/rope.cu"),
             Op::Attention => include_str!("../cuda/attention.cu"),
+            Op::Mla => include_str!("../cuda/mla.cu"),
             Op::IndexerScores => include_str!("../cuda/indexer_scores.cu"),
             Op::TopK => include_str!("../cuda/topk.cu"),
             Op::MoeRouter => include_str!("../cuda/moe_router.cu"),
             Op::MoeCombine => include_str!("../cuda/moe_combine.cu"),
+            Op::MoeSort => include_str!("../cuda/moe_sort.cu"),
             Op::SiluMul => include_str!("../cuda/silu_mul.cu"),
             Op::Elementwise => include_str!("../cuda/elementwise.cu"),
             Op::Argmax => include_str!("../cuda/argmax.cu"),
+            Op::Sample => include_str!("../cuda/sample.cu"),
             Op::AllReduce => include_str!("../cuda/allreduce.cu"),
         }
     }
 
     /// (file name, text) of everything NVRTC compiles for this op, in order: the prelude, the
-    /// headers the op needs, the op's own file.
-    pub fn sections(self) -> Vec<(&'static str, &'static str)> {
-        let mut v = vec![("prelude.cuh", PRELUDE)];
-        if matches!(self, Op::Dequant | Op::Gemv) {
-            v.push(("quant.cuh", QUANT));
+    /// per-module defines, the headers the op needs, the op's own file.
+    pub fn sections(self) -> Vec<(&'static str, String)> {
+        let mut v = vec![("prelude.cuh", PRELUDE.to_string())];
+        if matches!(self, Op::Dequant | Op::Gemv | Op::GemvQ(_)) {
+            v.push(("quant.cuh", QUANT.to_string()));
         }
-        v.push((self.file_name(), self.source()));
+        if let Op::GemvQ(q) = self {
+            let (id, suf) = q.device();
+            v.push((
+                "gemvq-type.cuh",
+                format!("#define GQ_QT {id}\n#define GQ_SUF {suf}\n"),
+            ));
+        }
+        v.push((self.file_name(), self.source().to_string()));
         v
     }
 
     /// Every kernel entry point the Rust wrappers launch from this op's module.
     pub fn kernel_names(self) -> Vec<String> {
-        let per_type = |prefixes: &[&str]| {
-            gguf::GgmlType::ALL
-                .iter()
-                .flat_map(|&ty| {
-                    let k = crate::quant::type_kernels(ty);
-                    prefixes
-                        .iter()
-                        .map(|p| match *p {
-                            "dequant" => k.dequant,
-                            "dequant_bf16" => k.dequant_bf16,
-                            "get_rows" => k.get_rows,
-                            "gemv4" => k.gemv4,
-                            _ => k.gemv,
-                        })
-                        .map(str::to_string)
-                        .collect::<Vec<_>>()
-                })
-                .collect::<Vec<_>>()
+        let per_type = |f: &dyn Fn(crate::quant::TypeKernels) -> Vec<&'static str>| {
+            let mut out = Vec::new();
+            for &ty in gguf::GgmlType::ALL.iter() {
+                out.extend(
+                    f(crate::quant::type_kernels(ty, false))
+                        .into_iter()
+                        .map(str::to_string),
+                );
+                if crate::repack::is_packed(ty) {
+                    out.extend(
+                        f(crate::quant::type_kernels(ty, true))
+                            .into_iter()
+                            .map(str::to_string),
+                    );
+                }
+            }
+            out
         };
         let names: &[&str] = match self {
-            Op::Dequant => return per_type(&["dequant", "dequant_bf16", "get_rows"]),
-            Op::Gemv => return per_type(&["gemv", "gemv4"]),
+            Op::Dequant => return per_type(&|k| vec![k.dequant, k.dequant_bf16, k.get_rows]),
+            Op::Gemv => return per_type(&|k| vec![k.gemv, k.gemv4]),
+            Op::GemvQ(q) => {
+                return GEMVQ_VARIANTS
+                    .iter()
+                    .map(|(p, _, _)| format!("{p}{}", q.suffix()))
+                    .collect()
+            }
+            Op::Quantize => &["quantize_q8a"],
             Op::RmsNorm => &["rmsnorm_f32"],
             Op::LayerNorm => &["layernorm_f32"],
             Op::Rope => &["rope_f32"],
             Op::Attention => &["attn_scores_f32", "attn_av_partial_f32", "attn_combine_f32"],
-            Op::IndexerScores => &["indexer_scores_f32"],
+            Op::Mla => &["mla_partial_f32", "mla_partial_bf16"],
+            Op::IndexerScores => &["indexer_scores_f32", "indexer_scores_bf16"],
             Op::TopK => &["topk_f32"],
             Op::MoeRouter => &["moe_router_f32"],
             Op::MoeCombine => &["moe_combine_f32"],
+            Op::MoeSort => &["moe_count", "moe_plan", "moe_scatter"],
             Op::SiluMul => &["silu_mul_f32"],
             Op::Elementwise => &[
                 "add_f32",
@@ -155,8 +288,10 @@ impl Op {
                 "f32_to_bf16",
                 "add_bias_f32",
                 "gather_rows_f32",
+                "bf16_to_f32",
             ],
             Op::Argmax => &["argmax_f32"],
+            Op::Sample => &["sample_rows"],
             Op::AllReduce => &["allreduce_oneshot_f32"],
         };
         names.iter().map(|s| s.to_string()).collect()

@@ -29,9 +29,22 @@ macro_rules! kernels_for {
     };
 }
 
-/// The kernels for `ty`. Every type `gguf::quant::reference::dequantize` accepts has one.
-pub(crate) fn type_kernels(ty: GgmlType) -> TypeKernels {
+/// The kernels for `ty` in the GGUF layout or (`packed`, for the types `crate::repack` packs) in
+/// the repacked layout. Every type `gguf::quant::reference::dequantize` accepts has them.
+pub(crate) fn type_kernels(ty: GgmlType, packed: bool) -> TypeKernels {
     use GgmlType::*;
+    if packed {
+        match ty {
+            Q4_0 => return kernels_for!("q4_0_r"),
+            Q4_1 => return kernels_for!("q4_1_r"),
+            Q5_0 => return kernels_for!("q5_0_r"),
+            Q5_1 => return kernels_for!("q5_1_r"),
+            Q8_0 => return kernels_for!("q8_0_r"),
+            Q6_K => return kernels_for!("q6_k_r"),
+            IQ4_NL => return kernels_for!("iq4_nl_r"),
+            _ => {}
+        }
+    }
     match ty {
         F32 => kernels_for!("f32"),
         F16 => kernels_for!("f16"),
@@ -79,9 +92,13 @@ pub(crate) fn decoder_block(ty: GgmlType) -> (usize, usize) {
     }
 }
 
-/// Byte alignment the decoders assume for the start of a block (their widest load).
-pub(crate) fn block_alignment(ty: GgmlType) -> usize {
+/// Byte alignment the decoders assume for the start of a block (their widest load); a repacked
+/// tensor must start 16-byte aligned.
+pub(crate) fn block_alignment(ty: GgmlType, packed: bool) -> usize {
     use GgmlType::*;
+    if packed {
+        return 16;
+    }
     match ty {
         F32 | F16 | BF16 | Q4_K | Q5_K | F64 | I16 | I32 | I64 => 16,
         IQ4_XS | Q5_1 => 8,
@@ -91,6 +108,18 @@ pub(crate) fn block_alignment(ty: GgmlType) -> usize {
         I8 | MXFP4 => 1,
     }
 }
+
+/// The `WMat` kernel parameter: a weight tensor on the device (quant.cuh).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WMat {
+    pub base: u64,
+    /// Blocks in the whole tensor (region stride of the repacked layout).
+    pub nblk: i64,
+}
+
+// SAFETY: plain struct laid out exactly as `struct WMat` in quant.cuh.
+unsafe impl DeviceRepr for WMat {}
 
 /// The `QTables` kernel parameter: device pointers to every lookup table.
 #[repr(C)]

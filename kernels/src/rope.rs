@@ -69,7 +69,7 @@ impl Gpu {
         need_len(OP, "inv_freq", dlen(inv_freq), l.n_rot / 2)?;
         let f = self.func(Op::Rope, "rope_f32")?;
         let block = (l.n_rot / 2).div_ceil(32) as u32 * 32;
-        let cfg = self.cfg(OP, (l.heads as u64, l.tokens as u64, 1), block)?;
+        let cfg = self.cfg_rows(OP, l.heads as u64, l.tokens, block)?;
         let s = self.stream();
         let (xp, _gx) = x.device_ptr_mut(s);
         let (pp, _gp) = pos.device_ptr(s);
@@ -82,6 +82,7 @@ impl Gpu {
             RopeStyle::InterleavedHf => 1,
             RopeStyle::Neox => 2,
         };
+        let t64 = l.tokens as i64;
         let mut b = self.args(&f);
         b.arg(&xp)
             .arg(&ts)
@@ -90,7 +91,8 @@ impl Gpu {
             .arg(&nr)
             .arg(&pp)
             .arg(&fp)
-            .arg(&de);
+            .arg(&de)
+            .arg(&t64);
         // SAFETY: the furthest element touched is within x (checked above).
         unsafe { self.launch(OP, b, cfg) }
     }

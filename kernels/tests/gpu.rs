@@ -271,7 +271,7 @@ fn get_rows_gathers_and_poisons_bad_ids() {
         let src = g.upload(&bytes).unwrap();
         let dids = g.upload(&ids).unwrap();
         let mut dst = g.zeros::<f32>(ids.len() * k).unwrap();
-        g.get_rows(ty, &src, k, &dids, &mut dst).unwrap();
+        g.get_rows(ty, false, &src, k, &dids, &mut dst).unwrap();
         let got = g.download(&dst).unwrap();
         let mut ok = true;
         for (i, &id) in ids.iter().enumerate() {
@@ -437,6 +437,7 @@ fn gemv_batched_experts_and_heads() {
         rows,
         k,
         slabs: ne,
+        packed: false,
     };
     let ch = Channels {
         count: ids.len(),
@@ -487,6 +488,7 @@ fn gemv_batched_experts_and_heads() {
         rows,
         k,
         slabs: heads,
+        packed: false,
     };
     let ch = Channels {
         count: heads,
@@ -1508,4 +1510,1287 @@ fn indexer_scores_and_topk() {
         ok,
     );
     assert!(ok, "topk with ties");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Repacked layouts, q8 activations, integer-dot GEMV, MLA latent kernel, expert grouping,
+// bf16 prefill GEMM, launches past the grid's y limit
+
+use kernels::{gemvq_supported, repack, CacheElem, MlaShape, QChannels, QMode, MOE_TILE};
+
+/// Activations with block-to-block magnitude changes (a few blocks large, one all zero), as
+/// real hidden states have.
+fn activations(r: &mut Rng, rows: usize, k: usize) -> Vec<f32> {
+    let mut x = r.vec(rows * k, 1.0);
+    for (b, blk) in x.chunks_mut(32).enumerate() {
+        let scale = match b % 7 {
+            0 => 8.0,
+            3 => 0.01,
+            _ => 1.0,
+        };
+        for v in blk.iter_mut() {
+            *v *= scale;
+        }
+        if b == 5 {
+            blk.fill(0.0);
+        }
+    }
+    x
+}
+
+/// The CPU emulation of quantize.cu: d = max|x| / 127 (f32), q = round(x / d).
+fn q8_cpu(x: &[f32]) -> (Vec<i8>, Vec<f32>, Vec<i16>) {
+    let (mut q, mut d, mut s) = (Vec::new(), Vec::new(), Vec::new());
+    for blk in x.chunks(32) {
+        let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let dd = amax / 127.0;
+        let codes: Vec<i8> = blk
+            .iter()
+            .map(|&v| if dd > 0.0 { (v / dd).round() as i8 } else { 0 })
+            .collect();
+        s.push(codes[..16].iter().map(|&c| i16::from(c)).sum());
+        s.push(codes[16..].iter().map(|&c| i16::from(c)).sum());
+        q.extend(codes);
+        d.push(dd);
+    }
+    (q, d, s)
+}
+
+#[test]
+fn repacked_layouts_decode_bit_exact() {
+    let Some(g) = gpu("repacked_layouts_decode_bit_exact") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("repacked");
+    for ty in GgmlType::ALL
+        .iter()
+        .copied()
+        .filter(|&t| repack::is_packed(t))
+    {
+        let (rows, k) = (37usize, 256usize);
+        // Raw random bytes: NaN, infinite and subnormal scales included.
+        let bytes: Vec<u8> = (0..rows * k / ty.block_size() * ty.type_size())
+            .map(|_| r.byte())
+            .collect();
+        let cpu = dequant_cpu(ty, &bytes);
+        let packed = repack::repack(ty, &bytes).unwrap();
+        let src = g.upload(&packed).unwrap();
+        let mut dst = nan_buf(&g, rows * k);
+        g.dequantize_layout(ty, true, &src, &mut dst).unwrap();
+        let got = g.download(&dst).unwrap();
+        let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+        let ok_all = got.iter().zip(&cpu).all(|(a, b)| same(*a, *b));
+        let ids: Vec<i32> = vec![36, 0, 7, -1, 40];
+        let dids = g.upload(&ids).unwrap();
+        let mut rows_out = nan_buf(&g, ids.len() * k);
+        g.get_rows(ty, true, &src, k, &dids, &mut rows_out).unwrap();
+        let got_rows = g.download(&rows_out).unwrap();
+        let mut ok_rows = true;
+        for (i, &id) in ids.iter().enumerate() {
+            let out = &got_rows[i * k..(i + 1) * k];
+            ok_rows &= if (0..rows as i32).contains(&id) {
+                let want = &cpu[id as usize * k..(id as usize + 1) * k];
+                out.iter().zip(want).all(|(a, b)| same(*a, *b))
+            } else {
+                out.iter().all(|v| v.is_nan())
+            };
+        }
+        row(
+            &format!("dequant repacked {ty}"),
+            &format!("{rows}x{k} + get_rows"),
+            0.0,
+            0.0,
+            ok_all && ok_rows,
+        );
+        assert!(
+            ok_all && ok_rows,
+            "repacked {ty}: dequant {ok_all}, get_rows {ok_rows}"
+        );
+    }
+}
+
+#[test]
+fn quantize_q8_matches_cpu_emulation() {
+    let Some(g) = gpu("quantize_q8_matches_cpu_emulation") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("quantize_q8");
+    let (rows, k) = (3usize, 6144usize);
+    let mut x = activations(&mut r, rows, k);
+    x[64 + 3] = f32::NAN; // block 2 of row 0
+    let dx = g.upload(&x).unwrap();
+    let q = g.quantize_q8(&dx, rows, k, k).unwrap();
+    let (gq, gd, gs) = q.to_host(&g).unwrap();
+    let (cq, cd, cs) = q8_cpu(&x);
+    let mut bad = 0usize;
+    for b in 0..rows * k / 32 {
+        if b == 2 {
+            assert!(gd[b].is_nan(), "a block with NaN gets d = NaN");
+            continue;
+        }
+        bad += usize::from(gd[b].to_bits() != cd[b].to_bits());
+        bad += usize::from(gs[2 * b] != cs[2 * b] || gs[2 * b + 1] != cs[2 * b + 1]);
+        bad += (32 * b..32 * b + 32).filter(|&i| gq[i] != cq[i]).count();
+    }
+    row(
+        "quantize q8",
+        &format!("{rows}x{k}"),
+        bad as f64,
+        0.0,
+        bad == 0,
+    );
+    assert_eq!(
+        bad, 0,
+        "codes, scales and sums equal the CPU emulation exactly"
+    );
+}
+
+/// GPU integer-dot GEMV against (A) the f64 product of the dequantized weights with the
+/// quantized activations d*q (what the kernel computes exactly, up to f32 rounding of the
+/// per-block scale products and the sums over blocks) and (B) the f64 product with the f32
+/// activations, allowed the activation rounding |x - d q| <= d/2 on top.
+fn check_gemvq(
+    g: &Gpu,
+    r: &mut Rng,
+    ty: GgmlType,
+    rows: usize,
+    k: usize,
+    ncols: usize,
+) -> (bool, f64) {
+    let bytes = sane_blocks(ty, rows * k, r);
+    let w = dequant_cpu(ty, &bytes);
+    let packed = repack::is_packed(ty);
+    let dev = if packed {
+        repack::repack(ty, &bytes).unwrap()
+    } else {
+        bytes.clone()
+    };
+    let shape = MatShape {
+        ty,
+        rows,
+        k,
+        slabs: 1,
+        packed,
+    };
+    assert!(gemvq_supported(&shape));
+    let x = activations(r, ncols, k);
+    let dw = g.upload(&dev).unwrap();
+    let dx = g.upload(&x).unwrap();
+    let q = g.quantize_q8(&dx, ncols, k, k).unwrap();
+    let (qc, qd, _) = q.to_host(g).unwrap();
+    let mut dy = nan_buf(g, ncols * rows);
+    g.gemv_q(
+        shape,
+        &dw,
+        QMode::Plain,
+        QChannels::dense(ncols, rows),
+        &q,
+        &mut dy,
+    )
+    .unwrap();
+    let y = g.download(&dy).unwrap();
+    let mut ok = true;
+    let mut worst = 0f64;
+    for c in 0..ncols {
+        let xq: Vec<f64> = (0..k)
+            .map(|i| f64::from(qc[c * k + i]) * f64::from(qd[(c * k + i) / 32]))
+            .collect();
+        for rr in 0..rows {
+            let wr = &w[rr * k..(rr + 1) * k];
+            let (mut ya, mut yb, mut mag, mut qerr) = (0f64, 0f64, 0f64, 0f64);
+            for (bi, wb) in wr.chunks(32).enumerate() {
+                let wmax = wb.iter().fold(0f64, |m, v| m.max(f64::from(v.abs())));
+                for (j, &wv) in wb.iter().enumerate() {
+                    let i = bi * 32 + j;
+                    ya += f64::from(wv) * xq[i];
+                    yb += f64::from(wv) * f64::from(x[c * k + i]);
+                    // |d sc q| + |dmin m| <= 3 max|w| bounds the terms the kernel rounds.
+                    mag += 3.0 * wmax * xq[i].abs();
+                    qerr += f64::from(wv.abs()) * f64::from(qd[(c * k + i) / 32]) * (0.5 + 1e-5);
+                }
+            }
+            let tol_a = (k as f64 / 32.0 + 16.0) * 4.0 * U32 * mag + 1e-30;
+            let got = f64::from(y[c * rows + rr]);
+            let ea = (got - ya).abs();
+            let eb = (got - yb).abs();
+            ok &= got.is_finite() && ea <= tol_a && eb <= qerr + tol_a;
+            worst = worst.max(ea / tol_a);
+        }
+    }
+    (ok, worst)
+}
+
+#[test]
+fn gemvq_every_type_matches_emulation_and_error_bound() {
+    let Some(g) = gpu("gemvq_every_type_matches_emulation_and_error_bound") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("gemvq");
+    let mut bad = Vec::new();
+    for qt in kernels::QType::ALL {
+        let ty = [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q8_0,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+            GgmlType::IQ4_NL,
+            GgmlType::IQ4_XS,
+        ]
+        .into_iter()
+        .find(|&t| kernels::QType::of(t) == Some(qt))
+        .unwrap();
+        let mut shapes = vec![
+            (129usize, 256usize, 1usize),
+            (31, 6144, 3),
+            (576, 2048, 8),
+            (64, 512, 2),
+        ];
+        if ty.block_size() == 32 {
+            shapes.push((512, 192, 1)); // attn_k_b rows (K = 192): 2 lanes per row
+            shapes.push((33, 192, 5));
+        }
+        for (rows, k, nc) in shapes {
+            let (ok, worst) = check_gemvq(&g, &mut r, ty, rows, k, nc);
+            row(
+                &format!("gemvq {ty}"),
+                &format!("{rows}x{k} x{nc}"),
+                worst,
+                1.0,
+                ok,
+            );
+            if !ok {
+                bad.push(format!("{ty} {rows}x{k} x{nc}"));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "gemvq failed: {bad:?}");
+}
+
+#[test]
+fn gemvq_glu_combine_and_grouped_experts() {
+    let Some(g) = gpu("gemvq_glu_combine_and_grouped_experts") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("gemvq_moe");
+    let (ne, ff, d) = (6usize, 256usize, 512usize);
+    let gate_b = sane_blocks(GgmlType::Q4_K, ne * ff * d, &mut r);
+    let up_b = sane_blocks(GgmlType::Q4_K, ne * ff * d, &mut r);
+    let down_b = sane_blocks(GgmlType::Q6_K, ne * d * ff, &mut r);
+    let (gw, uw, dwf) = (
+        dequant_cpu(GgmlType::Q4_K, &gate_b),
+        dequant_cpu(GgmlType::Q4_K, &up_b),
+        dequant_cpu(GgmlType::Q6_K, &down_b),
+    );
+    let gs = MatShape {
+        ty: GgmlType::Q4_K,
+        rows: ff,
+        k: d,
+        slabs: ne,
+        packed: false,
+    };
+    let ds = MatShape {
+        ty: GgmlType::Q6_K,
+        rows: d,
+        k: ff,
+        slabs: ne,
+        packed: true,
+    };
+    let (dg, du) = (g.upload(&gate_b).unwrap(), g.upload(&up_b).unwrap());
+    let ddn = g
+        .upload(&repack::repack(GgmlType::Q6_K, &down_b).unwrap())
+        .unwrap();
+    // 5 tokens x 2 slots; token 3 has an empty slot (-1).
+    let (n, kk) = (5usize, 2usize);
+    let ids: Vec<i32> = vec![2, 0, 5, 2, 1, 2, 4, -1, 0, 5];
+    let wts: Vec<f32> = (0..n * kk).map(|_| 0.2 + r.unit()).collect();
+    let x = activations(&mut r, n, d);
+    let dx = g.upload(&x).unwrap();
+    let q = g.quantize_q8(&dx, n, d, d).unwrap();
+    let (qc, qd, _) = q.to_host(&g).unwrap();
+    let xq = |t: usize, i: usize| f64::from(qc[t * d + i]) * f64::from(qd[(t * d + i) / 32]);
+    let dot =
+        |w: &[f32], e: usize, rows: usize, kk_: usize, row: usize, xv: &dyn Fn(usize) -> f64| {
+            let wr = &w[(e * rows + row) * kk_..(e * rows + row + 1) * kk_];
+            let (mut s, mut m) = (0f64, 0f64);
+            for (i, &wv) in wr.iter().enumerate() {
+                s += f64::from(wv) * xv(i);
+                m += f64::from(wv.abs()) * xv(i).abs();
+            }
+            (s, m)
+        };
+    let silu = |v: f64| v / (1.0 + (-v).exp());
+    // The grouping maps.
+    let dids = g.upload(&ids).unwrap();
+    let grp = g.moe_group(&dids, n * kk, kk, ne).unwrap();
+    let te = g.download(&grp.tile_expert.view()).unwrap();
+    let (tok, pos, pair) = (
+        g.download(&grp.tok.view()).unwrap(),
+        g.download(&grp.pos.view()).unwrap(),
+        g.download(&grp.pair.view()).unwrap(),
+    );
+    let mut want_tiles = Vec::new();
+    let mut off = 0;
+    for e in 0..ne as i32 {
+        let pairs: Vec<usize> = (0..n * kk).filter(|&p| ids[p] == e).collect();
+        for (ti, chunk) in pairs.chunks(MOE_TILE).enumerate() {
+            want_tiles.push((e, chunk.to_vec(), off + ti * MOE_TILE));
+        }
+        off += pairs.len();
+    }
+    let mut maps_ok = te.len() == grp.max_tiles;
+    for (i, &e) in te.iter().enumerate() {
+        let cols = &pair[i * MOE_TILE..(i + 1) * MOE_TILE];
+        match want_tiles.get(i) {
+            Some((we, wp, p0)) => {
+                maps_ok &= e == *we;
+                for j in 0..MOE_TILE {
+                    let want = wp.get(j).map_or(-1, |&p| p as i32);
+                    maps_ok &= cols[j] == want;
+                    maps_ok &=
+                        tok[i * MOE_TILE + j] == if want < 0 { -1 } else { want / kk as i32 };
+                    maps_ok &= pos[i * MOE_TILE + j] == if want < 0 { -1 } else { (p0 + j) as i32 };
+                }
+            }
+            None => maps_ok &= e == -1 && cols.iter().all(|&c| c == -1),
+        }
+    }
+    row(
+        "moe_group",
+        &format!("{n} tokens x {kk} slots, {ne} experts"),
+        0.0,
+        0.0,
+        maps_ok,
+    );
+    assert!(maps_ok, "grouping maps differ from the CPU grouping");
+    // Grouped gate+up+SiLU: act rows in sorted order.
+    let mut act = nan_buf(&g, n * kk * ff);
+    let (tev, tokv, posv, pairv) = (
+        grp.tile_expert.view(),
+        grp.tok.view(),
+        grp.pos.view(),
+        grp.pair.view(),
+    );
+    let ch = QChannels {
+        count: grp.max_tiles,
+        ncols: MOE_TILE,
+        ids: Some(&tev),
+        xidx: Some(&tokv),
+        x_div: 1,
+        yidx: Some(&posv),
+        y_stride: ff,
+        y_rows: n * kk,
+    };
+    g.gemv_q(gs, &dg, QMode::Glu(&du), ch, &q, &mut act)
+        .unwrap();
+    let act_h = g.download(&act).unwrap();
+    let mut ok = true;
+    let mut worst = 0f64;
+    let gamma = (d as f64 / 32.0 + 16.0) * 4.0 * U32;
+    for (i, &e) in te.iter().enumerate() {
+        for j in 0..MOE_TILE {
+            let p = pair[i * MOE_TILE + j];
+            if e < 0 || p < 0 {
+                continue;
+            }
+            let (t, sp) = (p as usize / kk, pos[i * MOE_TILE + j] as usize);
+            for rr in 0..ff {
+                let (gv, gm) = dot(&gw, e as usize, ff, d, rr, &|i| xq(t, i));
+                let (uv, um) = dot(&uw, e as usize, ff, d, rr, &|i| xq(t, i));
+                let want = silu(gv) * uv;
+                // silu' <= 1.1; the q4_k scale-product bound 3 max|w| as above.
+                let tol = 1.1 * 3.0 * gamma * gm * uv.abs()
+                    + silu(gv).abs() * 3.0 * gamma * um
+                    + 8.0 * U32 * want.abs()
+                    + 1e-30;
+                let got = f64::from(act_h[sp * ff + rr]);
+                ok &= got.is_finite() && (got - want).abs() <= tol;
+                worst = worst.max((got - want).abs() / tol);
+            }
+        }
+    }
+    row(
+        "gemvq glu grouped",
+        &format!("{ne} experts {ff}x{d}"),
+        worst,
+        1.0,
+        ok,
+    );
+    assert!(ok, "grouped gate+up+silu");
+    // Down per pair (grouped) and the fused combine of one token, against the CPU.
+    let act_q = g.quantize_q8(&act, n * kk, ff, ff).unwrap();
+    let (aq, ad, _) = act_q.to_host(&g).unwrap();
+    let aqv =
+        |row: usize, i: usize| f64::from(aq[row * ff + i]) * f64::from(ad[(row * ff + i) / 32]);
+    let mut yd = nan_buf(&g, n * kk * d);
+    let ch = QChannels {
+        count: grp.max_tiles,
+        ncols: MOE_TILE,
+        ids: Some(&tev),
+        xidx: Some(&posv),
+        x_div: 1,
+        yidx: Some(&pairv),
+        y_stride: d,
+        y_rows: n * kk,
+    };
+    g.gemv_q(ds, &ddn, QMode::Plain, ch, &act_q, &mut yd)
+        .unwrap();
+    let yd_h = g.download(&yd).unwrap();
+    let gamma_f = (ff as f64 / 32.0 + 16.0) * 4.0 * U32;
+    let mut ok = true;
+    for (i, &e) in te.iter().enumerate() {
+        for j in 0..MOE_TILE {
+            let p = pair[i * MOE_TILE + j];
+            if e < 0 || p < 0 {
+                continue;
+            }
+            let sp = pos[i * MOE_TILE + j] as usize;
+            for rr in 0..d {
+                let (want, m) = dot(&dwf, e as usize, d, ff, rr, &|i| aqv(sp, i));
+                let got = f64::from(yd_h[p as usize * d + rr]);
+                ok &= (got - want).abs() <= 3.0 * gamma_f * m + 1e-30;
+            }
+        }
+    }
+    // The empty slot's output row is never written.
+    ok &= yd_h[7 * d..8 * d].iter().all(|v| v.is_nan());
+    row(
+        "gemvq down grouped",
+        &format!("{ne} experts {d}x{ff}"),
+        0.0,
+        0.0,
+        ok,
+    );
+    assert!(ok, "grouped down");
+    // Combine: token 0 as a decode step, its 2 slots' act rows quantized in slot order.
+    let act0: Vec<f32> = (0..kk)
+        .flat_map(|k| {
+            let sp = (0..grp.max_tiles * MOE_TILE)
+                .find(|&c| pair[c] == k as i32)
+                .unwrap();
+            act_h[pos[sp] as usize * ff..(pos[sp] as usize + 1) * ff].to_vec()
+        })
+        .collect();
+    let da0 = g.upload(&act0).unwrap();
+    let q0 = g.quantize_q8(&da0, kk, ff, ff).unwrap();
+    let (q0c, q0d, _) = q0.to_host(&g).unwrap();
+    let ids0 = g.upload(&ids[..kk]).unwrap();
+    let w0 = g.upload(&wts[..kk]).unwrap();
+    let (ids0v, w0v) = (ids0.as_view(), w0.as_view());
+    let mut y0 = nan_buf(&g, d);
+    let ch = QChannels {
+        count: 1,
+        ncols: 1,
+        ids: Some(&ids0v),
+        xidx: None,
+        x_div: 1,
+        yidx: None,
+        y_stride: d,
+        y_rows: 1,
+    };
+    g.gemv_q(
+        ds,
+        &ddn,
+        QMode::Combine {
+            weights: &w0v,
+            topk: kk,
+        },
+        ch,
+        &q0,
+        &mut y0,
+    )
+    .unwrap();
+    let y0h = g.download(&y0).unwrap();
+    let mut ok = true;
+    for rr in 0..d {
+        let (mut want, mut m) = (0f64, 0f64);
+        for k in 0..kk {
+            let xv = |i: usize| f64::from(q0c[k * ff + i]) * f64::from(q0d[(k * ff + i) / 32]);
+            let (v, mm) = dot(&dwf, ids[k] as usize, d, ff, rr, &xv);
+            want += f64::from(wts[k]) * v;
+            m += f64::from(wts[k]).abs() * mm;
+        }
+        ok &= (f64::from(y0h[rr]) - want).abs() <= 3.0 * gamma_f * m + 1e-30;
+    }
+    row(
+        "gemvq combine",
+        &format!("1 token x {kk} slots"),
+        0.0,
+        0.0,
+        ok,
+    );
+    assert!(ok, "fused down + weighted sum");
+}
+
+/// f64 attention of one query over the latent rows `keys`, values = first `dv` columns.
+fn mla_cpu(
+    q: &[f32],
+    c: &[f32],
+    d: usize,
+    dv: usize,
+    keys: &[usize],
+    scale: f32,
+) -> (Vec<f64>, f64) {
+    let s: Vec<f64> = keys
+        .iter()
+        .map(|&t| {
+            q.iter()
+                .zip(&c[t * d..t * d + d])
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum::<f64>()
+                * f64::from(scale)
+        })
+        .collect();
+    // Bound of the f32 score error: (d + 8) roundings of the magnitude sum.
+    let smag = keys
+        .iter()
+        .map(|&t| {
+            q.iter()
+                .zip(&c[t * d..t * d + d])
+                .map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs())
+                .sum::<f64>()
+                * f64::from(scale)
+        })
+        .fold(0f64, f64::max);
+    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let p: Vec<f64> = s.iter().map(|v| (v - mx).exp()).collect();
+    let z: f64 = p.iter().sum();
+    let mut o = vec![0f64; dv];
+    for (pi, &t) in p.iter().zip(keys) {
+        for (j, ov) in o.iter_mut().enumerate() {
+            *ov += pi / z * f64::from(c[t * d + j]);
+        }
+    }
+    (o, (d as f64 + 8.0) * U32 * smag)
+}
+
+fn check_mla<C: CacheElem>(
+    g: &Gpu,
+    r: &mut Rng,
+    heads: usize,
+    t_len: usize,
+    s_n: usize,
+    sparse: bool,
+    bf16: bool,
+) -> (bool, f64) {
+    let (d, dv) = (576usize, 512usize);
+    let c: Vec<f32> = r.vec(t_len * d, 1.0);
+    // The bf16 cache holds rounded values; the oracle reads the same rounded values.
+    let c_used: Vec<f32> = if bf16 {
+        c.iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect()
+    } else {
+        c.clone()
+    };
+    let q = r.vec(s_n * heads * d, 1.0);
+    let pos0 = t_len - s_n;
+    let n_keys = 300.min(t_len + 2);
+    let lists: Vec<Vec<i32>> = (0..s_n)
+        .map(|s| {
+            (0..n_keys)
+                .map(|j| match j % 37 {
+                    5 => -1,
+                    9 => (pos0 + s + 1) as i32, // past the query's position: masked
+                    _ => r.below(pos0 + s + 1) as i32,
+                })
+                .collect()
+        })
+        .collect();
+    let dq = g.upload(&q).unwrap();
+    let mut o = nan_buf(g, s_n * heads * dv);
+    let m = MlaShape {
+        tokens: s_n,
+        heads,
+        d,
+        d_v: dv,
+        q_tok_stride: heads * d,
+        q_head_stride: d,
+        kv_stride: d,
+        kv_len: t_len,
+        o_tok_stride: heads * dv,
+        o_head_stride: dv,
+        scale: 1.0 / 16.0,
+        pos0,
+    };
+    let flat: Vec<i32> = lists.iter().flatten().copied().collect();
+    let didx = g.upload(&flat).unwrap();
+    let iv = didx.as_view();
+    let keys = sparse.then_some(kernels::KeyLists {
+        idx: &iv,
+        n_keys,
+        stride: n_keys,
+    });
+    if bf16 {
+        let cb: Vec<u16> = c
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let dc = g.upload(&cb).unwrap();
+        g.mla_attention(&dq, &dc, keys, &mut o, m).unwrap();
+    } else {
+        let dc = g.upload(&c).unwrap();
+        g.mla_attention(&dq, &dc, keys, &mut o, m).unwrap();
+    }
+    let _ = std::marker::PhantomData::<C>;
+    let got = g.download(&o).unwrap();
+    let cmax = c_used.iter().fold(0f64, |a, v| a.max(f64::from(v.abs())));
+    let cmax_raw = c.iter().fold(0f64, |a, v| a.max(f64::from(v.abs())));
+    let mut ok = true;
+    let mut worst = 0f64;
+    for s in 0..s_n {
+        let keys_s: Vec<usize> = if sparse {
+            let mut k: Vec<usize> = lists[s]
+                .iter()
+                .filter(|&&t| t >= 0 && (t as usize) <= pos0 + s)
+                .map(|&t| t as usize)
+                .collect();
+            k.sort_unstable();
+            k
+        } else {
+            (0..=pos0 + s).collect()
+        };
+        for h in 0..heads {
+            let qh = &q[(s * heads + h) * d..(s * heads + h + 1) * d];
+            let (want, ds) = mla_cpu(qh, &c_used, d, dv, &keys_s, 1.0 / 16.0);
+            // Softmax weights move by <= 2 max|ds| + exp's 4 ulps relative; the weighted sum of
+            // up to T values adds T + 8 roundings of max|c|.
+            let tol = (2.0 * ds + 8.0 * U32 + (keys_s.len() as f64 + 8.0) * U32) * cmax + 1e-30;
+            // The bf16 cache itself, against the unrounded values: every value moves by <= 2^-9
+            // of itself, every score by <= 2^-9 * scale * sum|q c|, so the output by
+            // <= 2^-9 max|c| (1 + 2 * scale * max_t sum_i |q_i c_ti|).
+            let raw = if bf16 {
+                let (w_raw, _) = mla_cpu(qh, &c, d, dv, &keys_s, 1.0 / 16.0);
+                let smax = keys_s
+                    .iter()
+                    .map(|&t| {
+                        qh.iter()
+                            .zip(&c[t * d..t * d + d])
+                            .map(|(a, b)| f64::from(*a * *b).abs())
+                            .sum::<f64>()
+                            / 16.0
+                    })
+                    .fold(0f64, f64::max);
+                Some((w_raw, (1.0 + 2.0 * smax) * cmax_raw / 512.0 + tol))
+            } else {
+                None
+            };
+            for j in 0..dv {
+                let gv = f64::from(got[(s * heads + h) * dv + j]);
+                let e = (gv - want[j]).abs();
+                ok &= gv.is_finite() && e <= tol;
+                worst = worst.max(e / tol);
+                if let Some((w_raw, bound)) = &raw {
+                    ok &= (gv - w_raw[j]).abs() <= *bound;
+                }
+            }
+        }
+    }
+    (ok, worst)
+}
+
+#[test]
+fn mla_latent_kernel_matches_f64() {
+    let Some(g) = gpu("mla_latent_kernel_matches_f64") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("mla");
+    let mut bad = Vec::new();
+    for (heads, t_len, s_n, sparse) in [
+        (64usize, 1usize, 1usize, false),
+        (64, 63, 2, false),
+        (64, 64, 1, false),
+        (64, 65, 3, false),
+        (64, 2047, 1, false),
+        (64, 2048, 1, true),
+        (64, 2049, 2, true),
+        (8, 4097, 1, false),
+        (8, 300, 4, true),
+        (4, 77, 5, false),
+    ] {
+        for bf16 in [false, true] {
+            let (ok, worst) = check_mla::<f32>(&g, &mut r, heads, t_len, s_n, sparse, bf16);
+            row(
+                &format!("mla {}", if bf16 { "bf16 cache" } else { "f32 cache" }),
+                &format!(
+                    "{heads} heads, T {t_len}, {s_n} queries{}",
+                    if sparse { ", sparse" } else { "" }
+                ),
+                worst,
+                1.0,
+                ok,
+            );
+            if !ok {
+                bad.push(format!(
+                    "H {heads} T {t_len} S {s_n} sparse {sparse} bf16 {bf16}"
+                ));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "mla failed: {bad:?}");
+}
+
+#[test]
+fn matmul_bf16_matches_f64() {
+    let Some(g) = gpu("matmul_bf16_matches_f64") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("matmul_bf16");
+    for (ty, rows, k, tokens) in [
+        (GgmlType::Q4_K, 300usize, 512usize, 70usize),
+        (GgmlType::Q6_K, 129, 2048, 65),
+    ] {
+        let bytes = sane_blocks(ty, rows * k, &mut r);
+        let w = dequant_cpu(ty, &bytes);
+        let packed = repack::is_packed(ty);
+        let dev = if packed {
+            repack::repack(ty, &bytes).unwrap()
+        } else {
+            bytes
+        };
+        let x = r.vec(tokens * k, 1.0);
+        let (dw, dx) = (g.upload(&dev).unwrap(), g.upload(&x).unwrap());
+        let mut dy = nan_buf(&g, tokens * rows);
+        let shape = MatShape {
+            ty,
+            rows,
+            k,
+            slabs: 1,
+            packed,
+        };
+        g.matmul_bf16(shape, &dw, &dx, tokens, &mut dy).unwrap();
+        let y = g.download(&dy).unwrap();
+        let mut ok = true;
+        let mut worst = 0f64;
+        for t in 0..tokens {
+            for rr in 0..rows {
+                let (mut s, mut m) = (0f64, 0f64);
+                for i in 0..k {
+                    let p = f64::from(w[rr * k + i]) * f64::from(x[t * k + i]);
+                    s += p;
+                    m += p.abs();
+                }
+                // Both operands rounded to bf16 (2^-9 each), f32 accumulation over k.
+                let tol = (2.0 / 512.0 + (k as f64 + 16.0) * U32) * m + 1e-30;
+                let e = (f64::from(y[t * rows + rr]) - s).abs();
+                ok &= y[t * rows + rr].is_finite() && e <= tol;
+                worst = worst.max(e / tol);
+            }
+        }
+        row(
+            &format!("matmul bf16 {ty}"),
+            &format!("{rows}x{k} x {tokens} tokens"),
+            worst,
+            1.0,
+            ok,
+        );
+        assert!(ok, "matmul_bf16 {ty}");
+    }
+}
+
+/// One slab of a weight stack (an expert: `matmul_bf16_slab`) and every head of a 3-D weight
+/// (`matmul_heads_bf16`, strided-batched) against the f64 products of the CPU dequantization, in
+/// the GGUF (Q4_K) and the repacked (Q8_0) layout; same bound as `matmul_bf16_matches_f64`.
+#[test]
+fn matmul_bf16_slabs_and_heads_match_f64() {
+    let Some(g) = gpu("matmul_bf16_slabs_and_heads_match_f64") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("matmul_bf16_slabs");
+    let mut all_ok = true;
+    // (type, rows, k, slabs, tokens, heads?): heads multiply every slab by its own x columns.
+    for (ty, rows, k, slabs, tokens, heads) in [
+        (GgmlType::Q4_K, 130usize, 512usize, 3usize, 70usize, false),
+        (GgmlType::Q8_0, 97, 192, 4, 65, false),
+        (GgmlType::Q8_0, 64, 192, 5, 67, true),
+        (GgmlType::Q4_K, 40, 512, 3, 66, true),
+    ] {
+        let bytes = sane_blocks(ty, slabs * rows * k, &mut r);
+        let w = dequant_cpu(ty, &bytes);
+        let packed = repack::is_packed(ty);
+        let dev = if packed {
+            repack::repack(ty, &bytes).unwrap()
+        } else {
+            bytes
+        };
+        let shape = MatShape {
+            ty,
+            rows,
+            k,
+            slabs,
+            packed,
+        };
+        let xk = if heads { slabs * k } else { k };
+        let yr = if heads { slabs * rows } else { rows };
+        let x = r.vec(tokens * xk, 1.0);
+        let (dw, dx) = (g.upload(&dev).unwrap(), g.upload(&x).unwrap());
+        let mut dy = nan_buf(&g, tokens * yr);
+        let last = slabs - 1;
+        if heads {
+            g.matmul_heads_bf16(shape, &dw, &dx, tokens, &mut dy)
+                .unwrap();
+        } else {
+            g.matmul_bf16_slab(shape, last, &dw, &dx, tokens, &mut dy)
+                .unwrap();
+        }
+        let y = g.download(&dy).unwrap();
+        let (mut ok, mut worst) = (true, 0f64);
+        for t in 0..tokens {
+            for c in 0..yr {
+                // Output column c: head c / rows (or the last slab), weight row c % rows.
+                let (h, rr) = if heads {
+                    (c / rows, c % rows)
+                } else {
+                    (last, c)
+                };
+                let wrow = &w[(h * rows + rr) * k..(h * rows + rr + 1) * k];
+                let xrow = &x[t * xk + if heads { h * k } else { 0 }..][..k];
+                let (mut sum, mut mag) = (0f64, 0f64);
+                for i in 0..k {
+                    let p = f64::from(wrow[i]) * f64::from(xrow[i]);
+                    sum += p;
+                    mag += p.abs();
+                }
+                // Both operands rounded to bf16 (2^-9 each), f32 accumulation over k.
+                let tol = (2.0 / 512.0 + (k as f64 + 16.0) * U32) * mag + 1e-30;
+                let v = y[t * yr + c];
+                let e = (f64::from(v) - sum).abs();
+                ok &= v.is_finite() && e <= tol;
+                worst = worst.max(e / tol);
+            }
+        }
+        let what = if heads { "heads" } else { "slab" };
+        row(
+            &format!("matmul bf16 {what} {ty}"),
+            &format!("{slabs} x {rows}x{k} x {tokens} tokens"),
+            worst,
+            1.0,
+            ok,
+        );
+        all_ok &= ok;
+    }
+    assert!(all_ok, "a per-slab / per-head bf16 matmul is off");
+}
+
+#[test]
+fn launches_past_the_grid_y_limit() {
+    let Some(g) = gpu("launches_past_the_grid_y_limit") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("grid_y");
+    let rows = 70_000usize; // > 65,535 (the failure at 64 heads x 1,024+ tokens)
+    let mut all_ok = true;
+    // copy_rows: 4 of every 8 values.
+    let src = r.vec(rows * 8, 1.0);
+    let ds = g.upload(&src).unwrap();
+    let mut dd = nan_buf(&g, rows * 4);
+    g.copy_rows(&ds, 8, &mut dd, 4, rows, 4).unwrap();
+    let got = g.download(&dd).unwrap();
+    let ok = (0..rows).all(|i| got[i * 4..i * 4 + 4] == src[i * 8..i * 8 + 4]);
+    row("copy_rows", &format!("{rows} rows"), 0.0, 0.0, ok);
+    all_ok &= ok;
+    // silu_mul over rows.
+    let (gt, up) = (r.vec(rows * 8, 2.0), r.vec(rows * 8, 1.0));
+    let (dg, du) = (g.upload(&gt).unwrap(), g.upload(&up).unwrap());
+    let mut dout = nan_buf(&g, rows * 8);
+    g.silu_mul(&dg, &du, &mut dout, Rows3::dense(rows, 8))
+        .unwrap();
+    let got = g.download(&dout).unwrap();
+    let ok = got.iter().zip(gt.iter().zip(&up)).all(|(o, (a, b))| {
+        let w = f64::from(*a) / (1.0 + (-f64::from(*a)).exp()) * f64::from(*b);
+        (f64::from(*o) - w).abs() <= 1e-5 * w.abs() + 1e-7
+    });
+    row("silu_mul", &format!("{rows} rows"), 0.0, 0.0, ok);
+    all_ok &= ok;
+    // get_rows with 70,000 ids from an F32 table.
+    let table = r.vec(64 * 32, 1.0);
+    let tb: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let dt = g.upload(&tb).unwrap();
+    let ids: Vec<i32> = (0..rows).map(|i| (i % 64) as i32).collect();
+    let di = g.upload(&ids).unwrap();
+    let mut de = nan_buf(&g, rows * 32);
+    g.get_rows(GgmlType::F32, false, &dt, 32, &di, &mut de)
+        .unwrap();
+    let got = g.download(&de).unwrap();
+    let ok =
+        (0..rows).all(|i| got[i * 32..i * 32 + 32] == table[(i % 64) * 32..(i % 64) * 32 + 32]);
+    row("get_rows", &format!("{rows} ids"), 0.0, 0.0, ok);
+    all_ok &= ok;
+    // rope over 70,000 tokens (1 head of 4 rope dims).
+    let x0 = r.vec(rows * 4, 1.0);
+    let mut dx = g.upload(&x0).unwrap();
+    let pos: Vec<i32> = (0..rows as i32).collect();
+    let dp = g.upload(&pos).unwrap();
+    let inv = kernels::rope_inv_freq(10000.0, 4);
+    let dinv = g.upload(&inv).unwrap();
+    let layout = RopeLayout {
+        tokens: rows,
+        heads: 1,
+        tok_stride: 4,
+        head_stride: 4,
+        offset: 0,
+        n_rot: 4,
+    };
+    g.rope(&mut dx, layout, &dp, &dinv, RopeStyle::Interleaved)
+        .unwrap();
+    let got = g.download(&dx).unwrap();
+    let ok = [0usize, 65_535, 65_536, rows - 1].iter().all(|&s| {
+        (0..2).all(|j| {
+            let a = f64::from(s as f32 * inv[j]);
+            let (x1, x2) = (
+                f64::from(x0[s * 4 + 2 * j]),
+                f64::from(x0[s * 4 + 2 * j + 1]),
+            );
+            let (o1, o2) = (x1 * a.cos() - x2 * a.sin(), x2 * a.cos() + x1 * a.sin());
+            (f64::from(got[s * 4 + 2 * j]) - o1).abs() < 1e-3
+                && (f64::from(got[s * 4 + 2 * j + 1]) - o2).abs() < 1e-3
+        })
+    });
+    row("rope", &format!("{rows} tokens"), 0.0, 0.0, ok);
+    all_ok &= ok;
+    // A channel-batched GEMV and an integer-dot GEMV with 70,000 channels.
+    let wq = sane_blocks(GgmlType::Q8_0, 32 * 32, &mut r);
+    let w = dequant_cpu(GgmlType::Q8_0, &wq);
+    let xs = r.vec(rows * 32, 1.0);
+    let dxs = g.upload(&xs).unwrap();
+    let dwr = g
+        .upload(&repack::repack(GgmlType::Q8_0, &wq).unwrap())
+        .unwrap();
+    let shape = MatShape {
+        ty: GgmlType::Q8_0,
+        rows: 32,
+        k: 32,
+        slabs: 1,
+        packed: true,
+    };
+    let mut dy = nan_buf(&g, rows * 32);
+    let ch = Channels {
+        count: rows,
+        ids: None,
+        x_stride: 32,
+        x_div: 1,
+        y_stride: 32,
+    };
+    g.gemv_batched(shape, &dwr, ch, &dxs, &mut dy).unwrap();
+    let y = g.download(&dy).unwrap();
+    let q = g.quantize_q8(&dxs, rows, 32, 32).unwrap();
+    let mut dyq = nan_buf(&g, rows * 32);
+    let chq = QChannels {
+        count: rows,
+        ncols: 1,
+        ids: None,
+        xidx: None,
+        x_div: 1,
+        yidx: None,
+        y_stride: 32,
+        y_rows: rows,
+    };
+    g.gemv_q(shape, &dwr, QMode::Plain, chq, &q, &mut dyq)
+        .unwrap();
+    let yq = g.download(&dyq).unwrap();
+    let mut ok = true;
+    for c in [0usize, 65_535, 65_536, rows - 1] {
+        for rr in 0..32 {
+            let (mut s, mut m) = (0f64, 0f64);
+            for i in 0..32 {
+                let p = f64::from(w[rr * 32 + i]) * f64::from(xs[c * 32 + i]);
+                s += p;
+                m += p.abs();
+            }
+            ok &= (f64::from(y[c * 32 + rr]) - s).abs() <= 64.0 * U32 * m + 1e-30;
+            // q8: the activation rounding bound (amax/254 per value) dominates.
+            let amax = xs[c * 32..c * 32 + 32]
+                .iter()
+                .fold(0f64, |a, v| a.max(f64::from(v.abs())));
+            let wsum: f64 = (0..32).map(|i| f64::from(w[rr * 32 + i].abs())).sum();
+            ok &= (f64::from(yq[c * 32 + rr]) - s).abs()
+                <= wsum * amax / 254.0 * 1.001 + 64.0 * U32 * m;
+        }
+    }
+    ok &= y.iter().chain(&yq).all(|v| v.is_finite());
+    row("gemv + gemvq", &format!("{rows} channels"), 0.0, 0.0, ok);
+    all_ok &= ok;
+    // MLA with 70,000 query tokens, one listed key each (output = that key's value row).
+    let (d, dv, h, t_len) = (576usize, 512usize, 4usize, 70_001usize);
+    let cc: Vec<f32> = (0..t_len * d)
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let dc = g.upload(&cc).unwrap();
+    let dq = g.upload(&vec![0.01f32; rows * h * d]).unwrap();
+    let lists: Vec<i32> = (0..rows).map(|s| (s % 1000) as i32).collect();
+    let dl = g.upload(&lists).unwrap();
+    let lv = dl.as_view();
+    let mut o = nan_buf(&g, rows * h * dv);
+    let m = MlaShape {
+        tokens: rows,
+        heads: h,
+        d,
+        d_v: dv,
+        q_tok_stride: h * d,
+        q_head_stride: d,
+        kv_stride: d,
+        kv_len: t_len,
+        o_tok_stride: h * dv,
+        o_head_stride: dv,
+        scale: 0.0625,
+        pos0: 1,
+    };
+    g.mla_attention(
+        &dq,
+        &dc,
+        Some(kernels::KeyLists {
+            idx: &lv,
+            n_keys: 1,
+            stride: 1,
+        }),
+        &mut o,
+        m,
+    )
+    .unwrap();
+    let got = g.download(&o).unwrap();
+    let ok = [0usize, 65_535, 65_536, rows - 1].iter().all(|&s| {
+        let t = s % 1000;
+        (0..h).all(|hh| (0..dv).all(|j| got[(s * h + hh) * dv + j] == cc[t * d + j]))
+    });
+    row("mla", &format!("{rows} query tokens"), 0.0, 0.0, ok);
+    all_ok &= ok;
+    assert!(
+        all_ok,
+        "a launch past the grid's y limit computed wrong values"
+    );
+}
+
+/// Whether `id` is a correct pick of sample.cu's rules for row `x` (f64 emulation): `id` is in
+/// the distribution and its CDF interval, in the kernel's order, holds u * mass up to the f32
+/// summation bound.
+fn sample_ok(x: &[f32], p: kernels::SampleParams, id: usize) -> bool {
+    let n = x.len();
+    let argmax = (0..n).fold(0, |b, i| if x[i] > x[b] { i } else { b });
+    if p.temperature <= 0.0 || p.top_k == 1 {
+        return id == argmax;
+    }
+    let k = if p.top_k > 0 && (p.top_k as usize) < n {
+        p.top_k as usize
+    } else {
+        n
+    };
+    if !(p.min_p > 0.0 && p.min_p <= 1.0) {
+        return sample_ok_top(x, p, id, argmax, k);
+    }
+    // min-p lowers K to the entries >= max + temp * ln(min_p), computed in f32 on the device;
+    // the device's logf may differ from Rust's ln by an ulp, so a logit within a few ulps of the
+    // floor may fall on either side: both counts are valid.
+    let floor = x[argmax] + p.temperature * p.min_p.ln();
+    let slack = 4.0 * f32::EPSILON * floor.abs().max(1.0);
+    let count = |f: f32| (0..n).filter(|&i| x[i] >= f).count().max(1);
+    let (lo, hi) = (count(floor + slack).min(k), count(floor - slack).min(k));
+    sample_ok_top(x, p, id, argmax, lo) || (hi != lo && sample_ok_top(x, p, id, argmax, hi))
+}
+
+/// [`sample_ok`] once top-k and min-p have fixed the candidate count `k`.
+fn sample_ok_top(x: &[f32], p: kernels::SampleParams, id: usize, argmax: usize, k: usize) -> bool {
+    let n = x.len();
+    let mx = f64::from(x[argmax]);
+    let w = |i: usize| ((f64::from(x[i]) - mx) / f64::from(p.temperature)).exp();
+    let c = k.min(1024);
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+    let cands = &order[..c];
+    let zc: f64 = cands.iter().map(|&i| w(i)).sum();
+    let kth = x[order[k - 1]];
+    let zref = if k > c {
+        (0..n).filter(|&i| x[i] >= kth).map(w).sum()
+    } else {
+        zc
+    };
+    let nucleus = p.top_p < 1.0;
+    let dist: Vec<usize> = if if nucleus {
+        zc >= f64::from(p.top_p) * zref
+    } else {
+        k <= c
+    } {
+        let lim = f64::from(p.top_p) * zref;
+        let mut cum = 0.0;
+        let mut cut = c - 1;
+        if nucleus {
+            for (j, &i) in cands.iter().enumerate() {
+                cum += w(i);
+                if cum >= lim {
+                    cut = j;
+                    break;
+                }
+            }
+        }
+        cands[..=cut].to_vec()
+    } else {
+        let tau = if nucleus {
+            // The largest value whose {x >= value} mass reaches the limit.
+            let lim = f64::from(p.top_p) * zref;
+            let mut cum = 0.0;
+            let mut t = kth;
+            for &i in &order[..k] {
+                cum += w(i);
+                if cum >= lim {
+                    t = x[i];
+                    break;
+                }
+            }
+            t
+        } else {
+            kth
+        };
+        (0..n).filter(|&i| x[i] >= tau).collect()
+    };
+    let mass: f64 = dist.iter().map(|&i| w(i)).sum();
+    let target = f64::from(p.u) * mass;
+    let tol = (dist.len() as f64 + 64.0) * 4.0 * U32 * mass;
+    let mut before = 0.0;
+    for &i in &dist {
+        if i == id {
+            return before - tol <= target && target <= before + w(i) + tol;
+        }
+        before += w(i);
+    }
+    false
+}
+
+#[test]
+fn sampling_follows_temperature_top_k_top_p() {
+    let Some(g) = gpu("sampling_follows_temperature_top_k_top_p") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("sample");
+    use kernels::SampleParams as P;
+    let cases = [
+        P {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            u: 0.5,
+            min_p: 0.0,
+        },
+        P {
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 1.0,
+            u: 0.3,
+            min_p: 0.0,
+        },
+        P {
+            temperature: 1.0,
+            top_k: 40,
+            top_p: 0.9,
+            u: 0.95,
+            min_p: 0.0,
+        },
+        P {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.9,
+            u: 0.42,
+            min_p: 0.0,
+        },
+        P {
+            temperature: 1.3,
+            top_k: 0,
+            top_p: 1.0,
+            u: 0.77,
+            min_p: 0.0,
+        },
+        P {
+            temperature: 1.0,
+            top_k: 2000,
+            top_p: 1.0,
+            u: 0.12,
+            min_p: 0.0,
+        },
+        P {
+            temperature: 1.0,
+            top_k: 5000,
+            top_p: 0.5,
+            u: 0.61,
+            min_p: 0.0,
+        },
+        P {
+            temperature: 0.5,
+            top_k: 1,
+            top_p: 0.3,
+            u: 0.99,
+            min_p: 0.0,
+        },
+        // generate's defaults (min-p after top-k, before top-p), and min-p alone.
+        P {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            u: 0.37,
+            min_p: 0.05,
+        },
+        P {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            u: 0.83,
+            min_p: 0.01,
+        },
+        P {
+            temperature: 1.5,
+            top_k: 0,
+            top_p: 0.9,
+            u: 0.29,
+            min_p: 0.2,
+        },
+    ];
+    let mut ok_all = true;
+    for (n, sigma) in [(154_880usize, 3.0f32), (154_880, 0.5), (1000, 2.0)] {
+        let rows = cases.len();
+        let x: Vec<f32> = (0..rows * n).map(|_| r.sym(sigma)).collect();
+        let dx = g.upload(&x).unwrap();
+        let mut ids = g.upload(&vec![-7i32; rows]).unwrap();
+        g.sample(&dx, rows, n, n, &cases, &mut ids).unwrap();
+        let got = g.download(&ids).unwrap();
+        for (i, p) in cases.iter().enumerate() {
+            let ok = got[i] >= 0 && sample_ok(&x[i * n..(i + 1) * n], *p, got[i] as usize);
+            row(
+                "sample",
+                &format!("V {n} sigma {sigma} {p:?}"),
+                0.0,
+                0.0,
+                ok,
+            );
+            ok_all &= ok;
+        }
+    }
+    assert!(ok_all, "a sampled id is not a valid pick");
+    // A non-finite logit is reported (the id carries SAMPLE_NONFINITE) whatever the mode; a
+    // finite row is not flagged.
+    let n = 5000;
+    let mut x: Vec<f32> = (0..3 * n).map(|_| r.sym(2.0)).collect();
+    x[n + 17] = f32::NAN;
+    x[2 * n + 4000] = f32::INFINITY;
+    let dx = g.upload(&x).unwrap();
+    let ps = [cases[0], cases[1], cases[2]];
+    let mut ids = g.upload(&[-7i32; 3]).unwrap();
+    g.sample(&dx, 3, n, n, &ps, &mut ids).unwrap();
+    let got: Vec<(u32, bool)> = g
+        .download(&ids)
+        .unwrap()
+        .into_iter()
+        .map(kernels::sampled_id)
+        .collect();
+    let flags_ok = !got[0].1 && got[1].1 && got[2].1 && (got[0].0 as usize) < n;
+    row("sample", "non-finite flag", 0.0, 0.0, flags_ok);
+    assert!(flags_ok, "non-finite rows not flagged: {got:?}");
 }

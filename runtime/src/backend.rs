@@ -5,6 +5,7 @@
 //! row-major f32 tensors `[rows, cols]` with one row per token; weights keep their GGUF type and
 //! are uploaded once.
 
+use crate::sampling::{sample_host, SampleRequest};
 use crate::weights::HostWeight;
 use crate::RuntimeError;
 
@@ -106,6 +107,11 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// A `[0, cols]` tensor to grow with [`Backend::append_rows`] (KV caches).
     fn empty(&self, cols: usize) -> Result<Self::Tensor, RuntimeError>;
     fn append_rows(&self, dst: &mut Self::Tensor, src: &Self::Tensor) -> Result<(), RuntimeError>;
+    /// Make room for `rows` rows in a tensor grown by [`Backend::append_rows`], so appends up to
+    /// it neither reallocate nor copy (a KV cache sized up front). The default grows as it goes.
+    fn reserve_rows(&self, _t: &mut Self::Tensor, _rows: usize) -> Result<(), RuntimeError> {
+        Ok(())
+    }
     /// Keep the first `rows` rows (rolls a cache back after a failed step).
     fn truncate_rows(&self, t: &mut Self::Tensor, rows: usize) -> Result<(), RuntimeError>;
     fn slice_rows(
@@ -231,6 +237,57 @@ pub trait Backend: Clone + Send + Sync + 'static {
         experts: &Self::Index,
     ) -> Result<Self::Tensor, RuntimeError>;
 
+    // --- fused ops (defaults: the op sequence they replace, so the CPU reference is unchanged) ---
+
+    /// `h = res + x`, then `(h, rms_norm(h, w))`: the residual add before a block's norm.
+    fn add_rms_norm(
+        &self,
+        res: &Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+    ) -> Result<(Self::Tensor, Self::Tensor), RuntimeError> {
+        let h = self.add(res, x)?;
+        let y = self.rms_norm(&h, w, eps)?;
+        Ok((h, y))
+    }
+
+    /// RMSNorm (times `w`) of the first `len(w)` columns of every row, the other columns kept:
+    /// the MLA latent of `kv_a`'s output, whose rope columns follow it.
+    fn rms_norm_lead(
+        &self,
+        x: Self::Tensor,
+        w: &Self::Weight,
+        n: usize,
+        eps: f32,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        let cols = self.shape(&x).1;
+        if n > cols {
+            return Err(shape_err(format!("rms_norm_lead: {n} of {cols} columns")));
+        }
+        let lead = self.rms_norm(&self.slice_cols(&x, 0, n)?, w, eps)?;
+        if n == cols {
+            return Ok(lead);
+        }
+        let rest = self.slice_cols(&x, n, cols - n)?;
+        self.concat_cols(&[&lead, &rest])
+    }
+
+    // --- sampling ---
+
+    /// One token per row of `logits` (`[rows, vocab]`, one row per request) by the rules of
+    /// [`crate::sampling`], with whether the row held a non-finite logit. The default copies
+    /// the logits to the host; a GPU backend samples on the device and copies the ids only.
+    fn sample(
+        &self,
+        logits: &Self::Tensor,
+        reqs: &[SampleRequest],
+    ) -> Result<Vec<(u32, bool)>, RuntimeError> {
+        let (rows, vocab) = self.shape(logits);
+        check_sample(rows, vocab, reqs.len())?;
+        Ok(sample_host(&self.to_host(logits)?, vocab, reqs))
+    }
+
     // --- tensor-parallel collectives ---
     //
     // The forward pass calls these where a rank's partial results meet. A single-device backend
@@ -285,6 +342,15 @@ pub(crate) fn check_same(op: &str, a: Shape, b: Shape) -> Result<(), RuntimeErro
         return Err(shape_err(format!(
             "{op}: shapes [{}, {}] and [{}, {}] differ",
             a.0, a.1, b.0, b.1
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn check_sample(rows: usize, vocab: usize, reqs: usize) -> Result<(), RuntimeError> {
+    if rows != reqs || vocab == 0 {
+        return Err(shape_err(format!(
+            "sample: [{rows}, {vocab}] logits for {reqs} requests"
         )));
     }
     Ok(())

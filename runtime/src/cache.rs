@@ -182,6 +182,18 @@ impl<B: Backend> SequenceState for KvCache<B> {
         self.rollback(len)
     }
 
+    fn reserve(&mut self, tokens: usize) -> Result<(), RuntimeError> {
+        for l in &mut self.layers {
+            for t in [Some(&mut l.kv), l.v.as_mut(), l.index_keys.as_mut()]
+                .into_iter()
+                .flatten()
+            {
+                self.backend.reserve_rows(t, tokens)?;
+            }
+        }
+        Ok(())
+    }
+
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
     }

@@ -16,6 +16,13 @@ pub enum RuntimeError {
     NoDraftLayer,
     #[error("backend: {0}")]
     Backend(String),
+    /// A GPU op failed; the kernel error is kept (device faults, bad shapes, unsupported types).
+    #[error("{op}: {source}")]
+    Kernel {
+        op: &'static str,
+        #[source]
+        source: kernels::KernelError,
+    },
     /// The model cannot be split over this many tensor-parallel ranks, or a rank failed.
     #[error("tensor parallelism over {world} ranks: {msg}")]
     Tp { world: usize, msg: String },

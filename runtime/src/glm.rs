@@ -17,7 +17,8 @@
 
 use crate::backend::{AttnParams, Backend, IndexerParams, RopeParams, RouteParams};
 use crate::cache::KvCache;
-use crate::lm::{LanguageModel, SeqStep, SequenceState};
+use crate::lm::{check_requests, LanguageModel, SeqStep, SequenceState};
+use crate::sampling::{finish_rows, SampleRequest, Sampled};
 use crate::spec::{AttentionSpec, FfnKind, GqaSpec, LayerSpec, MlaSpec, ModelSpec, TensorSpec};
 use crate::tp::{Part, ShardView};
 use crate::weights::HostWeight;
@@ -628,8 +629,22 @@ impl<B: Backend> GlmModel<B> {
         &self,
         batch: &mut [SeqStep<'_>],
         head: HeadOutput,
-        mut obs: Option<Observer<'_>>,
+        obs: Option<Observer<'_>>,
     ) -> Result<Vec<Vec<f32>>, RuntimeError> {
+        self.step(batch, head, obs, |m, logits, segs, all| {
+            m.logits_to_host(logits, segs, all)
+        })
+    }
+
+    /// One batched step; `finish` turns the head's logits (`None` for [`HeadOutput::GatherOnly`])
+    /// into the result before the caches commit (its failure rolls them back too).
+    fn step<R>(
+        &self,
+        batch: &mut [SeqStep<'_>],
+        head: HeadOutput,
+        mut obs: Option<Observer<'_>>,
+        finish: impl FnOnce(&Self, Option<B::Tensor>, &[Seg], &[bool]) -> Result<R, RuntimeError>,
+    ) -> Result<R, RuntimeError> {
         let mut caches: Vec<&mut KvCache<B>> = Vec::with_capacity(batch.len());
         let mut tokens: Vec<u32> = Vec::new();
         let mut segs: Vec<Seg> = Vec::with_capacity(batch.len());
@@ -652,7 +667,9 @@ impl<B: Backend> GlmModel<B> {
             caches.push(cache);
         }
         let lens: Vec<usize> = caches.iter().map(|c| c.len).collect();
-        let result = self.run(&tokens, &segs, &all_logits, &mut caches, head, &mut obs);
+        let result = self
+            .run(&tokens, &segs, &all_logits, &mut caches, head, &mut obs)
+            .and_then(|l| finish(self, l, &segs, &all_logits));
         match result {
             Ok(out) => {
                 for (c, s) in caches.iter_mut().zip(&segs) {
@@ -720,7 +737,7 @@ impl<B: Backend> GlmModel<B> {
         caches: &mut [&mut KvCache<B>],
         head: HeadOutput,
         obs: &mut Option<Observer<'_>>,
-    ) -> Result<Vec<Vec<f32>>, RuntimeError> {
+    ) -> Result<Option<B::Tensor>, RuntimeError> {
         let be = &self.backend;
         let positions: Vec<u32> = segs
             .iter()
@@ -750,19 +767,40 @@ impl<B: Backend> GlmModel<B> {
                 rows.push(s.row0 + s.n - 1);
             }
         }
-        let hn = match &normed {
-            Some(n) => be.gather_rows(n, &rows)?,
+        // Every row wanted (one decoded token, or all logits): no gather copy.
+        let every = rows.len() == be.shape(&h).0;
+        let hn = match normed {
+            Some(n) => {
+                self.keep_pending(&n, segs, caches)?;
+                if every {
+                    n
+                } else {
+                    be.gather_rows(&n, &rows)?
+                }
+            }
             None => {
-                let hs = be.gather_rows(&h, &rows)?;
+                let hs = if every { h } else { be.gather_rows(&h, &rows)? };
                 be.rms_norm(&hs, &self.output_norm, self.spec.rms_eps)?
             }
         };
         self.emit(obs, || "output_norm.out".into(), &hn)?;
-        let Some((host, v)) = self.head(&hn, head, obs, "logits")? else {
-            self.keep_pending(normed.as_ref(), segs, caches)?;
+        self.head(&hn, head, obs, "logits")
+    }
+
+    /// Each sequence's logits rows on the host (none for a rank that only took part in the
+    /// gather).
+    fn logits_to_host(
+        &self,
+        logits: Option<B::Tensor>,
+        segs: &[Seg],
+        all_logits: &[bool],
+    ) -> Result<Vec<Vec<f32>>, RuntimeError> {
+        let be = &self.backend;
+        let Some(logits) = logits else {
             return Ok(Vec::new());
         };
-        self.keep_pending(normed.as_ref(), segs, caches)?;
+        let v = be.shape(&logits).1;
+        let host = be.to_host(&logits)?;
         let mut out = Vec::with_capacity(segs.len());
         let mut r = 0;
         for (s, &all) in segs.iter().zip(all_logits) {
@@ -776,11 +814,10 @@ impl<B: Backend> GlmModel<B> {
     /// Hand each drafting sequence its rows of the step's post-norm hidden states.
     fn keep_pending(
         &self,
-        normed: Option<&B::Tensor>,
+        n: &B::Tensor,
         segs: &[Seg],
         caches: &mut [&mut KvCache<B>],
     ) -> Result<(), RuntimeError> {
-        let Some(n) = normed else { return Ok(()) };
         for (s, c) in segs.iter().zip(caches.iter_mut()) {
             if let Some(d) = c.draft.as_mut() {
                 d.push_pending(self.backend.slice_rows(n, s.row0, s.n)?)?;
@@ -789,15 +826,15 @@ impl<B: Backend> GlmModel<B> {
         Ok(())
     }
 
-    /// The output head on normalised rows `hn`: `(host logits row-major, vocabulary)`, or
-    /// `None` for a rank that only takes part in the gather.
+    /// The output head on normalised rows `hn`: the logits as `head` says, `None` for a rank
+    /// that only takes part in the gather.
     fn head(
         &self,
         hn: &B::Tensor,
         head: HeadOutput,
         obs: &mut Option<Observer<'_>>,
         name: &str,
-    ) -> Result<Option<(Vec<f32>, usize)>, RuntimeError> {
+    ) -> Result<Option<B::Tensor>, RuntimeError> {
         let be = &self.backend;
         let w = self.output.as_ref().unwrap_or(&self.token_embd);
         // This rank's vocabulary rows.
@@ -808,11 +845,7 @@ impl<B: Backend> GlmModel<B> {
             HeadOutput::Local => (local, true),
         };
         self.emit(obs, || name.to_string(), &logits)?;
-        if !to_host {
-            return Ok(None);
-        }
-        let v = be.shape(&logits).1;
-        Ok(Some((be.to_host(&logits)?, v)))
+        Ok(to_host.then_some(logits))
     }
 
     /// One step of the NextN / MTP draft layer on `cache` (a drafting sequence; see
@@ -926,10 +959,10 @@ impl<B: Backend> GlmModel<B> {
             || format!("blk.{bi}.nextn.shared_head_norm.out"),
             &last,
         )?;
-        let logits = self
-            .head(&last, head, obs, "nextn.logits")?
-            .map(|(l, _)| l)
-            .unwrap_or_default();
+        let logits = match self.head(&last, head, obs, "nextn.logits")? {
+            Some(l) => be.to_host(&l)?,
+            None => Vec::new(),
+        };
         Ok((last, logits))
     }
 
@@ -965,8 +998,7 @@ impl<B: Backend> GlmModel<B> {
         // attn_output's input columns are this rank's heads: partial sums.
         be.all_reduce_sum(&mut a)?;
         self.emit(obs, || format!("blk.{bi}.attn_output.out"), &a)?;
-        let h = be.add(&h, &a)?;
-        let x = be.rms_norm(&h, &layer.ffn_norm, self.spec.rms_eps)?;
+        let (h, x) = be.add_rms_norm(&h, &a, &layer.ffn_norm, self.spec.rms_eps)?;
         self.emit(obs, || format!("blk.{bi}.ffn_norm.out"), &x)?;
         let mut f = self.ffn(bi, &layer.ffn, &x, obs)?;
         // Dense down / routed experts + shared expert: one reduction for the whole block.
@@ -1020,12 +1052,17 @@ impl<B: Backend> GlmModel<B> {
         // Compressed keys/values: normalised latent and the roped shared key part.
         let kv_a = be.matmul(x, &w.kv_a)?;
         self.emit(obs, || format!("blk.{bi}.attn_kv_a_mqa.out"), &kv_a)?;
-        let lat = be.slice_cols(&kv_a, 0, m.kv_lora_rank)?;
-        let lat = be.rms_norm(&lat, &w.kv_a_norm, m.lora_norm_eps)?;
-        self.emit(obs, || format!("blk.{bi}.attn_kv_a_norm.out"), &lat)?;
-        let mut k_rot = be.slice_cols(&kv_a, m.kv_lora_rank, m.qk_rope)?;
-        be.rope(&mut k_rot, positions, &rope_p(1, m.qk_rope))?;
-        let kv_rows = be.concat_cols(&[&lat, &k_rot])?;
+        // The cache rows in place: latent normalised, then the shared key part roped.
+        let mut kv_rows = be.rms_norm_lead(kv_a, &w.kv_a_norm, m.kv_lora_rank, m.lora_norm_eps)?;
+        if obs.is_some() {
+            let lat = be.slice_cols(&kv_rows, 0, m.kv_lora_rank)?;
+            self.emit(obs, || format!("blk.{bi}.attn_kv_a_norm.out"), &lat)?;
+        }
+        let k_rope = RopeParams {
+            offset: m.kv_lora_rank,
+            ..rope_p(1, m.cache_width())
+        };
+        be.rope(&mut kv_rows, positions, &k_rope)?;
 
         // Lightning indexer: keys always (they are cached), queries only when some query sees
         // more than top_k keys (otherwise every causal key is selected: dense attention).
@@ -1070,16 +1107,16 @@ impl<B: Backend> GlmModel<B> {
         let mut observed_sel: Vec<(usize, usize, Vec<i64>)> = Vec::new();
         for (si, s) in segs.iter().enumerate() {
             let cache = &mut caches[si].layers[li];
-            be.append_rows(&mut cache.kv, &be.slice_rows(&kv_rows, s.row0, s.n)?)?;
+            be.append_rows(&mut cache.kv, &*self.seg_rows(&kv_rows, s, segs)?)?;
             if let (Some(keys), Some(ck)) = (&ix_keys, cache.index_keys.as_mut()) {
-                be.append_rows(ck, &be.slice_rows(keys, s.row0, s.n)?)?;
+                be.append_rows(ck, &*self.seg_rows(keys, s, segs)?)?;
             }
             let t = s.pos0 + s.n;
             let sel = match (&self.spec.indexer, layer.spec.own_indexer) {
                 (Some(ix), true) => match (&ix_q, &cache.index_keys) {
                     (Some((qi, wts)), Some(keys)) if t > ix.top_k => Some(be.indexer_topk(
-                        &be.slice_rows(qi, s.row0, s.n)?,
-                        &be.slice_rows(wts, s.row0, s.n)?,
+                        &*self.seg_rows(qi, s, segs)?,
+                        &*self.seg_rows(wts, s, segs)?,
                         keys,
                         &IndexerParams {
                             n_head: ix.n_head,
@@ -1112,8 +1149,8 @@ impl<B: Backend> GlmModel<B> {
             };
             let o = match (self.mode, &q_abs, &q_full) {
                 (AttnMode::Absorbed, Some(qa), _) => {
-                    let qs = be.slice_rows(qa, s.row0, s.n)?;
-                    be.attention(&qs, &cache.kv, &cache.kv, &p, sel.as_ref())?
+                    let qs = self.seg_rows(qa, s, segs)?;
+                    be.attention(&*qs, &cache.kv, &cache.kv, &p, sel.as_ref())?
                 }
                 (AttnMode::Naive, _, Some(qf)) => {
                     let kv_b = w
@@ -1126,14 +1163,14 @@ impl<B: Backend> GlmModel<B> {
                     let kn = be.head_slice(&e, h_n, m.qk_nope + m.v_head, 0, m.qk_nope)?;
                     let vv = be.head_slice(&e, h_n, m.qk_nope + m.v_head, m.qk_nope, m.v_head)?;
                     let kk = be.head_concat(&kn, &kr, h_n, true)?;
-                    let qs = be.slice_rows(qf, s.row0, s.n)?;
+                    let qs = self.seg_rows(qf, s, segs)?;
                     let p = AttnParams {
                         n_kv_head: h_n,
                         k_dim: m.qk_head(),
                         v_dim: m.v_head,
                         ..p
                     };
-                    be.attention(&qs, &kk, &vv, &p, sel.as_ref())?
+                    be.attention(&*qs, &kk, &vv, &p, sel.as_ref())?
                 }
                 _ => return Err(model_err("attention mode state")),
             };
@@ -1161,8 +1198,7 @@ impl<B: Backend> GlmModel<B> {
                 );
             }
         }
-        let refs: Vec<&B::Tensor> = outs.iter().collect();
-        let o = be.concat_rows(&refs)?;
+        let o = self.stack_rows(outs)?;
         let o = match self.mode {
             AttnMode::Absorbed => be.matmul_heads(&o, &w.v_b)?,
             AttnMode::Naive => o,
@@ -1207,12 +1243,12 @@ impl<B: Backend> GlmModel<B> {
         let mut outs = Vec::with_capacity(segs.len());
         for (si, s) in segs.iter().enumerate() {
             let cache = &mut caches[si].layers[li];
-            be.append_rows(&mut cache.kv, &be.slice_rows(&k, s.row0, s.n)?)?;
+            be.append_rows(&mut cache.kv, &*self.seg_rows(&k, s, segs)?)?;
             let cv = cache
                 .v
                 .as_mut()
                 .ok_or_else(|| model_err("GQA cache without values"))?;
-            be.append_rows(cv, &be.slice_rows(&v, s.row0, s.n)?)?;
+            be.append_rows(cv, &*self.seg_rows(&v, s, segs)?)?;
             let p = AttnParams {
                 n_head: g.n_head,
                 n_kv_head: g.n_head_kv,
@@ -1221,11 +1257,35 @@ impl<B: Backend> GlmModel<B> {
                 scale: g.scale,
                 pos0: s.pos0,
             };
-            let qs = be.slice_rows(&q, s.row0, s.n)?;
-            outs.push(be.attention(&qs, &cache.kv, cv, &p, None)?);
+            let qs = self.seg_rows(&q, s, segs)?;
+            outs.push(be.attention(&*qs, &cache.kv, cv, &p, None)?);
         }
-        let refs: Vec<&B::Tensor> = outs.iter().collect();
-        be.matmul(&be.concat_rows(&refs)?, &w.out)
+        be.matmul(&self.stack_rows(outs)?, &w.out)
+    }
+
+    /// Rows of segment `s` of a batch-stacked tensor: the tensor itself when the batch is that
+    /// one sequence (no copy on the decode path).
+    fn seg_rows<'x>(
+        &self,
+        x: &'x B::Tensor,
+        s: &Seg,
+        segs: &[Seg],
+    ) -> Result<SegRows<'x, B::Tensor>, RuntimeError> {
+        if segs.len() == 1 {
+            return Ok(SegRows::Whole(x));
+        }
+        Ok(SegRows::Part(self.backend.slice_rows(x, s.row0, s.n)?))
+    }
+
+    /// The per-sequence parts stacked in order (one part: itself).
+    fn stack_rows(&self, mut parts: Vec<B::Tensor>) -> Result<B::Tensor, RuntimeError> {
+        if parts.len() == 1 {
+            if let Some(p) = parts.pop() {
+                return Ok(p);
+            }
+        }
+        let refs: Vec<&B::Tensor> = parts.iter().collect();
+        self.backend.concat_rows(&refs)
     }
 
     fn mlp(&self, m: &Mlp<B>, x: &B::Tensor) -> Result<B::Tensor, RuntimeError> {
@@ -1327,6 +1387,22 @@ pub enum HeadOutput {
     Local,
 }
 
+/// A segment's rows: borrowed when they are the whole tensor, else a copy.
+enum SegRows<'x, T> {
+    Whole(&'x T),
+    Part(T),
+}
+
+impl<T> std::ops::Deref for SegRows<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        match self {
+            SegRows::Whole(t) => t,
+            SegRows::Part(t) => t,
+        }
+    }
+}
+
 /// Rows of one sequence inside the stacked batch.
 #[derive(Debug, Clone, Copy)]
 struct Seg {
@@ -1380,6 +1456,27 @@ impl<B: Backend> LanguageModel for GlmModel<B> {
             .downcast_mut::<KvCache<B>>()
             .ok_or_else(|| RuntimeError::Backend("sequence state of another model".into()))?;
         self.forward_draft(cache, tokens, HeadOutput::Gathered, None)
+    }
+    /// Samples with the backend's sampler on the gathered logits (on the GPU: only the ids
+    /// and, for requests with log-probabilities, the logits come back).
+    fn forward_sample(
+        &self,
+        batch: &mut [SeqStep<'_>],
+        reqs: &[SampleRequest],
+    ) -> Result<Vec<Sampled>, RuntimeError> {
+        check_requests(batch, reqs)?;
+        self.step(batch, HeadOutput::Gathered, None, |m, logits, _, _| {
+            let be = &m.backend;
+            let logits = logits.ok_or_else(|| model_err("forward_sample: no logits"))?;
+            let ids = be.sample(&logits, reqs)?;
+            let host = if reqs.iter().any(|r| r.logprobs.is_some()) {
+                Some(be.to_host(&logits)?)
+            } else {
+                None
+            };
+            let v = be.shape(&logits).1;
+            Ok(finish_rows(&ids, reqs, host.as_deref(), v))
+        })
     }
 }
 

@@ -9,6 +9,7 @@ pub mod error;
 pub mod glm;
 pub mod lm;
 pub mod numerics;
+pub mod sampling;
 pub mod spec;
 pub mod tp;
 pub mod weights;

@@ -1,6 +1,7 @@
 //! The one interface between a loaded model (any backend) and its users: `generate`, the engine
 //! and the server. Object-safe so the server can hold a CPU or a CUDA model alike.
 
+use crate::sampling::{finish_rows, sample_host, SampleRequest, Sampled};
 use crate::tp::TpReport;
 use crate::RuntimeError;
 use std::any::Any;
@@ -26,6 +27,12 @@ pub trait SequenceState: Send {
         Err(RuntimeError::Backend(
             "this sequence state cannot be rolled back".into(),
         ))
+    }
+    /// Size the cache for `tokens` tokens in all up front, so decoding up to there never
+    /// reallocates or copies it (what a GPU decode step needs to stay allocation-free). A hint:
+    /// the default, and the CPU, grow as they go.
+    fn reserve(&mut self, _tokens: usize) -> Result<(), RuntimeError> {
+        Ok(())
     }
     /// Backends downcast to their own cache type.
     fn as_any_mut(&mut self) -> &mut dyn Any;
@@ -98,6 +105,54 @@ pub trait LanguageModel: Send + Sync {
         Err(RuntimeError::NoDraftLayer)
     }
 
+    /// [`LanguageModel::forward`] for steps that want the last position only, returning each
+    /// sequence's sampled token (`reqs[i]` for `batch[i]`, rules of [`crate::sampling`]): what
+    /// `generate` and the server need per decode step. A GPU model samples on the device and
+    /// copies the ids back, the logits only for requests that want log-probabilities. The
+    /// default samples on the host; when every request is greedy it goes through
+    /// [`LanguageModel::forward_top_k`] (a tensor-parallel model merges its ranks' candidates).
+    fn forward_sample(
+        &self,
+        batch: &mut [SeqStep<'_>],
+        reqs: &[SampleRequest],
+    ) -> Result<Vec<Sampled>, RuntimeError> {
+        check_requests(batch, reqs)?;
+        if reqs.iter().all(|r| r.params.is_greedy()) {
+            let k = reqs.iter().filter_map(|r| r.logprobs).max().unwrap_or(0);
+            let tops = self.forward_top_k(batch, k.max(1))?;
+            return Ok(tops
+                .into_iter()
+                .zip(reqs)
+                .map(|(t, r)| {
+                    let first = t.first().copied();
+                    Sampled {
+                        id: first.map_or(0, |f| f.0),
+                        // No finite candidate, or a NaN/inf log-sum-exp: a non-finite row.
+                        non_finite: first.is_none_or(|f| !f.1.is_finite()),
+                        logprob: r.logprobs.and(first.map(|f| f.1)),
+                        top: t.into_iter().take(r.logprobs.unwrap_or(0)).collect(),
+                    }
+                })
+                .collect());
+        }
+        let logits = self.forward(batch)?;
+        let v = self.vocab_size();
+        logits
+            .iter()
+            .zip(reqs)
+            .map(|(l, r)| {
+                if l.len() != v {
+                    return Err(RuntimeError::Backend(format!(
+                        "forward_sample: {} logits for a vocabulary of {v}",
+                        l.len()
+                    )));
+                }
+                let one = std::slice::from_ref(r);
+                Ok(finish_rows(&sample_host(l, v, one), one, Some(l), v).remove(0))
+            })
+            .collect()
+    }
+
     /// How the model is split over tensor-parallel ranks; `None` on a single device.
     fn tp_report(&self) -> Option<TpReport> {
         None
@@ -116,6 +171,22 @@ pub(crate) fn last_positions_only(batch: &[SeqStep<'_>]) -> Result<(), RuntimeEr
         return Err(RuntimeError::Backend(
             "forward_top_k: steps that want every position's logits need forward".into(),
         ));
+    }
+    Ok(())
+}
+
+/// `forward_sample` answers for the last position of each step, one request per step.
+pub(crate) fn check_requests(
+    batch: &[SeqStep<'_>],
+    reqs: &[SampleRequest],
+) -> Result<(), RuntimeError> {
+    last_positions_only(batch)?;
+    if reqs.len() != batch.len() {
+        return Err(RuntimeError::Backend(format!(
+            "forward_sample: {} requests for {} sequences",
+            reqs.len(),
+            batch.len()
+        )));
     }
     Ok(())
 }

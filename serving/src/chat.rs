@@ -22,7 +22,9 @@
 //! With a content escaper ([`ChatTemplate::set_content_escaper`], the tokenizer's
 //! `escape_control_text`), every string the caller supplies (messages, tools, kwargs) has its
 //! control-token text neutralized before the template sees it, so the rendered prompt carries
-//! control tokens only where the template text wrote them (see `Tokenizer::encode_chat`).
+//! control tokens only where the template text wrote them (see `Tokenizer::encode_chat`) — or
+//! where the caller wrote them on purpose in a message it marks as escaped by itself
+//! ([`ChatTemplate::render_json_with_escaped_content`]: the server's generic tool prompt).
 
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, Output, State, Value};
@@ -198,36 +200,67 @@ impl ChatTemplate {
     }
 
     /// Renders arbitrary JSON messages (tool calls, content parts) with extra template variables
-    /// (`tools`, `enable_thinking`, ...), which override the defaults.
+    /// (`tools`, `enable_thinking`, ...), which override the defaults (`add_generation_prompt`,
+    /// `tools`, `documents`) but not `messages`, `bos_token` or `eos_token`.
     pub fn render_json(
         &self,
         messages: &serde_json::Value,
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, ServingError> {
+        self.render_json_with_escaped_content(messages.clone(), &[], add_generation_prompt, kwargs)
+    }
+
+    /// [`render_json`](Self::render_json) for a conversation in which the caller wrote some
+    /// messages' `content` itself, with markup of its own (the server's generic tool prompt
+    /// writes `<tool_call>` markers that must stay control tokens) around client text it has
+    /// already escaped with the same escaper. `content_escaped[i]`: the `content` of message `i`
+    /// reaches the template unchanged; every other string, those messages' other fields
+    /// included, is escaped as usual. Missing entries count as `false`.
+    pub fn render_json_with_escaped_content(
+        &self,
+        mut messages: serde_json::Value,
+        content_escaped: &[bool],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, ServingError> {
+        if let Some(esc) = &self.escaper {
+            match messages.as_array_mut() {
+                Some(list) => {
+                    for (i, m) in list.iter_mut().enumerate() {
+                        match m.as_object_mut() {
+                            Some(o) if content_escaped.get(i) == Some(&true) => o
+                                .iter_mut()
+                                .filter(|(k, _)| k.as_str() != "content")
+                                .for_each(|(_, v)| escape_strings(v, esc.as_ref())),
+                            _ => escape_strings(m, esc.as_ref()),
+                        }
+                    }
+                }
+                None => escape_strings(&mut messages, esc.as_ref()),
+            }
+        }
         let mut ctx = serde_json::Map::new();
-        ctx.insert("messages".into(), messages.clone());
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
         // transformers always passes these two, as None when absent.
         ctx.insert("tools".into(), serde_json::Value::Null);
         ctx.insert("documents".into(), serde_json::Value::Null);
+        for (k, v) in kwargs {
+            let mut v = v.clone();
+            if let Some(esc) = &self.escaper {
+                escape_strings(&mut v, esc.as_ref());
+            }
+            ctx.insert(k.clone(), v);
+        }
+        // The BOS/EOS texts are the template's own, not the caller's: never escaped, and not
+        // replaceable by a kwarg of the same name (which would then be unescaped text).
         if let Some(b) = &self.bos_token {
             ctx.insert("bos_token".into(), b.clone().into());
         }
         if let Some(e) = &self.eos_token {
             ctx.insert("eos_token".into(), e.clone().into());
         }
-        for (k, v) in kwargs {
-            ctx.insert(k.clone(), v.clone());
-        }
-        if let Some(esc) = &self.escaper {
-            for (k, v) in ctx.iter_mut() {
-                // The BOS/EOS texts are the template's own, not the caller's.
-                if k != "bos_token" && k != "eos_token" {
-                    escape_strings(v, esc.as_ref());
-                }
-            }
-        }
+        ctx.insert("messages".into(), messages);
         let tmpl = self
             .env
             .get_template(NAME)

@@ -1,9 +1,13 @@
-//! Token sampling from logits, shared by `generate` and `serve`.
+//! Sampling settings and their seeded random stream, shared by `generate` and `serve`, plus
+//! what only the host can do to logits (grammar masks, repeat penalties, log-probabilities).
 //!
-//! The order of the filters follows Hugging Face `generate` and vLLM (temperature first, then
-//! top-k, top-p, min-p on the tempered distribution), so a request means the same thing here as
-//! there. Log-probabilities reported to users are always of the *raw* logits (OpenAI semantics),
-//! independent of the sampling filters.
+//! The sampling rules themselves (temperature, top-k, min-p, top-p, inverse CDF) live once, in
+//! [`runtime::sampling`]: the model applies them on its device in
+//! `LanguageModel::forward_sample`, [`Sampler::sample`] on the host after the engine adjusted
+//! the logits. Log-probabilities reported to users are always of the *raw* logits (OpenAI
+//! semantics), independent of the sampling filters.
+
+use runtime::sampling::{draw_kept, kept, sample_row, SampleParams, SampleRequest};
 
 /// How to pick the next token. `temperature <= 0` is greedy decoding.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -40,9 +44,20 @@ impl SamplingParams {
         }
     }
 
+    /// Greedy by the rules of [`runtime::sampling`]: `temperature <= 0`, NaN (rather than
+    /// poisoning every probability), or `top_k == 1`.
     pub fn is_greedy(&self) -> bool {
-        // NaN temperature is treated as greedy rather than poisoning every probability.
-        self.temperature.is_nan() || self.temperature <= 0.0
+        self.filters().is_greedy()
+    }
+
+    /// The filters as the model's sampler takes them (the seed stays with [`Sampler`]).
+    pub fn filters(&self) -> SampleParams {
+        SampleParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+        }
     }
 
     /// The one range check of sampling settings, for `generate` and `serve` alike (the server
@@ -111,9 +126,6 @@ pub struct InvalidSampling {
 pub struct Sampler {
     params: SamplingParams,
     rng: Xoshiro256,
-    /// Reused candidate buffer: sampling runs once per token, the vocabulary can be 150k entries.
-    scratch: Vec<(u32, f32)>,
-    weights: Vec<f64>,
 }
 
 impl Sampler {
@@ -122,8 +134,6 @@ impl Sampler {
         Sampler {
             params,
             rng: Xoshiro256::new(seed),
-            scratch: Vec::new(),
-            weights: Vec::new(),
         }
     }
 
@@ -131,125 +141,60 @@ impl Sampler {
         &self.params
     }
 
-    /// Pick the next token id. An empty slice yields 0; non-finite logits never win over finite ones.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.params.is_greedy() {
-            return argmax(logits);
-        }
-        let kept_total = match self.filter(logits) {
-            Ok(t) => t,
-            Err(id) => return id,
-        };
-        let target = self.rng.next_f64() * kept_total;
-        let mut acc = 0.0;
-        for (c, w) in self.scratch.iter().zip(&self.weights) {
-            acc += w;
-            if target < acc {
-                return c.0;
-            }
-        }
-        // Rounding can leave `target` a hair above the final sum; the last kept token is the answer.
-        self.scratch.last().map_or(0, |c| c.0)
+    /// The next uniform number in [0, 1) of this sampler's stream: what a model sampling on the
+    /// device (`LanguageModel::forward_sample`) takes in place of [`Sampler::sample`]'s draw.
+    pub fn next_uniform(&mut self) -> f64 {
+        self.rng.next_f64()
     }
 
-    /// The distribution [`Sampler::sample`] draws from: temperature and filters applied,
-    /// renormalised (greedy: all mass on the argmax). Speculative decoding compares the draft's
-    /// and the model's distributions in this form, so that its output follows this one.
-    pub fn distribution(&mut self, logits: &[f32]) -> Dist {
-        if self.params.is_greedy() {
-            return Dist(vec![(argmax(logits), 1.0)]);
-        }
-        let total = match self.filter(logits) {
-            Ok(t) => t,
-            Err(id) => return Dist(vec![(id, 1.0)]),
+    /// This step's request for `LanguageModel::forward_sample`: the filters, the stream's next
+    /// uniform number (none is drawn for greedy decoding, which needs none) and the
+    /// log-probabilities wanted. [`Sampler::sample`] draws the same numbers, so a seed picks the
+    /// same tokens whether the model or the host samples.
+    pub fn request(&mut self, logprobs: Option<usize>) -> SampleRequest {
+        let params = self.params.filters();
+        let u = if params.is_greedy() {
+            0.0
+        } else {
+            self.next_uniform()
         };
-        let mut d: Vec<(u32, f64)> = self
-            .scratch
-            .iter()
-            .zip(&self.weights)
-            .map(|(c, w)| (c.0, w / total))
-            .collect();
+        SampleRequest {
+            params,
+            u,
+            logprobs,
+        }
+    }
+
+    /// Pick the next token id from (adjusted) logits on the host, by the rules of
+    /// [`runtime::sampling`], the ones the model's own sampler applies. An empty slice yields 0;
+    /// NaN never wins.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let r = self.request(None);
+        sample_row(logits, &r.params, r.u)
+    }
+
+    /// The distribution [`Sampler::sample`] draws from (the rules of [`runtime::sampling`]:
+    /// temperature and filters applied), renormalised, ids ascending; greedy: all mass on the
+    /// argmax. Speculative decoding compares the draft's and the model's distributions in this
+    /// form, so that its output follows this one.
+    pub fn distribution(&self, logits: &[f32]) -> Dist {
+        let mut d = kept(logits, &self.params.filters());
+        let total: f64 = d.iter().map(|e| e.1).sum();
+        for e in &mut d {
+            e.1 /= total;
+        }
         d.sort_unstable_by_key(|e| e.0);
         Dist(d)
     }
 
-    /// A uniform draw in [0, 1) from this sampler's stream.
-    pub fn uniform(&mut self) -> f64 {
-        self.rng.next_f64()
-    }
-
-    /// Draw a token from `d` (the last token on rounding; 0 for an empty distribution).
+    /// Draw a token from `d` with this sampler's stream (no number is drawn for a single-token
+    /// distribution).
     pub fn draw(&mut self, d: &Dist) -> u32 {
         if d.0.len() == 1 {
             return d.0[0].0;
         }
-        let target = self.rng.next_f64() * d.0.iter().map(|e| e.1).sum::<f64>();
-        let mut acc = 0.0;
-        for &(id, p) in &d.0 {
-            acc += p;
-            if target < acc {
-                return id;
-            }
-        }
-        d.0.last().map_or(0, |e| e.0)
-    }
-
-    /// Temperature, top-k, min-p and top-p: leaves the kept candidates (best first) in
-    /// `scratch` with their unnormalised weights in `weights` and returns the weights' sum, or
-    /// `Err(id)` when the answer is fixed (nothing finite: the argmax; no usable mass: the best).
-    fn filter(&mut self, logits: &[f32]) -> Result<f64, u32> {
-        let inv_t = 1.0 / self.params.temperature as f64;
-        let cands = &mut self.scratch;
-        cands.clear();
-        cands.extend(
-            logits
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| l.is_finite())
-                .map(|(i, &l)| (i as u32, l)),
-        );
-        if cands.is_empty() {
-            return Err(argmax(logits));
-        }
-        // Highest logit first, lowest id among equals: a total order, so results do not depend on
-        // the sort algorithm and ties resolve like greedy decoding.
-        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        let k = self.params.top_k;
-        if k > 0 && k < cands.len() {
-            cands.select_nth_unstable_by(k - 1, order);
-            cands.truncate(k);
-        }
-        let max = cands.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max) as f64;
-        // min-p compares tempered probabilities: p_i / p_max = exp((l_i - l_max) / T).
-        let min_p = self.params.min_p as f64;
-        if min_p > 0.0 && min_p <= 1.0 {
-            let floor = max + min_p.ln() / inv_t;
-            cands.retain(|c| c.1 as f64 >= floor);
-        }
-        cands.sort_unstable_by(order);
-        let weights = &mut self.weights;
-        weights.clear();
-        weights.extend(cands.iter().map(|c| ((c.1 as f64 - max) * inv_t).exp()));
-        let total: f64 = weights.iter().sum();
-        let mut keep = weights.len();
-        let top_p = self.params.top_p as f64;
-        if top_p < 1.0 {
-            let mut acc = 0.0;
-            for (i, w) in weights.iter().enumerate() {
-                acc += w / total;
-                if acc >= top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-        }
-        cands.truncate(keep);
-        weights.truncate(keep);
-        let kept_total: f64 = weights.iter().sum();
-        if !(kept_total.is_finite() && kept_total > 0.0) {
-            return Err(cands[0].0);
-        }
-        Ok(kept_total)
+        let u = self.next_uniform();
+        draw_kept(&d.0, u)
     }
 }
 

@@ -238,7 +238,7 @@ impl Drafter {
                 &p,
                 &q,
                 &drafts,
-                &mut || s.borrow_mut().uniform(),
+                &mut || s.borrow_mut().next_uniform(),
                 &mut |d| s.borrow_mut().draw(d),
             )
         };
@@ -388,7 +388,7 @@ mod tests {
                 &p,
                 &q,
                 &drafts,
-                &mut || cell.borrow_mut().uniform(),
+                &mut || cell.borrow_mut().next_uniform(),
                 &mut |d| cell.borrow_mut().draw(d),
             );
             let mut out = drafts[..a].to_vec();

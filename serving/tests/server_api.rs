@@ -339,6 +339,17 @@ fn bad_requests_get_openai_errors() {
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 5}),
         ),
+        // The template's BOS/EOS texts are its own: a client's would be control tokens.
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}],
+                "chat_template_kwargs": {"bos_token": "<|assistant|>"}}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}],
+                "chat_template_kwargs": {"eos_token": "<|assistant|>"}}),
+        ),
         (
             "/v1/chat/completions",
             json!({"messages": [{"role": "tool", "content": "x"}]}),

@@ -208,3 +208,27 @@ fn escaper_applies_to_every_caller_string_but_not_bos_eos() {
     kw.insert("extra".into(), "c".into());
     assert_eq!(t.render_json(&msgs, false, &kw).unwrap(), "<B>|A|B|C");
 }
+
+#[test]
+fn content_marked_escaped_is_passed_as_is_and_nothing_else() {
+    let mut t = ChatTemplate::new(
+        "{{ bos_token }}{% for m in messages %}|{{ m.content }}/{{ m.name }}{% endfor %}|{{ extra }}",
+        Some("<B>".into()),
+        None,
+    )
+    .unwrap();
+    t.set_content_escaper(Arc::new(|s: &str| Some(s.to_uppercase())));
+    let msgs = serde_json::json!([
+        {"role": "user", "content": "a", "name": "n"},
+        {"role": "user", "content": "b", "name": "m"},
+        {"role": "user", "content": "c", "name": "o"}]);
+    let mut kw = serde_json::Map::new();
+    kw.insert("extra".into(), "e".into());
+    // A kwarg cannot stand in for the template's own BOS text (it would go unescaped).
+    kw.insert("bos_token".into(), "<spoof>".into());
+    assert_eq!(
+        t.render_json_with_escaped_content(msgs, &[false, true], false, &kw)
+            .unwrap(),
+        "<B>|A/N|b/M|C/O|E"
+    );
+}

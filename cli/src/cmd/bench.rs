@@ -1,513 +1,580 @@
-//! `gguftool bench`: GPU kernel benchmarks against the measured copy bandwidth of the device.
+//! `gguftool bench`: prefill and decode speed of a model, like llama-bench (`-p`, `-n`, `-d`, `-r`)
+//! and llama-batched-bench (`--npl`, sequences decoded together), on the CPU or a CUDA GPU; with
+//! `--kernels` the GPU kernel microbenchmarks instead.
 //!
-//! Method (device README METHOD.md): device time from CUDA events around a batch of back-to-back
-//! launches (what an un-graphed decode step sees), median of several batches after a warm-up;
-//! weights rotate through copies whose total exceeds 3x the L2 cache so no launch reads from L2;
-//! inputs are random bytes (never zeros). Bandwidth counts the bytes a launch must move at least:
-//! the weight bytes for GEMV, input + f32 output for dequantization, read + write for the copy.
+//! Method: for every (test, depth, sequences) the sequences are created and filled to the depth
+//! first (untimed, in chunks), then the test is timed on the host clock around the forward calls
+//! (which return logits to the host, so every call ends with the device's work done):
+//! `pp` = one forward of `n_prompt` tokens per sequence, `tg` = `n_gen` steps of one token per
+//! sequence. Rates count the tokens of all sequences. Each configuration runs once untimed at
+//! depth 0 first (kernel compilation, allocator warm-up), then `-r` timed repetitions; mean and
+//! sample standard deviation as llama-bench reports them. On a GPU, one more profiled run of each
+//! test attributes device time to kernel kinds (events around every launch), and the copy
+//! bandwidth of the same device is measured in the same run as the ceiling to compare against.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use gguf::GgmlType;
-use kernels::{AttnShape, Channels, CudaSlice, Gpu, IndexerShape, MatShape};
+use runtime::device::Device;
+use runtime::lm::{LanguageModel, SeqStep, SequenceState};
+
+#[path = "bench/kernels.rs"]
+mod kernels_bench;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Run the GPU kernel benchmarks (copy bandwidth, dequantization, GEMV, attention, indexer).
-    #[arg(long)]
-    gpu: bool,
-    /// CUDA device ordinal.
-    #[arg(long, default_value_t = 0)]
-    device: usize,
-    /// Fewer types and repetitions (a smoke run).
-    #[arg(long)]
-    quick: bool,
-    /// Also write the results as JSON to this file.
-    #[arg(long)]
-    json: Option<PathBuf>,
-    /// Decode benchmark: greedy-generate from this GGUF model on the GPU and on the CPU and
-    /// report prefill and decode tokens/s (instead of the kernel benchmarks).
-    #[arg(long)]
+    /// GGUF model (any shard of a split model) to benchmark.
+    #[arg(short = 'm', long)]
     model: Option<PathBuf>,
-    /// Tokens to decode in the decode benchmark.
-    #[arg(long, default_value_t = 64)]
-    tokens: usize,
-    /// Backends of the decode benchmark: `both`, `cuda` or `cpu` (the CPU is slow on large models).
-    #[arg(long, default_value = "both")]
-    backend: String,
-    /// Tensor parallelism of the decode benchmark (`--tp N --tp-devices ...`, see docs/TP.md).
+    /// Prompt lengths of the prefill (pp) tests, comma-separated; 0 skips them.
+    #[arg(
+        short = 'p',
+        long = "n-prompt",
+        value_delimiter = ',',
+        default_value = "512"
+    )]
+    n_prompt: Vec<usize>,
+    /// Generated tokens of the decode (tg) tests, comma-separated; 0 skips them.
+    #[arg(
+        short = 'n',
+        long = "n-gen",
+        value_delimiter = ',',
+        default_value = "128"
+    )]
+    n_gen: Vec<usize>,
+    /// Context depths: the cache is filled to each before the test (e.g. 0,4096,32768).
+    #[arg(
+        short = 'd',
+        long = "n-depth",
+        value_delimiter = ',',
+        default_value = "0"
+    )]
+    n_depth: Vec<usize>,
+    /// Numbers of sequences processed together (batched decode), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    npl: Vec<usize>,
+    /// Tensor parallelism (`--tp N --tp-devices ...`, docs/TP.md).
     #[command(flatten)]
     tp: super::tp::TpArgs,
-    /// Speculative decoding in the decode benchmark (`--draft mtp --draft-n K`).
+    /// Compute device: auto (a CUDA GPU when present, else the CPU), cpu, cuda, cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: Device,
+    /// Timed repetitions of every test.
+    #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
+    repetitions: usize,
+    /// Print one JSON array (one record per test, depth and sequence count) on stdout instead
+    /// of the table.
+    #[arg(long)]
+    json: bool,
+    /// Skip the profiled run (kernel time by kind) and the copy-bandwidth measurement.
+    #[arg(long)]
+    no_profile: bool,
+    /// Run the GPU kernel microbenchmarks instead of a model (`--gpu` is the old name).
+    #[arg(long, alias = "gpu")]
+    kernels: bool,
+    /// Kernel microbenchmarks: fewer types and repetitions (a smoke run).
+    #[arg(long)]
+    quick: bool,
+    /// Speculative decoding after the tests (`--draft mtp --draft-n K`): greedy decode of the
+    /// first `-n` length with drafts against plain decoding from the same prompt.
     #[command(flatten)]
     draft: super::bench_draft::BenchDraftArgs,
 }
 
-struct Bench {
-    g: std::sync::Arc<Gpu>,
-    batches: usize,
-    per_batch: usize,
-    rows: Vec<serde_json::Value>,
-    copy_gbs: f64,
+pub fn run(args: Args) -> Result<ExitCode> {
+    if args.kernels {
+        let ordinal = match args.device.resolve() {
+            Device::Cuda(i) => i,
+            _ => bail!("--kernels needs a CUDA device (none found or --device cpu)"),
+        };
+        return kernels_bench::run(&args, ordinal);
+    }
+    let Some(path) = args.model.clone() else {
+        bail!("nothing to benchmark: pass -m MODEL (or --kernels for the GPU kernel benchmarks)");
+    };
+    if args.repetitions == 0 {
+        bail!("-r must be at least 1");
+    }
+    if args.npl.contains(&0) {
+        bail!("--npl values must be at least 1");
+    }
+    let mut tests: Vec<(Test, usize)> = Vec::new();
+    tests.extend(
+        args.n_prompt
+            .iter()
+            .filter(|&&p| p > 0)
+            .map(|&p| (Test::Pp, p)),
+    );
+    tests.extend(
+        args.n_gen
+            .iter()
+            .filter(|&&n| n > 0)
+            .map(|&n| (Test::Tg, n)),
+    );
+    if tests.is_empty() {
+        bail!("no test: every -p and -n value is 0");
+    }
+    let model =
+        Arc::new(gguf::Model::open(&path).with_context(|| format!("opening {}", path.display()))?);
+    let spec = runtime::spec::ModelSpec::from_model(&model)?;
+    let max_need = args.n_depth.iter().max().copied().unwrap_or(0)
+        + tests.iter().map(|t| t.1).max().unwrap_or(0);
+    if max_need > spec.n_ctx_train {
+        bail!(
+            "depth + test length {max_need} exceeds the model's context ({})",
+            spec.n_ctx_train
+        );
+    }
+    let weights = WeightBytes::of(&model, &spec);
+    let loaded = super::tp::load(model.clone(), args.tp.options(args.device)?, args.json)?;
+    let (lm, device) = (loaded.lm, loaded.device);
+    let tp_world = loaded.tp.as_ref().map_or(1, |r| r.world);
+    let gpu = match device {
+        Device::Cuda(i) => Some(kernels::Gpu::get(i)?),
+        _ => None,
+    };
+    let backend = match &gpu {
+        Some(g) => format!(
+            "{} ({}, sm_{}{})",
+            device.name(),
+            g.info().name,
+            g.info().compute_capability.0,
+            g.info().compute_capability.1
+        ),
+        None => format!("cpu ({} threads)", rayon::current_num_threads()),
+    };
+    let copy_gbs = if args.no_profile {
+        None
+    } else {
+        Some(match &gpu {
+            Some(g) => gpu_copy_gbs(g)?,
+            None => host_copy_gbs(),
+        })
+    };
+    let b = Bencher {
+        lm: lm.as_ref(),
+        vocab: lm.vocab_size(),
+        chunk: if gpu.is_some() { 2048 } else { 256 },
+    };
+    let model_name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let date = utc_date();
+    if !args.json {
+        println!(
+            "model {model_name}: {} of weights, {:.2} B parameters; {backend}; {date}",
+            crate::util::human_bytes(weights.total),
+            weights.params as f64 / 1e9
+        );
+        if let Some(c) = copy_gbs {
+            println!("copy bandwidth (same run, read+write): {c:.0} GB/s");
+        }
+        println!("| test | depth | seqs | t/s | weight GB/s | share of copy |");
+        println!("|---|---:|---:|---:|---:|---:|");
+    }
+    let mut records = Vec::new();
+    for &npl in &args.npl {
+        for &(test, len) in &tests {
+            // Warm-up at depth 0: compiles kernels and fills the allocator's pools.
+            b.run_once(test, len, 0, npl)?;
+            for &depth in &args.n_depth {
+                let mut samples = Vec::with_capacity(args.repetitions);
+                for _ in 0..args.repetitions {
+                    samples.push(b.run_once(test, len, depth, npl)?);
+                }
+                let (avg, sd) = mean_sd(&samples);
+                let kernels = match (&gpu, args.no_profile) {
+                    (Some(g), false) => Some(b.profile(g, test, len, depth, npl)?),
+                    _ => None,
+                };
+                let wbytes = weights.per_step(npl);
+                // Weight bytes read per second: one full read per decode step (all sequences
+                // share it); prefill reads every weight once per forward call.
+                let weight_gbs = match test {
+                    Test::Tg => wbytes * (avg / npl as f64) / 1e9,
+                    Test::Pp => weights.total_trunk as f64 * (avg / (npl * len) as f64) / 1e9,
+                };
+                let share = copy_gbs.map(|c| weight_gbs / c);
+                let name = format!(
+                    "{}{len}{}{}",
+                    test.name(),
+                    if depth > 0 {
+                        format!(" @ d{depth}")
+                    } else {
+                        String::new()
+                    },
+                    if npl > 1 {
+                        format!(" x{npl}")
+                    } else {
+                        String::new()
+                    }
+                );
+                if !args.json {
+                    println!(
+                        "| {}{len} | {depth} | {npl} | {avg:.2} ± {sd:.2} | {weight_gbs:.2} | {} |",
+                        test.name(),
+                        share.map_or("-".into(), |s| format!("{:.1}%", 100.0 * s))
+                    );
+                    if let Some(k) = &kernels {
+                        println!("|   device time per token: {} |", kernel_line(k, 6));
+                    }
+                }
+                let (n_prompt, n_gen) = match test {
+                    Test::Pp => (len, 0),
+                    Test::Tg => (0, len),
+                };
+                records.push(serde_json::json!({
+                    "test": test.name(),
+                    "name": name,
+                    "model": model_name,
+                    "model_size": weights.total,
+                    "model_n_params": weights.params,
+                    "backend": backend,
+                    "device": device.name(),
+                    "tp": tp_world,
+                    "n_prompt": n_prompt,
+                    "n_gen": n_gen,
+                    "n_depth": depth,
+                    "n_seq": npl,
+                    "avg_ts": avg,
+                    "stddev_ts": sd,
+                    "samples_ts": samples,
+                    "weight_bytes_per_step": wbytes,
+                    "weight_gbs": weight_gbs,
+                    "copy_gbs": copy_gbs,
+                    "copy_share": share,
+                    "kernels": kernels.as_ref().map(kernels_json),
+                    "date": date,
+                }));
+            }
+        }
+    }
+    if args.draft.draft.draft.is_some() {
+        let n = args.n_gen.iter().copied().find(|&n| n > 0).unwrap_or(64);
+        let prompt = tokens(
+            b.vocab,
+            args.n_prompt.first().copied().unwrap_or(0).max(1),
+            5,
+        );
+        // The baseline: plain greedy decoding of the same length right before.
+        b.run_once(Test::Tg, n, 0, 1)?;
+        let plain = b.run_once(Test::Tg, n, 0, 1)?;
+        if let Some(mut d) =
+            super::bench_draft::run(&args.draft, b.lm, &prompt, n, plain, !args.json)?
+        {
+            d["test"] = serde_json::json!("tg-draft");
+            d["model"] = serde_json::json!(model_name);
+            d["backend"] = serde_json::json!(backend);
+            d["device"] = serde_json::json!(device.name());
+            d["tp"] = serde_json::json!(tp_world);
+            d["n_prompt"] = serde_json::json!(prompt.len());
+            d["n_gen"] = serde_json::json!(n);
+            d["plain_decode_tok_s"] = serde_json::json!(plain);
+            d["date"] = serde_json::json!(date);
+            records.push(d);
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&records)?);
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Test {
+    Pp,
+    Tg,
+}
+
+impl Test {
+    fn name(self) -> &'static str {
+        match self {
+            Test::Pp => "pp",
+            Test::Tg => "tg",
+        }
+    }
+}
+
+struct Bencher<'a> {
+    lm: &'a dyn LanguageModel,
+    vocab: usize,
+    /// Largest prefill chunk when filling the depth (bounds activation memory).
+    chunk: usize,
+}
+
+/// Deterministic token ids spread over the vocabulary (llama-bench feeds arbitrary tokens too:
+/// the speed does not depend on them, except through MoE routing, which random ids exercise).
+fn tokens(vocab: usize, n: usize, salt: usize) -> Vec<u32> {
+    let mut s = (salt as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % vocab as u64) as u32
+        })
+        .collect()
+}
+
+impl Bencher<'_> {
+    fn step(&self, seqs: &mut [Box<dyn SequenceState>], toks: &[Vec<u32>]) -> Result<()> {
+        let mut batch: Vec<SeqStep<'_>> = seqs
+            .iter_mut()
+            .zip(toks)
+            .map(|(s, t)| SeqStep {
+                seq: s.as_mut(),
+                tokens: t,
+                all_logits: false,
+            })
+            .collect();
+        // What `generate` and the server run per step: greedy sampling inside the model (on
+        // the GPU only the ids come back).
+        let reqs = vec![
+            runtime::sampling::SampleRequest {
+                params: runtime::sampling::SampleParams::GREEDY,
+                u: 0.0,
+                logprobs: None,
+            };
+            batch.len()
+        ];
+        self.lm.forward_sample(&mut batch, &reqs)?;
+        Ok(())
+    }
+
+    /// `npl` fresh sequences filled to `depth` (untimed).
+    fn filled(&self, depth: usize, npl: usize) -> Result<Vec<Box<dyn SequenceState>>> {
+        let mut seqs: Vec<_> = (0..npl).map(|_| self.lm.new_sequence()).collect();
+        let mut done = 0;
+        while done < depth {
+            let n = self.chunk.min(depth - done);
+            let toks: Vec<Vec<u32>> = (0..npl)
+                .map(|s| tokens(self.vocab, n, 1000 + s * 7919 + done))
+                .collect();
+            self.step(&mut seqs, &toks)?;
+            done += n;
+        }
+        Ok(seqs)
+    }
+
+    /// The timed part of one repetition: tokens per second over all sequences.
+    fn timed(&self, seqs: &mut [Box<dyn SequenceState>], test: Test, len: usize) -> Result<f64> {
+        let npl = seqs.len();
+        match test {
+            Test::Pp => {
+                let toks: Vec<Vec<u32>> = (0..npl).map(|s| tokens(self.vocab, len, s)).collect();
+                let t0 = Instant::now();
+                self.step(seqs, &toks)?;
+                Ok((npl * len) as f64 / t0.elapsed().as_secs_f64())
+            }
+            Test::Tg => {
+                let all: Vec<Vec<u32>> =
+                    (0..npl).map(|s| tokens(self.vocab, len, 77 + s)).collect();
+                let t0 = Instant::now();
+                for i in 0..len {
+                    let toks: Vec<Vec<u32>> = all.iter().map(|t| vec![t[i]]).collect();
+                    self.step(seqs, &toks)?;
+                }
+                Ok((npl * len) as f64 / t0.elapsed().as_secs_f64())
+            }
+        }
+    }
+
+    fn run_once(&self, test: Test, len: usize, depth: usize, npl: usize) -> Result<f64> {
+        let mut seqs = self.filled(depth, npl)?;
+        self.timed(&mut seqs, test, len)
+    }
+
+    /// Device time by kernel kind, per token, from one profiled run of the test.
+    fn profile(
+        &self,
+        g: &kernels::Gpu,
+        test: Test,
+        len: usize,
+        depth: usize,
+        npl: usize,
+    ) -> Result<kernels::Profile> {
+        let mut seqs = self.filled(depth, npl)?;
+        g.profile_begin();
+        let r = self.timed(&mut seqs, test, len);
+        let p = g.profile_end()?;
+        r?;
+        Ok(p.per(npl * len))
+    }
+}
+
+fn kernel_line(p: &kernels::Profile, top: usize) -> String {
+    let total: f64 = p.kinds.iter().map(|k| k.us).sum();
+    let mut parts: Vec<String> = p
+        .kinds
+        .iter()
+        .take(top)
+        .map(|k| format!("{} {:.1} us", k.kind, k.us))
+        .collect();
+    if p.kinds.len() > top {
+        parts.push(format!("{} more kinds", p.kinds.len() - top));
+    }
+    format!("{total:.1} us: {}", parts.join(", "))
+}
+
+fn kernels_json(p: &kernels::Profile) -> serde_json::Value {
+    serde_json::Value::Array(
+        p.kinds
+            .iter()
+            .map(|k| {
+                serde_json::json!({"kind": k.kind, "us_per_token": k.us, "launches_per_token": k.launches})
+            })
+            .collect(),
+    )
+}
+
+fn mean_sd(v: &[f64]) -> (f64, f64) {
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    if v.len() < 2 {
+        return (mean, 0.0);
+    }
+    let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / (n - 1.0);
+    (mean, var.sqrt())
+}
+
+/// Weight bytes a forward step reads (bench-models.md's count): every trunk tensor once, the
+/// routed experts' share of the expert tensors, the output head; not the token embedding (one
+/// row per token) nor the NextN block (not run).
+struct WeightBytes {
+    total: u64,
+    params: u64,
+    /// Every trunk weight + head, read once (prefill reads them all).
+    total_trunk: u64,
+    /// Non-expert trunk + head bytes.
+    dense: u64,
+    /// Routed-expert tensor bytes (all experts).
+    experts: u64,
+    used_fraction: f64,
+}
+
+impl WeightBytes {
+    fn of(model: &gguf::Model, spec: &runtime::spec::ModelSpec) -> Self {
+        let mtp: Vec<String> = spec
+            .layers
+            .iter()
+            .filter(|l| l.mtp)
+            .map(|l| format!("blk.{}.", l.index))
+            .collect();
+        let (mut total, mut params, mut dense, mut experts) = (0, 0, 0, 0);
+        for t in model.tensors() {
+            let b = t.info.n_bytes();
+            total += b;
+            params += t.info.n_elements();
+            let name = t.info.name.as_str();
+            if name.starts_with("token_embd.") || mtp.iter().any(|p| name.starts_with(p)) {
+                continue;
+            }
+            if name.contains("_exps.") {
+                experts += b;
+            } else {
+                dense += b;
+            }
+        }
+        let used_fraction = spec
+            .moe
+            .map_or(1.0, |e| e.n_used as f64 / e.n_expert as f64);
+        WeightBytes {
+            total,
+            params,
+            total_trunk: dense + experts,
+            dense,
+            experts,
+            used_fraction,
+        }
+    }
+
+    /// Expected bytes of one decode step of `npl` sequences: distinct experts of `npl` tokens
+    /// under uniform routing, `E * (1 - (1 - k/E)^npl)` (gpu-kernels.md §1.5).
+    fn per_step(&self, npl: usize) -> f64 {
+        let f = 1.0 - (1.0 - self.used_fraction).powi(npl as i32);
+        self.dense as f64 + self.experts as f64 * f
+    }
+}
+
+/// Device-to-device copy bandwidth (read + write bytes), median of several 1 GiB copies.
+fn gpu_copy_gbs(g: &kernels::Gpu) -> Result<f64> {
+    let n = 1usize << 30;
+    let src = g.zeros::<u8>(n)?;
+    let mut dst = g.zeros::<u8>(n)?;
+    g.copy(&src, &mut dst)?;
+    let mut v = Vec::new();
+    for _ in 0..7 {
+        let ms = g.time_ms(|| g.copy(&src, &mut dst))?;
+        v.push(2.0 * n as f64 / (f64::from(ms) * 1e-3) / 1e9);
+    }
+    v.sort_by(f64::total_cmp);
+    Ok(v[v.len() / 2])
+}
+
+/// Host memory copy bandwidth (read + write), all threads, median of several 256 MiB copies.
+fn host_copy_gbs() -> f64 {
+    use rayon::prelude::*;
+    let n = 256usize << 20;
+    let src: Vec<u8> = (0..n).map(|i| (i * 31) as u8).collect();
+    let mut dst = vec![0u8; n];
+    let chunk = n / rayon::current_num_threads().max(1);
+    let mut v = Vec::new();
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        dst.par_chunks_mut(chunk)
+            .zip(src.par_chunks(chunk))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        v.push(2.0 * n as f64 / t0.elapsed().as_secs_f64() / 1e9);
+    }
+    std::hint::black_box(&dst);
+    v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
-/// Random bytes, fast (xorshift64 per 8 bytes); content only needs to be non-trivial.
-fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed | 1;
-    let mut out = Vec::with_capacity(n + 8);
-    while out.len() < n {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        out.extend_from_slice(&s.to_le_bytes());
-    }
-    out.truncate(n);
-    out
+/// Today's UTC date, `YYYY-MM-DD` (civil-from-days, H. Hinnant's algorithm).
+fn utc_date() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let z = (secs / 86400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
 }
 
-impl Bench {
-    /// Median per-launch milliseconds of `f(i)` run `per_batch` times back to back.
-    fn time(&self, mut f: impl FnMut(usize) -> Result<(), kernels::KernelError>) -> Result<f64> {
-        let mut i = 0usize;
-        // Warm-up: module load and compilation, then >= 100 ms of the same launches so the SM
-        // clock has ramped up (it idles near 345 MHz and boosts to ~1980 MHz under load).
-        let start = std::time::Instant::now();
-        while start.elapsed() < std::time::Duration::from_millis(100) {
-            for _ in 0..10 {
-                f(i)?;
-                i += 1;
-            }
-            self.g.synchronize()?;
-        }
-        let mut samples = Vec::with_capacity(self.batches);
-        for _ in 0..self.batches {
-            let ms = self.g.time_ms(|| {
-                for _ in 0..self.per_batch {
-                    f(i)?;
-                    i += 1;
-                }
-                Ok(())
-            })?;
-            samples.push(f64::from(ms) / self.per_batch as f64);
-        }
-        Ok(median(samples))
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_and_sample_sd() {
+        let (m, s) = mean_sd(&[1.0, 2.0, 3.0]);
+        assert!((m - 2.0).abs() < 1e-12 && (s - 1.0).abs() < 1e-12);
+        assert_eq!(mean_sd(&[5.0]), (5.0, 0.0));
     }
 
-    fn record(&mut self, kind: &str, what: &str, bytes: f64, ms: f64) {
-        let gbs = bytes / (ms * 1e-3) / 1e9;
-        let frac = if self.copy_gbs > 0.0 {
-            gbs / self.copy_gbs
-        } else {
-            0.0
-        };
-        println!(
-            "| {kind:<10} | {what:<44} | {:>10.1} | {:>9.1} | {:>5.0}% |",
-            ms * 1e3,
-            gbs,
-            100.0 * frac
-        );
-        self.rows.push(serde_json::json!({
-            "kind": kind, "what": what, "us": ms * 1e3, "bytes": bytes, "gb_per_s": gbs,
-            "fraction_of_copy": frac,
-        }));
-    }
-}
-
-pub fn run(args: Args) -> Result<ExitCode> {
-    if let Some(model) = &args.model {
-        return decode_bench(
-            model,
-            args.device,
-            args.tokens,
-            &args.backend,
-            args.json.as_deref(),
-            &args.tp,
-            &args.draft,
-        );
-    }
-    if args.tp.tp != runtime::device::TpSize::Ranks(1) {
-        bail!("--tp applies to the decode benchmark (--model)");
-    }
-    if !args.gpu {
-        bail!("nothing to benchmark: pass --gpu (kernel benchmarks) or --model PATH (decode)");
-    }
-    let g = Gpu::get(args.device).context("opening the CUDA device")?;
-    let info = g.info().clone();
-    println!(
-        "device {}: {} (sm_{}{}, {} SMs, {:.0} GiB, L2 {} MiB)",
-        info.ordinal,
-        info.name,
-        info.compute_capability.0,
-        info.compute_capability.1,
-        info.sm_count,
-        info.total_mem as f64 / (1u64 << 30) as f64,
-        info.l2_bytes >> 20
-    );
-    let mut b = Bench {
-        g: g.clone(),
-        batches: if args.quick { 3 } else { 7 },
-        per_batch: if args.quick { 5 } else { 20 },
-        rows: Vec::new(),
-        copy_gbs: 0.0,
-    };
-    println!("| kind       | what                                         | us/launch  | GB/s      | copy  |");
-    println!("|------------|----------------------------------------------|------------|-----------|-------|");
-
-    // 1. Copy bandwidth: the ceiling the others are measured against.
-    let copy_bytes: usize = if args.quick { 256 << 20 } else { 2 << 30 };
-    let src: CudaSlice<u8> = g.upload(&random_bytes(copy_bytes, 7))?;
-    let mut dst: CudaSlice<u8> = g.zeros(copy_bytes)?;
-    let ms = b.time(|_| g.copy(&src, &mut dst))?;
-    let gbs = 2.0 * copy_bytes as f64 / (ms * 1e-3) / 1e9;
-    b.copy_gbs = gbs;
-    b.record(
-        "copy",
-        &format!("device-to-device {} MiB (read+write)", copy_bytes >> 20),
-        2.0 * copy_bytes as f64,
-        ms,
-    );
-    drop((src, dst));
-
-    let l2: usize = (info.l2_bytes as usize).max(32 << 20);
-    let types: Vec<GgmlType> = if args.quick {
-        vec![GgmlType::Q4_K, GgmlType::Q8_0]
-    } else {
-        vec![
-            GgmlType::Q4_K,
-            GgmlType::Q5_K,
-            GgmlType::Q6_K,
-            GgmlType::Q8_0,
-            GgmlType::IQ4_XS,
-            GgmlType::IQ4_NL,
-            GgmlType::BF16,
-            GgmlType::F16,
-            GgmlType::F32,
-        ]
-    };
-
-    // 2. Dequantization of an attn_output-sized matrix (6144 x 16384).
-    for &ty in &types {
-        let n = 6144usize * 16384;
-        let bytes = ty.row_bytes(n as u64).context("size")? as usize;
-        let w = g.upload(&random_bytes(bytes, 11))?;
-        let mut out: CudaSlice<f32> = g.zeros(n)?;
-        let ms = b.time(|_| g.dequantize(ty, &w, &mut out))?;
-        b.record(
-            "dequant",
-            &format!("{ty} 6144x16384 -> f32"),
-            (bytes + 4 * n) as f64,
-            ms,
-        );
+    #[test]
+    fn date_format() {
+        let d = utc_date();
+        assert_eq!(d.len(), 10);
+        assert!(d.starts_with("20"));
     }
 
-    // 3. GEMV at decode shapes, weights rotated through > 3x L2.
-    let shapes: [(&str, usize, usize); 3] = [
-        ("attn_output 6144x16384", 6144, 16384),
-        ("q_a 2048x6144", 2048, 6144),
-        ("kv_a 576x6144", 576, 6144),
-    ];
-    for &ty in &types {
-        for (name, rows, k) in shapes {
-            let shape = MatShape::new(ty, rows, k);
-            let mat = shape.bytes().context("size")?;
-            let copies = (3 * l2).div_ceil(mat).max(2);
-            let w = g.upload(&random_bytes(mat * copies, 13))?;
-            let x = g.upload(&vec![0.5f32; k])?;
-            let mut y: CudaSlice<f32> = g.zeros(rows)?;
-            let ms = b.time(|i| {
-                let c = i % copies;
-                let wv = w.slice(c * mat..(c + 1) * mat);
-                g.gemv(shape, &wv, &x, &mut y)
-            })?;
-            b.record("gemv", &format!("{ty} {name}"), mat as f64, ms);
-        }
-        // MoE: 8 of 32 experts of 2048x6144 (gate_exps shape), one launch with ids.
-        let (ne, rows, k, top) = (32usize, 2048usize, 6144usize, 8usize);
-        let shape = MatShape {
-            ty,
-            rows,
-            k,
-            slabs: ne,
-        };
-        let slab = shape.slab_bytes().context("size")?;
-        let w = g.upload(&random_bytes(slab * ne, 17))?;
-        let x = g.upload(&vec![0.5f32; k])?;
-        let mut y: CudaSlice<f32> = g.zeros(top * rows)?;
-        let id_sets: Vec<CudaSlice<i32>> = (0..8)
-            .map(|s| {
-                g.upload(
-                    &(0..top)
-                        .map(|j| ((s * top + j) % ne) as i32)
-                        .collect::<Vec<_>>(),
-                )
-            })
-            .collect::<Result<_, _>>()?;
-        let ms = b.time(|i| {
-            let ids = id_sets[i % id_sets.len()].as_view();
-            let ch = Channels {
-                count: top,
-                ids: Some(&ids),
-                x_stride: 0,
-                x_div: top,
-                y_stride: rows,
-            };
-            g.gemv_batched(shape, &w, ch, &x, &mut y)
-        })?;
-        b.record(
-            "gemv moe",
-            &format!("{ty} 8 of 32 experts 2048x6144"),
-            (slab * top) as f64,
-            ms,
-        );
+    #[test]
+    fn tokens_in_range_and_deterministic() {
+        let a = tokens(1000, 64, 3);
+        assert_eq!(a, tokens(1000, 64, 3));
+        assert!(a.iter().all(|&t| t < 1000));
     }
-
-    // 4. Absorbed MLA decode (64 heads, 576/512, f32 latent cache) and the DSA indexer + top-2048.
-    for t_len in [4096usize, 32768] {
-        let (heads, d_qk, d_v) = (64usize, 576usize, 512usize);
-        let kv = g.upload(&vec![0.01f32; t_len * d_qk])?;
-        let q = g.upload(&vec![0.02f32; heads * d_qk])?;
-        let pos = g.upload(&[t_len as i32 - 1])?;
-        let mut o: CudaSlice<f32> = g.zeros(heads * d_v)?;
-        let shape = AttnShape {
-            tokens: 1,
-            heads,
-            kv_heads: 1,
-            d_k: d_qk,
-            d_v,
-            q_tok_stride: heads * d_qk,
-            q_head_stride: d_qk,
-            k_stride: d_qk,
-            v_stride: d_qk,
-            kv_len: t_len,
-            o_tok_stride: heads * d_v,
-            o_head_stride: d_v,
-            scale: 1.0 / 16.0,
-            pos0: t_len - 1,
-        };
-        let ms = b.time(|_| g.attention(&q, &kv, &kv, None, &mut o, shape))?;
-        b.record(
-            "mla",
-            &format!("decode dense, 64 heads, T {t_len}"),
-            (t_len * d_qk * 4) as f64,
-            ms,
-        );
-
-        let (ih, id) = (32usize, 128usize);
-        let kc = g.upload(
-            &random_bytes(t_len * id * 4, 19)
-                .chunks_exact(4)
-                .map(|c| f32::from(c[0]) / 255.0 - 0.5)
-                .collect::<Vec<f32>>(),
-        )?;
-        let qi = g.upload(&vec![0.03f32; ih * id])?;
-        let wi = g.upload(&vec![0.1f32; ih])?;
-        let mut sc: CudaSlice<f32> = g.zeros(t_len)?;
-        let ish = IndexerShape {
-            tokens: 1,
-            heads: ih,
-            dim: id,
-            q_stride: ih * id,
-            k_stride: id,
-            kv_len: t_len,
-            w_stride: ih,
-            out_stride: t_len,
-            scale: 1.0 / (id as f32).sqrt(),
-        };
-        let ms = b.time(|_| g.indexer_scores(&qi, &kc, &wi, &pos, &mut sc, ish))?;
-        b.record(
-            "indexer",
-            &format!("scores 32x128, T {t_len}"),
-            (t_len * id * 4) as f64,
-            ms,
-        );
-        let mut sel: CudaSlice<i32> = g.zeros(2048)?;
-        let ms = b.time(|_| g.topk(&sc, 1, t_len, t_len, 2048, &mut sel, None))?;
-        b.record(
-            "topk",
-            &format!("top-2048 of T {t_len}"),
-            (t_len * 4) as f64,
-            ms,
-        );
-    }
-
-    if let Some(path) = &args.json {
-        let doc = serde_json::json!({
-            "device": info.name, "compute_capability": format!("{}.{}", info.compute_capability.0, info.compute_capability.1),
-            "sm_count": info.sm_count, "copy_gb_per_s": b.copy_gbs, "results": b.rows,
-        });
-        std::fs::write(path, serde_json::to_vec_pretty(&doc)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-/// Greedy decode from a fixed prompt on CUDA and on the CPU: prefill time and decode tokens/s
-/// (host-timed, including the per-step logits copy, after a warm-up sequence).
-fn decode_bench(
-    path: &std::path::Path,
-    device: usize,
-    n_tokens: usize,
-    backend: &str,
-    json: Option<&std::path::Path>,
-    tp: &super::tp::TpArgs,
-    draft: &super::bench_draft::BenchDraftArgs,
-) -> Result<ExitCode> {
-    let (use_gpu, use_cpu) = match backend {
-        "both" => (true, true),
-        "cuda" => (true, false),
-        "cpu" => (false, true),
-        other => bail!("--backend {other}: expected both, cuda or cpu"),
-    };
-    use runtime::lm::{LanguageModel, SeqStep};
-    use serde_json::json;
-    use std::time::Instant;
-    let model = std::sync::Arc::new(
-        gguf::Model::open(path).with_context(|| format!("opening {}", path.display()))?,
-    );
-    let prompt: Vec<u32> = (0..32u32).map(|i| 100 + 7 * i).collect();
-    let argmax = |v: &[f32]| {
-        v.iter()
-            .enumerate()
-            .fold((0usize, f32::NEG_INFINITY), |b, (i, &x)| {
-                if x > b.1 {
-                    (i, x)
-                } else {
-                    b
-                }
-            })
-            .0 as u32
-    };
-    let run = |m: &dyn LanguageModel| -> Result<(f64, f64, Vec<u32>)> {
-        // Warm-up sequence: kernel compilation, cuBLAS handle, first allocations.
-        {
-            let mut w = m.new_sequence();
-            m.forward(&mut [SeqStep {
-                seq: w.as_mut(),
-                tokens: &prompt,
-                all_logits: false,
-            }])?;
-            m.forward(&mut [SeqStep {
-                seq: w.as_mut(),
-                tokens: &prompt[..1],
-                all_logits: false,
-            }])?;
-        }
-        let mut seq = m.new_sequence();
-        let t0 = Instant::now();
-        let logits = m.forward(&mut [SeqStep {
-            seq: seq.as_mut(),
-            tokens: &prompt,
-            all_logits: false,
-        }])?;
-        let prefill = t0.elapsed().as_secs_f64();
-        let mut next = argmax(&logits[0]);
-        let mut out = vec![next];
-        // One warm-up step, then the timed ones.
-        let l = m.forward(&mut [SeqStep {
-            seq: seq.as_mut(),
-            tokens: &[next],
-            all_logits: false,
-        }])?;
-        next = argmax(&l[0]);
-        out.push(next);
-        let t1 = Instant::now();
-        for _ in 0..n_tokens {
-            let l = m.forward(&mut [SeqStep {
-                seq: seq.as_mut(),
-                tokens: &[next],
-                all_logits: false,
-            }])?;
-            next = argmax(&l[0]);
-            out.push(next);
-        }
-        let decode = t1.elapsed().as_secs_f64();
-        Ok((prompt.len() as f64 / prefill, n_tokens as f64 / decode, out))
-    };
-    println!(
-        "model {} ({} prompt tokens, {n_tokens} decode tokens)",
-        path.display(),
-        prompt.len()
-    );
-    println!("| backend | prefill tok/s | decode tok/s |");
-    println!("|---------|---------------|--------------|");
-    let mut doc = serde_json::json!({
-        "model": path.display().to_string(), "prompt_tokens": prompt.len(), "decode_tokens": n_tokens,
-    });
-    let mut outs = Vec::new();
-    let split = tp.tp != runtime::device::TpSize::Ranks(1);
-    if use_gpu && split {
-        let dev = runtime::device::Device::Cuda(device);
-        let l = super::tp::load(model.clone(), tp.options(dev)?, true)?;
-        let r = l.tp.clone().context("tensor-parallel report")?;
-        let name = format!(
-            "{} ranks on {} ({})",
-            r.world,
-            r.ranks
-                .iter()
-                .map(|x| x.device.as_str())
-                .collect::<Vec<_>>()
-                .join(","),
-            r.comm
-        );
-        let (p, d, t) = run(l.lm.as_ref())?;
-        println!("| cuda {name} | {p:.0} | {d:.1} |");
-        doc["cuda"] = serde_json::json!({"device": name, "tp": r.world, "prefill_tok_s": p, "decode_tok_s": d});
-        doc["cuda"]["draft"] = json!(super::bench_draft::run(
-            draft,
-            l.lm.as_ref(),
-            &prompt,
-            n_tokens,
-            d
-        )?);
-        outs.push(t);
-    } else if use_gpu {
-        let gpu = runtime::cuda::load_cuda(model.clone(), device)?;
-        let name = gpu.backend().gpu().info().name.clone();
-        let (p, d, t) = run(&gpu)?;
-        println!("| cuda:{device} {name} | {p:.0} | {d:.1} |");
-        doc["cuda"] = serde_json::json!({"device": name, "prefill_tok_s": p, "decode_tok_s": d});
-        doc["cuda"]["draft"] = json!(super::bench_draft::run(draft, &gpu, &prompt, n_tokens, d)?);
-        outs.push(t);
-    }
-    if use_cpu && split {
-        let l = super::tp::load(model, tp.options(runtime::device::Device::Cpu)?, true)?;
-        let world = l.tp.as_ref().map_or(1, |r| r.world);
-        let (p, d, t) = run(l.lm.as_ref())?;
-        println!("| cpu {world} ranks | {p:.0} | {d:.1} |");
-        doc["cpu"] = serde_json::json!({"tp": world, "prefill_tok_s": p, "decode_tok_s": d});
-        doc["cpu"]["draft"] = json!(super::bench_draft::run(
-            draft,
-            l.lm.as_ref(),
-            &prompt,
-            n_tokens,
-            d
-        )?);
-        outs.push(t);
-    } else if use_cpu {
-        let cpu = runtime::glm::load_cpu(model)?;
-        let (p, d, t) = run(&cpu)?;
-        println!(
-            "| cpu ({} threads) | {p:.0} | {d:.1} |",
-            rayon::current_num_threads()
-        );
-        doc["cpu"] = serde_json::json!({"threads": rayon::current_num_threads(), "prefill_tok_s": p, "decode_tok_s": d});
-        doc["cpu"]["draft"] = json!(super::bench_draft::run(draft, &cpu, &prompt, n_tokens, d)?);
-        outs.push(t);
-    }
-    if let [g, c] = outs.as_slice() {
-        let same = g.iter().zip(c).take_while(|(a, b)| a == b).count();
-        println!("greedy tokens identical: {same}/{}", g.len().min(c.len()));
-        doc["greedy_identical"] = serde_json::json!(same);
-    }
-    if let Some(p) = json {
-        std::fs::write(p, serde_json::to_vec_pretty(&doc)?)?;
-    }
-    Ok(ExitCode::SUCCESS)
 }

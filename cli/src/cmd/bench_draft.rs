@@ -1,4 +1,4 @@
-//! `bench --model M --draft mtp [--draft-n K]`: speculative decoding in the decode benchmark.
+//! `bench -m M --draft mtp [--draft-n K]`: speculative decoding in the decode benchmark.
 //! Times greedy decoding with MTP drafts (tokens/s, acceptance per depth), the cost of a
 //! trunk step over `j = 1 ..= K + 1` tokens at the same context relative to a 1-token step (the
 //! verification step is a small prefill), and a recursive draft-layer step; from those and the
@@ -29,13 +29,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Run the draft benchmark on `m` (`plain_tok_s`: the plain greedy decode rate measured in the
-/// same run, the baseline); prints a table and returns its JSON.
+/// same run, the baseline); prints its lines when `print` and returns its JSON.
 pub fn run(
     args: &BenchDraftArgs,
     m: &dyn LanguageModel,
     prompt: &[u32],
     n_tokens: usize,
     plain_tok_s: f64,
+    print: bool,
 ) -> Result<Option<serde_json::Value>> {
     let Some(k) = args.draft.k_for(m)? else {
         return Ok(None);
@@ -109,24 +110,26 @@ pub fn run(
         .unwrap_or_else(|| st.per_position_rates());
     let expected: f64 = 1.0 + rates.iter().take(k).sum::<f64>();
     let projected = expected * step_ms[0] / (step_ms[k] + k as f64 * draft_ms);
-    println!(
-        "draft mtp, {k} per round: {tok_s:.1} tok/s ({:.2}x plain {plain_tok_s:.1}); accepted {}/{} ({:.3}), per depth {:?}",
-        tok_s / plain_tok_s.max(1e-9),
-        st.n_accepted(),
-        st.n_drafted(),
-        st.acceptance_rate(),
-        st.per_position_rates()
-            .iter()
-            .map(|r| (r * 1000.0).round() / 1000.0)
-            .collect::<Vec<_>>()
-    );
-    println!(
-        "  trunk step ms by tokens 1..={}: {:?} (x of 1 token: {:?}); draft step {draft_ms:.3} ms; projected round speed-up at acceptance {:?}: {projected:.2}x",
-        k + 1,
-        step_ms.iter().map(|v| (v * 1000.0).round() / 1000.0).collect::<Vec<_>>(),
-        step_ms.iter().map(|v| (v / step_ms[0] * 100.0).round() / 100.0).collect::<Vec<_>>(),
-        rates
-    );
+    if print {
+        println!(
+            "draft mtp, {k} per round: {tok_s:.1} tok/s ({:.2}x plain {plain_tok_s:.1}); accepted {}/{} ({:.3}), per depth {:?}",
+            tok_s / plain_tok_s.max(1e-9),
+            st.n_accepted(),
+            st.n_drafted(),
+            st.acceptance_rate(),
+            st.per_position_rates()
+                .iter()
+                .map(|r| (r * 1000.0).round() / 1000.0)
+                .collect::<Vec<_>>()
+        );
+        println!(
+            "  trunk step ms by tokens 1..={}: {:?} (x of 1 token: {:?}); draft step {draft_ms:.3} ms; projected round speed-up at acceptance {:?}: {projected:.2}x",
+            k + 1,
+            step_ms.iter().map(|v| (v * 1000.0).round() / 1000.0).collect::<Vec<_>>(),
+            step_ms.iter().map(|v| (v / step_ms[0] * 100.0).round() / 100.0).collect::<Vec<_>>(),
+            rates
+        );
+    }
     let mut d = st.to_json();
     d["n"] = serde_json::json!(k);
     d["decode_tok_s"] = serde_json::json!(tok_s);

@@ -2,10 +2,11 @@
 //! continue a prompt, streaming the text as it is produced (or one JSON object for scripts).
 
 use anyhow::{bail, Context, Result};
+use runtime::sampling::{finish_rows, SampleParams, SampleRequest, Sampled};
 use runtime::{LanguageModel, SeqStep};
 use serde_json::json;
 use serving::chat::{ChatMessage, ChatTemplate};
-use serving::sampler::{top_logprobs, Sampler, SamplingParams};
+use serving::sampler::{Sampler, SamplingParams};
 use serving::tokenizer::{Bounded, Detokenizer, Tokenizer};
 use std::io::Write;
 use std::path::PathBuf;
@@ -123,13 +124,6 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let lm: &dyn LanguageModel = loaded.lm.as_ref();
     let load_s = load_start.elapsed().as_secs_f64();
     let draft_k = args.draft.k_for(lm)?;
-    // Greedy decoding needs each step's best tokens only: a tensor-parallel model merges its
-    // ranks' candidates instead of gathering the vocabulary.
-    let greedy = SamplingParams {
-        temperature: args.temperature,
-        ..SamplingParams::default()
-    }
-    .is_greedy();
 
     // A prompt needs room for at least one generated token.
     let limit = lm.context_length().saturating_sub(1);
@@ -164,10 +158,22 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     let n_predict = args.n_predict.min(lm.context_length() - prompt.len());
 
+    // The model samples (on the GPU: on the device, copying back the ids, and the logits only
+    // with --logprobs); the seeded stream of `sampler` supplies each step's uniform number
+    // (`Sampler::request`). Speculative rounds sample on the host by the same rules.
     let mut sampler = Sampler::new(sampling);
     let mut detok = Detokenizer::new(!args.special);
     let mut out = std::io::stdout().lock();
-    let mut seq = draft_k.is_none().then(|| lm.new_sequence());
+    let mut seq = match draft_k {
+        Some(_) => None,
+        None => {
+            let mut s = lm.new_sequence();
+            // The whole run's cache at once: no reallocation and copy while decoding.
+            s.reserve(prompt.len() + n_predict)
+                .context("allocating the KV cache")?;
+            Some(s)
+        }
+    };
     let mut spec = match draft_k {
         Some(k) => {
             Some(serving::speculative::SpecSequence::new(lm, k).context("starting --draft mtp")?)
@@ -178,17 +184,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let mut text_out = String::new();
     let mut finish = "length";
 
-    let k = args.logprobs.unwrap_or(0);
     let t0 = Instant::now();
     let mut fed: Vec<u32> = prompt.clone();
-    let check = |next: &Next, fed: &[u32]| -> Result<()> {
-        let finite = match next {
-            Next::Logits(l) => runtime::numerics::first_non_finite(l).is_none(),
-            // Top-k drops non-finite logits: an empty or short list means some were.
-            Next::Top(t) => !t.is_empty() && t.iter().all(|&(_, lp)| lp.is_finite()),
-            Next::Chosen(e) => runtime::numerics::first_non_finite(&e.logits).is_none(),
-        };
-        if finite {
+    let check = |next: &Sampled, fed: &[u32]| -> Result<()> {
+        if !next.non_finite {
             return Ok(());
         }
         let d = runtime::numerics::locate_non_finite(Arc::clone(&model), fed)
@@ -201,34 +200,24 @@ pub fn run(args: Args) -> Result<ExitCode> {
     // With drafts: tokens already chosen by the last verification round, in order.
     let mut queue: std::collections::VecDeque<serving::speculative::Emitted> = Default::default();
     let mut next = match (&mut seq, &mut spec) {
-        (Some(s), _) => forward(lm, s.as_mut(), &prompt, greedy, k)?,
-        (None, Some(sp)) => Next::Logits(sp.prefill(lm, &prompt).context("forward pass")?),
+        (Some(s), _) => forward(lm, s.as_mut(), &prompt, sampler.request(args.logprobs))?,
+        (None, Some(sp)) => {
+            let logits = sp.prefill(lm, &prompt).context("forward pass")?;
+            let id = sampler.sample(&logits);
+            chosen(id, &logits, args.logprobs)
+        }
         (None, None) => bail!("no sequence"),
     };
     check(&next, &fed)?;
     let prompt_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     for i in 0..n_predict {
-        let (id, logprob, top) = match &next {
-            Next::Logits(logits) => {
-                let id = sampler.sample(logits);
-                (
-                    id,
-                    serving::sampler::logprob(logits, id),
-                    top_logprobs(logits, k),
-                )
-            }
-            Next::Top(t) => {
-                let &(id, lp) = t.first().context("the model returned no candidates")?;
-                (id, lp, t[..k.min(t.len())].to_vec())
-            }
-            Next::Chosen(e) => (
-                e.id,
-                serving::sampler::logprob(&e.logits, e.id),
-                top_logprobs(&e.logits, k),
-            ),
-        };
-        steps.push(Step { id, logprob, top });
+        let id = next.id;
+        steps.push(Step {
+            id,
+            logprob: next.logprob.unwrap_or(f32::NAN),
+            top: std::mem::take(&mut next.top),
+        });
         if !args.ignore_eos && tok.is_eog(id) {
             finish = "stop";
             break;
@@ -242,7 +231,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         if i + 1 < n_predict {
             fed.push(id);
             next = match (&mut seq, &mut spec) {
-                (Some(s), _) => forward(lm, s.as_mut(), &[id], greedy, k)?,
+                (Some(s), _) => forward(lm, s.as_mut(), &[id], sampler.request(args.logprobs))?,
                 (None, Some(sp)) => {
                     if queue.is_empty() {
                         queue.extend(
@@ -250,7 +239,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
                                 .context("speculative decoding round")?,
                         );
                     }
-                    Next::Chosen(queue.pop_front().context("no token from the round")?)
+                    let e = queue.pop_front().context("no token from the round")?;
+                    chosen(e.id, &e.logits, args.logprobs)
                 }
                 (None, None) => bail!("no sequence"),
             };
@@ -362,35 +352,37 @@ pub fn run(args: Args) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// What one step gives the sampler.
-enum Next {
-    Logits(Vec<f32>),
-    /// Greedy: the best tokens with their log-probabilities, best first.
-    Top(runtime::TopTokens),
-    /// Chosen by a speculative round, with the trunk logits it was chosen from.
-    Chosen(serving::speculative::Emitted),
+/// A token chosen on the host from `logits` (a speculative round's), in the form
+/// [`LanguageModel::forward_sample`] returns it.
+fn chosen(id: u32, logits: &[f32], logprobs: Option<usize>) -> Sampled {
+    let non_finite = runtime::numerics::first_non_finite(logits).is_some();
+    let req = SampleRequest {
+        params: SampleParams::GREEDY,
+        u: 0.0,
+        logprobs,
+    };
+    finish_rows(&[(id, non_finite)], &[req], Some(logits), logits.len())
+        .pop()
+        .unwrap_or(Sampled {
+            id,
+            non_finite,
+            logprob: None,
+            top: Vec::new(),
+        })
 }
 
+/// One step: append `tokens`, sample the next token.
 fn forward(
     lm: &dyn LanguageModel,
     seq: &mut dyn runtime::SequenceState,
     tokens: &[u32],
-    greedy: bool,
-    k: usize,
-) -> Result<Next> {
+    req: SampleRequest,
+) -> Result<Sampled> {
     let mut b = [SeqStep {
         seq,
         tokens,
         all_logits: false,
     }];
-    if greedy {
-        let mut out = lm.forward_top_k(&mut b, k.max(1)).context("forward pass")?;
-        return Ok(Next::Top(
-            out.pop().context("the model returned no logits")?,
-        ));
-    }
-    let mut out = lm.forward(&mut b).context("forward pass")?;
-    Ok(Next::Logits(
-        out.pop().context("the model returned no logits")?,
-    ))
+    let mut out = lm.forward_sample(&mut b, &[req]).context("forward pass")?;
+    out.pop().context("the model returned no token")
 }

@@ -14,7 +14,7 @@
 //! the slowest rank's timings decide). The vocabulary gather of the head's logits goes through
 //! host memory (the logits go to the host anyway).
 
-use super::{CudaBackend, CudaIndex, CudaTensor};
+use super::{not_f32, CudaBackend, CudaIndex, CudaOptions, CudaTensor};
 use crate::backend::Backend;
 use crate::device::AllReduce;
 use crate::tp::{
@@ -66,7 +66,7 @@ pub(crate) fn local_expert_ids(
     Ok(CudaIndex {
         rows: ids.rows,
         cols: ids.cols,
-        buf: be.gpu.upload(&w).map_err(kerr("local_expert_ids"))?,
+        buf: be.gpu.upload_async(&w).map_err(kerr("local_expert_ids"))?,
     })
 }
 
@@ -124,12 +124,14 @@ impl RankComm<CudaBackend> for CudaComm {
                         msg: e.to_string(),
                     })?;
                 }
-                r.all_reduce(&mut x.buf.slice_mut(0..n), n)
+                let buf = x.f32_mut().ok_or_else(|| not_f32("all-reduce"))?;
+                r.all_reduce(&mut buf.slice_mut(0..n), n)
                     .map_err(kerr("all-reduce (oneshot)"))
             }
             Reduce::Nccl(c) => {
+                let buf = x.f32_mut().ok_or_else(|| not_f32("all-reduce"))?;
                 c.0.all_reduce_in_place(
-                    &mut x.buf.slice_mut(0..n),
+                    &mut buf.slice_mut(0..n),
                     &cudarc::nccl::safe::ReduceOp::Sum,
                 )
                 .map(|_| ())
@@ -317,9 +319,7 @@ fn setup_rank(
     let world = devices.len();
     let ordinal = devices[rank];
     let gpu = Gpu::open_private(ordinal).map_err(kerr("opening the CUDA device"))?;
-    let be = CudaBackend {
-        gpu: Arc::clone(&gpu),
-    };
+    let be = CudaBackend::on(Arc::clone(&gpu), CudaOptions::default());
     let build = |w: AllReduce, host: HostComm| -> Result<CudaComm, RuntimeError> {
         let reduce = match w {
             AllReduce::OneShot => {

@@ -1,23 +1,40 @@
-//! The CUDA backend: the [`Backend`] ops on one GPU through the `kernels` crate. Activations are
-//! f32 device buffers, weights stay in their GGUF encoding on the device (dequantized inside
-//! the GEMV / matmul kernels), KV caches grow in place with amortized doubling.
+//! The CUDA backend: the [`Backend`] ops on one GPU through the `kernels` crate.
 //!
-//! Every op follows the CPU reference's definition (`crate::cpu`), so the GPU can be checked
-//! against it op by op and end to end; the tests in `tests.rs` do that on the fixtures.
+//! - Activations are f32 device buffers from the device's caching pool (no allocation driver
+//!   call, no memset per op; a decode step that repeats the last one's sizes gets the same
+//!   addresses). Every op writes its whole output.
+//! - Weights stay in their GGUF encoding on the device; the types whose blocks are not 16-byte
+//!   aligned are stored in the lossless repacked layout (`kernels::repack`).
+//! - Matmuls of up to [`GEMVQ_MAX_ROWS`] rows run as integer-dot GEMVs on q8 activations (the
+//!   quantized copy of an activation is made once and kept with the tensor, so the several
+//!   matmuls that share an input quantize it once); longer ones dequantize to bf16 tiles for the
+//!   tensor cores. MoE layers run fused gate+up+SiLU and down+weighted-sum launches with the
+//!   expert ids on the device, grouped by expert for batches.
+//! - MLA attention runs the latent kernel (each cached latent row read once for all heads).
+//! - KV caches grow with amortized capacity outside the pool and are stored in bf16 by default.
+//! - Step inputs (token ids, positions) go through pinned staging buffers; RoPE frequencies and
+//!   the last positions are cached on the device.
+//!
+//! [`CudaOptions::exact`] selects the f32 path everywhere instead (f32 activations into the
+//! GEMVs, f32 SGEMM, f32 caches): it agrees with the CPU reference to f32 summation order. The
+//! fast path's errors are derived in `check.rs`. Both are tested against the CPU reference
+//! (`tests.rs`).
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use gguf::GgmlType;
 use kernels::{
-    AttnShape, Channels, CudaSlice, Gpu, IndexerShape, KernelError, KeyLists, MatShape, RopeLayout,
-    RouterConfig, Rows, Rows3,
+    AttnShape, Channels, DevBuf, DeviceSlice, Gpu, IndexerShape, KernelError, KeyLists, MatShape,
+    MlaShape, Q8Act, QChannels, QMode, RopeLayout, RouterConfig, Rows, Rows3,
 };
 
 use crate::backend::{
     check_append_rows, check_attention, check_head_concat, check_head_slice, check_indexer,
-    check_moe_ffn, check_rope, check_route, check_same, AttnParams, Backend, Gating, IndexerParams,
-    RopeParams, RopeStyle, RouteParams, Shape,
+    check_moe_ffn, check_rope, check_route, check_same, check_sample, AttnParams, Backend, Gating,
+    IndexerParams, RopeParams, RopeStyle, RouteParams, Shape,
 };
+use crate::sampling::SampleRequest;
 use crate::weights::HostWeight;
 use crate::RuntimeError;
 
@@ -26,109 +43,349 @@ pub mod comm;
 #[cfg(test)]
 mod tests;
 
-/// Up to this many activation rows a matmul runs as a channel-batched GEMV (weights read once
-/// per row, in their GGUF encoding); above it, dequantize + cuBLAS SGEMM.
+/// Up to this many activation rows a matmul runs as a GEMV (weights read once per 8 rows, in
+/// their own encoding); above it, dequantize to tiles + cuBLAS.
+pub const GEMVQ_MAX_ROWS: usize = 64;
+/// The exact path's GEMV limit (f32 activations, one weight read per row).
 const GEMV_MAX_ROWS: usize = 8;
-/// Grid-y limit of the channel-batched kernels (CUDA allows 65535 blocks in y).
-const MAX_CHANNELS: usize = 65535;
+/// Smallest capacity a KV cache grows to (rows), then doubling.
+const CACHE_MIN_ROWS: usize = 1024;
 
-/// A row-major `[rows, cols]` f32 matrix on the device; the buffer may hold spare rows
-/// (capacity for KV-cache growth).
+/// Numerical choices of the backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// f32 activations into the GEMVs, f32 SGEMM for prefill (agrees with the CPU reference to
+    /// f32 summation order). Otherwise q8 activations + integer dot products, bf16 tensor cores.
+    pub exact: bool,
+    /// Store KV caches as bf16 (half the cache bytes; each cached value rounded to 8 mantissa
+    /// bits). f32 otherwise.
+    pub kv_bf16: bool,
+}
+
+impl Default for CudaOptions {
+    /// The fast path with a bf16 cache, unless `GGUFTOOL_CUDA_EXACT=1` (exact, f32 cache) or
+    /// `GGUFTOOL_KV_CACHE=f32|bf16` says otherwise.
+    fn default() -> Self {
+        let exact = std::env::var("GGUFTOOL_CUDA_EXACT").is_ok_and(|v| v == "1");
+        let kv_bf16 = match std::env::var("GGUFTOOL_KV_CACHE").as_deref() {
+            Ok("f32") => false,
+            Ok("bf16") => true,
+            _ => !exact,
+        };
+        CudaOptions { exact, kv_bf16 }
+    }
+}
+
+/// Device storage of a tensor.
+enum Store {
+    F32(DevBuf<f32>),
+    /// bf16 bit patterns (KV caches).
+    Bf16(DevBuf<u16>),
+}
+
+/// A row-major `[rows, cols]` matrix on the device; the buffer may hold spare rows (capacity of
+/// a KV cache). Activations are f32; caches made by [`Backend::empty`] may be bf16.
 pub struct CudaTensor {
     rows: usize,
     cols: usize,
-    buf: CudaSlice<f32>,
+    store: Store,
+    /// The q8 activations of this tensor, made on first use by an integer-dot GEMV.
+    q8: OnceLock<Q8Act>,
 }
 
 impl CudaTensor {
     fn shape(&self) -> Shape {
         (self.rows, self.cols)
     }
+
+    fn f32(&self) -> Option<&DevBuf<f32>> {
+        match &self.store {
+            Store::F32(b) => Some(b),
+            Store::Bf16(_) => None,
+        }
+    }
+
+    fn f32_mut(&mut self) -> Option<&mut DevBuf<f32>> {
+        self.q8.take();
+        match &mut self.store {
+            Store::F32(b) => Some(b),
+            Store::Bf16(_) => None,
+        }
+    }
+
+    fn capacity(&self) -> usize {
+        match &self.store {
+            Store::F32(b) => b.len(),
+            Store::Bf16(b) => b.len(),
+        }
+    }
 }
 
-/// A weight in its GGUF type on the device; 1-D weights (norms, biases) also as f32 values.
+/// A weight in its device layout; 1-D weights (norms, biases) also as f32 values.
 pub struct CudaWeight {
     name: String,
     ty: GgmlType,
     dims: Vec<usize>,
-    bytes: CudaSlice<u8>,
-    values: Option<CudaSlice<f32>>,
+    /// Stored in the repacked layout (`kernels::repack`).
+    packed: bool,
+    bytes: kernels::CudaSlice<u8>,
+    values: Option<kernels::CudaSlice<f32>>,
+}
+
+/// The q8 activations of a tensor: its cached copy, or one made for another view of it.
+enum Q8Ref<'t> {
+    Cached(&'t Q8Act),
+    Owned(Q8Act),
+}
+
+impl std::ops::Deref for Q8Ref<'_> {
+    type Target = Q8Act;
+    fn deref(&self) -> &Q8Act {
+        match self {
+            Q8Ref::Cached(q) => q,
+            Q8Ref::Owned(q) => q,
+        }
+    }
 }
 
 /// A row-major `[rows, cols]` i32 matrix on the device; `-1` marks an empty slot.
 pub struct CudaIndex {
     rows: usize,
     cols: usize,
-    buf: CudaSlice<i32>,
+    buf: DevBuf<i32>,
 }
 
-/// One CUDA device. Cloning shares the device (and its compiled kernels).
+/// Device-resident inputs reused across ops and steps.
+#[derive(Default)]
+struct Inputs {
+    /// RoPE inverse frequencies by (theta bits, n_rot).
+    inv_freq: HashMap<(u32, usize), Arc<DevBuf<f32>>>,
+    /// The last uploaded position lists (the layers of a step share them).
+    positions: Vec<(Vec<i32>, Arc<DevBuf<i32>>)>,
+    /// (x, y) index maps of the per-head batched GEMV by (rows, heads).
+    head_maps: HashMap<(usize, usize), Arc<DevBuf<i32>>>,
+}
+
+/// One CUDA device. Cloning shares the device (and its compiled kernels and caches).
 #[derive(Clone)]
 pub struct CudaBackend {
     gpu: Arc<Gpu>,
+    opts: CudaOptions,
+    inputs: Arc<Mutex<Inputs>>,
+    /// Prefill (> [`GEMVQ_MAX_ROWS`] rows, fast path) on the tensor cores where it used
+    /// multi-column GEMVs: MoE as one bf16 GEMM per expert over its gathered tokens, the
+    /// per-head `attn_k_b` / `attn_v_b` as one strided-batched bf16 GEMM
+    /// (`GGUFTOOL_PREFILL_GEMM=1`; off by default until measured on the device).
+    prefill_gemm: bool,
+    /// Sample on the device (sample.cu); `GGUFTOOL_DEVICE_SAMPLING=0` copies the logits and
+    /// samples on the host with the same rules instead (a fallback, and a comparison).
+    device_sampling: bool,
 }
 
 fn err(msg: impl Into<String>) -> RuntimeError {
     RuntimeError::Backend(msg.into())
 }
 
-fn kerr(op: &str) -> impl FnOnce(KernelError) -> RuntimeError + '_ {
-    move |e| RuntimeError::Backend(format!("{op}: {e}"))
+fn kerr(op: &'static str) -> impl FnOnce(KernelError) -> RuntimeError {
+    move |source| RuntimeError::Kernel { op, source }
 }
 
+fn not_f32(op: &str) -> RuntimeError {
+    err(format!("{op}: expects an f32 activation tensor"))
+}
+
+/// Position lists kept on the device (the layers of a step and the indexer share them).
+const POSITION_SLOTS: usize = 4;
+
 impl CudaBackend {
-    /// The backend on CUDA device `ordinal`.
+    /// The backend on CUDA device `ordinal`, with [`CudaOptions::default`].
     pub fn new(ordinal: usize) -> Result<Self, RuntimeError> {
+        Self::with_options(ordinal, CudaOptions::default())
+    }
+
+    pub fn with_options(ordinal: usize, opts: CudaOptions) -> Result<Self, RuntimeError> {
         let gpu = Gpu::get(ordinal).map_err(kerr("opening the CUDA device"))?;
-        Ok(Self { gpu })
+        Ok(Self::on(gpu, opts))
+    }
+
+    /// A backend on an already opened device (a tensor-parallel rank's own context).
+    pub fn on(gpu: Arc<Gpu>, opts: CudaOptions) -> Self {
+        Self {
+            gpu,
+            opts,
+            inputs: Arc::new(Mutex::new(Inputs::default())),
+            prefill_gemm: std::env::var("GGUFTOOL_PREFILL_GEMM").is_ok_and(|v| v == "1"),
+            device_sampling: std::env::var("GGUFTOOL_DEVICE_SAMPLING").map_or(true, |v| v != "0"),
+        }
+    }
+
+    /// Choose the prefill path (see the `prefill_gemm` field) regardless of the environment.
+    pub fn with_prefill_gemm(mut self, on: bool) -> Self {
+        self.prefill_gemm = on;
+        self
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
     }
 
+    pub fn options(&self) -> CudaOptions {
+        self.opts
+    }
+
+    fn inputs(&self) -> std::sync::MutexGuard<'_, Inputs> {
+        self.inputs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn tensor(&self, rows: usize, cols: usize, buf: DevBuf<f32>) -> CudaTensor {
+        CudaTensor {
+            rows,
+            cols,
+            store: Store::F32(buf),
+            q8: OnceLock::new(),
+        }
+    }
+
+    /// An f32 tensor whose contents the caller writes completely.
     fn alloc(&self, rows: usize, cols: usize) -> Result<CudaTensor, RuntimeError> {
-        let buf = self.gpu.zeros::<f32>(rows * cols).map_err(kerr("alloc"))?;
-        Ok(CudaTensor { rows, cols, buf })
+        let buf = self.gpu.alloc::<f32>(rows * cols).map_err(kerr("alloc"))?;
+        Ok(self.tensor(rows, cols, buf))
+    }
+
+    fn index(&self, rows: usize, cols: usize) -> Result<CudaIndex, RuntimeError> {
+        let buf = self.gpu.alloc::<i32>(rows * cols).map_err(kerr("alloc"))?;
+        Ok(CudaIndex { rows, cols, buf })
     }
 
     fn len(t: &CudaTensor) -> usize {
         t.rows * t.cols
     }
 
-    /// `src` (a dense run of `n` values) into `dst` at element offset `at`.
-    fn copy_into(
+    /// `f(values)` with the tensor's values as f32 (a bf16 cache is widened into a temporary).
+    fn with_f32<R>(
         &self,
-        src: &CudaSlice<f32>,
-        n: usize,
-        dst: &mut CudaSlice<f32>,
-        at: usize,
-    ) -> Result<(), RuntimeError> {
-        if n == 0 {
-            return Ok(());
+        t: &CudaTensor,
+        f: impl FnOnce(&DevBuf<f32>) -> Result<R, RuntimeError>,
+    ) -> Result<R, RuntimeError> {
+        match &t.store {
+            Store::F32(b) => f(b),
+            Store::Bf16(b) => {
+                let n = Self::len(t);
+                let mut w = self.gpu.alloc::<f32>(n).map_err(kerr("bf16_to_f32"))?;
+                self.gpu
+                    .from_bf16(&b.slice(0..n.max(1).min(b.len())), &mut w, n)
+                    .map_err(kerr("bf16_to_f32"))?;
+                f(&w)
+            }
         }
-        let s = src.slice(0..n);
-        let mut d = dst.slice_mut(at..at + n);
-        self.gpu.copy(&s, &mut d).map_err(kerr("copy"))
     }
 
-    fn vector<'w>(&self, w: &'w CudaWeight, op: &str) -> Result<&'w CudaSlice<f32>, RuntimeError> {
+    /// The q8 activations of `x` viewed as `rows x k` (made once per tensor and view; a second
+    /// view of the same tensor is quantized without caching).
+    fn q8<'t>(&self, x: &'t CudaTensor, rows: usize, k: usize) -> Result<Q8Ref<'t>, RuntimeError> {
+        if let Some(q) = x.q8.get() {
+            if q.rows == rows && q.k == k {
+                return Ok(Q8Ref::Cached(q));
+            }
+        }
+        let b = x.f32().ok_or_else(|| not_f32("quantize"))?;
+        let q = self
+            .gpu
+            .quantize_q8(b, rows, k, k)
+            .map_err(kerr("quantize"))?;
+        if x.q8.get().is_some() {
+            return Ok(Q8Ref::Owned(q));
+        }
+        Ok(Q8Ref::Cached(x.q8.get_or_init(|| q)))
+    }
+
+    /// Upload small i32 inputs through pinned memory, reusing the device copy of a recent
+    /// identical list (the rope positions of every layer of a step).
+    fn positions(&self, pos: &[i32]) -> Result<Arc<DevBuf<i32>>, RuntimeError> {
+        let mut inp = self.inputs();
+        if let Some(i) = inp.positions.iter().position(|(p, _)| p == pos) {
+            let e = inp.positions.remove(i);
+            let d = e.1.clone();
+            inp.positions.push(e);
+            return Ok(d);
+        }
+        let d = Arc::new(self.gpu.upload_async(pos).map_err(kerr("upload"))?);
+        inp.positions.push((pos.to_vec(), d.clone()));
+        if inp.positions.len() > POSITION_SLOTS {
+            inp.positions.remove(0);
+        }
+        Ok(d)
+    }
+
+    fn inv_freq(&self, theta: f32, n_rot: usize) -> Result<Arc<DevBuf<f32>>, RuntimeError> {
+        let mut inp = self.inputs();
+        let key = (theta.to_bits(), n_rot);
+        if let Some(b) = inp.inv_freq.get(&key) {
+            return Ok(b.clone());
+        }
+        let d = Arc::new(
+            self.gpu
+                .upload_async(&kernels::rope_inv_freq(theta, n_rot))
+                .map_err(kerr("rope"))?,
+        );
+        inp.inv_freq.insert(key, d.clone());
+        Ok(d)
+    }
+
+    fn vector<'w>(
+        &self,
+        w: &'w CudaWeight,
+        op: &str,
+    ) -> Result<&'w kernels::CudaSlice<f32>, RuntimeError> {
         w.values
             .as_ref()
             .ok_or_else(|| err(format!("{op}: {} {:?} is not a vector", w.name, w.dims)))
     }
 
-    /// `x [rows, k]` times weight rows (ggml `{k, m}`): GEMV per row for decode-sized batches,
-    /// dequantize + SGEMM otherwise.
+    fn shape_of(w: &CudaWeight, rows: usize, k: usize, slabs: usize) -> MatShape {
+        MatShape {
+            ty: w.ty,
+            rows,
+            k,
+            slabs,
+            packed: w.packed,
+        }
+    }
+
+    /// Whether the fast integer-dot path takes `shape`.
+    fn fast(&self, shape: &MatShape) -> bool {
+        !self.opts.exact && kernels::gemvq_supported(shape)
+    }
+
+    /// `x [rows, k]` times weight rows (ggml `{k, m}`) into `out [rows, m]`.
     fn matmul_into(
         &self,
         x: &CudaTensor,
         w: &CudaWeight,
-        out: &mut CudaTensor,
+        out: &mut DevBuf<f32>,
     ) -> Result<(), RuntimeError> {
         let (k, m) = (w.dims[0], w.dims[1]);
-        let shape = MatShape::new(w.ty, m, k);
+        let shape = Self::shape_of(w, m, k, 1);
+        let xb = x.f32().ok_or_else(|| not_f32("matmul"))?;
         let gemv_ok = k.is_multiple_of(32) && k.is_multiple_of(w.ty.block_size());
+        if self.fast(&shape) && x.rows <= GEMVQ_MAX_ROWS {
+            let q = self.q8(x, x.rows, k)?;
+            let ncols = x.rows.min(8);
+            let ch = QChannels {
+                count: x.rows.div_ceil(ncols),
+                ncols,
+                ids: None,
+                xidx: None,
+                x_div: 1,
+                yidx: None,
+                y_stride: m,
+                y_rows: x.rows,
+            };
+            return self
+                .gpu
+                .gemv_q(shape, &w.bytes, QMode::Plain, ch, &q, out)
+                .map_err(kerr("matmul"));
+        }
         if x.rows <= GEMV_MAX_ROWS && gemv_ok {
             let ch = Channels {
                 count: x.rows,
@@ -137,14 +394,82 @@ impl CudaBackend {
                 x_div: 1,
                 y_stride: m,
             };
+            return self
+                .gpu
+                .gemv_batched(shape, &w.bytes, ch, xb, out)
+                .map_err(kerr("matmul"));
+        }
+        // F32 weights (router, indexer weights) keep f32 products on either path: their
+        // outputs decide expert and key selection, where a rounding can flip a near tie.
+        if self.opts.exact || w.ty == GgmlType::F32 {
             self.gpu
-                .gemv_batched(shape, &w.bytes, ch, &x.buf, &mut out.buf)
+                .matmul(shape, &w.bytes, xb, x.rows, out)
                 .map_err(kerr("matmul"))
         } else {
             self.gpu
-                .matmul(shape, &w.bytes, &x.buf, x.rows, &mut out.buf)
+                .matmul_bf16(shape, &w.bytes, xb, x.rows, out)
                 .map_err(kerr("matmul"))
         }
+    }
+
+    /// The x/y row maps of a per-head batched GEMV over `rows` tokens: channel
+    /// `tg * heads + h` takes tokens `8 tg .. 8 tg + 8` of head h, i.e. rows
+    /// `(8 tg + j) * heads + h` of the `[rows * heads, k]` view (-1 past the last token).
+    fn head_map(&self, rows: usize, heads: usize) -> Result<Arc<DevBuf<i32>>, RuntimeError> {
+        let mut inp = self.inputs();
+        if let Some(b) = inp.head_maps.get(&(rows, heads)) {
+            return Ok(b.clone());
+        }
+        let groups = rows.div_ceil(8);
+        let mut v = vec![-1i32; groups * heads * 8];
+        for tg in 0..groups {
+            for h in 0..heads {
+                for j in 0..8 {
+                    let t = tg * 8 + j;
+                    if t < rows {
+                        v[(tg * heads + h) * 8 + j] = (t * heads + h) as i32;
+                    }
+                }
+            }
+        }
+        let d = Arc::new(self.gpu.upload_async(&v).map_err(kerr("matmul_heads"))?);
+        inp.head_maps.insert((rows, heads), d.clone());
+        Ok(d)
+    }
+
+    /// Grow a cache tensor to hold `need` rows (amortized doubling, at least
+    /// [`CACHE_MIN_ROWS`]), keeping its rows.
+    fn reserve(&self, t: &mut CudaTensor, need: usize) -> Result<(), RuntimeError> {
+        let cols = t.cols.max(1);
+        if need * t.cols <= t.capacity() {
+            return Ok(());
+        }
+        let cap_rows = need.max(2 * (t.capacity() / cols)).max(CACHE_MIN_ROWS);
+        let n_old = Self::len(t);
+        let g = &self.gpu;
+        t.store = match &t.store {
+            Store::F32(b) => {
+                let mut nb = g
+                    .alloc_persistent::<f32>(cap_rows * cols)
+                    .map_err(kerr("append_rows"))?;
+                if n_old > 0 {
+                    g.copy(&b.slice(0..n_old), &mut nb.slice_mut(0..n_old))
+                        .map_err(kerr("append_rows"))?;
+                }
+                Store::F32(nb)
+            }
+            Store::Bf16(b) => {
+                let mut nb = g
+                    .alloc_persistent::<u16>(cap_rows * cols)
+                    .map_err(kerr("append_rows"))?;
+                if n_old > 0 {
+                    g.copy(&b.slice(0..n_old), &mut nb.slice_mut(0..n_old))
+                        .map_err(kerr("append_rows"))?;
+                }
+                Store::Bf16(nb)
+            }
+        };
+        Ok(())
     }
 }
 
@@ -162,16 +487,30 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, w: HostWeight) -> Result<CudaWeight, RuntimeError> {
-        let bytes = self.gpu.upload(w.bytes()).map_err(kerr("upload"))?;
-        let values = if w.dims().len() == 1 {
+        let ty = w.ty();
+        let dims = w.dims().to_vec();
+        // Matrices of the unaligned block types go to the device repacked (same bytes).
+        let packed = dims.len() >= 2
+            && kernels::repack::is_packed(ty)
+            && dims[0].is_multiple_of(ty.block_size());
+        let bytes = if packed {
+            let r = kernels::repack::repack(ty, w.bytes())
+                .ok_or_else(|| err(format!("upload: {} is not whole {ty} blocks", w.name())))?;
+            self.gpu.upload(&r)
+        } else {
+            self.gpu.upload(w.bytes())
+        }
+        .map_err(kerr("upload"))?;
+        let values = if dims.len() == 1 {
             Some(self.gpu.upload(&w.to_f32()?).map_err(kerr("upload"))?)
         } else {
             None
         };
         Ok(CudaWeight {
             name: w.name().to_string(),
-            ty: w.ty(),
-            dims: w.dims().to_vec(),
+            ty,
+            dims,
+            packed,
             bytes,
             values,
         })
@@ -189,13 +528,8 @@ impl Backend for CudaBackend {
                 data.len()
             )));
         }
-        let buf = if data.is_empty() {
-            self.gpu.zeros::<f32>(1)
-        } else {
-            self.gpu.upload(data)
-        }
-        .map_err(kerr("new_tensor"))?;
-        Ok(CudaTensor { rows, cols, buf })
+        let buf = self.gpu.upload_async(data).map_err(kerr("new_tensor"))?;
+        Ok(self.tensor(rows, cols, buf))
     }
 
     fn to_host(&self, t: &CudaTensor) -> Result<Vec<f32>, RuntimeError> {
@@ -203,9 +537,9 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(Vec::new());
         }
-        self.gpu
-            .download(&t.buf.slice(0..n))
-            .map_err(kerr("to_host"))
+        self.with_f32(t, |b| {
+            self.gpu.download(&b.slice(0..n)).map_err(kerr("to_host"))
+        })
     }
 
     fn index_to_host(&self, i: &CudaIndex) -> Result<(usize, usize, Vec<i64>), RuntimeError> {
@@ -225,30 +559,52 @@ impl Backend for CudaBackend {
     }
 
     fn empty(&self, cols: usize) -> Result<CudaTensor, RuntimeError> {
-        self.alloc(0, cols)
+        // Caches start empty; `append_rows` reserves their capacity.
+        let store = if self.opts.kv_bf16 {
+            Store::Bf16(self.gpu.alloc_persistent::<u16>(1).map_err(kerr("empty"))?)
+        } else {
+            Store::F32(self.gpu.alloc_persistent::<f32>(1).map_err(kerr("empty"))?)
+        };
+        Ok(CudaTensor {
+            rows: 0,
+            cols,
+            store,
+            q8: OnceLock::new(),
+        })
     }
 
     fn append_rows(&self, dst: &mut CudaTensor, src: &CudaTensor) -> Result<(), RuntimeError> {
         check_append_rows(dst.cols, src.cols)?;
         let (old, add) = (Self::len(dst), Self::len(src));
-        if old + add > dst.buf.len() {
-            // Amortized growth: at least double, and room for 256 rows.
-            let cap = (old + add)
-                .max(2 * dst.buf.len())
-                .max(256 * dst.cols.max(1));
-            let mut nb = self.gpu.zeros::<f32>(cap).map_err(kerr("append_rows"))?;
-            self.copy_into(&dst.buf, old, &mut nb, 0)?;
-            dst.buf = nb;
+        self.reserve(dst, dst.rows + src.rows)?;
+        dst.q8.take();
+        if add > 0 {
+            let sb = src.f32().ok_or_else(|| not_f32("append_rows"))?;
+            let s = sb.slice(0..add);
+            match &mut dst.store {
+                Store::F32(b) => self
+                    .gpu
+                    .copy(&s, &mut b.slice_mut(old..old + add))
+                    .map_err(kerr("append_rows"))?,
+                Store::Bf16(b) => self
+                    .gpu
+                    .to_bf16(&s, &mut b.slice_mut(old..old + add), add)
+                    .map_err(kerr("append_rows"))?,
+            }
         }
-        self.copy_into(&src.buf, add, &mut dst.buf, old)?;
         dst.rows += src.rows;
         Ok(())
+    }
+
+    fn reserve_rows(&self, t: &mut CudaTensor, rows: usize) -> Result<(), RuntimeError> {
+        self.reserve(t, rows)
     }
 
     fn truncate_rows(&self, t: &mut CudaTensor, rows: usize) -> Result<(), RuntimeError> {
         if rows > t.rows {
             return Err(err(format!("truncate_rows: {rows} of {}", t.rows)));
         }
+        t.q8.take();
         t.rows = rows;
         Ok(())
     }
@@ -264,9 +620,11 @@ impl Backend for CudaBackend {
         }
         let mut out = self.alloc(n, x.cols)?;
         if n * x.cols > 0 {
-            let s = x.buf.slice(start * x.cols..(start + n) * x.cols);
-            let mut d = out.buf.slice_mut(0..n * x.cols);
-            self.gpu.copy(&s, &mut d).map_err(kerr("slice_rows"))?;
+            self.with_f32(x, |b| {
+                let s = b.slice(start * x.cols..(start + n) * x.cols);
+                let o = out.f32_mut().ok_or_else(|| not_f32("slice_rows"))?;
+                self.gpu.copy(&s, o).map_err(kerr("slice_rows"))
+            })?;
         }
         Ok(out)
     }
@@ -276,9 +634,12 @@ impl Backend for CudaBackend {
             return Err(err(format!("gather_rows: row {bad} of {}", x.rows)));
         }
         let mut out = self.alloc(rows.len(), x.cols)?;
-        self.gpu
-            .gather_rows(&x.buf, x.rows, x.cols, rows, &mut out.buf)
-            .map_err(kerr("gather_rows"))?;
+        self.with_f32(x, |b| {
+            let o = out.f32_mut().ok_or_else(|| not_f32("gather_rows"))?;
+            self.gpu
+                .gather_rows(b, x.rows, x.cols, rows, o)
+                .map_err(kerr("gather_rows"))
+        })?;
         Ok(out)
     }
 
@@ -288,11 +649,22 @@ impl Backend for CudaBackend {
             return Err(err("concat_rows: column counts differ"));
         }
         let rows: usize = parts.iter().map(|p| p.rows).sum();
+        if parts.len() == 1 {
+            return self.slice_rows(parts[0], 0, rows);
+        }
         let mut out = self.alloc(rows, cols)?;
         let mut at = 0;
         for p in parts {
-            self.copy_into(&p.buf, Self::len(p), &mut out.buf, at)?;
-            at += Self::len(p);
+            let n = Self::len(p);
+            if n > 0 {
+                self.with_f32(p, |b| {
+                    let o = out.f32_mut().ok_or_else(|| not_f32("concat_rows"))?;
+                    self.gpu
+                        .copy(&b.slice(0..n), &mut o.slice_mut(at..at + n))
+                        .map_err(kerr("concat_rows"))
+                })?;
+            }
+            at += n;
         }
         Ok(out)
     }
@@ -316,10 +688,13 @@ impl Backend for CudaBackend {
         let mut off = 0;
         for p in parts {
             if rows > 0 && p.cols > 0 {
-                let mut d = out.buf.slice_mut(off..);
-                self.gpu
-                    .copy_rows(&p.buf, p.cols, &mut d, cols, rows, p.cols)
-                    .map_err(kerr("concat_cols"))?;
+                self.with_f32(p, |b| {
+                    let o = out.f32_mut().ok_or_else(|| not_f32("concat_cols"))?;
+                    let len = o.len();
+                    self.gpu
+                        .copy_rows(b, p.cols, &mut o.slice_mut(off..len), cols, rows, p.cols)
+                        .map_err(kerr("concat_cols"))
+                })?;
             }
             off += p.cols;
         }
@@ -338,10 +713,13 @@ impl Backend for CudaBackend {
         let mut out = self.alloc(x.rows, n_head * n)?;
         if x.rows > 0 && n > 0 {
             // Each (row, head) is one strided row of head_dim values in x.
-            let src = x.buf.slice(start..);
-            self.gpu
-                .copy_rows(&src, head_dim, &mut out.buf, n, x.rows * n_head, n)
-                .map_err(kerr("head_slice"))?;
+            self.with_f32(x, |b| {
+                let src = b.slice(start..Self::len(x));
+                let o = out.f32_mut().ok_or_else(|| not_f32("head_slice"))?;
+                self.gpu
+                    .copy_rows(&src, head_dim, o, n, x.rows * n_head, n)
+                    .map_err(kerr("head_slice"))
+            })?;
         }
         Ok(out)
     }
@@ -360,23 +738,32 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return Ok(out);
         }
+        let ab = a.f32().ok_or_else(|| not_f32("head_concat"))?;
+        let bb = b.f32().ok_or_else(|| not_f32("head_concat"))?;
+        let o = out.f32_mut().ok_or_else(|| not_f32("head_concat"))?;
+        let len = o.len();
         if ad > 0 {
             self.gpu
-                .copy_rows(&a.buf, ad, &mut out.buf, w, rows * n_head, ad)
+                .copy_rows(ab, ad, o, w, rows * n_head, ad)
                 .map_err(kerr("head_concat"))?;
         }
         if bd > 0 {
             if b_shared {
                 for h in 0..n_head {
-                    let mut d = out.buf.slice_mut(h * w + ad..);
                     self.gpu
-                        .copy_rows(&b.buf, bd, &mut d, n_head * w, rows, bd)
+                        .copy_rows(
+                            bb,
+                            bd,
+                            &mut o.slice_mut(h * w + ad..len),
+                            n_head * w,
+                            rows,
+                            bd,
+                        )
                         .map_err(kerr("head_concat"))?;
                 }
             } else {
-                let mut d = out.buf.slice_mut(ad..);
                 self.gpu
-                    .copy_rows(&b.buf, bd, &mut d, w, rows * n_head, bd)
+                    .copy_rows(bb, bd, &mut o.slice_mut(ad..len), w, rows * n_head, bd)
                     .map_err(kerr("head_concat"))?;
             }
         }
@@ -392,7 +779,8 @@ impl Backend for CudaBackend {
         }
         let mut out = self.alloc(x.rows, w.dims[1])?;
         if x.rows > 0 {
-            self.matmul_into(x, w, &mut out)?;
+            let o = out.f32_mut().ok_or_else(|| not_f32("matmul"))?;
+            self.matmul_into(x, w, o)?;
         }
         Ok(out)
     }
@@ -407,31 +795,69 @@ impl Backend for CudaBackend {
         }
         let (k, m, n_head) = (d[0], d[1], d[2]);
         let mut out = self.alloc(x.rows, n_head * m)?;
-        let shape = MatShape {
-            ty: w.ty,
-            rows: m,
-            k,
-            slabs: n_head,
-        };
-        // Channel c = row * n_head + head reads x at c * k, uses slab c % n_head, writes at c * m.
-        let rows_per_launch = (MAX_CHANNELS / n_head).max(1);
-        let mut r0 = 0;
-        while r0 < x.rows {
-            let rn = rows_per_launch.min(x.rows - r0);
-            let xs = x.buf.slice(r0 * x.cols..);
-            let mut ys = out.buf.slice_mut(r0 * n_head * m..);
-            let ch = Channels {
-                count: rn * n_head,
+        if x.rows == 0 {
+            return Ok(out);
+        }
+        let shape = Self::shape_of(w, m, k, n_head);
+        let xb = x.f32().ok_or_else(|| not_f32("matmul_heads"))?;
+        let o = out.f32_mut().ok_or_else(|| not_f32("matmul_heads"))?;
+        // View x as [rows * n_head, k]: row c = token c / n_head, head c % n_head (its slab).
+        if self.fast(&shape) && self.prefill_gemm && x.rows > GEMVQ_MAX_ROWS {
+            return self
+                .gpu
+                .matmul_heads_bf16(shape, &w.bytes, xb, x.rows, o)
+                .map_err(kerr("matmul_heads"))
+                .map(|()| out);
+        }
+        if self.fast(&shape) {
+            let q = self.q8(x, x.rows * n_head, k)?;
+            if x.rows == 1 {
+                let ch = QChannels {
+                    count: n_head,
+                    ncols: 1,
+                    ids: None,
+                    xidx: None,
+                    x_div: 1,
+                    yidx: None,
+                    y_stride: m,
+                    y_rows: n_head,
+                };
+                return self
+                    .gpu
+                    .gemv_q(shape, &w.bytes, QMode::Plain, ch, &q, o)
+                    .map_err(kerr("matmul_heads"))
+                    .map(|()| out);
+            }
+            // Batches: 8 tokens of one head per channel, so each head's matrix is read once
+            // per 8 tokens.
+            let map = self.head_map(x.rows, n_head)?;
+            let groups = x.rows.div_ceil(8);
+            let idx = map.view();
+            let ch = QChannels {
+                count: groups * n_head,
+                ncols: 8,
                 ids: None,
-                x_stride: k,
+                xidx: Some(&idx),
                 x_div: 1,
+                yidx: Some(&idx),
                 y_stride: m,
+                y_rows: x.rows * n_head,
             };
             self.gpu
-                .gemv_batched(shape, &w.bytes, ch, &xs, &mut ys)
+                .gemv_q(shape, &w.bytes, QMode::Plain, ch, &q, o)
                 .map_err(kerr("matmul_heads"))?;
-            r0 += rn;
+            return Ok(out);
         }
+        let ch = Channels {
+            count: x.rows * n_head,
+            ids: None,
+            x_stride: k,
+            x_div: 1,
+            y_stride: m,
+        };
+        self.gpu
+            .gemv_batched(shape, &w.bytes, ch, xb, o)
+            .map_err(kerr("matmul_heads"))?;
         Ok(out)
     }
 
@@ -450,9 +876,10 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         let ids32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
-        let dids = self.gpu.upload(&ids32).map_err(kerr("embed"))?;
+        let dids = self.gpu.upload_async(&ids32).map_err(kerr("embed"))?;
+        let o = out.f32_mut().ok_or_else(|| not_f32("embed"))?;
         self.gpu
-            .get_rows(table.ty, &table.bytes, d, &dids, &mut out.buf)
+            .get_rows(table.ty, table.packed, &table.bytes, d, &dids, o)
             .map_err(kerr("embed"))?;
         Ok(out)
     }
@@ -475,11 +902,77 @@ impl Backend for CudaBackend {
         let groups = x.rows * (x.cols / g);
         if groups > 0 {
             let wv = wv.slice(0..g);
+            let xb = x.f32().ok_or_else(|| not_f32("rms_norm"))?;
+            let o = out.f32_mut().ok_or_else(|| not_f32("rms_norm"))?;
             self.gpu
-                .rms_norm(&x.buf, Some(&wv), &mut out.buf, Rows::dense(groups, g), eps)
+                .rms_norm(xb, Some(&wv), o, Rows::dense(groups, g), eps)
                 .map_err(kerr("rms_norm"))?;
         }
         Ok(out)
+    }
+
+    /// One launch: the sum goes to a new residual tensor, its norm to another.
+    fn add_rms_norm(
+        &self,
+        res: &CudaTensor,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+    ) -> Result<(CudaTensor, CudaTensor), RuntimeError> {
+        check_same("add", res.shape(), x.shape())?;
+        let wv = self.vector(w, "rms_norm")?;
+        let g = w.dims[0];
+        if g != x.cols {
+            // Grouped norms (several groups per row) keep the two-op form.
+            let h = self.add(res, x)?;
+            let y = self.rms_norm(&h, w, eps)?;
+            return Ok((h, y));
+        }
+        let mut h = self.alloc(x.rows, x.cols)?;
+        let mut y = self.alloc(x.rows, x.cols)?;
+        if x.rows > 0 {
+            let wv = wv.slice(0..g);
+            let xb = x.f32().ok_or_else(|| not_f32("add_rms_norm"))?;
+            let rb = res.f32().ok_or_else(|| not_f32("add_rms_norm"))?;
+            let hb = h.f32_mut().ok_or_else(|| not_f32("add_rms_norm"))?;
+            let yb = y.f32_mut().ok_or_else(|| not_f32("add_rms_norm"))?;
+            // The kernel forms x + res; f32 addition commutes, so this is bitwise `add`.
+            self.gpu
+                .add_rms_norm_to(xb, rb, hb, Some(&wv), yb, Rows::dense(x.rows, g), eps)
+                .map_err(kerr("add_rms_norm"))?;
+        }
+        Ok((h, y))
+    }
+
+    /// In place (one launch, no copies).
+    fn rms_norm_lead(
+        &self,
+        mut x: CudaTensor,
+        w: &CudaWeight,
+        n: usize,
+        eps: f32,
+    ) -> Result<CudaTensor, RuntimeError> {
+        let wv = self.vector(w, "rms_norm")?;
+        if w.dims[0] != n || n > x.cols || n == 0 {
+            return Err(err(format!(
+                "rms_norm_lead: {n} of {} columns by {} {:?}",
+                x.cols, w.name, w.dims
+            )));
+        }
+        if x.rows > 0 {
+            let wv = wv.slice(0..n);
+            let l = Rows {
+                rows: x.rows,
+                n,
+                x_stride: x.cols,
+                y_stride: x.cols,
+            };
+            let xb = x.f32_mut().ok_or_else(|| not_f32("rms_norm_lead"))?;
+            self.gpu
+                .rms_norm_in_place(xb, Some(&wv), l, eps)
+                .map_err(kerr("rms_norm"))?;
+        }
+        Ok(x)
     }
 
     fn layer_norm(
@@ -496,12 +989,14 @@ impl Backend for CudaBackend {
         let mut out = self.alloc(x.rows, x.cols)?;
         if x.rows > 0 {
             let (wv, bv) = (wv.slice(0..x.cols), bv.slice(0..x.cols));
+            let xb = x.f32().ok_or_else(|| not_f32("layer_norm"))?;
+            let o = out.f32_mut().ok_or_else(|| not_f32("layer_norm"))?;
             self.gpu
                 .layer_norm(
-                    &x.buf,
+                    xb,
                     Some(&wv),
                     Some(&bv),
-                    &mut out.buf,
+                    o,
                     Rows::dense(x.rows, x.cols),
                     eps,
                 )
@@ -513,9 +1008,12 @@ impl Backend for CudaBackend {
     fn add(&self, a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor, RuntimeError> {
         check_same("add", a.shape(), b.shape())?;
         let mut out = self.alloc(a.rows, a.cols)?;
-        self.gpu
-            .add(&a.buf, &b.buf, &mut out.buf, Self::len(a))
-            .map_err(kerr("add"))?;
+        let (ab, bb) = (
+            a.f32().ok_or_else(|| not_f32("add"))?,
+            b.f32().ok_or_else(|| not_f32("add"))?,
+        );
+        let o = out.f32_mut().ok_or_else(|| not_f32("add"))?;
+        self.gpu.add(ab, bb, o, Self::len(a)).map_err(kerr("add"))?;
         Ok(out)
     }
 
@@ -528,16 +1026,20 @@ impl Backend for CudaBackend {
             )));
         }
         let mut out = self.alloc(x.rows, x.cols)?;
+        let xb = x.f32().ok_or_else(|| not_f32("add_bias"))?;
+        let o = out.f32_mut().ok_or_else(|| not_f32("add_bias"))?;
         self.gpu
-            .add_bias(&x.buf, bv, &mut out.buf, x.rows, x.cols)
+            .add_bias(xb, bv, o, x.rows, x.cols)
             .map_err(kerr("add_bias"))?;
         Ok(out)
     }
 
     fn scale(&self, x: &CudaTensor, s: f32) -> Result<CudaTensor, RuntimeError> {
         let mut out = self.alloc(x.rows, x.cols)?;
+        let xb = x.f32().ok_or_else(|| not_f32("scale"))?;
+        let o = out.f32_mut().ok_or_else(|| not_f32("scale"))?;
         self.gpu
-            .scale(&x.buf, s, &mut out.buf, Self::len(x))
+            .scale(xb, s, o, Self::len(x))
             .map_err(kerr("scale"))?;
         Ok(out)
     }
@@ -546,13 +1048,13 @@ impl Backend for CudaBackend {
         check_same("silu_mul", gate.shape(), up.shape())?;
         let mut out = self.alloc(gate.rows, gate.cols)?;
         if Self::len(gate) > 0 {
+            let (gb, ub) = (
+                gate.f32().ok_or_else(|| not_f32("silu_mul"))?,
+                up.f32().ok_or_else(|| not_f32("silu_mul"))?,
+            );
+            let o = out.f32_mut().ok_or_else(|| not_f32("silu_mul"))?;
             self.gpu
-                .silu_mul(
-                    &gate.buf,
-                    &up.buf,
-                    &mut out.buf,
-                    Rows3::dense(1, Self::len(gate)),
-                )
+                .silu_mul(gb, ub, o, Rows3::dense(1, Self::len(gate)))
                 .map_err(kerr("silu_mul"))?;
         }
         Ok(out)
@@ -572,9 +1074,8 @@ impl Backend for CudaBackend {
             .iter()
             .map(|&v| i32::try_from(v).map_err(|_| err(format!("rope: position {v} too large"))))
             .collect::<Result<_, _>>()?;
-        let dpos = self.gpu.upload(&pos).map_err(kerr("rope"))?;
-        let inv = kernels::rope_inv_freq(p.theta, p.n_rot);
-        let dinv = self.gpu.upload(&inv).map_err(kerr("rope"))?;
+        let dpos = self.positions(&pos)?;
+        let inv = self.inv_freq(p.theta, p.n_rot)?;
         let layout = RopeLayout {
             tokens: x.rows,
             heads: p.n_groups,
@@ -587,8 +1088,9 @@ impl Backend for CudaBackend {
             RopeStyle::Interleaved => kernels::RopeStyle::Interleaved,
             RopeStyle::Neox => kernels::RopeStyle::Neox,
         };
+        let xb = x.f32_mut().ok_or_else(|| not_f32("rope"))?;
         self.gpu
-            .rope(&mut x.buf, layout, &dpos, &dinv, style)
+            .rope(xb, layout, &dpos.view(), &inv.view(), style)
             .map_err(kerr("rope"))
     }
 
@@ -607,6 +1109,40 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(out);
         }
+        let qb = q.f32().ok_or_else(|| not_f32("attention"))?;
+        let sel_view = selected
+            .filter(|s| s.cols > 0)
+            .map(|s| s.buf.slice(0..s.rows * s.cols));
+        let keys = selected.filter(|s| s.cols > 0).map(|s| KeyLists {
+            idx: sel_view.as_ref().expect("set with keys"),
+            n_keys: s.cols,
+            stride: s.cols,
+        });
+        // Absorbed MLA: one latent head whose values are its first v_dim columns.
+        let mla = p.n_kv_head == 1 && std::ptr::eq(k, v) && p.v_dim <= 512 && p.v_dim <= p.k_dim;
+        if mla {
+            let m = MlaShape {
+                tokens: n,
+                heads: p.n_head,
+                d: p.k_dim,
+                d_v: p.v_dim,
+                q_tok_stride: q.cols,
+                q_head_stride: p.k_dim,
+                kv_stride: k.cols,
+                kv_len: t,
+                o_tok_stride: p.n_head * p.v_dim,
+                o_head_stride: p.v_dim,
+                scale: p.scale,
+                pos0: p.pos0,
+            };
+            let o = out.f32_mut().ok_or_else(|| not_f32("attention"))?;
+            match &k.store {
+                Store::F32(kb) => self.gpu.mla_attention(qb, kb, keys, o, m),
+                Store::Bf16(kb) => self.gpu.mla_attention(qb, kb, keys, o, m),
+            }
+            .map_err(kerr("attention"))?;
+            return Ok(out);
+        }
         let shape = AttnShape {
             tokens: n,
             heads: p.n_head,
@@ -623,24 +1159,14 @@ impl Backend for CudaBackend {
             scale: p.scale,
             pos0: p.pos0,
         };
-        match selected {
-            Some(sel) if sel.cols > 0 => {
-                let view = sel.buf.slice(0..sel.rows * sel.cols);
-                let keys = KeyLists {
-                    idx: &view,
-                    n_keys: sel.cols,
-                    stride: sel.cols,
-                };
+        self.with_f32(k, |kb| {
+            self.with_f32(v, |vb| {
+                let o = out.f32_mut().ok_or_else(|| not_f32("attention"))?;
                 self.gpu
-                    .attention(&q.buf, &k.buf, &v.buf, Some(keys), &mut out.buf, shape)
-                    .map_err(kerr("attention"))?;
-            }
-            _ => {
-                self.gpu
-                    .attention(&q.buf, &k.buf, &v.buf, None, &mut out.buf, shape)
-                    .map_err(kerr("attention"))?;
-            }
-        }
+                    .attention(qb, kb, vb, keys, o, shape)
+                    .map_err(kerr("attention"))
+            })
+        })?;
         Ok(out)
     }
 
@@ -655,22 +1181,15 @@ impl Backend for CudaBackend {
         let n = q.rows;
         let t = keys.rows;
         let kk = p.top_k;
-        let mut sel = self
-            .gpu
-            .zeros::<i32>(n * kk)
-            .map_err(kerr("indexer_topk"))?;
+        let mut sel = self.index(n, kk)?;
         if n == 0 {
-            return Ok(CudaIndex {
-                rows: 0,
-                cols: kk,
-                buf: sel,
-            });
+            return Ok(sel);
         }
         let pos: Vec<i32> = (0..n)
             .map(|i| i32::try_from(p.pos0 + i).map_err(|_| err("indexer_topk: position too large")))
             .collect::<Result<_, _>>()?;
-        let dpos = self.gpu.upload(&pos).map_err(kerr("indexer_topk"))?;
-        let mut scores = self.gpu.zeros::<f32>(n * t).map_err(kerr("indexer_topk"))?;
+        let dpos = self.positions(&pos)?;
+        let mut scores = self.gpu.alloc::<f32>(n * t).map_err(kerr("indexer_topk"))?;
         let sh = IndexerShape {
             tokens: n,
             heads: p.n_head,
@@ -682,17 +1201,20 @@ impl Backend for CudaBackend {
             out_stride: t,
             scale: p.scale,
         };
+        let (qb, wb) = (
+            q.f32().ok_or_else(|| not_f32("indexer_topk"))?,
+            weights.f32().ok_or_else(|| not_f32("indexer_topk"))?,
+        );
+        let pos_v = dpos.view();
+        match &keys.store {
+            Store::F32(kb) => self.gpu.indexer_scores(qb, kb, wb, &pos_v, &mut scores, sh),
+            Store::Bf16(kb) => self.gpu.indexer_scores(qb, kb, wb, &pos_v, &mut scores, sh),
+        }
+        .map_err(kerr("indexer_topk"))?;
         self.gpu
-            .indexer_scores(&q.buf, &keys.buf, &weights.buf, &dpos, &mut scores, sh)
+            .topk(&scores, n, t, t, kk, &mut sel.buf, None)
             .map_err(kerr("indexer_topk"))?;
-        self.gpu
-            .topk(&scores, n, t, t, kk, &mut sel, None)
-            .map_err(kerr("indexer_topk"))?;
-        Ok(CudaIndex {
-            rows: n,
-            cols: kk,
-            buf: sel,
-        })
+        Ok(sel)
     }
 
     fn moe_route(
@@ -706,10 +1228,7 @@ impl Backend for CudaBackend {
         check_route(logits.shape(), bias.map(|b| b.dims[0]), p)?;
         let k = p.n_used;
         let mut w = self.alloc(logits.rows, k)?;
-        let mut ids = self
-            .gpu
-            .zeros::<i32>(logits.rows * k)
-            .map_err(kerr("moe_route"))?;
+        let mut ids = self.index(logits.rows, k)?;
         if logits.rows > 0 {
             let cfg = RouterConfig {
                 gating: match p.gating {
@@ -724,26 +1243,13 @@ impl Backend for CudaBackend {
                 scale: p.scale,
             };
             let bview = bias_v.map(|b| b.slice(0..e));
+            let lb = logits.f32().ok_or_else(|| not_f32("moe_route"))?;
+            let wo = w.f32_mut().ok_or_else(|| not_f32("moe_route"))?;
             self.gpu
-                .moe_route(
-                    &logits.buf,
-                    logits.rows,
-                    e,
-                    bview.as_ref(),
-                    cfg,
-                    &mut ids,
-                    &mut w.buf,
-                )
+                .moe_route(lb, logits.rows, e, bview.as_ref(), cfg, &mut ids.buf, wo)
                 .map_err(kerr("moe_route"))?;
         }
-        Ok((
-            w,
-            CudaIndex {
-                rows: logits.rows,
-                cols: k,
-                buf: ids,
-            },
-        ))
+        Ok((w, ids))
     }
 
     fn moe_ffn(
@@ -770,69 +1276,50 @@ impl Backend for CudaBackend {
         if x.rows == 0 || kk == 0 {
             return Ok(out);
         }
-        let g_shape = MatShape {
-            ty: gate.ty,
-            rows: ff,
-            k: d,
-            slabs: n_exp,
-        };
-        let u_shape = MatShape {
-            ty: up.ty,
-            ..g_shape
-        };
-        let d_shape = MatShape {
-            ty: down.ty,
-            rows: d,
-            k: ff,
-            slabs: n_exp,
-        };
-        // Tokens per launch so that tokens * top_k channels fit the grid; only the selected
-        // experts' slabs are read (an id outside 0..n_exp gives NaN rows, -1 is skipped).
-        let per = (MAX_CHANNELS / kk).max(1);
-        let mut t0 = 0;
-        while t0 < x.rows {
-            let tn = per.min(x.rows - t0);
-            let nch = tn * kk;
-            let ids = experts.buf.slice(t0 * kk..(t0 + tn) * kk);
-            let xs = x.buf.slice(t0 * d..);
-            let mut g = self.gpu.zeros::<f32>(nch * ff).map_err(kerr("moe_ffn"))?;
-            let mut u = self.gpu.zeros::<f32>(nch * ff).map_err(kerr("moe_ffn"))?;
-            let ch_in = Channels {
-                count: nch,
-                ids: Some(&ids),
-                x_stride: d,
-                x_div: kk,
-                y_stride: ff,
-            };
-            self.gpu
-                .gemv_batched(g_shape, &gate.bytes, ch_in, &xs, &mut g)
-                .map_err(kerr("moe_ffn gate"))?;
-            self.gpu
-                .gemv_batched(u_shape, &up.bytes, ch_in, &xs, &mut u)
-                .map_err(kerr("moe_ffn up"))?;
-            let mut a = self.gpu.zeros::<f32>(nch * ff).map_err(kerr("moe_ffn"))?;
-            self.gpu
-                .silu_mul(&g, &u, &mut a, Rows3::dense(nch, ff))
-                .map_err(kerr("moe_ffn act"))?;
-            let mut y = self.gpu.zeros::<f32>(nch * d).map_err(kerr("moe_ffn"))?;
-            let ch_down = Channels {
-                count: nch,
-                ids: Some(&ids),
-                x_stride: ff,
-                x_div: 1,
-                y_stride: d,
-            };
-            self.gpu
-                .gemv_batched(d_shape, &down.bytes, ch_down, &a, &mut y)
-                .map_err(kerr("moe_ffn down"))?;
-            let ws = weights.buf.slice(t0 * kk..(t0 + tn) * kk);
-            let mut os = out.buf.slice_mut(t0 * d..(t0 + tn) * d);
-            self.gpu
-                .moe_combine(&y, d, &ws, tn, kk, d, &mut os, d, false, Some(&ids))
-                .map_err(kerr("moe_ffn combine"))?;
-            t0 += tn;
+        let g_shape = Self::shape_of(gate, ff, d, n_exp);
+        let u_shape = Self::shape_of(up, ff, d, n_exp);
+        let d_shape = Self::shape_of(down, d, ff, n_exp);
+        let fast = self.fast(&g_shape)
+            && self.fast(&d_shape)
+            && gate.ty == up.ty
+            && gate.packed == up.packed;
+        if fast && self.prefill_gemm && x.rows > GEMVQ_MAX_ROWS {
+            self.moe_ffn_gemm(x, gate, up, down, weights, experts, &mut out)?;
+        } else if fast {
+            self.moe_ffn_fast(x, gate, up, down, weights, experts, &mut out)?;
+        } else {
+            self.moe_ffn_exact(
+                x,
+                (gate, g_shape),
+                (up, u_shape),
+                (down, d_shape),
+                weights,
+                experts,
+                &mut out,
+            )?;
         }
         Ok(out)
+    }
+
+    /// On the device (kernels/cuda/sample.cu); only the ids are copied back.
+    fn sample(
+        &self,
+        logits: &CudaTensor,
+        reqs: &[SampleRequest],
+    ) -> Result<Vec<(u32, bool)>, RuntimeError> {
+        check_sample(logits.rows, logits.cols, reqs.len())?;
+        if !self.device_sampling {
+            let host = self.to_host(logits)?;
+            return Ok(crate::sampling::sample_host(&host, logits.cols, reqs));
+        }
+        let lb = logits.f32().ok_or_else(|| not_f32("sample"))?;
+        let params: Vec<kernels::SampleParams> = reqs.iter().map(device_sample_params).collect();
+        let mut ids = self.gpu.alloc::<i32>(reqs.len()).map_err(kerr("sample"))?;
+        self.gpu
+            .sample(lb, logits.rows, logits.cols, logits.cols, &params, &mut ids)
+            .map_err(kerr("sample"))?;
+        let raw = self.gpu.download(&ids).map_err(kerr("sample"))?;
+        Ok(raw.into_iter().map(kernels::sampled_id).collect())
     }
 
     fn local_expert_ids(
@@ -845,10 +1332,301 @@ impl Backend for CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// The fast MoE: one token: fused gate+up+SiLU over its selected experts, then down +
+    /// weighted sum in one launch. Several tokens: (token, slot) pairs grouped by expert on
+    /// the device, grouped GLU and down launches (each expert's weights read once per 8 of its
+    /// tokens), then the weighted sum in slot order.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_ffn_fast(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        down: &CudaWeight,
+        weights: &CudaTensor,
+        experts: &CudaIndex,
+        out: &mut CudaTensor,
+    ) -> Result<(), RuntimeError> {
+        let (d, ff, n_exp) = (x.cols, gate.dims[1], gate.dims[2]);
+        let (n, kk) = (x.rows, experts.cols);
+        let g_shape = Self::shape_of(gate, ff, d, n_exp);
+        let d_shape = Self::shape_of(down, d, ff, n_exp);
+        let q = self.q8(x, n, d)?;
+        let wb = weights.f32().ok_or_else(|| not_f32("moe_ffn"))?;
+        let wv = wb.slice(0..n * kk);
+        let ids = experts.buf.slice(0..n * kk);
+        let mut act = self
+            .gpu
+            .alloc::<f32>(n * kk * ff)
+            .map_err(kerr("moe_ffn"))?;
+        let o = out.f32_mut().ok_or_else(|| not_f32("moe_ffn"))?;
+        if n == 1 {
+            let ch = QChannels {
+                count: kk,
+                ncols: 1,
+                ids: Some(&ids),
+                xidx: None,
+                x_div: kk,
+                yidx: None,
+                y_stride: ff,
+                y_rows: kk,
+            };
+            self.gpu
+                .gemv_q(
+                    g_shape,
+                    &gate.bytes,
+                    QMode::Glu(&up.bytes),
+                    ch,
+                    &q,
+                    &mut act,
+                )
+                .map_err(kerr("moe_ffn gate+up"))?;
+            let qa = self
+                .gpu
+                .quantize_q8(&act, kk, ff, ff)
+                .map_err(kerr("moe_ffn"))?;
+            let ch = QChannels {
+                count: 1,
+                ncols: 1,
+                ids: Some(&ids),
+                xidx: None,
+                x_div: 1,
+                yidx: None,
+                y_stride: d,
+                y_rows: 1,
+            };
+            let mode = QMode::Combine {
+                weights: &wv,
+                topk: kk,
+            };
+            return self
+                .gpu
+                .gemv_q(d_shape, &down.bytes, mode, ch, &qa, o)
+                .map_err(kerr("moe_ffn down"));
+        }
+        let g = self
+            .gpu
+            .moe_group(&ids, n * kk, kk, n_exp)
+            .map_err(kerr("moe_ffn group"))?;
+        let (te, tok, pos, pair) = (
+            g.tile_expert.view(),
+            g.tok.view(),
+            g.pos.view(),
+            g.pair.view(),
+        );
+        let ch = QChannels {
+            count: g.max_tiles,
+            ncols: kernels::MOE_TILE,
+            ids: Some(&te),
+            xidx: Some(&tok),
+            x_div: 1,
+            yidx: Some(&pos),
+            y_stride: ff,
+            y_rows: n * kk,
+        };
+        self.gpu
+            .gemv_q(
+                g_shape,
+                &gate.bytes,
+                QMode::Glu(&up.bytes),
+                ch,
+                &q,
+                &mut act,
+            )
+            .map_err(kerr("moe_ffn gate+up"))?;
+        let qa = self
+            .gpu
+            .quantize_q8(&act, n * kk, ff, ff)
+            .map_err(kerr("moe_ffn"))?;
+        let mut y = self.gpu.alloc::<f32>(n * kk * d).map_err(kerr("moe_ffn"))?;
+        let ch = QChannels {
+            count: g.max_tiles,
+            ncols: kernels::MOE_TILE,
+            ids: Some(&te),
+            xidx: Some(&pos),
+            x_div: 1,
+            yidx: Some(&pair),
+            y_stride: d,
+            y_rows: n * kk,
+        };
+        self.gpu
+            .gemv_q(d_shape, &down.bytes, QMode::Plain, ch, &qa, &mut y)
+            .map_err(kerr("moe_ffn down"))?;
+        self.gpu
+            .moe_combine(&y, d, &wv, n, kk, d, o, d, false, Some(&ids))
+            .map_err(kerr("moe_ffn combine"))
+    }
+
+    /// Prefill MoE on the tensor cores: the routing read back once (a prefill step syncs
+    /// anyway), then per expert in id order its (token, slot) pairs in pair order: gather the
+    /// tokens, gate and up as bf16 GEMMs on the expert's dequantized slab, SiLU * up, down GEMM
+    /// into that expert's run of a pair-sorted buffer; the rows put back in pair order and the
+    /// weighted sum in slot order (moe_combine, skipping `-1` slots). Deterministic: fixed
+    /// order, no atomics. Its error is one bf16 GEMM per matmul, within check.rs's budget.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_ffn_gemm(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        down: &CudaWeight,
+        weights: &CudaTensor,
+        experts: &CudaIndex,
+        out: &mut CudaTensor,
+    ) -> Result<(), RuntimeError> {
+        let (d, ff, n_exp) = (x.cols, gate.dims[1], gate.dims[2]);
+        let (n, kk) = (x.rows, experts.cols);
+        let (g_shape, u_shape, d_shape) = (
+            Self::shape_of(gate, ff, d, n_exp),
+            Self::shape_of(up, ff, d, n_exp),
+            Self::shape_of(down, d, ff, n_exp),
+        );
+        let (_, _, ids) = self.index_to_host(experts)?;
+        let mut by_e: Vec<Vec<usize>> = vec![Vec::new(); n_exp];
+        for (p, &e) in ids.iter().enumerate() {
+            if let Some(v) = usize::try_from(e).ok().and_then(|e| by_e.get_mut(e)) {
+                v.push(p);
+            }
+        }
+        let xb = x.f32().ok_or_else(|| not_f32("moe_ffn"))?;
+        let g = &self.gpu;
+        let most = by_e.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut xe = g.alloc::<f32>(most * d).map_err(kerr("moe_ffn"))?;
+        let mut ge = g.alloc::<f32>(most * ff).map_err(kerr("moe_ffn"))?;
+        let mut ue = g.alloc::<f32>(most * ff).map_err(kerr("moe_ffn"))?;
+        // Expert outputs in (expert, pair) order; `at[p]` = the row of pair p.
+        let mut ys = g
+            .alloc::<f32>((n * kk).max(1) * d)
+            .map_err(kerr("moe_ffn"))?;
+        let mut at = vec![0usize; n * kk];
+        let mut row0 = 0usize;
+        for (e, pairs) in by_e.iter().enumerate() {
+            let m = pairs.len();
+            if m == 0 {
+                continue;
+            }
+            let toks: Vec<usize> = pairs.iter().map(|p| p / kk).collect();
+            g.gather_rows(xb, n, d, &toks, &mut xe)
+                .map_err(kerr("moe_ffn gather"))?;
+            g.matmul_bf16_slab(g_shape, e, &gate.bytes, &xe, m, &mut ge)
+                .map_err(kerr("moe_ffn gate"))?;
+            g.matmul_bf16_slab(u_shape, e, &up.bytes, &xe, m, &mut ue)
+                .map_err(kerr("moe_ffn up"))?;
+            let mut act = g.alloc::<f32>(m * ff).map_err(kerr("moe_ffn"))?;
+            g.silu_mul(&ge, &ue, &mut act, Rows3::dense(m, ff))
+                .map_err(kerr("moe_ffn act"))?;
+            let mut ye = ys.slice_mut(row0 * d..(row0 + m) * d);
+            g.matmul_bf16_slab(d_shape, e, &down.bytes, &act, m, &mut ye)
+                .map_err(kerr("moe_ffn down"))?;
+            for (j, &p) in pairs.iter().enumerate() {
+                at[p] = row0 + j;
+            }
+            row0 += m;
+        }
+        // Pairs of other ranks' experts (-1) point at row 0 and are skipped by moe_combine
+        // (which writes zeros where a token has no pair at all).
+        let y = if row0 == 0 {
+            ys
+        } else {
+            let mut y = g.alloc::<f32>(n * kk * d).map_err(kerr("moe_ffn"))?;
+            g.gather_rows(&ys, row0, d, &at, &mut y)
+                .map_err(kerr("moe_ffn gather"))?;
+            y
+        };
+        let wb = weights.f32().ok_or_else(|| not_f32("moe_ffn"))?;
+        let (wv, idv) = (wb.slice(0..n * kk), experts.buf.slice(0..n * kk));
+        let o = out.f32_mut().ok_or_else(|| not_f32("moe_ffn"))?;
+        g.moe_combine(&y, d, &wv, n, kk, d, o, d, false, Some(&idv))
+            .map_err(kerr("moe_ffn combine"))
+    }
+
+    /// The exact MoE: f32 channel-batched GEMVs per (token, slot), SiLU, weighted sum.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_ffn_exact(
+        &self,
+        x: &CudaTensor,
+        (gate, g_shape): (&CudaWeight, MatShape),
+        (up, u_shape): (&CudaWeight, MatShape),
+        (down, d_shape): (&CudaWeight, MatShape),
+        weights: &CudaTensor,
+        experts: &CudaIndex,
+        out: &mut CudaTensor,
+    ) -> Result<(), RuntimeError> {
+        let (d, ff) = (x.cols, g_shape.rows);
+        let (n, kk) = (x.rows, experts.cols);
+        let nch = n * kk;
+        let xb = x.f32().ok_or_else(|| not_f32("moe_ffn"))?;
+        let wb = weights.f32().ok_or_else(|| not_f32("moe_ffn"))?;
+        let ids = experts.buf.slice(0..nch);
+        let mut g = self.gpu.alloc::<f32>(nch * ff).map_err(kerr("moe_ffn"))?;
+        let mut u = self.gpu.alloc::<f32>(nch * ff).map_err(kerr("moe_ffn"))?;
+        let ch_in = Channels {
+            count: nch,
+            ids: Some(&ids),
+            x_stride: d,
+            x_div: kk,
+            y_stride: ff,
+        };
+        self.gpu
+            .gemv_batched(g_shape, &gate.bytes, ch_in, xb, &mut g)
+            .map_err(kerr("moe_ffn gate"))?;
+        self.gpu
+            .gemv_batched(u_shape, &up.bytes, ch_in, xb, &mut u)
+            .map_err(kerr("moe_ffn up"))?;
+        let mut a = self.gpu.alloc::<f32>(nch * ff).map_err(kerr("moe_ffn"))?;
+        self.gpu
+            .silu_mul(&g, &u, &mut a, Rows3::dense(nch, ff))
+            .map_err(kerr("moe_ffn act"))?;
+        let mut y = self.gpu.alloc::<f32>(nch * d).map_err(kerr("moe_ffn"))?;
+        let ch_down = Channels {
+            count: nch,
+            ids: Some(&ids),
+            x_stride: ff,
+            x_div: 1,
+            y_stride: d,
+        };
+        self.gpu
+            .gemv_batched(d_shape, &down.bytes, ch_down, &a, &mut y)
+            .map_err(kerr("moe_ffn down"))?;
+        let ws = wb.slice(0..nch);
+        let o = out.f32_mut().ok_or_else(|| not_f32("moe_ffn"))?;
+        self.gpu
+            .moe_combine(&y, d, &ws, n, kk, d, o, d, false, Some(&ids))
+            .map_err(kerr("moe_ffn combine"))
+    }
+}
+
 /// Open a GGUF model of a supported architecture on CUDA device `ordinal`.
+/// A request in the kernel's form: NaN temperature is greedy (as on the host), `u` rounded into
+/// [0, 1) in f32, a top-k beyond i32 means no cut, NaN min-p none.
+fn device_sample_params(r: &SampleRequest) -> kernels::SampleParams {
+    let p = &r.params;
+    kernels::SampleParams {
+        temperature: if p.temperature.is_nan() {
+            0.0
+        } else {
+            p.temperature
+        },
+        top_k: i32::try_from(p.top_k).unwrap_or(0),
+        top_p: if p.top_p.is_nan() { 1.0 } else { p.top_p },
+        u: (r.u.clamp(0.0, 1.0) as f32).min(1.0 - f32::EPSILON / 2.0),
+        min_p: if p.min_p.is_nan() { 0.0 } else { p.min_p },
+    }
+}
+
 pub fn load_cuda(
     model: Arc<gguf::Model>,
     ordinal: usize,
 ) -> Result<crate::glm::GlmModel<CudaBackend>, RuntimeError> {
     crate::glm::GlmModel::load(CudaBackend::new(ordinal)?, model)
+}
+
+/// As [`load_cuda`] with explicit numerical options.
+pub fn load_cuda_with(
+    model: Arc<gguf::Model>,
+    ordinal: usize,
+    opts: CudaOptions,
+) -> Result<crate::glm::GlmModel<CudaBackend>, RuntimeError> {
+    crate::glm::GlmModel::load(CudaBackend::with_options(ordinal, opts)?, model)
 }

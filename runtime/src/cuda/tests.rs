@@ -1,14 +1,24 @@
-//! CUDA backend against the CPU reference backend on the tiny-glm5 fixtures: every GGUF type,
-//! the public prompts and the long prompts (longer than index_topk, so DSA sparse attention is
-//! active). Tolerances: see `check.rs`. Without a CUDA device the test prints
-//! "skipped: no CUDA device" and passes. `GGUFTOOL_FIXTURES` points at the fixture folder when
-//! the test binary runs away from the checkout (the GPU machine).
+//! CUDA backend against the CPU reference backend: the tiny-glm5 fixtures (every GGUF type, the
+//! public and the long prompts, which are longer than index_topk, so DSA sparse attention is
+//! active) on the exact and the fast path, and a model with GLM-5's attention shapes (64 heads,
+//! 576-wide latent, Q8_0 `attn_k_b` of 192-long rows) on prompts past 1,023 tokens (64 heads x
+//! tokens rows exceeded the 65,535 grid-y limit there) and past 4,096. Tolerances: see
+//! `check.rs`. Without a CUDA device every test prints "skipped: no CUDA device" and passes.
+//! `GGUFTOOL_FIXTURES` points at the fixture folder when the test binary runs away from the
+//! checkout (the GPU machine).
 
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::check::{compare, reference_prompts};
+use gguf::{GgmlType, Metadata, Value};
+
+use super::check::{compare_models, compare_with, logit_tolerance, reference_prompts, PromptCheck};
+use super::{CudaBackend, CudaOptions};
+use crate::glm::GlmModel;
+use crate::spec::ModelSpec;
+use crate::weights::HostWeight;
 
 fn say(msg: &str) {
     let _ = writeln!(std::io::stderr().lock(), "{msg}");
@@ -18,6 +28,37 @@ fn fixtures() -> PathBuf {
     std::env::var_os("GGUFTOOL_FIXTURES")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures"))
+}
+
+const EXACT: CudaOptions = CudaOptions {
+    exact: true,
+    kv_bf16: false,
+};
+const FAST: CudaOptions = CudaOptions {
+    exact: false,
+    kv_bf16: true,
+};
+
+fn report(what: &str, id: &str, n: usize, r: &PromptCheck, failures: &mut Vec<String>) {
+    say(&format!(
+        "| {what} | {id} ({n} tok) | {:.2e} | tol {:.2e} | {}/{} |{}{}",
+        r.max_rel_diff,
+        r.tolerance,
+        r.greedy_identical,
+        r.steps,
+        if r.near_ties.is_empty() {
+            String::new()
+        } else {
+            format!(" near ties at {:?}", r.near_ties)
+        },
+        r.selection_flip
+            .as_ref()
+            .map(|(s, n)| format!(" selection flip at step {s} ({n}): compared up to it"))
+            .unwrap_or_default()
+    ));
+    if let Some(f) = &r.failure {
+        failures.push(format!("{what} {id}: {f}"));
+    }
 }
 
 #[test]
@@ -31,6 +72,7 @@ fn cuda_matches_cpu_on_fixtures() {
         let text = std::fs::read_to_string(fixtures().join(f)).expect("reference prompts");
         prompts.extend(reference_prompts(&text).expect("reference JSON"));
     }
+    assert!(!prompts.is_empty());
     let mut failures = Vec::new();
     for file in [
         "tiny-glm5-BF16.gguf",
@@ -41,23 +83,412 @@ fn cuda_matches_cpu_on_fixtures() {
         let path = fixtures().join("gguf").join(file);
         let model = Arc::new(gguf::Model::open(&path).expect("open fixture"));
         let cpu = crate::glm::load_cpu(model.clone()).expect("load on CPU");
-        let gpu = super::load_cuda(model, 0).expect("load on CUDA");
-        for (id, ids) in &prompts {
-            let r = compare(&cpu, &gpu, ids, 16).expect("forward");
-            say(&format!(
-                "| {file} | {id} ({} tok) | {:.2e} | {}/{} |{}",
-                ids.len(),
-                r.max_rel_diff,
-                r.greedy_identical,
-                r.steps,
-                r.near_tie
-                    .map(|(s, g)| format!(" near tie at step {s} (gap {g:.2e})"))
-                    .unwrap_or_default()
-            ));
-            if let Some(f) = r.failure {
-                failures.push(format!("{file} {id}: {f}"));
+        for (mode, opts) in [("exact", EXACT), ("fast", FAST)] {
+            let gpu = super::load_cuda_with(model.clone(), 0, opts).expect("load on CUDA");
+            let tol = logit_tolerance(opts, gpu.spec().n_layer);
+            for (id, ids) in &prompts {
+                let r = compare_models(&cpu, &gpu, ids, 16, tol).expect("forward");
+                report(&format!("{file} {mode}"), id, ids.len(), &r, &mut failures);
             }
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// xorshift64 stream for the synthetic weights.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+/// Random blocks of `ty` (Q4_K / Q8_0) with finite, small f16 scales.
+fn random_blocks(ty: GgmlType, n: usize, r: &mut Rng) -> Vec<u8> {
+    let (bs, ts) = (ty.block_size(), ty.type_size());
+    let mut out: Vec<u8> = (0..n / bs * ts).map(|_| r.next() as u8).collect();
+    let scale_offsets: &[usize] = match ty {
+        GgmlType::Q4_K => &[0, 2],
+        _ => &[0],
+    };
+    for b in out.chunks_exact_mut(ts) {
+        for &o in scale_offsets {
+            let v = half::f16::from_f32(1e-4 + 2e-3 * r.unit());
+            b[o..o + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// GLM-5's attention shapes (64 heads, kv_lora 512, nope 192, rope 64, v_head 256; indexer
+/// 128-wide keys) at a small hidden size: layer 0 dense, layer 1 MoE (8 experts, 2 used + one
+/// shared), DSA top-k 256 so long prompts attend sparsely.
+fn glm5_heads_weights() -> (Metadata, HashMap<String, HostWeight>) {
+    let mut md = Metadata::new("glm5-heads (synthetic)");
+    let a = "glm-dsa";
+    md.set("general.architecture", Value::String(a.into()));
+    let u = |v: u32| Value::U32(v);
+    for (k, v) in [
+        ("block_count", u(2)),
+        ("context_length", u(8192)),
+        ("embedding_length", u(256)),
+        ("feed_forward_length", u(512)),
+        ("attention.head_count", u(64)),
+        ("attention.head_count_kv", u(1)),
+        ("rope.freq_base", Value::F32(1e6)),
+        ("attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("expert_count", u(8)),
+        ("expert_used_count", u(2)),
+        ("expert_group_count", u(1)),
+        ("expert_group_used_count", u(1)),
+        ("expert_gating_func", u(2)),
+        ("attention.key_length", u(576)),
+        ("attention.value_length", u(512)),
+        ("leading_dense_block_count", u(1)),
+        ("vocab_size", u(512)),
+        ("attention.q_lora_rank", u(256)),
+        ("attention.kv_lora_rank", u(512)),
+        ("attention.key_length_mla", u(256)),
+        ("attention.value_length_mla", u(256)),
+        ("expert_feed_forward_length", u(256)),
+        ("expert_shared_count", u(1)),
+        ("expert_weights_scale", Value::F32(2.5)),
+        ("expert_weights_norm", Value::Bool(true)),
+        ("rope.dimension_count", u(64)),
+        ("attention.indexer.head_count", u(4)),
+        ("attention.indexer.key_length", u(128)),
+        ("attention.indexer.top_k", u(256)),
+    ] {
+        md.set(&format!("{a}.{k}"), v);
+    }
+    let spec = ModelSpec::from_metadata(&md).expect("synthetic spec");
+    let mut r = Rng(0x5eed_1234_abcd_0001);
+    let mut w = HashMap::new();
+    // The table marks the indexer optional; the forward requires it on every full layer.
+    for t in spec
+        .tensor_specs()
+        .iter()
+        .filter(|t| t.required || t.role.starts_with("indexer"))
+    {
+        let n: usize = t.dims.iter().product();
+        let float = t.dims.len() == 1
+            || t.name.contains("ffn_gate_inp")
+            || t.name.contains("indexer.proj")
+            || t.name.contains("exp_probs_b");
+        let hw = if float {
+            let (base, amp) = if t.name.contains("norm.weight") {
+                (1.0, 0.1)
+            } else {
+                (0.0, 0.05)
+            };
+            let v: Vec<f32> = (0..n)
+                .map(|_| base + amp * (2.0 * r.unit() - 1.0))
+                .collect();
+            HostWeight::from_f32(t.name.clone(), t.dims.clone(), &v)
+        } else {
+            let ty = if t.dims[0].is_multiple_of(256) {
+                GgmlType::Q4_K
+            } else {
+                GgmlType::Q8_0
+            };
+            HostWeight::from_bytes(
+                t.name.clone(),
+                ty,
+                t.dims.clone(),
+                random_blocks(ty, n, &mut r),
+            )
+        }
+        .expect("synthetic weight");
+        w.insert(t.name.clone(), hw);
+    }
+    (md, w)
+}
+
+#[test]
+fn glm5_heads_prompts_past_1023_and_4096_tokens() {
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (glm5_heads_prompts_past_1023_and_4096_tokens)");
+        return;
+    }
+    let (md, w) = glm5_heads_weights();
+    let get = |name: &str| Ok(w.get(name).cloned());
+    let cpu = GlmModel::from_weights(
+        crate::cpu::CpuBackend,
+        ModelSpec::from_metadata(&md).unwrap(),
+        &get,
+    )
+    .expect("CPU model");
+    let mut failures = Vec::new();
+    // "fast+prefill-gemm": prefill MoE and per-head matmuls as bf16 GEMMs
+    // (GGUFTOOL_PREFILL_GEMM=1); the other two off whatever the environment says.
+    for (mode, opts, gemm) in [
+        ("fast", FAST, false),
+        ("fast+prefill-gemm", FAST, true),
+        ("exact", EXACT, false),
+    ] {
+        let gpu = GlmModel::from_weights(
+            CudaBackend::with_options(0, opts)
+                .expect("CUDA backend")
+                .with_prefill_gemm(gemm),
+            ModelSpec::from_metadata(&md).unwrap(),
+            &get,
+        )
+        .expect("CUDA model");
+        let tol = logit_tolerance(opts, 2);
+        // The third mode differs from "fast" in prefill only: one long prompt suffices.
+        let lens: &[usize] = if gemm { &[1100] } else { &[1100, 4200] };
+        for &n in lens {
+            let ids: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 11) % 512).collect();
+            let r = compare_with(&cpu, &gpu, &ids, 3, tol).expect("forward");
+            report(&format!("glm5-heads {mode}"), "long", n, &r, &mut failures);
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The synthetic model itself is valid (runs without a GPU, so CI checks the builder).
+#[test]
+fn glm5_heads_model_runs_on_the_cpu() {
+    let (md, w) = glm5_heads_weights();
+    let get = |name: &str| Ok(w.get(name).cloned());
+    let cpu = GlmModel::from_weights(
+        crate::cpu::CpuBackend,
+        ModelSpec::from_metadata(&md).unwrap(),
+        &get,
+    )
+    .expect("CPU model");
+    use crate::lm::{LanguageModel, SeqStep};
+    let mut s = cpu.new_sequence();
+    let out = cpu
+        .forward(&mut [SeqStep {
+            seq: s.as_mut(),
+            tokens: &[1, 2, 3, 4],
+            all_logits: false,
+        }])
+        .expect("forward");
+    assert_eq!(out[0].len(), 512);
+    assert!(out[0].iter().all(|v| v.is_finite()));
+    let max = out[0].iter().fold(0f32, |m, v| m.max(v.abs()));
+    assert!(max > 0.0 && max < 1e4, "logits of a sane scale: {max}");
+}
+
+/// `forward_sample` on the device against the same model's logits on the host: greedy ids equal
+/// the host argmax of `forward`'s logits of an identical sequence (the kernels are run-to-run
+/// deterministic, so the two steps see bitwise the same logits), sampled ids are valid picks of
+/// the host rules (in the distribution; the same id as the host inverse CDF whenever the host's
+/// pick is not within f32 rounding of a CDF boundary), log-probabilities equal the host's.
+#[test]
+fn cuda_forward_sample_matches_host_sampling() {
+    use crate::lm::{LanguageModel, SeqStep};
+    use crate::sampling::{finish_rows, sample_row, SampleParams, SampleRequest};
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (cuda_forward_sample_matches_host_sampling)");
+        return;
+    }
+    let path = fixtures().join("gguf").join("tiny-glm5-Q4_K_M.gguf");
+    let model = Arc::new(gguf::Model::open(&path).expect("open fixture"));
+    let gpu = super::load_cuda_with(model, 0, FAST).expect("load on CUDA");
+    let cases = [
+        (SampleParams::GREEDY, 0.0),
+        (
+            SampleParams {
+                temperature: 0.8,
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.05,
+            },
+            0.37,
+        ),
+        (
+            SampleParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+            },
+            0.71,
+        ),
+    ];
+    let mut failures = Vec::new();
+    let mut a = gpu.new_sequence();
+    let mut b = gpu.new_sequence();
+    let mut toks = vec![3u32, 17, 101, 5];
+    for step in 0..6 {
+        let (p, u) = cases[step % cases.len()];
+        let req = SampleRequest {
+            params: p,
+            u,
+            logprobs: Some(3),
+        };
+        let got = gpu
+            .forward_sample(
+                &mut [SeqStep {
+                    seq: a.as_mut(),
+                    tokens: &toks,
+                    all_logits: false,
+                }],
+                &[req],
+            )
+            .expect("forward_sample")
+            .remove(0);
+        let logits = gpu
+            .forward(&mut [SeqStep {
+                seq: b.as_mut(),
+                tokens: &toks,
+                all_logits: false,
+            }])
+            .expect("forward")
+            .remove(0);
+        let host_id = sample_row(&logits, &p, u);
+        let host = finish_rows(&[(host_id, false)], &[req], Some(&logits), logits.len()).remove(0);
+        // The same id unless u sits within f32 rounding of a CDF boundary (the device sums in
+        // f32): then the neighbouring candidate is as valid.
+        let near = |du: f64| sample_row(&logits, &p, (u + du).clamp(0.0, 0.999_999)) == got.id;
+        let id_ok = got.id == host_id || (!p.is_greedy() && (near(1e-5) || near(-1e-5)));
+        let lp_ok = match (got.logprob, host.logprob) {
+            (Some(x), Some(y)) => x == y || (x - y).abs() <= 1e-6 * y.abs().max(1.0),
+            _ => false,
+        };
+        say(&format!(
+            "| forward_sample | step {step} {p:?} u {u} | device {} host {host_id} | logprob {:?} vs {:?} | {} |",
+            got.id,
+            got.logprob,
+            host.logprob,
+            id_ok && lp_ok && !got.non_finite && got.top == host.top
+        ));
+        if !(id_ok && lp_ok && !got.non_finite && got.top == host.top) {
+            failures.push(format!("step {step}: {got:?} vs host {host:?}"));
+        }
+        toks = vec![got.id];
+        // Keep the two sequences identical.
+        if got.id != host_id {
+            break;
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The fused residual add + RMSNorm is bitwise the two ops it replaces (same f32 sum, same
+/// reduction order), on one row and on 1,100 rows.
+#[test]
+fn cuda_add_rms_norm_equals_add_then_rms_norm() {
+    use crate::backend::Backend;
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (cuda_add_rms_norm_equals_add_then_rms_norm)");
+        return;
+    }
+    let be = CudaBackend::with_options(0, FAST).expect("device");
+    let mut r = Rng(0x5eed_0000_add0_0001);
+    let d = 6144;
+    let wv: Vec<f32> = (0..d).map(|_| 1.0 + 0.1 * (2.0 * r.unit() - 1.0)).collect();
+    let w = be
+        .upload(HostWeight::from_f32(String::from("norm.weight"), vec![d], &wv).expect("weight"))
+        .expect("upload");
+    for rows in [1usize, 1100] {
+        let mk =
+            |r: &mut Rng| -> Vec<f32> { (0..rows * d).map(|_| 4.0 * r.unit() - 2.0).collect() };
+        let (hv, xv) = (mk(&mut r), mk(&mut r));
+        let h = be.new_tensor(rows, d, &hv).expect("h");
+        let x = be.new_tensor(rows, d, &xv).expect("x");
+        let (fh, fy) = be.add_rms_norm(&h, &x, &w, 1e-5).expect("fused");
+        let uh = be.add(&h, &x).expect("add");
+        let uy = be.rms_norm(&uh, &w, 1e-5).expect("rms_norm");
+        let same = be.to_host(&fh).unwrap() == be.to_host(&uh).unwrap()
+            && be.to_host(&fy).unwrap() == be.to_host(&uy).unwrap();
+        say(&format!("| add_rms_norm | {rows}x{d} | bitwise | {same} |"));
+        assert!(
+            same,
+            "fused add+rms_norm differs from add, rms_norm at {rows} rows"
+        );
+    }
+}
+
+/// The in-place latent norm (`rms_norm_lead`, the MLA cache rows) is bitwise the slice, norm and
+/// concatenation it replaces (same kernel, same block size, same reduction order), with the
+/// rope columns untouched, at GLM-5's 512 + 64 widths.
+#[test]
+fn cuda_rms_norm_lead_equals_slice_norm_concat() {
+    use crate::backend::Backend;
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (cuda_rms_norm_lead_equals_slice_norm_concat)");
+        return;
+    }
+    let be = CudaBackend::with_options(0, FAST).expect("device");
+    let mut r = Rng(0x5eed_0000_1ead_0001);
+    let (n, cols) = (512, 576);
+    let wv: Vec<f32> = (0..n).map(|_| 1.0 + 0.1 * (2.0 * r.unit() - 1.0)).collect();
+    let w = be
+        .upload(HostWeight::from_f32(String::from("kv_a_norm.weight"), vec![n], &wv).expect("w"))
+        .expect("upload");
+    for rows in [1usize, 1100] {
+        let xv: Vec<f32> = (0..rows * cols).map(|_| 4.0 * r.unit() - 2.0).collect();
+        let x = be.new_tensor(rows, cols, &xv).expect("x");
+        let lead = be
+            .rms_norm(&be.slice_cols(&x, 0, n).unwrap(), &w, 1e-6)
+            .unwrap();
+        let rest = be.slice_cols(&x, n, cols - n).unwrap();
+        let want = be
+            .to_host(&be.concat_cols(&[&lead, &rest]).unwrap())
+            .unwrap();
+        let got = be
+            .to_host(&be.rms_norm_lead(x, &w, n, 1e-6).expect("rms_norm_lead"))
+            .unwrap();
+        let same = got == want;
+        say(&format!(
+            "| rms_norm_lead | {rows}x{cols} | bitwise | {same} |"
+        ));
+        assert!(same, "rms_norm_lead differs at {rows} rows");
+    }
+}
+
+/// A cache reserved up front keeps its buffer (same device address, same capacity) while rows
+/// are appended up to the reservation, and keeps every appended row (bf16 and f32 caches).
+#[test]
+fn cuda_reserved_cache_never_reallocates() {
+    use super::Store;
+    use crate::backend::Backend;
+    use kernels::DeviceSlice;
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (cuda_reserved_cache_never_reallocates)");
+        return;
+    }
+    for opts in [FAST, EXACT] {
+        let be = CudaBackend::with_options(0, opts).expect("device");
+        let cols = 576;
+        let mut t = be.empty(cols).expect("empty");
+        be.reserve_rows(&mut t, 3000).expect("reserve");
+        let addr = |t: &super::CudaTensor| match &t.store {
+            Store::F32(b) => (b.ptr(), b.len()),
+            Store::Bf16(b) => (b.ptr(), b.len()),
+        };
+        let before = addr(&t);
+        let mut want = Vec::new();
+        for step in 0..30 {
+            // 1,100 rows in steps crossing the 1,024 rows a growing cache would start with,
+            // then single rows (decode).
+            let n = if step == 0 { 1100 } else { 50 };
+            let v: Vec<f32> = (0..n * cols)
+                .map(|i| ((i + step) % 97) as f32 * 0.25)
+                .collect();
+            let src = be.new_tensor(n, cols, &v).expect("rows");
+            be.append_rows(&mut t, &src).expect("append");
+            want.extend_from_slice(&v);
+            assert_eq!(addr(&t), before, "reallocated at step {step}");
+        }
+        // Multiples of 1/4 below 25 are exact in bf16.
+        let ok = be.to_host(&t).expect("download") == want;
+        say(&format!(
+            "| reserved cache | {} rows, kv_bf16 {} | same buffer, rows kept | {ok} |",
+            want.len() / cols,
+            opts.kv_bf16
+        ));
+        assert!(ok, "appended rows changed");
+    }
 }

@@ -164,6 +164,34 @@ impl<B: Backend> Backend for Ranked<B> {
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor, RuntimeError> {
         self.inner.add(a, b)
     }
+    fn reserve_rows(&self, t: &mut Self::Tensor, rows: usize) -> Result<(), RuntimeError> {
+        self.inner.reserve_rows(t, rows)
+    }
+    fn add_rms_norm(
+        &self,
+        res: &Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+    ) -> Result<(Self::Tensor, Self::Tensor), RuntimeError> {
+        self.inner.add_rms_norm(res, x, w, eps)
+    }
+    fn rms_norm_lead(
+        &self,
+        x: Self::Tensor,
+        w: &Self::Weight,
+        n: usize,
+        eps: f32,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.rms_norm_lead(x, w, n, eps)
+    }
+    fn sample(
+        &self,
+        logits: &Self::Tensor,
+        reqs: &[crate::sampling::SampleRequest],
+    ) -> Result<Vec<(u32, bool)>, RuntimeError> {
+        self.inner.sample(logits, reqs)
+    }
     fn add_bias(&self, x: &Self::Tensor, b: &Self::Weight) -> Result<Self::Tensor, RuntimeError> {
         self.inner.add_bias(x, b)
     }

@@ -5,6 +5,13 @@
 //! sequences. Long prompts are prefilled in chunks so that they do not stall the decoding of
 //! others for a whole prompt. Each request gets its tokens through a channel; dropping the
 //! receiving [`Generation`] cancels the request at the next step.
+//!
+//! A step samples inside the model (`LanguageModel::forward_sample`: on a GPU only the ids come
+//! back, the logits only with logprobs) unless a sequence in it needs its logits on the host:
+//! prompt logprobs, or an adjustment the model's sampler cannot express (logit bias,
+//! repeat / presence / frequency penalties, a grammar mask, `min_tokens`'s ban on stop tokens).
+//! Then the whole step takes `forward` and samples on the host, by the same rules from the same
+//! seeded stream, so a seed picks the same tokens either way.
 
 pub mod metrics;
 
@@ -14,6 +21,7 @@ use crate::sampler::{
 use crate::speculative::Drafter;
 pub use metrics::Metrics;
 use runtime::lm::{LanguageModel, SeqStep, SequenceState};
+use runtime::sampling::{SampleParams, SampleRequest, Sampled};
 use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -435,6 +443,40 @@ impl Active {
     fn prefill_left(&self) -> usize {
         self.job.req.prompt.len() - self.prefilled
     }
+
+    /// Whether doing `w` samples a token (the last prompt chunk samples the first one).
+    fn samples(&self, w: Work) -> bool {
+        let req = &self.job.req;
+        match w {
+            Work::Decode => true,
+            Work::Prefill { to, .. } => to == req.prompt.len() && req.max_tokens > 0,
+            // A speculative round samples on its own, outside the batched step.
+            Work::Speculate => false,
+        }
+    }
+
+    /// Whether doing `w` needs this sequence's logits on the host (see the module doc).
+    fn needs_logits(&self, w: Work) -> bool {
+        let req = &self.job.req;
+        if matches!(w, Work::Prefill { .. }) && req.prompt_logprobs.is_some() {
+            return true;
+        }
+        self.samples(w)
+            && (self.constraint.is_some()
+                || self.repeat.is_some()
+                || !req.logit_bias.is_empty()
+                || req.presence_penalty != 0.0
+                || req.frequency_penalty != 0.0
+                || (self.generated < req.min_tokens && !req.stop_tokens.is_empty()))
+    }
+}
+
+/// What a step returned for one sequence.
+enum Out {
+    /// `forward`'s logits (every prompt position with prompt logprobs, else the last).
+    Logits(Vec<f32>),
+    /// `forward_sample`'s token.
+    Sampled(Sampled),
 }
 
 /// What one sequence does in the current step.
@@ -494,11 +536,11 @@ impl Scheduler {
                     self.metrics.record_finished("cancelled");
                     continue;
                 }
-                self.metrics
-                    .queue_time
-                    .observe(job.arrived.elapsed().as_secs_f64());
                 if job.req.max_tokens == 0 && job.req.prompt_logprobs.is_none() {
                     // Nothing to compute.
+                    self.metrics
+                        .queue_time
+                        .observe(job.arrived.elapsed().as_secs_f64());
                     let usage = Usage {
                         prompt_tokens: job.req.prompt.len(),
                         completion_tokens: 0,
@@ -510,6 +552,52 @@ impl Scheduler {
                     });
                     continue;
                 }
+                // The whole request's cache at once (what admission counted against the pool):
+                // decoding then never reallocates or copies it.
+                // Speculative decoding needs the model's own distribution unadjusted.
+                let draftable = job.req.logit_bias.is_empty()
+                    && job.req.presence_penalty == 0.0
+                    && job.req.frequency_penalty == 0.0
+                    && RepeatWindow::new(job.req.repeat_penalty, job.req.repeat_last_n).is_none()
+                    && job.req.constraint.is_none()
+                    && job.req.min_tokens == 0;
+                let drafting = match self.config.draft {
+                    Some(k) if draftable && self.model.draft_layers() > 0 => {
+                        match (Drafter::new(k), self.model.new_draft_sequence()) {
+                            (Ok(d), Ok(s)) => Some((d, s, k)),
+                            _ => None,
+                        }
+                    }
+                    _ => None,
+                };
+                // A verification step feeds up to `k` drafted tokens past the accepted ones.
+                let (drafter, mut state, lookahead) = match drafting {
+                    Some((d, s, k)) => (Some(d), s, k),
+                    None => (None, self.model.new_sequence(), 0),
+                };
+                let need = job
+                    .req
+                    .prompt
+                    .len()
+                    .saturating_add(job.req.max_tokens)
+                    .saturating_add(lookahead);
+                if let Err(e) = state.reserve(need) {
+                    drop(state);
+                    if !self.running.is_empty() {
+                        // Waits until running sequences finish and free their caches.
+                        tracing::debug!("KV cache for {need} tokens not available yet: {e}");
+                        q.push_front(job);
+                        break;
+                    }
+                    self.metrics.record_finished("error");
+                    let msg = format!("allocating the KV cache for {need} tokens: {e}");
+                    tracing::error!("{msg}");
+                    let _ = job.tx.send(Event::Failed(msg));
+                    continue;
+                }
+                self.metrics
+                    .queue_time
+                    .observe(job.arrived.elapsed().as_secs_f64());
                 let constraint = match job.req.constraint.as_ref().map(|c| c.0.start()) {
                     None => None,
                     Some(Ok(c)) => Some(c),
@@ -526,25 +614,6 @@ impl Scheduler {
                         w.push(t);
                     }
                 }
-                let draftable = job.req.logit_bias.is_empty()
-                    && job.req.presence_penalty == 0.0
-                    && job.req.frequency_penalty == 0.0
-                    && repeat.is_none()
-                    && constraint.is_none()
-                    && job.req.min_tokens == 0;
-                let drafting = match self.config.draft {
-                    Some(k) if draftable && self.model.draft_layers() > 0 => {
-                        match (Drafter::new(k), self.model.new_draft_sequence()) {
-                            (Ok(d), Ok(s)) => Some((d, s)),
-                            _ => None,
-                        }
-                    }
-                    _ => None,
-                };
-                let (drafter, state) = match drafting {
-                    Some((d, s)) => (Some(d), s),
-                    None => (None, self.model.new_sequence()),
-                };
                 self.running.push(Active {
                     drafter,
                     sampler: Sampler::new(job.req.sampling),
@@ -627,7 +696,13 @@ impl Scheduler {
             }
         }
 
+        let on_host = self
+            .running
+            .iter()
+            .zip(&work)
+            .any(|(a, w)| w.is_some_and(|w| a.needs_logits(w)));
         let mut steps: Vec<SeqStep<'_>> = Vec::with_capacity(self.running.len());
+        let mut reqs: Vec<SampleRequest> = Vec::new();
         let mut constraints: Vec<&mut Box<dyn TokenConstraint>> = Vec::new();
         let mut n_tokens = 0;
         let mut prefill_only = true;
@@ -636,14 +711,29 @@ impl Scheduler {
             if let Work::Speculate = w {
                 continue;
             }
+            let samples = a.samples(w);
             let Active {
                 state,
                 job,
                 next,
                 constraint,
+                sampler,
                 ..
             } = a;
             constraints.extend(constraint.as_mut());
+            if !on_host {
+                // A prompt chunk before the last samples nothing: a greedy pick that draws no
+                // number from the stream (its id is dropped; its non-finite flag is not).
+                reqs.push(if samples {
+                    sampler.request(job.req.logprobs)
+                } else {
+                    SampleRequest {
+                        params: SampleParams::GREEDY,
+                        u: 0.0,
+                        logprobs: None,
+                    }
+                });
+            }
             let (tokens, all_logits): (&[u32], bool) = match w {
                 Work::Prefill { from, to } => {
                     (&job.req.prompt[from..to], job.req.prompt_logprobs.is_some())
@@ -668,30 +758,45 @@ impl Scheduler {
 
         let t0 = Instant::now();
         let model = &self.model;
-        let result = if steps.is_empty() {
-            Ok(Ok(Vec::new()))
-        } else {
-            forward_with_masks(model.as_ref(), &mut steps, constraints)
-        };
         let batched = !steps.is_empty();
+        let result = if batched {
+            with_masks(constraints, || {
+                if on_host {
+                    model.forward(&mut steps).map(Rows::Logits)
+                } else {
+                    model.forward_sample(&mut steps, &reqs).map(Rows::Sampled)
+                }
+            })
+        } else {
+            Ok(Ok(Rows::Sampled(Vec::new())))
+        };
         drop(steps);
         if batched {
             self.metrics
                 .record_step(n_tokens, prefill_only, t0.elapsed().as_micros() as u64);
         }
         let vocab = self.model.vocab_size();
-        let outputs = match result {
-            Ok(Ok(out))
+        let outputs: Vec<Out> = match result {
+            Ok(Ok(Rows::Logits(out)))
                 if out.len() == expected.len()
                     && out
                         .iter()
                         .zip(&expected)
                         .all(|(o, &e)| o.len() == e * vocab) =>
             {
-                out
+                out.into_iter().map(Out::Logits).collect()
             }
-            Ok(Ok(_)) => {
+            Ok(Ok(Rows::Sampled(out)))
+                if out.len() == expected.len()
+                    && out.iter().all(|s| s.non_finite || (s.id as usize) < vocab) =>
+            {
+                out.into_iter().map(Out::Sampled).collect()
+            }
+            Ok(Ok(Rows::Logits(_))) => {
                 return self.fail_stepped(&work, "backend returned logits of the wrong shape")
+            }
+            Ok(Ok(Rows::Sampled(_))) => {
+                return self.fail_stepped(&work, "backend returned a wrong number of samples")
             }
             Ok(Err(e)) => return self.fail_stepped(&work, &e.to_string()),
             Err(_) => return self.fail_stepped(&work, "backend panicked during a forward pass"),
@@ -707,10 +812,14 @@ impl Scheduler {
                 }
                 continue;
             }
-            let Some(mut logits) = outputs.next() else {
+            let Some(mut out) = outputs.next() else {
                 break;
             };
-            if runtime::numerics::first_non_finite(&logits).is_some() {
+            let non_finite = match &out {
+                Out::Logits(l) => runtime::numerics::first_non_finite(l).is_some(),
+                Out::Sampled(s) => s.non_finite,
+            };
+            if non_finite {
                 let mut tokens = match w {
                     Work::Prefill { to, .. } => a.job.req.prompt[..to].to_vec(),
                     Work::Decode | Work::Speculate => a.job.req.prompt.clone(),
@@ -742,9 +851,9 @@ impl Scheduler {
                             d.prefilled(&a.job.req.prompt);
                         }
                     }
-                    prefill_logits(a, from, to, &mut logits, vocab, &self.metrics)
+                    prefill_done(a, from, to, &mut out, vocab, &self.metrics)
                 }
-                Work::Decode => sample_next(a, &mut logits, &self.metrics),
+                Work::Decode => next_token(a, &mut out, vocab, &self.metrics),
                 Work::Speculate => false,
             };
             if done {
@@ -788,15 +897,20 @@ impl Scheduler {
     }
 }
 
-/// The forward pass, with the grammar masks of this step's samples computed on another thread
-/// meanwhile: a mask depends only on the tokens sampled so far, so on a GPU its cost hides
-/// behind the forward pass instead of adding to the step.
-fn forward_with_masks(
-    model: &dyn LanguageModel,
-    steps: &mut [SeqStep<'_>],
+/// What the model returned for a whole step.
+enum Rows {
+    Logits(Vec<Vec<f32>>),
+    Sampled(Vec<Sampled>),
+}
+
+/// The forward pass (panics caught), with the grammar masks of this step's samples computed on
+/// another thread meanwhile: a mask depends only on the tokens sampled so far, so on a GPU its
+/// cost hides behind the forward pass instead of adding to the step.
+fn with_masks<T>(
     mut constraints: Vec<&mut Box<dyn TokenConstraint>>,
-) -> std::thread::Result<Result<Vec<Vec<f32>>, runtime::RuntimeError>> {
-    let mut forward = || catch_unwind(AssertUnwindSafe(|| model.forward(steps)));
+    forward: impl FnOnce() -> T,
+) -> std::thread::Result<T> {
+    let forward = || catch_unwind(AssertUnwindSafe(forward));
     if constraints.is_empty() {
         return forward();
     }
@@ -817,17 +931,17 @@ fn forward_with_masks(
     })
 }
 
-/// Handle the logits of a prompt chunk. Returns true when the request is finished.
-fn prefill_logits(
+/// Handle the output of a prompt chunk. Returns true when the request is finished.
+fn prefill_done(
     a: &mut Active,
     from: usize,
     to: usize,
-    logits: &mut [f32],
+    out: &mut Out,
     vocab: usize,
     metrics: &Metrics,
 ) -> bool {
     let req = &a.job.req;
-    if let Some(k) = req.prompt_logprobs {
+    if let (Some(k), Out::Logits(logits)) = (req.prompt_logprobs, &*out) {
         // Row j predicts prompt token from + j + 1.
         for (j, row) in logits.chunks_exact(vocab).enumerate() {
             let Some(&target) = req.prompt.get(from + j + 1) else {
@@ -853,13 +967,7 @@ fn prefill_logits(
         finish(a, FinishReason::Length, metrics);
         return true;
     }
-    match logits.len() / vocab {
-        0 => {
-            finish(a, FinishReason::Length, metrics);
-            true
-        }
-        rows => sample_next(a, &mut logits[(rows - 1) * vocab..], metrics),
-    }
+    next_token(a, out, vocab, metrics)
 }
 
 fn finish(a: &Active, reason: FinishReason, metrics: &Metrics) {
@@ -874,10 +982,38 @@ fn finish(a: &Active, reason: FinishReason, metrics: &Metrics) {
     let _ = a.job.tx.send(Event::Finished { reason, usage });
 }
 
-/// Sample a token from the last position's logits, send it, and decide whether the request ends.
-/// The logits are adjusted in place (bias, penalties, grammar mask), in this order as llama.cpp's
-/// sampler chain does.
-fn sample_next(a: &mut Active, logits: &mut [f32], metrics: &Metrics) -> bool {
+/// The step's token for `a` (sampled by the model, or on the host from the last position's
+/// logits), sent; returns whether the request ends.
+fn next_token(a: &mut Active, out: &mut Out, vocab: usize, metrics: &Metrics) -> bool {
+    let (id, lp) = match out {
+        Out::Logits(logits) => {
+            let Some(last) = logits.len().checked_sub(vocab) else {
+                finish(a, FinishReason::Length, metrics);
+                return true;
+            };
+            match sample_on_host(a, &mut logits[last..]) {
+                Ok(s) => s,
+                Err(e) => return fail(a, &e, metrics),
+            }
+        }
+        Out::Sampled(s) => {
+            let lp = a.job.req.logprobs.map(|_| TokenLogprobs {
+                // `forward_sample` gives the log-probability of every id in the vocabulary.
+                logprob: s.logprob.unwrap_or(f32::NEG_INFINITY),
+                top: std::mem::take(&mut s.top),
+            });
+            (s.id, lp)
+        }
+    };
+    emit(a, id, lp, metrics)
+}
+
+/// Sample a token from the last position's logits on the host. The logits are adjusted in place
+/// (bias, penalties, grammar mask), in this order as llama.cpp's sampler chain does.
+fn sample_on_host(
+    a: &mut Active,
+    logits: &mut [f32],
+) -> Result<(u32, Option<TokenLogprobs>), String> {
     let req = &a.job.req;
     // Reported logprobs are those of the model's raw distribution (OpenAI semantics).
     if req.logprobs.is_some() {
@@ -909,7 +1045,7 @@ fn sample_next(a: &mut Active, logits: &mut [f32], metrics: &Metrics) -> bool {
     if let Some(c) = a.constraint.as_mut() {
         match c.allowed() {
             Ok(mask) => sampler::apply_mask(logits, mask),
-            Err(e) => return fail(a, &format!("grammar: {e}"), metrics),
+            Err(e) => return Err(format!("grammar: {e}")),
         }
     }
     let id = a.sampler.sample(logits);
@@ -917,7 +1053,7 @@ fn sample_next(a: &mut Active, logits: &mut [f32], metrics: &Metrics) -> bool {
         logprob: sampler::logprob(&a.raw, id),
         top: sampler::top_logprobs(&a.raw, k),
     });
-    emit(a, id, lp, metrics)
+    Ok((id, lp))
 }
 
 /// One speculative round of a drafting sequence (its last token was sent): the emitted tokens
@@ -962,7 +1098,7 @@ fn speculate(a: &mut Active, model: &dyn LanguageModel, metrics: &Metrics) -> bo
     false
 }
 
-/// Send token `id` (chosen from this step's logits) and decide whether the request ends.
+/// Send the sampled token `id` and decide whether the request ends.
 fn emit(a: &mut Active, id: u32, lp: Option<TokenLogprobs>, metrics: &Metrics) -> bool {
     let req = &a.job.req;
     a.generated += 1;

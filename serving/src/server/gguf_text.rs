@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 /// The tokenizer and (when the GGUF has one) the chat template of a model. The template escapes
 /// control-token text in everything the client sends, and chat prompts are tokenized with
-/// [`Tokenizer::encode_chat`], so a message cannot smuggle in `<|assistant|>`.
+/// [`Tokenizer::encode_chat`], so a message cannot smuggle in `<|assistant|>`. Messages the
+/// server wrote ([`Message::content_escaped`]) keep their markers as control tokens; their
+/// client parts went through [`TextCodec::escape_content`], the same escaper.
 pub struct GgufText {
     tok: Arc<Tokenizer>,
     /// Renders and tokenizations running at once: their transient memory (tens of bytes per
@@ -124,13 +126,21 @@ impl TextCodec for GgufText {
             ));
         };
         let msgs: Vec<serde_json::Value> = messages.iter().map(Message::to_template_json).collect();
+        let escaped: Vec<bool> = messages.iter().map(|m| m.content_escaped).collect();
         let _job = self.jobs.acquire();
-        t.render_json(
-            &serde_json::Value::Array(msgs),
+        t.render_json_with_escaped_content(
+            serde_json::Value::Array(msgs),
+            &escaped,
             add_generation_prompt,
             kwargs,
         )
         .map_err(|e| e.to_string())
+    }
+    fn escape_content<'a>(&self, text: &'a str) -> std::borrow::Cow<'a, str> {
+        match self.tok.escape_control_text(text) {
+            Some(e) => std::borrow::Cow::Owned(e),
+            None => std::borrow::Cow::Borrowed(text),
+        }
     }
     fn chat_template(&self) -> Option<&str> {
         self.template.as_ref().map(ChatTemplate::source)

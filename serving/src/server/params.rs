@@ -995,8 +995,15 @@ pub fn parse_chat_fields(f: &Fields<'_>) -> Result<ChatRequest, ApiError> {
     let mut template_kwargs = match f.get("chat_template_kwargs") {
         None => Map::new(),
         Some(Value::Object(m)) if m.len() <= MAX_TEMPLATE_KWARGS => {
-            // The template's own variables cannot be replaced this way.
-            for k in ["messages", "add_generation_prompt", "tools"] {
+            // The template's own variables cannot be replaced this way (the BOS/EOS texts would
+            // reach the template unescaped, as control tokens).
+            for k in [
+                "messages",
+                "add_generation_prompt",
+                "tools",
+                "bos_token",
+                "eos_token",
+            ] {
                 if m.contains_key(k) {
                     return Err(f.invalid(
                         "chat_template_kwargs",
@@ -1378,6 +1385,7 @@ fn parse_message(i: usize, m: &Value) -> Result<Message, ApiError> {
         tool_calls,
         tool_call_id,
         name,
+        content_escaped: false,
     })
 }
 

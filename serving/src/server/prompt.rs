@@ -46,7 +46,13 @@ pub(crate) fn tool_parser(b: &Backend, r: &ChatRequest) -> Option<ToolParser> {
 
 /// The prompt text: tools prepared for the template, variables checked, template rendered.
 pub(crate) fn render(b: &Backend, r: &ChatRequest) -> Result<String, ApiError> {
-    let (messages, tools_kw) = tools::prepare(&r.messages, &r.tools, &r.tool_choice, &b.chat.tools);
+    let (messages, tools_kw) = tools::prepare(
+        &r.messages,
+        &r.tools,
+        &r.tool_choice,
+        &b.chat.tools,
+        b.codec.as_ref(),
+    );
     let mut kwargs = r.template_kwargs.clone();
     if let Some(vars) = &b.chat.template_vars {
         for k in kwargs.keys() {

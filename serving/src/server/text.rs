@@ -20,6 +20,11 @@ pub struct Message {
     pub tool_call_id: Option<String>,
     /// The function a `tool` message comes from.
     pub name: Option<String>,
+    /// `content` was written by the server (the generic tool prompt), its markers meant as the
+    /// model's control tokens, with every client-supplied part already passed through
+    /// [`TextCodec::escape_content`]; [`TextCodec::render_chat`] escapes the message's other
+    /// fields but not this `content`. Never set for a client's message.
+    pub content_escaped: bool,
 }
 
 impl Message {
@@ -83,7 +88,9 @@ pub trait TextCodec: Send + Sync {
     /// The id of a token by its exact text, if the vocabulary has it.
     fn token_id(&self, piece: &str) -> Option<u32>;
     /// Render a conversation with the model's chat template; `kwargs` are extra template
-    /// variables (`enable_thinking`, ...).
+    /// variables (`enable_thinking`, ...). Control-token text in client strings stays text (see
+    /// [`encode_chat`](Self::encode_chat)), except in the `content` of messages marked
+    /// [`Message::content_escaped`].
     fn render_chat(
         &self,
         messages: &[Message],
@@ -122,6 +129,13 @@ pub trait TextCodec: Send + Sync {
     /// template wrote become their ids, special-token text from message content stays text.
     fn encode_chat(&self, rendered: &str, limit: usize) -> Result<Bounded, String> {
         self.encode_bounded(rendered, true, limit)
+    }
+
+    /// Client text for the `content` of a [`Message::content_escaped`] message: control-token
+    /// text neutralized exactly as [`render_chat`](Self::render_chat) neutralizes a client's
+    /// message. Unchanged by default (a codec whose template does not escape content).
+    fn escape_content<'a>(&self, text: &'a str) -> std::borrow::Cow<'a, str> {
+        std::borrow::Cow::Borrowed(text)
     }
 
     /// Text of a token sequence; `skip_special` leaves control tokens out.

@@ -9,7 +9,10 @@
 //! - **Generic**, for templates that do not render tools (the bundled model's): the server
 //!   writes the tool schemas into the system text, earlier calls into the assistant text and tool
 //!   results into a user turn, with the documented prompt of [`generic_tools_prompt`]; the model
-//!   answers in the Hermes form.
+//!   answers in the Hermes form. The markers in those turns are the server's and reach the model
+//!   as its control tokens (`<tool_call>`, `<tool_response>` where the vocabulary has them); the
+//!   client's parts (schemas, calls, results, its own text) are escaped by the fallback itself,
+//!   so they never become control tokens.
 //!
 //! With GLM and Hermes the model's own template renders `tools`, `tool_calls` and `role: tool`.
 //! `tool_choice: required` or a named function constrain the output to calls whose arguments
@@ -229,13 +232,19 @@ fn hermes_or_generic(text: &str) -> ToolFormat {
     }
 }
 
-/// The text the generic fallback adds to the system prompt (documented in the README).
-pub fn generic_tools_prompt(tools: &[ToolDef], choice: &ToolChoice) -> String {
+/// The text the generic fallback adds to the system prompt (documented in the README). The
+/// tool schemas and a named function come from the client: `esc` neutralizes their control-token
+/// text, while the markers of the instruction are the server's own.
+pub fn generic_tools_prompt(
+    tools: &[ToolDef],
+    choice: &ToolChoice,
+    esc: &dyn Fn(&str) -> String,
+) -> String {
     let mut s = String::from(
         "# Tools\n\nYou can call the following functions. Their parameters are JSON schemas:\n",
     );
     for t in tools {
-        let _ = writeln!(s, "{}", t.to_json());
+        let _ = writeln!(s, "{}", esc(&t.to_json().to_string()));
     }
     s.push_str(
         "\nTo call functions, answer with one line per call, in exactly this form:\n\
@@ -245,30 +254,53 @@ pub fn generic_tools_prompt(tools: &[ToolDef], choice: &ToolChoice) -> String {
     match choice {
         ToolChoice::Required => s.push_str("\nYou must call at least one function now."),
         ToolChoice::Named(n) => {
-            let _ = write!(s, "\nYou must call the function {n} now.");
+            let _ = write!(s, "\nYou must call the function {} now.", esc(n));
         }
         ToolChoice::None | ToolChoice::Auto => {}
     }
     s
 }
 
-fn generic_call_text(c: &ToolCall) -> String {
+/// An earlier call as the generic fallback writes it into the assistant turn.
+fn generic_call_text(c: &ToolCall, esc: &dyn Fn(&str) -> String) -> String {
     let args =
         serde_json::from_str::<Value>(&c.arguments).unwrap_or(Value::String(c.arguments.clone()));
+    let call = json!({"name": c.name, "arguments": args}).to_string();
+    format!("{CALL_OPEN}{}{CALL_CLOSE}", esc(&call))
+}
+
+/// A tool result as the generic fallback writes it into a user turn: a JSON line naming the
+/// call it answers, then the result text.
+fn generic_result_text(m: &Message, esc: &dyn Fn(&str) -> String) -> String {
+    // Inserted in key order, so the line reads the same with serde_json's `preserve_order`.
+    let mut head = serde_json::Map::new();
+    if let Some(n) = &m.name {
+        head.insert("name".into(), n.clone().into());
+    }
+    if let Some(id) = &m.tool_call_id {
+        head.insert("tool_call_id".into(), id.clone().into());
+    }
     format!(
-        "{CALL_OPEN}{}{CALL_CLOSE}",
-        json!({"name": c.name, "arguments": args})
+        "{RESULT_OPEN}\n{}\n{}\n{RESULT_CLOSE}",
+        esc(&Value::Object(head).to_string()),
+        esc(&m.content)
     )
 }
 
+const RESULT_OPEN: &str = "<tool_response>";
+const RESULT_CLOSE: &str = "</tool_response>";
+
 /// The conversation and template variables to render. Native formats pass tools, calls and
 /// results to the template as they are; the generic fallback writes them into plain turns so
-/// they reach a model whose template would drop them.
+/// they reach a model whose template would drop them. Those turns are the server's
+/// ([`Message::content_escaped`]): their markers become the model's control tokens, while every
+/// client part in them is escaped here through `codec` (a client's `<tool_call>` stays text).
 pub fn prepare(
     messages: &[Message],
     tools: &[ToolDef],
     choice: &ToolChoice,
     support: &ToolSupport,
+    codec: &dyn TextCodec,
 ) -> (Vec<Message>, Option<Value>) {
     let offered: &[ToolDef] = if *choice == ToolChoice::None {
         &[]
@@ -280,54 +312,62 @@ pub fn prepare(
             .then(|| Value::Array(offered.iter().map(ToolDef::to_json).collect()));
         return (messages.to_vec(), kw);
     }
+    let esc = |s: &str| codec.escape_content(s).into_owned();
+    let server_turn = |m: &Message, content: String| Message {
+        content,
+        tool_calls: Vec::new(),
+        content_escaped: true,
+        ..m.clone()
+    };
     let mut out: Vec<Message> = Vec::with_capacity(messages.len() + 1);
+    // Whether the last turn of `out` is one the fallback wrote for tool results.
+    let mut results_turn = false;
     for m in messages {
         match m.role.as_str() {
             "tool" => {
-                let block = format!(
-                    "<tool_response name=\"{}\" id=\"{}\">\n{}\n</tool_response>",
-                    m.name.as_deref().unwrap_or(""),
-                    m.tool_call_id.as_deref().unwrap_or(""),
-                    m.content
-                );
+                let block = generic_result_text(m, &esc);
                 // Results of one round of calls go into one user turn.
                 match out.last_mut() {
-                    Some(prev)
-                        if prev.role == "user" && prev.content.ends_with("</tool_response>") =>
-                    {
+                    Some(prev) if results_turn => {
                         prev.content.push('\n');
                         prev.content.push_str(&block);
                     }
-                    _ => out.push(Message::new("user", block)),
+                    _ => out.push(server_turn(&Message::new("user", ""), block)),
                 }
+                results_turn = true;
+                continue;
             }
             "assistant" if !m.tool_calls.is_empty() => {
-                let mut content = m.content.clone();
+                let mut content = esc(&m.content);
                 for c in &m.tool_calls {
                     if !content.is_empty() {
                         content.push('\n');
                     }
-                    content.push_str(&generic_call_text(c));
+                    content.push_str(&generic_call_text(c, &esc));
                 }
-                out.push(Message {
-                    content,
-                    tool_calls: Vec::new(),
-                    ..m.clone()
-                });
+                out.push(server_turn(m, content));
             }
             _ => out.push(m.clone()),
         }
+        results_turn = false;
     }
     if !offered.is_empty() {
-        let prompt = generic_tools_prompt(offered, choice);
+        let prompt = generic_tools_prompt(offered, choice, &esc);
         let role = if support.system_role {
             "system"
         } else {
             "user"
         };
         match out.iter().position(|m| m.role == role) {
-            Some(i) => out[i].content = format!("{prompt}\n\n{}", out[i].content),
-            None => out.insert(0, Message::new(role, prompt)),
+            Some(i) => {
+                let own = if out[i].content_escaped {
+                    out[i].content.clone()
+                } else {
+                    esc(&out[i].content)
+                };
+                out[i] = server_turn(&out[i], format!("{prompt}\n\n{own}"));
+            }
+            None => out.insert(0, server_turn(&Message::new(role, ""), prompt)),
         }
     }
     (out, None)
@@ -973,6 +1013,39 @@ mod tests {
         );
     }
 
+    /// Marks the text the fallback escapes, so a test sees which parts it treats as the
+    /// client's.
+    struct Brackets;
+
+    impl TextCodec for Brackets {
+        fn encode(&self, _: &str, _: bool) -> Result<Vec<u32>, String> {
+            Err("not used".into())
+        }
+        fn token_bytes(&self, _: u32) -> Option<Vec<u8>> {
+            None
+        }
+        fn is_special(&self, _: u32) -> bool {
+            false
+        }
+        fn eog_ids(&self) -> Vec<u32> {
+            Vec::new()
+        }
+        fn token_id(&self, _: &str) -> Option<u32> {
+            None
+        }
+        fn render_chat(
+            &self,
+            _: &[Message],
+            _: bool,
+            _: &serde_json::Map<String, Value>,
+        ) -> Result<String, String> {
+            Err("not used".into())
+        }
+        fn escape_content<'a>(&self, text: &'a str) -> std::borrow::Cow<'a, str> {
+            format!("«{text}»").into()
+        }
+    }
+
     #[test]
     fn generic_fallback_puts_tools_calls_and_results_in_plain_turns() {
         let support = ToolSupport {
@@ -981,14 +1054,16 @@ mod tests {
             marker_ids: Vec::new(),
         };
         let msgs = vec![
-            Message::new("user", "Weather in Paris?"),
+            Message::new("system", "Be brief."),
+            Message::new("user", "Weather in Paris? <tool_call>"),
             Message {
                 tool_calls: vec![ToolCall {
                     id: "c1".into(),
                     name: "get_weather".into(),
                     arguments: "{\"city\": \"Paris\"}".into(),
                 }],
-                ..Message::new("assistant", "")
+                reasoning_content: Some("r".into()),
+                ..Message::new("assistant", "Checking.")
             },
             Message {
                 tool_call_id: Some("c1".into()),
@@ -996,31 +1071,77 @@ mod tests {
             },
             Message {
                 tool_call_id: Some("c2".into()),
+                name: Some("get_weather".into()),
                 ..Message::new("tool", "windy")
             },
+            Message::new("user", "</tool_response>"),
+            Message {
+                tool_call_id: Some("c3".into()),
+                ..Message::new("tool", "rain")
+            },
         ];
-        let (out, kw) = prepare(&msgs, &[weather()], &ToolChoice::Auto, &support);
-        assert!(kw.is_none());
-        assert_eq!(out.len(), 4);
-        assert_eq!(out[0].role, "system");
-        assert!(out[0].content.starts_with("# Tools"));
-        assert!(out[0].content.contains("\"name\":\"get_weather\""));
-        assert_eq!(
-            out[2].content,
-            "<tool_call>{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}</tool_call>"
+        let (out, kw) = prepare(
+            &msgs,
+            &[weather()],
+            &ToolChoice::Named("get_weather".into()),
+            &support,
+            &Brackets,
         );
-        assert!(out[2].tool_calls.is_empty());
+        assert!(kw.is_none());
+        assert_eq!(out.len(), 6);
+        // The server's prompt around the client's schema, function name and system text.
+        let system = &out[0];
+        assert_eq!(
+            (system.role.as_str(), system.content_escaped),
+            ("system", true)
+        );
+        let schema = weather().to_json().to_string();
+        assert!(
+            system.content.starts_with(&format!(
+                "# Tools\n\nYou can call the following functions. Their parameters are JSON schemas:\n«{schema}»\n\nTo call functions, answer with one line per call, in exactly this form:\n<tool_call>{{"
+            )),
+            "{}",
+            system.content
+        );
+        assert!(
+            system.content.ends_with(
+                "The results come back in <tool_response> blocks.\nYou must call the function «get_weather» now.\n\n«Be brief.»"
+            ),
+            "{}",
+            system.content
+        );
+        // Client messages stay as they are, for render_chat to escape.
+        assert_eq!(out[1], msgs[1]);
+        assert_eq!(out[4], msgs[5]);
+        assert_eq!(
+            out[2],
+            Message {
+                content: "«Checking.»\n<tool_call>«{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}»</tool_call>".into(),
+                reasoning_content: Some("r".into()),
+                content_escaped: true,
+                ..Message::new("assistant", "")
+            }
+        );
+        // One user turn per round of results; a client message ending like a result block
+        // does not take the next result.
         assert_eq!(
             out[3],
-            Message::new(
-                "user",
-                "<tool_response name=\"\" id=\"c1\">\nsunny\n</tool_response>\n<tool_response name=\"\" id=\"c2\">\nwindy\n</tool_response>"
-            )
+            Message {
+                content_escaped: true,
+                ..Message::new(
+                    "user",
+                    "<tool_response>\n«{\"tool_call_id\":\"c1\"}»\n«sunny»\n</tool_response>\n<tool_response>\n«{\"name\":\"get_weather\",\"tool_call_id\":\"c2\"}»\n«windy»\n</tool_response>"
+                )
+            }
+        );
+        assert_eq!(
+            out[5].content,
+            "<tool_response>\n«{\"tool_call_id\":\"c3\"}»\n«rain»\n</tool_response>"
         );
         // tool_choice none: no tools offered, the history still reaches the model.
-        let (out, _) = prepare(&msgs, &[weather()], &ToolChoice::None, &support);
-        assert_eq!(out[0].role, "user");
-        assert_eq!(out.len(), 3);
+        let (out, _) = prepare(&msgs, &[weather()], &ToolChoice::None, &support, &Brackets);
+        assert_eq!(out[0], msgs[0]);
+        assert_eq!(out.len(), 6);
     }
 
     #[test]

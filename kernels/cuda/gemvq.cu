@@ -1,0 +1,406 @@
+// Op `gemvq`: y = W x for decode and small batches with quantized activations and integer dot
+// products (dp4a), the fast path for the weight types GLM-5 files use. Compiled once per weight
+// type: the host prepends `#define GQ_QT <type id>` and `#define GQ_SUF <suffix>`.
+//
+// Activations (quantize.cu, "q8a"): per row of K values, int8 codes q = round(x / d) with
+// d = max|x| / 127 per block of 32, plus the integer sums of the block's two halves of 16 codes
+// (one 8-byte record per block: d, then the two sums as int16). A weight block's
+// contribution is formed in integers and scaled once:
+//   Q4_K/Q5_K sub-block j:  d8 * (d*sc_j * sum(q_w q_x) - dmin*m_j * sum(q_x))
+//   Q6_K group of 16:       d8 * d*sc * (sum(q_w q_x) - 32 * sum(q_x))
+//   Q8_0 / IQ4_*:           d8 * d_w * sum(v_w q_x)
+//   Q4_0/Q5_0:              d8 * d_w * (sum(q_w q_x) - 8|16 * sum(q_x)); Q4_1/Q5_1 add m * d8 * sum(q_x)
+// Every integer sum is exact (|sum| < 2^17), so the only approximation is the activation
+// rounding (|x - d q| <= d/2): see kernels/src/gemvq.rs for the error bound.
+//
+// Mapping (as gemv.cu): 128 threads = 4 warps; a warp splits into 32/lpr groups of lpr lanes
+// (lpr = largest power of two <= 32 dividing K/32, so every lane has work at K = 192 .. 16384);
+// a group owns one output row; lane l takes the 32-weight tasks l, l + lpr, ... of that row,
+// each one 16-byte weight load (GGUF blocks for Q4_K/Q5_K/IQ4_XS, the repacked layout for the
+// types whose blocks are not 16-byte aligned). Up to NC activation columns share every weight
+// load. Partial sums reduce over the group in a fixed order: bitwise reproducible.
+//
+// Modes: plain; GLU (y = silu(W x) * (W2 x), gate and up of an FFN in one pass); combine
+// (channel = token: y = sum_k cw[t,k] * W_{ids[t,k]} x_{t*topk + k}, the expert down projection
+// and weighted sum of a MoE layer, in fixed slot order, no atomics).
+
+struct Q8A {
+    const int8_t* qs;
+    const float2* ds;
+    long long rows;
+};
+
+struct GemvQ {
+    const uint8_t* w;
+    const uint8_t* w2;
+    long long nblk;
+    int nrows, K, n_slabs, lpr;
+    int count, ncols;
+    const int* ids;
+    const int* xidx;
+    int x_div, ctopk;
+    Q8A x;
+    float* y;
+    const int* yidx;
+    long long y_stride, y_rows;
+    const float* cw;
+};
+
+DEV int dp4a(int a, int b, int c) {
+    int r;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+DEV uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+DEV int4 ldx4(const int8_t* p) { return *(const int4*)p; }
+DEV int dot16(const uint32_t (&w)[4], const int4& x) {
+    int s = dp4a((int)w[0], x.x, 0);
+    s = dp4a((int)w[1], x.y, s);
+    s = dp4a((int)w[2], x.z, s);
+    return dp4a((int)w[3], x.w, s);
+}
+// 4-bit codes -> int8 through a 16-entry table T (4 words): the 8 nibbles of w (byte k holds
+// element k in its low and element k+16 in its high nibble) become lo = T[low nibbles],
+// hi = T[high nibbles], one byte per element. prmt selects with the low 3 bits of each
+// selector nibble (bit 3 would replicate the sign), so the two 8-entry halves are selected
+// separately and merged by bit 3.
+DEV void lut4(uint32_t w, const uint32_t (&T)[4], uint32_t& lo, uint32_t& hi) {
+    const uint32_t s0 = w & 0x7777u, s1 = (w >> 16) & 0x7777u;
+    const uint32_t v01 = prmt(prmt(T[0], T[1], s0), prmt(T[2], T[3], s0), 0x3210u | ((w & 0x8888u) >> 1));
+    const uint32_t v23 =
+        prmt(prmt(T[0], T[1], s1), prmt(T[2], T[3], s1), 0x3210u | (((w >> 16) & 0x8888u) >> 1));
+    lo = prmt(v01, v23, 0x6420u);
+    hi = prmt(v01, v23, 0x7531u);
+}
+// Bits 0..3 of v to bit 0 of bytes 0..3 (the four partial products never share a bit).
+DEV uint32_t spread4(uint32_t v) { return ((v & 0xFu) * 0x00204081u) & 0x01010101u; }
+
+// Activation column j: its codes and per-block (d, sums) records.
+struct XCol {
+    const int8_t* q;
+    const float2* ds;
+};
+DEV XCol xcol(const Q8A& x, int row, int K) {
+    XCol c;
+    c.q = x.qs + (long long)row * K;
+    c.ds = x.ds + (long long)row * (K >> 5);
+    return c;
+}
+// The sum of the 16 codes of half h of a block record.
+DEV int half_sum(const float2& ds, int h) {
+    const int v = __float_as_int(ds.y);
+    return h ? (v >> 16) : (int)(short)(v & 0xFFFF);
+}
+DEV int block_sum16(const float2& ds) {
+    const int v = __float_as_int(ds.y);
+    return (v >> 16) + (int)(short)(v & 0xFFFF);
+}
+
+// One task = 32 weights of one row: `gb` = index of the row's first block, t = task in the row.
+template <int QT> struct Task;
+
+template <> struct Task<QT_Q4_K> {
+    template <int NC>
+    static DEV void run(const uint8_t* W, long long, long long gb, int t, const XCol (&x)[NC],
+                        int nc, const uint32_t (&)[4], float (&acc)[NC]) {
+        const int sb = t >> 3, c = (t & 7) >> 1, h = t & 1;
+        const uint8_t* blk = W + (gb + sb) * 144;
+        const uint4 hd = ldw4(blk), q = ldw4(blk + 16 + 32 * c + 16 * h);
+        float d0, m0, d1, m1;
+        k_scales(hd, 2 * c, d0, m0);
+        k_scales(hd, 2 * c + 1, d1, m1);
+        const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
+        uint32_t lo[4], hi[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            lo[k] = qw[k] & 0x0F0F0F0Fu;
+            hi[k] = (qw[k] >> 4) & 0x0F0F0F0Fu;
+        }
+        const int k0 = sb * 256 + 64 * c + 16 * h;
+#pragma unroll
+        for (int j = 0; j < NC; ++j) {
+            if (j >= nc) break;
+            const int a = dot16(lo, ldx4(x[j].q + k0)), b = dot16(hi, ldx4(x[j].q + k0 + 32));
+            const float2 da = x[j].ds[k0 >> 5], db = x[j].ds[(k0 >> 5) + 1];
+            acc[j] += da.x * (d0 * (float)a - m0 * (float)half_sum(da, h)) +
+                      db.x * (d1 * (float)b - m1 * (float)half_sum(db, h));
+        }
+    }
+};
+
+template <> struct Task<QT_Q5_K> {
+    template <int NC>
+    static DEV void run(const uint8_t* W, long long, long long gb, int t, const XCol (&x)[NC],
+                        int nc, const uint32_t (&)[4], float (&acc)[NC]) {
+        const int sb = t >> 3, c = (t & 7) >> 1, h = t & 1;
+        const uint8_t* blk = W + (gb + sb) * 176;
+        const uint4 hd = ldw4(blk), q = ldw4(blk + 48 + 32 * c + 16 * h), qh = ldw4(blk + 16 + 16 * h);
+        float d0, m0, d1, m1;
+        k_scales(hd, 2 * c, d0, m0);
+        k_scales(hd, 2 * c + 1, d1, m1);
+        const uint32_t qw[4] = {q.x, q.y, q.z, q.w}, hw[4] = {qh.x, qh.y, qh.z, qh.w};
+        uint32_t lo[4], hi[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            lo[k] = (qw[k] & 0x0F0F0F0Fu) | (((hw[k] >> (2 * c)) & 0x01010101u) << 4);
+            hi[k] = ((qw[k] >> 4) & 0x0F0F0F0Fu) | (((hw[k] >> (2 * c + 1)) & 0x01010101u) << 4);
+        }
+        const int k0 = sb * 256 + 64 * c + 16 * h;
+#pragma unroll
+        for (int j = 0; j < NC; ++j) {
+            if (j >= nc) break;
+            const int a = dot16(lo, ldx4(x[j].q + k0)), b = dot16(hi, ldx4(x[j].q + k0 + 32));
+            const float2 da = x[j].ds[k0 >> 5], db = x[j].ds[(k0 >> 5) + 1];
+            acc[j] += da.x * (d0 * (float)a - m0 * (float)half_sum(da, h)) +
+                      db.x * (d1 * (float)b - m1 * (float)half_sum(db, h));
+        }
+    }
+};
+
+// Q6_K repacked: task p of a superblock covers, in half hh = p/4, the 16 elements r = 16*pp + i
+// (low nibbles of ql[64hh + 16pp + i], high bits at shift 2*(pp/2)) and r = 64 + 16*pp + i (high
+// nibbles, shift 4 more), pp = p % 4; each group of 16 has one scale.
+template <> struct Task<QT_Q6_K_R> {
+    template <int NC>
+    static DEV void run(const uint8_t* W, long long nblk, long long gb, int t, const XCol (&x)[NC],
+                        int nc, const uint32_t (&)[4], float (&acc)[NC]) {
+        const int sb = t >> 3, hh = (t & 7) >> 2, pp = t & 3;
+        const long long g = gb + sb;
+        const uint8_t* b = W + g * 192;
+        const uint4 ql = ldw4(b + 64 * hh + 16 * pp), qh = ldw4(b + 128 + 32 * hh + 16 * (pp & 1));
+        const int sa = 2 * (pp >> 1), sbb = sa + 4;
+        const uint32_t lw[4] = {ql.x, ql.y, ql.z, ql.w}, hw[4] = {qh.x, qh.y, qh.z, qh.w};
+        uint32_t qa[4], qb[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            qa[k] = (lw[k] & 0x0F0F0F0Fu) | (((hw[k] >> sa) & 0x03030303u) << 4);
+            qb[k] = ((lw[k] >> 4) & 0x0F0F0F0Fu) | (((hw[k] >> sbb) & 0x03030303u) << 4);
+        }
+        const uint8_t* scp = W + nblk * 192 + g * 16 + 8 * hh + pp;
+        const float d = rp_f16(W + nblk * 208 + 2 * g);
+        const float sca = d * (float)(int8_t)scp[0], scb = d * (float)(int8_t)scp[4];
+        const int k0 = sb * 256 + 128 * hh + 16 * pp, k1 = k0 + 64;
+#pragma unroll
+        for (int j = 0; j < NC; ++j) {
+            if (j >= nc) break;
+            const float2 da = x[j].ds[k0 >> 5], db = x[j].ds[k1 >> 5];
+            const int a = dot16(qa, ldx4(x[j].q + k0)) - 32 * half_sum(da, pp & 1);
+            const int bb = dot16(qb, ldx4(x[j].q + k1)) - 32 * half_sum(db, pp & 1);
+            acc[j] += sca * da.x * (float)a + scb * db.x * (float)bb;
+        }
+    }
+};
+
+template <> struct Task<QT_Q8_0_R> {
+    template <int NC>
+    static DEV void run(const uint8_t* W, long long nblk, long long gb, int t, const XCol (&x)[NC],
+                        int nc, const uint32_t (&)[4], float (&acc)[NC]) {
+        const long long g = gb + t;
+        const uint4 a = ldw4(W + 32 * g), b = ldw4(W + 32 * g + 16);
+        const float d = rp_f16(W + 32 * nblk + 2 * g);
+        const uint32_t wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+        const int k0 = 32 * t;
+#pragma unroll
+        for (int j = 0; j < NC; ++j) {
+            if (j >= nc) break;
+            const int s = dot16(wa, ldx4(x[j].q + k0)) + dot16(wb, ldx4(x[j].q + k0 + 16));
+            acc[j] += d * x[j].ds[t].x * (float)s;
+        }
+    }
+};
+
+// The 32-weight legacy blocks (repacked): low nibbles are elements 0..15, high 16..31.
+// OFF: the code offset (8 for Q4_0, 16 for Q5_0; 0 with a min); MIN: the block has a min m.
+template <int QT, int OFF, bool FIVE, bool MIN>
+struct Legacy {
+    template <int NC>
+    static DEV void run(const uint8_t* W, long long nblk, long long gb, int t, const XCol (&x)[NC],
+                        int nc, const uint32_t (&)[4], float (&acc)[NC]) {
+        const long long g = gb + t;
+        const uint4 q = ldw4(W + 16 * g);
+        const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
+        uint32_t lo[4], hi[4];
+        uint32_t qh = 0;
+        if (FIVE) qh = ldw32(W + 16 * nblk + 4 * g);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            lo[k] = qw[k] & 0x0F0F0F0Fu;
+            hi[k] = (qw[k] >> 4) & 0x0F0F0F0Fu;
+            if (FIVE) {
+                lo[k] |= spread4(qh >> (4 * k)) << 4;
+                hi[k] |= spread4(qh >> (16 + 4 * k)) << 4;
+            }
+        }
+        const long long dofs = (FIVE ? 20 : 16) * nblk;
+        const float d = rp_f16(W + dofs + 2 * g);
+        const float m = MIN ? rp_f16(W + dofs + 2 * nblk + 2 * g) : 0.0f;
+        const int k0 = 32 * t;
+#pragma unroll
+        for (int j = 0; j < NC; ++j) {
+            if (j >= nc) break;
+            const float2 ds = x[j].ds[t];
+            const int sum = block_sum16(ds);
+            const int s = dot16(lo, ldx4(x[j].q + k0)) + dot16(hi, ldx4(x[j].q + k0 + 16));
+            if (MIN)
+                acc[j] += ds.x * (d * (float)s + m * (float)sum);
+            else
+                acc[j] += d * ds.x * (float)(s - OFF * sum);
+        }
+    }
+};
+template <> struct Task<QT_Q4_0_R> : Legacy<QT_Q4_0_R, 8, false, false> {};
+template <> struct Task<QT_Q4_1_R> : Legacy<QT_Q4_1_R, 0, false, true> {};
+template <> struct Task<QT_Q5_0_R> : Legacy<QT_Q5_0_R, 16, true, false> {};
+template <> struct Task<QT_Q5_1_R> : Legacy<QT_Q5_1_R, 0, true, true> {};
+
+template <> struct Task<QT_IQ4_NL_R> {
+    template <int NC>
+    static DEV void run(const uint8_t* W, long long nblk, long long gb, int t, const XCol (&x)[NC],
+                        int nc, const uint32_t (&T)[4], float (&acc)[NC]) {
+        const long long g = gb + t;
+        const uint4 q = ldw4(W + 16 * g);
+        const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
+        uint32_t lo[4], hi[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) lut4(qw[k], T, lo[k], hi[k]);
+        const float d = rp_f16(W + 16 * nblk + 2 * g);
+        const int k0 = 32 * t;
+#pragma unroll
+        for (int j = 0; j < NC; ++j) {
+            if (j >= nc) break;
+            const int s = dot16(lo, ldx4(x[j].q + k0)) + dot16(hi, ldx4(x[j].q + k0 + 16));
+            acc[j] += d * x[j].ds[t].x * (float)s;
+        }
+    }
+};
+
+// IQ4_XS {f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]} (136 B, 8-byte aligned): sub-block j
+// of 32 in Q4_0 nibble order with the 6-bit scale ls, dl = d * (ls - 32).
+template <> struct Task<QT_IQ4_XS> {
+    template <int NC>
+    static DEV void run(const uint8_t* W, long long, long long gb, int t, const XCol (&x)[NC],
+                        int nc, const uint32_t (&T)[4], float (&acc)[NC]) {
+        const int sb = t >> 3, j8 = t & 7;
+        const uint8_t* blk = W + (gb + sb) * 136;
+        const uint2 h = ldw2(blk);
+        const uint2 qa = ldw2(blk + 8 + 16 * j8), qb = ldw2(blk + 16 + 16 * j8);
+        const float d = f16_to_f32((uint16_t)(h.x & 0xFFFF));
+        const uint32_t sh = h.x >> 16;
+        const uint32_t sl = (h.y >> (8 * (j8 >> 1))) & 0xFF;
+        const uint32_t ls = ((sl >> (4 * (j8 & 1))) & 0xF) | (((sh >> (2 * j8)) & 3) << 4);
+        const float dl = d * (float)((int)ls - 32);
+        const uint32_t qw[4] = {qa.x, qa.y, qb.x, qb.y};
+        uint32_t lo[4], hi[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) lut4(qw[k], T, lo[k], hi[k]);
+        const int k0 = sb * 256 + 32 * j8;
+#pragma unroll
+        for (int j = 0; j < NC; ++j) {
+            if (j >= nc) break;
+            const int s = dot16(lo, ldx4(x[j].q + k0)) + dot16(hi, ldx4(x[j].q + k0 + 16));
+            acc[j] += dl * x[j].ds[k0 >> 5].x * (float)s;
+        }
+    }
+};
+
+DEV float group_sum(float v, int lpr) {
+    for (int o = lpr >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+DEV float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// MODE 0 plain, 1 GLU, 2 combine.
+template <int QT, int NC, int MODE>
+DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int lpr = p.lpr, groups = 32 / lpr;
+    const int gl = lane & (lpr - 1), grp = lane / lpr;
+    const int row = (blockIdx.x * 4 + warp) * groups + grp;
+    const int rr = min(row, p.nrows - 1);
+    const int nt = p.K >> 5;
+    const long long bpr = p.K / QTraits<QT>::QB;
+    const float nan = __int_as_float(0x7fc00000);
+    uint32_t T[4] = {0, 0, 0, 0};
+    if (QT == QT_IQ4_NL_R || QT == QT_IQ4_XS) {
+        const uint4 v = *(const uint4*)tb.kvalues;
+        T[0] = v.x;
+        T[1] = v.y;
+        T[2] = v.z;
+        T[3] = v.w;
+    }
+    for (long long ch = blockIdx.y; ch < p.count; ch += gridDim.y) {
+        if (MODE == 2) {
+            float acc = 0.0f;
+            for (int k = 0; k < p.ctopk; ++k) {
+                const long long slot = ch * p.ctopk + k;
+                const int e = p.ids[slot];
+                if (e < 0) continue;  // empty slot (uniform across the block)
+                if (e >= p.n_slabs || slot >= p.x.rows) {
+                    acc = nan;
+                    continue;
+                }
+                XCol xc[1] = {xcol(p.x, (int)slot, p.K)};
+                float a[1] = {0.0f};
+                const long long gb = ((long long)e * p.nrows + rr) * bpr;
+                for (int t = gl; t < nt; t += lpr) Task<QT>::template run<1>(p.w, p.nblk, gb, t, xc, 1, T, a);
+                acc += p.cw[slot] * a[0];
+            }
+            acc = group_sum(acc, lpr);
+            if (gl == 0 && row < p.nrows && ch < p.y_rows) p.y[ch * p.y_stride + row] = acc;
+            continue;
+        }
+        const long long e = p.ids ? (long long)p.ids[ch] : ch % p.n_slabs;
+        if (p.ids && e == -1) continue;  // empty channel (padding tile of a grouped launch)
+        const bool bad = e < 0 || e >= p.n_slabs;
+        int xr[NC];
+        XCol xc[NC];
+        int nc = 0;
+#pragma unroll
+        for (int j = 0; j < NC; ++j) {
+            xr[j] = -1;
+            if (j < p.ncols)
+                xr[j] = p.xidx ? p.xidx[ch * p.ncols + j] : (int)((ch / p.x_div) * p.ncols + j);
+            // Columns are packed: the first invalid one ends the channel's columns.
+            if (xr[j] >= 0 && xr[j] < p.x.rows && nc == j) nc = j + 1;
+            xc[j] = xcol(p.x, xr[j] >= 0 && xr[j] < p.x.rows ? xr[j] : 0, p.K);
+        }
+        float acc[NC], acc2[NC];
+#pragma unroll
+        for (int j = 0; j < NC; ++j) acc[j] = acc2[j] = 0.0f;
+        if (!bad) {
+            const long long gb = (e * p.nrows + rr) * bpr;
+#pragma unroll 2
+            for (int t = gl; t < nt; t += lpr) {
+                Task<QT>::template run<NC>(p.w, p.nblk, gb, t, xc, nc, T, acc);
+                if (MODE == 1) Task<QT>::template run<NC>(p.w2, p.nblk, gb, t, xc, nc, T, acc2);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NC; ++j) {
+            if (j >= nc) break;
+            float v = group_sum(acc[j], lpr);
+            if (MODE == 1) v = silu(v) * group_sum(acc2[j], lpr);
+            if (bad) v = nan;
+            const long long yr = p.yidx ? (long long)p.yidx[ch * p.ncols + j] : ch * p.ncols + j;
+            if (gl == 0 && row < p.nrows && yr >= 0 && yr < p.y_rows) p.y[yr * p.y_stride + row] = v;
+        }
+    }
+}
+
+#define GQ_CAT2(a, b) a##b
+#define GQ_CAT(a, b) GQ_CAT2(a, b)
+#define GQ_KERNEL(name, NC, MODE)                                                                 \
+    extern "C" __global__ void __launch_bounds__(128, 1) GQ_CAT(name, GQ_SUF)(GemvQ p, QTables t) { \
+        gemvq_impl<GQ_QT, NC, MODE>(p, t);                                                        \
+    }
+GQ_KERNEL(gemvq1_, 1, 0)
+GQ_KERNEL(gemvq2_, 2, 0)
+GQ_KERNEL(gemvq4_, 4, 0)
+GQ_KERNEL(gemvq8_, 8, 0)
+GQ_KERNEL(gemvq_glu1_, 1, 1)
+GQ_KERNEL(gemvq_glu8_, 8, 1)
+GQ_KERNEL(gemvq_comb_, 1, 2)

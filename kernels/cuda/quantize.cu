@@ -1,0 +1,34 @@
+// Op `quantize`: f32 activations -> q8a (the input format of gemvq.cu). Per block of 32 values:
+//   d = max|x| / 127,  q = round(x / d) (half away from zero; 0 when d = 0),
+// the codes as int8 and one 8-byte record {f32 d; i16 sum of codes 0..15; i16 sum of 16..31}.
+// Rows of K (a multiple of 32) values, `x_stride` apart; outputs dense: qs[r*K + k],
+// ds[r*K/32 + b].
+// One warp per block of 32 (lane = element), grid-stride over all blocks. The division is the
+// correctly rounded IEEE one (no fast math), so a CPU emulation reproduces every code exactly.
+// A block holding NaN or an infinity gets d = NaN (codes 0).
+
+extern "C" __global__ void quantize_q8a(const float* __restrict__ x, long long x_stride,
+                                        long long rows, int K, int8_t* __restrict__ qs,
+                                        float2* __restrict__ ds) {
+    const int lane = threadIdx.x & 31;
+    const long long nb = K >> 5;
+    const long long total = rows * nb;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    for (long long b = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); b < total;
+         b += warps) {
+        const long long r = b / nb, c = b % nb;
+        const float v = x[r * x_stride + c * 32 + lane];
+        const float amax = warp_max(fabsf(v));
+        // A NaN or infinity in the block poisons its scale, so it shows in every output it feeds
+        // (fmaxf would skip a NaN; the float path propagates both).
+        const bool bad = __any_sync(0xffffffffu, !(fabsf(v) <= 3.402823466e38f));
+        const float dd = bad ? __int_as_float(0x7fc00000) : amax / 127.0f;
+        const int q = (dd > 0.0f && !bad) ? (int)roundf(v / dd) : 0;
+        qs[r * K + c * 32 + lane] = (int8_t)q;
+        int sum = q;
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        const int hi = __shfl_sync(0xffffffffu, sum, 16);
+        if (lane == 0) ds[b] = make_float2(dd, __int_as_float((sum & 0xFFFF) | (hi << 16)));
+    }
+}

@@ -1,0 +1,376 @@
+//! The fast decode GEMV: activations quantized to 8 bits per block of 32 (`q8a`, like ggml's
+//! q8_1), weights read once in their device layout, dot products in integers (`dp4a`), scaled
+//! once per weight block (kernels/cuda/gemvq.cu). Weight types: [`crate::QType`]; the others use
+//! the f32 path ([`Gpu::gemv_batched`]).
+//!
+//! Error, from the math: the activation x_i of a block with max |x| = a is replaced by
+//! d*q_i with d = a/127 and |x_i - d*q_i| <= d/2 = a/254, all integer sums are exact, and the
+//! scaling is f32. So one output y = sum_i w_i x_i moves by at most sum_i |w_i| a_b(i) / 254
+//! (a_b(i) = the max of x_i's block), and by about sqrt(sum_i w_i^2 a_b(i)^2 / 12) / 127 for
+//! independent rounding errors: relative to |y| ~ ||w|| ||x|| / sqrt(K)... for random-sign
+//! products that is (a_b / rms(x)) / (127 * sqrt(12)) ~= 0.2-1% of the output's scale
+//! (a_b / rms in [1, sqrt(32)]). [`Q8_REL_ERR`] states the bound the tests use.
+
+use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut, DeviceRepr};
+
+use crate::dequant::check_aligned;
+use crate::device::{dlen, need_len, to_i32, Gpu};
+use crate::error::KernelError;
+use crate::gemv::{lanes_per_row, MatShape};
+use crate::launch::shape_err;
+use crate::ops::{Op, QType, GEMVQ_VARIANTS};
+use crate::pool::DevBuf;
+
+/// Worst-case relative error of one q8a GEMV output with respect to `sum_i |w_i| * rms_b(x)`
+/// scaled outputs: a block's max is at most sqrt(32) times its rms, the rounding error at most
+/// half a code, so |err| <= sum_i |w_i| * sqrt(32) * rms_b / 254 <= 0.0223 * sum_i |w_i| rms_b.
+/// Tests compare against this times `sum_i |w_i| |x_i|`-style norms; the typical error is ~20x
+/// smaller (independent roundings).
+pub const Q8_REL_ERR: f64 = 0.0223;
+
+/// Activations on the device in the q8a layout of quantize.cu: `rows` rows of `k` values; codes,
+/// then one record {f32 d, i16 sum of the block's first 16 codes, i16 of the last 16} per block.
+pub struct Q8Act {
+    buf: DevBuf<u8>,
+    pub rows: usize,
+    pub k: usize,
+    ds_off: usize,
+}
+
+/// Host copy of [`Q8Act`]: (codes, one scale per 32, one sum per 16).
+pub type Q8Host = (Vec<i8>, Vec<f32>, Vec<i16>);
+
+/// The `Q8A` kernel parameter.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct Q8AParams {
+    qs: u64,
+    ds: u64,
+    rows: i64,
+}
+
+impl Q8Act {
+    fn params(&self) -> Q8AParams {
+        let base = self.buf.ptr();
+        Q8AParams {
+            qs: base,
+            ds: base + self.ds_off as u64,
+            rows: self.rows as i64,
+        }
+    }
+
+    /// Host copy of the codes, the block scales and the 16-sums, for tests.
+    pub fn to_host(&self, g: &Gpu) -> Result<Q8Host, KernelError> {
+        let all = g.download(&self.buf.view())?;
+        let n = self.rows * self.k;
+        let qs = all[..n].iter().map(|&b| b as i8).collect();
+        let rec = &all[self.ds_off..self.ds_off + 8 * (n / 32)];
+        let d = rec
+            .chunks_exact(8)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let s = rec
+            .chunks_exact(8)
+            .flat_map(|c| {
+                [
+                    i16::from_le_bytes([c[4], c[5]]),
+                    i16::from_le_bytes([c[6], c[7]]),
+                ]
+            })
+            .collect();
+        Ok((qs, d, s))
+    }
+}
+
+/// How the channels of a [`Gpu::gemv_q`] launch pick weights, inputs and outputs.
+#[derive(Debug, Clone, Copy)]
+pub struct QChannels<'a> {
+    /// Independent GEMVs (grid.y, grid-strided).
+    pub count: usize,
+    /// Activation columns per channel (1..=8) sharing each weight load.
+    pub ncols: usize,
+    /// Slab per channel; `None`: `ch % slabs`. An id of -1 skips the channel (writes nothing);
+    /// other ids outside the slabs write NaN.
+    pub ids: Option<&'a CudaView<'a, i32>>,
+    /// Activation row of column j of channel ch: `xidx[ch * ncols + j]` (-1 ends the channel's
+    /// columns), or without it `(ch / x_div) * ncols + j`.
+    pub xidx: Option<&'a CudaView<'a, i32>>,
+    pub x_div: usize,
+    /// Output row of (ch, j): `yidx[ch * ncols + j]` (-1: not written), or `ch * ncols + j`;
+    /// rows are `y_stride` apart and `y_rows` of them exist.
+    pub yidx: Option<&'a CudaView<'a, i32>>,
+    pub y_stride: usize,
+    pub y_rows: usize,
+}
+
+impl QChannels<'_> {
+    /// One matrix times `cols` dense activation rows (a small batch of tokens).
+    pub fn dense(cols: usize, y_stride: usize) -> Self {
+        QChannels {
+            count: 1,
+            ncols: cols,
+            ids: None,
+            xidx: None,
+            x_div: 1,
+            yidx: None,
+            y_stride,
+            y_rows: cols,
+        }
+    }
+}
+
+/// What the launch computes per output.
+#[derive(Debug, Clone, Copy)]
+pub enum QMode<'a, W> {
+    /// `W x`.
+    Plain,
+    /// `silu(W x) * (W2 x)` with `W2` of the same shape and type (FFN gate and up).
+    Glu(&'a W),
+    /// Channel = token t: `sum_k weights[t*topk + k] * W_{ids[t*topk+k]} x_{t*topk + k}` (a MoE
+    /// layer's down projection and weighted sum; slots with id -1 are skipped).
+    Combine {
+        weights: &'a CudaView<'a, f32>,
+        topk: usize,
+    },
+}
+
+/// The `GemvQ` kernel parameter (gemvq.cu).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct GemvQParams {
+    w: u64,
+    w2: u64,
+    nblk: i64,
+    nrows: i32,
+    k: i32,
+    n_slabs: i32,
+    lpr: i32,
+    count: i32,
+    ncols: i32,
+    ids: u64,
+    xidx: u64,
+    x_div: i32,
+    ctopk: i32,
+    x: Q8AParams,
+    y: u64,
+    yidx: u64,
+    y_stride: i64,
+    y_rows: i64,
+    cw: u64,
+}
+
+// SAFETY: plain structs laid out exactly as `struct Q8A` / `struct GemvQ` in gemvq.cu.
+unsafe impl DeviceRepr for Q8AParams {}
+unsafe impl DeviceRepr for GemvQParams {}
+
+/// Whether `shape` has an integer-dot-product GEMV (type, layout and row length).
+pub fn gemvq_supported(shape: &MatShape) -> bool {
+    match QType::of(shape.ty) {
+        Some(_) => shape.packed == crate::repack::is_packed(shape.ty) && shape.k.is_multiple_of(32),
+        None => false,
+    }
+}
+
+/// A static name per (mode, type), for launch errors and profiles.
+fn kind_name(mode: &str, qt: QType) -> &'static str {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static NAMES: OnceLock<Mutex<HashMap<String, &'static str>>> = OnceLock::new();
+    let key = format!("{mode} {}", qt.suffix());
+    let mut m = NAMES
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    // At most 3 modes x 10 types ever: leaking them is bounded.
+    m.entry(key.clone())
+        .or_insert_with(|| Box::leak(key.into_boxed_str()))
+}
+
+fn opt_ptr<T>(v: Option<&CudaView<'_, T>>, g: &Gpu) -> u64 {
+    v.map_or(0, |v| v.device_ptr(g.stream()).0)
+}
+
+impl Gpu {
+    /// Quantize `rows` rows of `k` f32 values (`x_stride` apart) to q8a.
+    pub fn quantize_q8(
+        &self,
+        x: &impl DevicePtr<f32>,
+        rows: usize,
+        k: usize,
+        x_stride: usize,
+    ) -> Result<Q8Act, KernelError> {
+        const OP: &str = "quantize";
+        if rows == 0 || k == 0 || !k.is_multiple_of(32) {
+            return Err(shape_err(
+                OP,
+                format!("{rows} rows of {k} (a multiple of 32)"),
+            ));
+        }
+        need_len(OP, "x", dlen(x), (rows - 1) * x_stride + k)?;
+        let n = rows * k;
+        let ds_off = n.div_ceil(16) * 16;
+        let total = ds_off + 8 * (n / 32);
+        let mut buf = self.alloc::<u8>(total)?;
+        let f = self.func(Op::Quantize, "quantize_q8a")?;
+        let blocks = (n / 32).div_ceil(8).min(1 << 16) as u64;
+        let cfg = self.cfg(OP, (blocks, 1, 1), 256)?;
+        let (xp, _gx) = x.device_ptr(self.stream());
+        let base = buf.ptr();
+        let (qp, dp) = (base, base + ds_off as u64);
+        let (xs, r64, k32) = (x_stride as i64, rows as i64, to_i32(OP, "k", k)?);
+        let mut b = self.args(&f);
+        b.arg(&xp).arg(&xs).arg(&r64).arg(&k32).arg(&qp).arg(&dp);
+        // SAFETY: x extent checked; the output regions lie within `buf` (sized above).
+        unsafe { self.launch(OP, b, cfg) }?;
+        let _ = &mut buf;
+        Ok(Q8Act {
+            buf,
+            rows,
+            k,
+            ds_off,
+        })
+    }
+
+    /// Integer-dot-product GEMV over channels (see [`QChannels`], [`QMode`]): `y` rows get the
+    /// `shape.rows` outputs of each (channel, column).
+    pub fn gemv_q<W: DevicePtr<u8>>(
+        &self,
+        shape: MatShape,
+        w: &W,
+        mode: QMode<'_, W>,
+        ch: QChannels<'_>,
+        x: &Q8Act,
+        y: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "gemvq";
+        shape.check(OP, dlen(w))?;
+        let Some(qt) = QType::of(shape.ty).filter(|_| gemvq_supported(&shape)) else {
+            return Err(KernelError::UnsupportedType {
+                op: OP,
+                ty: shape.ty,
+            });
+        };
+        if x.k != shape.k {
+            return Err(shape_err(
+                OP,
+                format!("activations of {} for K = {}", x.k, shape.k),
+            ));
+        }
+        if ch.count == 0 || ch.ncols == 0 || ch.ncols > 8 || ch.x_div == 0 {
+            return Err(shape_err(OP, format!("channels {ch:?}")));
+        }
+        let (prefix, ncols, ctopk, w2p, cwp) = match mode {
+            QMode::Plain => {
+                let nc = ch.ncols.next_power_of_two();
+                (
+                    GEMVQ_VARIANTS
+                        .iter()
+                        .find(|v| v.2 == 0 && v.1 == nc)
+                        .map(|v| v.0),
+                    ch.ncols,
+                    0,
+                    0,
+                    0,
+                )
+            }
+            QMode::Glu(w2) => {
+                need_len(OP, "w2", dlen(w2), dlen(w))?;
+                let nc = if ch.ncols == 1 { 1 } else { 8 };
+                let p = GEMVQ_VARIANTS
+                    .iter()
+                    .find(|v| v.2 == 1 && v.1 == nc)
+                    .map(|v| v.0);
+                (p, ch.ncols, 0, w2.device_ptr(self.stream()).0, 0)
+            }
+            QMode::Combine { weights, topk } => {
+                if topk == 0 || ch.ncols != 1 {
+                    return Err(shape_err(OP, "combine needs topk >= 1 and one column"));
+                }
+                need_len(OP, "weights", weights.len(), ch.count * topk)?;
+                need_len(OP, "x rows", x.rows, ch.count * topk)?;
+                let p = GEMVQ_VARIANTS.iter().find(|v| v.2 == 2).map(|v| v.0);
+                (p, 1, topk, 0, weights.device_ptr(self.stream()).0)
+            }
+        };
+        let prefix = prefix.ok_or_else(|| shape_err(OP, "no kernel variant"))?;
+        match (ch.ids, ctopk) {
+            (Some(ids), 0) => need_len(OP, "ids", ids.len(), ch.count)?,
+            (Some(ids), t) => need_len(OP, "ids", ids.len(), ch.count * t)?,
+            (None, 0) => {}
+            (None, _) => return Err(shape_err(OP, "combine needs expert ids")),
+        }
+        match ch.xidx {
+            Some(v) => need_len(OP, "xidx", v.len(), ch.count * ncols)?,
+            // The last channel may be partial: columns past x.rows are skipped by the kernel.
+            None if ctopk == 0 => need_len(
+                OP,
+                "x rows",
+                x.rows,
+                ((ch.count - 1) / ch.x_div) * ncols + 1,
+            )?,
+            None => {}
+        }
+        let y_rows = if ctopk > 0 {
+            ch.count.min(ch.y_rows)
+        } else {
+            ch.y_rows
+        };
+        match ch.yidx {
+            Some(v) => need_len(OP, "yidx", v.len(), ch.count * ncols)?,
+            None if ctopk == 0 => need_len(OP, "y rows", ch.y_rows, (ch.count - 1) * ncols + 1)?,
+            None => need_len(OP, "y rows", ch.y_rows, ch.count)?,
+        }
+        if y_rows > 0 {
+            need_len(OP, "y", dlen(y), (y_rows - 1) * ch.y_stride + shape.rows)?;
+        }
+        let name = format!("{prefix}{}", qt.suffix());
+        let f = self.func(Op::GemvQ(qt), &name)?;
+        // The profile kind names type and mode, e.g. "gemvq glu q4_k".
+        let kind = kind_name(
+            match mode {
+                QMode::Plain => "gemvq",
+                QMode::Glu(_) => "gemvq glu",
+                QMode::Combine { .. } => "gemvq combine",
+            },
+            qt,
+        );
+        let tables = self.tables()?.params;
+        let lpr = lanes_per_row(shape.k);
+        let rows_per_block = 4 * (32 / lpr);
+        let cfg = self.cfg_rows(
+            OP,
+            shape.rows.div_ceil(rows_per_block) as u64,
+            ch.count,
+            128,
+        )?;
+        let (wp, _gw) = w.device_ptr(self.stream());
+        let (yp, _gy) = y.device_ptr_mut(self.stream());
+        check_aligned(OP, "w", wp, 16)?;
+        let p = GemvQParams {
+            w: wp,
+            w2: w2p,
+            nblk: shape.blocks() as i64,
+            nrows: to_i32(OP, "rows", shape.rows)?,
+            k: to_i32(OP, "k", shape.k)?,
+            n_slabs: to_i32(OP, "slabs", shape.slabs)?,
+            lpr: lpr as i32,
+            count: to_i32(OP, "channels", ch.count)?,
+            ncols: ncols as i32,
+            ids: opt_ptr(ch.ids, self),
+            xidx: opt_ptr(ch.xidx, self),
+            x_div: to_i32(OP, "x_div", ch.x_div)?,
+            ctopk: ctopk as i32,
+            x: x.params(),
+            y: yp,
+            yidx: opt_ptr(ch.yidx, self),
+            y_stride: ch.y_stride as i64,
+            y_rows: y_rows as i64,
+            cw: cwp,
+        };
+        let mut b = self.args(&f);
+        b.arg(&p).arg(&tables);
+        // SAFETY: weight, id, index and output extents checked above; the kernel range-checks
+        // every id and index it reads (bad ids give NaN outputs, bad indices are skipped).
+        unsafe { self.launch(kind, b, cfg) }
+    }
+}

@@ -1,0 +1,295 @@
+//! Absorbed MLA attention over the shared latent cache (GLM-5 / DeepSeek), reading each latent
+//! row once per token for all query heads (kernels/cuda/mla.cu), then merging the key splits
+//! with the attention op's combine kernel. Same math and masking as [`Gpu::attention`] with one
+//! KV head whose values are the first `d_v` columns of the key rows; f32 arithmetic throughout
+//! (the cache may be stored as bf16, widened on load).
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
+
+use crate::attention::KeyLists;
+use crate::device::{dlen, need_len, to_i32, Gpu};
+use crate::error::KernelError;
+use crate::launch::shape_err;
+use crate::ops::Op;
+
+/// Keys per shared-memory tile (mla.cu's MLA_KT).
+const KT: usize = 32;
+/// attention.cu's COMBINE_MAX_SPLITS.
+const COMBINE_MAX_SPLITS: usize = 1024;
+/// Budget for the split partials of one launch group; more tokens are processed in groups.
+const SCRATCH_BYTES: usize = 256 << 20;
+
+/// Element type of a latent cache: f32, or bf16 stored as `u16` bit patterns.
+pub trait CacheElem: DeviceRepr {
+    const BF16: bool;
+}
+impl CacheElem for f32 {
+    const BF16: bool = false;
+}
+impl CacheElem for u16 {
+    const BF16: bool = true;
+}
+
+/// Shapes and strides of one MLA call (elements).
+#[derive(Debug, Clone, Copy)]
+pub struct MlaShape {
+    /// Query tokens S and heads H.
+    pub tokens: usize,
+    pub heads: usize,
+    /// Key width D (kv_lora + rope, 576 for GLM-5) and value width Dv (<= 512, <= D).
+    pub d: usize,
+    pub d_v: usize,
+    /// q of token s, head h at `s * q_tok_stride + h * q_head_stride`.
+    pub q_tok_stride: usize,
+    pub q_head_stride: usize,
+    /// Cache row t at `t * kv_stride`; T valid rows.
+    pub kv_stride: usize,
+    pub kv_len: usize,
+    /// Output of token s, head h at `s * o_tok_stride + h * o_head_stride`.
+    pub o_tok_stride: usize,
+    pub o_head_stride: usize,
+    pub scale: f32,
+    /// Position of query 0 (query s sees keys `t <= pos0 + s`).
+    pub pos0: usize,
+}
+
+/// The `MlaP` kernel parameter (mla.cu).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct MlaP {
+    q: u64,
+    q_tok: i64,
+    q_head: i64,
+    kv: u64,
+    kv_stride: i64,
+    d: i32,
+    dv: i32,
+    h: i32,
+    t: i32,
+    pos: u64,
+    pos0: i32,
+    idx: u64,
+    idx_stride: i64,
+    n_keys: i32,
+    split_len: i32,
+    scale: f32,
+    n_split: i32,
+    heads_per_block: i32,
+    part: u64,
+}
+
+// SAFETY: plain struct laid out exactly as `struct MlaP` in mla.cu.
+unsafe impl DeviceRepr for MlaP {}
+
+/// Heads per block, head groups and splits for `n_eff` keys: enough blocks to keep at least half
+/// the SMs busy, each latent tile shared by as many heads as possible (64 heads of a decode
+/// token over 2048 keys: 2 groups of 32 heads, 64 splits of one tile).
+fn plan(heads: usize, tokens: usize, n_eff: usize, sm: usize) -> (usize, usize, usize) {
+    let tiles = n_eff.div_ceil(KT).max(1);
+    let target = 2 * sm.max(1);
+    let mut best = (4, heads.div_ceil(4), tiles);
+    for hc in [32usize, 16, 8, 4] {
+        let hc = hc.min(heads.div_ceil(4) * 4);
+        let hg = heads.div_ceil(hc);
+        let splits = (target / (tokens * hg).max(1)).clamp(1, tiles);
+        best = (hc, hg, splits);
+        if 2 * tokens * hg * splits >= sm || hc <= 16 {
+            break;
+        }
+    }
+    best
+}
+
+impl Gpu {
+    /// `o[s,h] = sum_t softmax_t(scale * q[s,h] . c[t]) * c[t, :d_v]` over the keys of query s:
+    /// every `t <= pos0 + s` (dense causal), or the listed keys (sparse, still causal).
+    pub fn mla_attention<C: CacheElem>(
+        &self,
+        q: &impl DevicePtr<f32>,
+        kv: &impl DevicePtr<C>,
+        keys: Option<KeyLists<'_>>,
+        o: &mut impl DevicePtrMut<f32>,
+        m: MlaShape,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "mla";
+        if m.tokens == 0 || m.heads == 0 || m.kv_len == 0 {
+            return Err(shape_err(OP, format!("empty shape {m:?}")));
+        }
+        if m.d == 0 || !m.d.is_multiple_of(4) || m.d_v == 0 || m.d_v > 512 || m.d_v > m.d {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "widths d {} / d_v {} (d a multiple of 4, d_v <= min(512, d))",
+                    m.d, m.d_v
+                ),
+            ));
+        }
+        if !m.d_v.is_multiple_of(4)
+            || !m.q_head_stride.is_multiple_of(4)
+            || !m.q_tok_stride.is_multiple_of(4)
+            || !m.kv_stride.is_multiple_of(4)
+        {
+            return Err(shape_err(OP, format!("strides not multiples of 4: {m:?}")));
+        }
+        if m.pos0 + m.tokens > m.kv_len {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "queries at {}..{} but only {} cached keys",
+                    m.pos0,
+                    m.pos0 + m.tokens,
+                    m.kv_len
+                ),
+            ));
+        }
+        let smem = 4 * (KT * (m.d + 4) + 32 * KT + KT);
+        if smem > self.max_smem_optin() {
+            return Err(shape_err(
+                OP,
+                format!("key width {} needs {smem} B of shared memory", m.d),
+            ));
+        }
+        need_len(
+            OP,
+            "q",
+            dlen(q),
+            (m.tokens - 1) * m.q_tok_stride + (m.heads - 1) * m.q_head_stride + m.d,
+        )?;
+        need_len(OP, "kv", dlen(kv), (m.kv_len - 1) * m.kv_stride + m.d)?;
+        need_len(
+            OP,
+            "o",
+            dlen(o),
+            (m.tokens - 1) * m.o_tok_stride + (m.heads - 1) * m.o_head_stride + m.d_v,
+        )?;
+        let n_eff = match keys {
+            Some(kl) => {
+                if kl.n_keys == 0 {
+                    return Err(shape_err(OP, "empty key lists"));
+                }
+                need_len(
+                    OP,
+                    "idx",
+                    kl.idx.len(),
+                    (m.tokens - 1) * kl.stride + kl.n_keys,
+                )?;
+                kl.n_keys
+            }
+            None => m.kv_len,
+        };
+        let sm = self.info().sm_count as usize;
+        let f_part = self.func(
+            Op::Mla,
+            if C::BF16 {
+                "mla_partial_bf16"
+            } else {
+                "mla_partial_f32"
+            },
+        )?;
+        let f_comb = self.func(Op::Attention, "attn_combine_f32")?;
+        self.allow_smem(&f_part, smem)?;
+        let s = self.stream();
+        let (qp, _gq) = q.device_ptr(s);
+        let (kp, _gk) = kv.device_ptr(s);
+        let (op, _go) = o.device_ptr_mut(s);
+        let (ip, istride) = match keys {
+            Some(kl) => (kl.idx.device_ptr(s).0, kl.stride),
+            None => (0u64, 0usize),
+        };
+        // Token groups: partials bounded, grid.y within the device limit.
+        let (_, _, splits0) = plan(m.heads, m.tokens, n_eff, sm);
+        let per_token = 4 * m.heads * splits0 * (m.d_v + 2);
+        let group = (SCRATCH_BYTES / per_token.max(1))
+            .clamp(1, m.tokens)
+            .min(self.info().max_grid.1 as usize);
+        let mut s0 = 0usize;
+        while s0 < m.tokens {
+            let cs = group.min(m.tokens - s0);
+            let (hc, hg, splits) = plan(m.heads, cs, n_eff, sm);
+            let split_len = n_eff.div_ceil(KT).div_ceil(splits) * KT;
+            let n_split = n_eff.div_ceil(split_len);
+            // attn_combine_f32 holds the split weights in shared memory.
+            if n_split > COMBINE_MAX_SPLITS {
+                return Err(shape_err(
+                    OP,
+                    format!("{n_split} key splits > {COMBINE_MAX_SPLITS}"),
+                ));
+            }
+            let mut part = self.alloc::<f32>(cs * m.heads * n_split * (m.d_v + 2))?;
+            let p = MlaP {
+                q: qp + (s0 * m.q_tok_stride * 4) as u64,
+                q_tok: m.q_tok_stride as i64,
+                q_head: m.q_head_stride as i64,
+                kv: kp,
+                kv_stride: m.kv_stride as i64,
+                d: to_i32(OP, "d", m.d)?,
+                dv: to_i32(OP, "d_v", m.d_v)?,
+                h: to_i32(OP, "heads", m.heads)?,
+                t: to_i32(OP, "kv_len", m.kv_len)?,
+                pos: 0,
+                pos0: to_i32(OP, "pos0", m.pos0 + s0)?,
+                idx: if ip == 0 {
+                    0
+                } else {
+                    ip + (s0 * istride * 4) as u64
+                },
+                idx_stride: istride as i64,
+                n_keys: to_i32(OP, "n_keys", n_eff)?,
+                split_len: to_i32(OP, "split", split_len)?,
+                scale: m.scale,
+                n_split: to_i32(OP, "splits", n_split)?,
+                heads_per_block: hc as i32,
+                part: part.ptr(),
+            };
+            let mut cfg = self.cfg(
+                OP,
+                (n_split as u64, cs as u64, hg as u64),
+                32 * (hc / 4) as u32,
+            )?;
+            cfg.shared_mem_bytes = smem as u32;
+            let mut b = self.args(&f_part);
+            b.arg(&p);
+            // SAFETY: q/kv/idx extents checked above for every token; the kernel range-checks
+            // every key index; `part` holds cs * heads * n_split rows of d_v + 2.
+            unsafe { self.launch(OP, b, cfg) }?;
+            let cfg2 = self.cfg_rows(OP, m.heads as u64, cs, 256)?;
+            let (pp, ns, h, dv) = (part.ptr(), p.n_split, p.h, p.dv);
+            let op_c = op + (s0 * m.o_tok_stride * 4) as u64;
+            let (ots, ohs, cs64) = (m.o_tok_stride as i64, m.o_head_stride as i64, cs as i64);
+            let mut b2 = self.args(&f_comb);
+            b2.arg(&pp)
+                .arg(&ns)
+                .arg(&h)
+                .arg(&dv)
+                .arg(&op_c)
+                .arg(&ots)
+                .arg(&ohs)
+                .arg(&cs64);
+            // SAFETY: o extent checked above; part written by the launch before.
+            unsafe { self.launch(OP, b2, cfg2) }?;
+            let _ = &mut part;
+            s0 += cs;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plan;
+
+    #[test]
+    fn plans_fill_the_gpu() {
+        // Decode, 64 heads, 2048 keys, 132 SMs: one head group, enough splits.
+        let (hc, hg, splits) = plan(64, 1, 2048, 132);
+        assert_eq!((hc, hg, splits), (32, 2, 64));
+        // Few keys: smaller head groups to create blocks.
+        let (hc, hg, _) = plan(64, 1, 64, 132);
+        assert!(hc <= 16 && hg >= 4);
+        // TP8 rank: 8 heads.
+        let (hc, hg, _) = plan(8, 1, 2048, 188);
+        assert_eq!((hc, hg), (8, 1));
+        // Prefill: many tokens, no split needed.
+        assert_eq!(plan(64, 2048, 2048, 132).2, 1);
+    }
+}
