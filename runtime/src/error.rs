@@ -11,6 +11,9 @@ pub enum RuntimeError {
     /// The request asks for more context than the model or cache allows.
     #[error("context length exceeded: {need} tokens > {max}")]
     ContextExceeded { need: usize, max: usize },
+    /// Speculative decoding asked of a model without a NextN / MTP layer (or without its weights).
+    #[error("the model has no NextN/MTP draft layer (nextn_predict_layers = 0 or its tensors are absent)")]
+    NoDraftLayer,
     #[error("backend: {0}")]
     Backend(String),
     /// A GPU op failed; the kernel error is kept (device faults, bad shapes, unsupported types).

@@ -121,10 +121,11 @@ struct Layer<B: Backend> {
     ffn: Ffn<B>,
 }
 
-/// NextN / multi-token-prediction block weights, loaded for later use (speculative decoding);
-/// the forward pass does not run them.
+/// NextN / multi-token-prediction block: a full decoder layer plus its input projection and
+/// norms, run by [`GlmModel::forward_draft`] (spec §1.12). Its logits come from the main head
+/// (`shared_head_head`, when a file carries one, is a copy of it in DeepSeek-V3 and is not
+/// split for tensor parallelism, so the vocabulary-split main head is used instead).
 pub struct MtpLayer<B: Backend> {
-    #[allow(dead_code)]
     layer: Layer<B>,
     pub eh_proj: B::Weight,
     pub enorm: B::Weight,
@@ -534,7 +535,7 @@ impl<B: Backend> GlmModel<B> {
     pub fn backend(&self) -> &B {
         &self.backend
     }
-    /// The NextN blocks' weights (not used by the forward pass yet).
+    /// The NextN blocks' weights (the first one drafts, [`GlmModel::forward_draft`]).
     pub fn mtp_layers(&self) -> &[MtpLayer<B>] {
         &self.mtp
     }
@@ -568,30 +569,38 @@ impl<B: Backend> GlmModel<B> {
         Ok(())
     }
 
-    /// Per trunk layer: (cache columns, separate value columns, indexer key columns).
+    /// One layer's (cache columns, separate value columns, indexer key columns).
+    fn cache_width(&self, l: &Layer<B>) -> (usize, Option<usize>, Option<usize>) {
+        match &self.attn {
+            AttentionSpec::Mla(m) => (
+                m.cache_width(),
+                None,
+                l.indexer
+                    .as_ref()
+                    .and(self.spec.indexer.map(|i| i.head_dim)),
+            ),
+            AttentionSpec::Gqa(g) => (
+                g.n_head_kv * g.head_dim,
+                Some(g.n_head_kv * g.head_dim),
+                None,
+            ),
+        }
+    }
+
+    /// Per trunk layer: [`GlmModel::cache_width`].
     fn cache_widths(&self) -> Vec<(usize, Option<usize>, Option<usize>)> {
-        self.layers
-            .iter()
-            .map(|l| match &self.attn {
-                AttentionSpec::Mla(m) => (
-                    m.cache_width(),
-                    None,
-                    l.indexer
-                        .as_ref()
-                        .and(self.spec.indexer.map(|i| i.head_dim)),
-                ),
-                AttentionSpec::Gqa(g) => (
-                    g.n_head_kv * g.head_dim,
-                    Some(g.n_head_kv * g.head_dim),
-                    None,
-                ),
-            })
-            .collect()
+        self.layers.iter().map(|l| self.cache_width(l)).collect()
     }
 
     /// A fresh, empty cache for this model.
     pub fn new_cache(&self) -> Result<KvCache<B>, RuntimeError> {
         KvCache::new(&self.backend, &self.cache_widths())
+    }
+
+    /// A fresh cache that also keeps the draft layer's state (speculative decoding).
+    pub fn new_draft_cache(&self) -> Result<KvCache<B>, RuntimeError> {
+        let mtp = self.mtp.first().ok_or(RuntimeError::NoDraftLayer)?;
+        self.new_cache()?.with_draft(self.cache_width(&mtp.layer))
     }
 
     /// Bytes each cached token takes on this rank (f32 rows of every trunk layer; the MLA latent
@@ -671,7 +680,7 @@ impl<B: Backend> GlmModel<B> {
             Err(e) => {
                 for (c, &len) in caches.iter_mut().zip(&lens) {
                     // Best effort: the step failed anyway; keep the cache consistent.
-                    let _ = c.truncate(len);
+                    let _ = c.rollback(len);
                 }
                 Err(e)
             }
@@ -741,6 +750,14 @@ impl<B: Backend> GlmModel<B> {
         for (li, layer) in self.layers.iter().enumerate() {
             h = self.decoder_layer(li, layer, h, &positions, segs, caches, &mut prev_sel, obs)?;
         }
+        // Drafting sequences keep every position's post-norm hidden state for the draft layer;
+        // then the whole step is normalised once and the head rows are taken from it.
+        let drafting = caches.iter().any(|c| c.draft.is_some());
+        let normed = if drafting {
+            Some(be.rms_norm(&h, &self.output_norm, self.spec.rms_eps)?)
+        } else {
+            None
+        };
         // Only the rows whose logits are wanted go through the head.
         let mut rows = Vec::new();
         for (s, &all) in segs.iter().zip(all_logits) {
@@ -752,19 +769,22 @@ impl<B: Backend> GlmModel<B> {
         }
         // Every row wanted (one decoded token, or all logits): no gather copy.
         let every = rows.len() == be.shape(&h).0;
-        let hs = if every { h } else { be.gather_rows(&h, &rows)? };
-        let hn = be.rms_norm(&hs, &self.output_norm, self.spec.rms_eps)?;
-        self.emit(obs, || "output_norm.out".into(), &hn)?;
-        let w = self.output.as_ref().unwrap_or(&self.token_embd);
-        // This rank's vocabulary rows.
-        let local = be.matmul(&hn, w)?;
-        let (logits, to_host) = match head {
-            HeadOutput::Gathered => (be.all_gather_cols(local)?, true),
-            HeadOutput::GatherOnly => (be.all_gather_cols(local)?, false),
-            HeadOutput::Local => (local, true),
+        let hn = match normed {
+            Some(n) => {
+                self.keep_pending(&n, segs, caches)?;
+                if every {
+                    n
+                } else {
+                    be.gather_rows(&n, &rows)?
+                }
+            }
+            None => {
+                let hs = if every { h } else { be.gather_rows(&h, &rows)? };
+                be.rms_norm(&hs, &self.output_norm, self.spec.rms_eps)?
+            }
         };
-        self.emit(obs, || "logits".into(), &logits)?;
-        Ok(to_host.then_some(logits))
+        self.emit(obs, || "output_norm.out".into(), &hn)?;
+        self.head(&hn, head, obs, "logits")
     }
 
     /// Each sequence's logits rows on the host (none for a rank that only took part in the
@@ -791,6 +811,161 @@ impl<B: Backend> GlmModel<B> {
         Ok(out)
     }
 
+    /// Hand each drafting sequence its rows of the step's post-norm hidden states.
+    fn keep_pending(
+        &self,
+        n: &B::Tensor,
+        segs: &[Seg],
+        caches: &mut [&mut KvCache<B>],
+    ) -> Result<(), RuntimeError> {
+        for (s, c) in segs.iter().zip(caches.iter_mut()) {
+            if let Some(d) = c.draft.as_mut() {
+                d.push_pending(self.backend.slice_rows(n, s.row0, s.n)?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The output head on normalised rows `hn`: the logits as `head` says, `None` for a rank
+    /// that only takes part in the gather.
+    fn head(
+        &self,
+        hn: &B::Tensor,
+        head: HeadOutput,
+        obs: &mut Option<Observer<'_>>,
+        name: &str,
+    ) -> Result<Option<B::Tensor>, RuntimeError> {
+        let be = &self.backend;
+        let w = self.output.as_ref().unwrap_or(&self.token_embd);
+        // This rank's vocabulary rows.
+        let local = be.matmul(hn, w)?;
+        let (logits, to_host) = match head {
+            HeadOutput::Gathered => (be.all_gather_cols(local)?, true),
+            HeadOutput::GatherOnly => (be.all_gather_cols(local)?, false),
+            HeadOutput::Local => (local, true),
+        };
+        self.emit(obs, || name.to_string(), &logits)?;
+        Ok(to_host.then_some(logits))
+    }
+
+    /// One step of the NextN / MTP draft layer on `cache` (a drafting sequence; see
+    /// [`LanguageModel::draft_forward`] for what `tokens` must be):
+    /// `h' = eh_proj([enorm(embed(t_{i+1})), hnorm(h_i)])`, one full decoder layer over the
+    /// draft layer's own cache (positions = the trunk positions `i`), `shared_head_norm`, the
+    /// main head on the last row. The order inside the concatenation is DeepSeek-V3's (vLLM and
+    /// SGLang: embedding first). `h_i` is the trunk's state after `output_norm` for committed
+    /// rows and the draft layer's own output after `shared_head_norm` for recursive rows (as
+    /// SGLang recycles it; the fixture's layer was trained on post-norm trunk states).
+    /// Returns the last row's logits as `head` says; on failure the state is as before.
+    pub fn forward_draft(
+        &self,
+        cache: &mut KvCache<B>,
+        tokens: &[u32],
+        head: HeadOutput,
+        mut obs: Option<Observer<'_>>,
+    ) -> Result<Vec<f32>, RuntimeError> {
+        let mtp = self.mtp.first().ok_or(RuntimeError::NoDraftLayer)?;
+        let d = cache.draft.as_deref_mut().ok_or_else(|| {
+            RuntimeError::Backend("draft step on a sequence made without a draft layer".into())
+        })?;
+        let pending = d.pending_rows();
+        let commit = pending > 0;
+        if commit {
+            if tokens.len() != pending {
+                return Err(RuntimeError::Backend(format!(
+                    "draft step: {} tokens for {pending} pending trunk states",
+                    tokens.len()
+                )));
+            }
+            // Rows drafted since the last commit are superseded by real trunk states.
+            d.cache.truncate(d.committed)?;
+        } else if tokens.len() != 1 || d.own.is_none() {
+            return Err(RuntimeError::Backend(
+                "draft step: without pending trunk states only one token can follow a \
+                 previous draft step"
+                    .into(),
+            ));
+        }
+        let pos0 = d.cache.len;
+        check_step(&self.spec, pos0, tokens)?;
+        let input = if commit {
+            d.pending.take()
+        } else {
+            d.own.take()
+        }
+        .ok_or_else(|| model_err("draft state without hidden input"))?;
+        let r = self.draft_rows(mtp, &mut d.cache, &input, tokens, pos0, head, &mut obs);
+        match r {
+            Ok((last, logits)) => {
+                d.cache.len = pos0 + tokens.len();
+                if commit {
+                    d.committed = d.cache.len;
+                }
+                d.own = Some(last);
+                Ok(logits)
+            }
+            Err(e) => {
+                let _ = d.cache.truncate(pos0);
+                if commit {
+                    d.pending = Some(input);
+                } else {
+                    d.own = Some(input);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The draft layer's rows `pos0 ..` from hidden states `hidden` and next tokens `tokens`:
+    /// its post-`shared_head_norm` last row and that row's logits.
+    #[allow(clippy::too_many_arguments)]
+    fn draft_rows(
+        &self,
+        mtp: &MtpLayer<B>,
+        cache: &mut KvCache<B>,
+        hidden: &B::Tensor,
+        tokens: &[u32],
+        pos0: usize,
+        head: HeadOutput,
+        obs: &mut Option<Observer<'_>>,
+    ) -> Result<(B::Tensor, Vec<f32>), RuntimeError> {
+        let be = &self.backend;
+        let eps = self.spec.rms_eps;
+        let bi = mtp.layer.spec.index;
+        let n = tokens.len();
+        let table = mtp.embed_tokens.as_ref().unwrap_or(&self.token_embd);
+        let e = be.rms_norm(&be.embed(table, tokens)?, &mtp.enorm, eps)?;
+        let hh = be.rms_norm(hidden, &mtp.hnorm, eps)?;
+        self.emit(obs, || format!("blk.{bi}.nextn.enorm.out"), &e)?;
+        self.emit(obs, || format!("blk.{bi}.nextn.hnorm.out"), &hh)?;
+        let x = be.matmul(&be.concat_cols(&[&e, &hh])?, &mtp.eh_proj)?;
+        self.emit(obs, || format!("blk.{bi}.nextn.eh_proj.out"), &x)?;
+        let positions: Vec<u32> = (pos0..pos0 + n).map(|p| p as u32).collect();
+        let segs = [Seg { row0: 0, n, pos0 }];
+        let mut prev_sel = [None];
+        let h = self.decoder_layer(
+            0,
+            &mtp.layer,
+            x,
+            &positions,
+            &segs,
+            &mut [cache],
+            &mut prev_sel,
+            obs,
+        )?;
+        let last = be.rms_norm(&be.slice_rows(&h, n - 1, 1)?, &mtp.shared_head_norm, eps)?;
+        self.emit(
+            obs,
+            || format!("blk.{bi}.nextn.shared_head_norm.out"),
+            &last,
+        )?;
+        let logits = match self.head(&last, head, obs, "nextn.logits")? {
+            Some(l) => be.to_host(&l)?,
+            None => Vec::new(),
+        };
+        Ok((last, logits))
+    }
+
     /// One decoder block on the residual stream `h` (attention, then FFN / MoE, each added back
     /// after its partial sums are reduced over the ranks). NextN blocks are the same layer.
     #[allow(clippy::too_many_arguments)]
@@ -806,8 +981,11 @@ impl<B: Backend> GlmModel<B> {
         obs: &mut Option<Observer<'_>>,
     ) -> Result<B::Tensor, RuntimeError> {
         let be = &self.backend;
+        // Activations are named by GGUF block (the draft layer is blk.{n_layer}); `li` is the
+        // layer's slot in the caches passed in.
+        let bi = layer.spec.index;
         let x = be.rms_norm(&h, &layer.attn_norm, self.spec.rms_eps)?;
-        self.emit(obs, || format!("blk.{li}.attn_norm.out"), &x)?;
+        self.emit(obs, || format!("blk.{bi}.attn_norm.out"), &x)?;
         let mut a = match (&layer.attn, &self.attn) {
             (Attn::Mla(w), AttentionSpec::Mla(m)) => {
                 self.mla(li, layer, w, m, &x, positions, segs, caches, prev_sel, obs)?
@@ -819,15 +997,15 @@ impl<B: Backend> GlmModel<B> {
         };
         // attn_output's input columns are this rank's heads: partial sums.
         be.all_reduce_sum(&mut a)?;
-        self.emit(obs, || format!("blk.{li}.attn_output.out"), &a)?;
+        self.emit(obs, || format!("blk.{bi}.attn_output.out"), &a)?;
         let (h, x) = be.add_rms_norm(&h, &a, &layer.ffn_norm, self.spec.rms_eps)?;
-        self.emit(obs, || format!("blk.{li}.ffn_norm.out"), &x)?;
-        let mut f = self.ffn(li, &layer.ffn, &x, obs)?;
+        self.emit(obs, || format!("blk.{bi}.ffn_norm.out"), &x)?;
+        let mut f = self.ffn(bi, &layer.ffn, &x, obs)?;
         // Dense down / routed experts + shared expert: one reduction for the whole block.
         be.all_reduce_sum(&mut f)?;
-        self.emit(obs, || format!("blk.{li}.ffn.out"), &f)?;
+        self.emit(obs, || format!("blk.{bi}.ffn.out"), &f)?;
         let h = be.add(&h, &f)?;
-        self.emit(obs, || format!("blk.{li}.out"), &h)?;
+        self.emit(obs, || format!("blk.{bi}.out"), &h)?;
         Ok(h)
     }
 
@@ -846,6 +1024,7 @@ impl<B: Backend> GlmModel<B> {
         obs: &mut Option<Observer<'_>>,
     ) -> Result<B::Tensor, RuntimeError> {
         let be = &self.backend;
+        let bi = layer.spec.index;
         let rope = self.spec.rope;
         let h_n = m.n_head;
         let rope_p = |groups: usize, dim: usize| RopeParams {
@@ -861,23 +1040,23 @@ impl<B: Backend> GlmModel<B> {
             Some((qa, qa_norm)) => {
                 let r = be.matmul(x, qa)?;
                 let r = be.rms_norm(&r, qa_norm, m.lora_norm_eps)?;
-                self.emit(obs, || format!("blk.{li}.attn_q_a_norm.out"), &r)?;
+                self.emit(obs, || format!("blk.{bi}.attn_q_a_norm.out"), &r)?;
                 (be.matmul(&r, &w.q_b)?, Some(r))
             }
             None => (be.matmul(x, &w.q_b)?, None),
         };
-        self.emit(obs, || format!("blk.{li}.attn_q_b.out"), &q)?;
+        self.emit(obs, || format!("blk.{bi}.attn_q_b.out"), &q)?;
         let q_nope = be.head_slice(&q, h_n, m.qk_head(), 0, m.qk_nope)?;
         let mut q_rot = be.head_slice(&q, h_n, m.qk_head(), m.qk_nope, m.qk_rope)?;
         be.rope(&mut q_rot, positions, &rope_p(h_n, m.qk_rope))?;
         // Compressed keys/values: normalised latent and the roped shared key part.
         let kv_a = be.matmul(x, &w.kv_a)?;
-        self.emit(obs, || format!("blk.{li}.attn_kv_a_mqa.out"), &kv_a)?;
+        self.emit(obs, || format!("blk.{bi}.attn_kv_a_mqa.out"), &kv_a)?;
         // The cache rows in place: latent normalised, then the shared key part roped.
         let mut kv_rows = be.rms_norm_lead(kv_a, &w.kv_a_norm, m.kv_lora_rank, m.lora_norm_eps)?;
         if obs.is_some() {
             let lat = be.slice_cols(&kv_rows, 0, m.kv_lora_rank)?;
-            self.emit(obs, || format!("blk.{li}.attn_kv_a_norm.out"), &lat)?;
+            self.emit(obs, || format!("blk.{bi}.attn_kv_a_norm.out"), &lat)?;
         }
         let k_rope = RopeParams {
             offset: m.kv_lora_rank,
@@ -893,7 +1072,7 @@ impl<B: Backend> GlmModel<B> {
             let mut k = be.matmul(x, &iw.k)?;
             k = be.layer_norm(&k, &iw.k_norm, &iw.k_norm_b, ix.norm_eps)?;
             be.rope(&mut k, positions, &rope_p(1, ix.head_dim))?;
-            self.emit(obs, || format!("blk.{li}.indexer.k.out"), &k)?;
+            self.emit(obs, || format!("blk.{bi}.indexer.k.out"), &k)?;
             ix_keys = Some(k);
             if segs.iter().any(|s| s.pos0 + s.n > ix.top_k) {
                 let qr = q_resid
@@ -907,8 +1086,8 @@ impl<B: Backend> GlmModel<B> {
                     &be.matmul(x, &iw.proj)?,
                     (ix.n_head as f64).powf(-0.5) as f32,
                 )?;
-                self.emit(obs, || format!("blk.{li}.indexer.q.out"), &qi)?;
-                self.emit(obs, || format!("blk.{li}.indexer.weights.out"), &wts)?;
+                self.emit(obs, || format!("blk.{bi}.indexer.q.out"), &qi)?;
+                self.emit(obs, || format!("blk.{bi}.indexer.weights.out"), &wts)?;
                 ix_q = Some((qi, wts));
             }
         }
@@ -1010,7 +1189,7 @@ impl<B: Backend> GlmModel<B> {
                     }
                 }
                 o(
-                    &format!("blk.{li}.indexer.topk_indices"),
+                    &format!("blk.{bi}.indexer.topk_indices"),
                     Activation::Index {
                         rows,
                         cols,
@@ -1117,7 +1296,7 @@ impl<B: Backend> GlmModel<B> {
 
     fn ffn(
         &self,
-        li: usize,
+        bi: usize,
         f: &Ffn<B>,
         x: &B::Tensor,
         obs: &mut Option<Observer<'_>>,
@@ -1152,8 +1331,8 @@ impl<B: Backend> GlmModel<B> {
                         scale: e.scale,
                     },
                 )?;
-                self.emit(obs, || format!("blk.{li}.router.weights"), &wts)?;
-                self.emit_index(obs, || format!("blk.{li}.router.experts"), &ids)?;
+                self.emit(obs, || format!("blk.{bi}.router.weights"), &wts)?;
+                self.emit_index(obs, || format!("blk.{bi}.router.experts"), &ids)?;
                 // Expert parallelism: this rank computes only the chosen experts it holds.
                 let ids = if self.view.whole_experts() {
                     let r = &self.view.experts;
@@ -1260,6 +1439,23 @@ impl<B: Backend> LanguageModel for GlmModel<B> {
     }
     fn forward(&self, batch: &mut [SeqStep<'_>]) -> Result<Vec<Vec<f32>>, RuntimeError> {
         self.forward_observed(batch, None)
+    }
+    fn draft_layers(&self) -> usize {
+        self.mtp.len()
+    }
+    fn new_draft_sequence(&self) -> Result<Box<dyn SequenceState>, RuntimeError> {
+        Ok(Box::new(self.new_draft_cache()?))
+    }
+    fn draft_forward(
+        &self,
+        seq: &mut dyn SequenceState,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, RuntimeError> {
+        let cache = seq
+            .as_any_mut()
+            .downcast_mut::<KvCache<B>>()
+            .ok_or_else(|| RuntimeError::Backend("sequence state of another model".into()))?;
+        self.forward_draft(cache, tokens, HeadOutput::Gathered, None)
     }
     /// Samples with the backend's sampler on the gathered logits (on the GPU: only the ids
     /// and, for requests with log-probabilities, the logits come back).

@@ -19,6 +19,15 @@ pub trait SequenceState: Send {
     }
     /// Bytes of cache memory this sequence holds (for metrics).
     fn cache_bytes(&self) -> usize;
+    /// Roll the sequence back to its first `len` tokens (rejected speculative tokens): the
+    /// trunk's cache and, for a drafting sequence, the draft layer's rows past its committed
+    /// ones. Calling a step afterwards continues from `len`.
+    fn truncate(&mut self, len: usize) -> Result<(), RuntimeError> {
+        let _ = len;
+        Err(RuntimeError::Backend(
+            "this sequence state cannot be rolled back".into(),
+        ))
+    }
     /// Size the cache for `tokens` tokens in all up front, so decoding up to there never
     /// reallocates or copies it (what a GPU decode step needs to stay allocation-free). A hint:
     /// the default, and the CPU, grow as they go.
@@ -64,6 +73,36 @@ pub trait LanguageModel: Send + Sync {
             .iter()
             .map(|l| merge_top(&[local_top(l, k, 0)], k))
             .collect())
+    }
+
+    /// NextN / multi-token-prediction draft layers the model can run (0: none).
+    fn draft_layers(&self) -> usize {
+        0
+    }
+
+    /// A sequence for speculative decoding: its trunk steps also keep the hidden states
+    /// (after `output_norm`) that [`LanguageModel::draft_forward`] consumes.
+    fn new_draft_sequence(&self) -> Result<Box<dyn SequenceState>, RuntimeError> {
+        Err(RuntimeError::NoDraftLayer)
+    }
+
+    /// One step of the draft layer on a sequence from [`LanguageModel::new_draft_sequence`],
+    /// returning the logits (whole vocabulary) of its last row: the draft distribution of the
+    /// token two positions past that row.
+    ///
+    /// With trunk hidden states pending (after a trunk step), `tokens` must hold one token per
+    /// pending state, the token that followed it (the last is the token the trunk has just
+    /// produced and not yet been fed): those rows become committed draft rows. With none
+    /// pending, `tokens` is the one token drafted last, and the row is built from the draft
+    /// layer's own previous output (recursive drafting); such rows are dropped by the next
+    /// [`SequenceState::truncate`].
+    fn draft_forward(
+        &self,
+        seq: &mut dyn SequenceState,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, RuntimeError> {
+        let _ = (seq, tokens);
+        Err(RuntimeError::NoDraftLayer)
     }
 
     /// [`LanguageModel::forward`] for steps that want the last position only, returning each

@@ -63,7 +63,16 @@ pub struct Sampled {
 
 /// The token the rules pick from one row of logits at uniform `u`.
 pub fn sample_row(logits: &[f32], p: &SampleParams, u: f64) -> u32 {
-    let best = || local_top(logits, 1, 0).top.first().map_or(0, |t| t.0);
+    draw_kept(&kept(logits, p), u)
+}
+
+/// The candidates the rules keep from one row of logits, in walking order (value descending,
+/// id ascending), each with its unnormalised tempered weight (the best one's is 1): what
+/// [`sample_row`] draws from, and the filtered distribution speculative decoding compares.
+/// Where the answer is fixed (greedy, a row without a finite maximum, an empty row) it is the
+/// one token `(argmax or 0, 1.0)`; never empty.
+pub fn kept(logits: &[f32], p: &SampleParams) -> Vec<(u32, f64)> {
+    let best = || vec![(local_top(logits, 1, 0).top.first().map_or(0, |t| t.0), 1.0)];
     if p.is_greedy() {
         return best();
     }
@@ -75,7 +84,7 @@ pub fn sample_row(logits: &[f32], p: &SampleParams, u: f64) -> u32 {
         .collect();
     let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     let Some(mx) = cands.iter().map(|c| c.1).max_by(f32::total_cmp) else {
-        return 0;
+        return vec![(0, 1.0)];
     };
     if mx == f32::NEG_INFINITY {
         return best();
@@ -96,44 +105,43 @@ pub fn sample_row(logits: &[f32], p: &SampleParams, u: f64) -> u32 {
     }
     cands.sort_unstable_by(order);
     let t = f64::from(p.temperature);
-    let w: Vec<f64> = cands
+    let mut w: Vec<(u32, f64)> = cands
         .iter()
-        .map(|c| ((f64::from(c.1) - f64::from(mx)) / t).exp())
+        .map(|c| (c.0, ((f64::from(c.1) - f64::from(mx)) / t).exp()))
         .collect();
-    let total: f64 = w.iter().sum();
-    let mut keep = w.len();
     if p.top_p < 1.0 {
+        let total: f64 = w.iter().map(|x| x.1).sum();
         let lim = f64::from(p.top_p) * total;
         let mut acc = 0.0;
         if let Some(i) = w.iter().position(|x| {
-            acc += x;
+            acc += x.1;
             acc >= lim
         }) {
-            keep = i + 1;
+            w.truncate(i + 1);
         }
     }
-    let mut kept: Vec<(u32, f64)> = cands[..keep]
-        .iter()
-        .zip(&w)
-        .map(|(c, &x)| (c.0, x))
-        .collect();
     // The device sorts only its DEVICE_SORTED largest candidates and walks a wider
-    // distribution in index order (kernels/cuda/sample.cu, step 3); the same walk here keeps a
+    // distribution in index order (kernels/cuda/sample.cu, step 3); the same order here keeps a
     // seed's tokens the same on both (the distribution is the same either way).
-    if kept.len() > DEVICE_SORTED {
-        kept.sort_unstable_by_key(|c| c.0);
+    if w.len() > DEVICE_SORTED {
+        w.sort_unstable_by_key(|c| c.0);
     }
-    let mass: f64 = kept.iter().map(|c| c.1).sum();
+    w
+}
+
+/// The inverse CDF of weighted candidates ([`kept`]) at uniform `u`, walking them in order.
+pub fn draw_kept(w: &[(u32, f64)], u: f64) -> u32 {
+    let mass: f64 = w.iter().map(|x| x.1).sum();
     let target = u * mass;
     let mut acc = 0.0;
-    for &(id, x) in &kept {
-        acc += x;
+    for x in w {
+        acc += x.1;
         if target < acc {
-            return id;
+            return x.0;
         }
     }
     // Rounding can leave the target a hair above the sum: the last kept token.
-    kept[keep - 1].0
+    w.last().map_or(0, |x| x.0)
 }
 
 /// Candidates the device's sampler sorts (SAMPLE_CAND in kernels/cuda/sample.cu).

@@ -8,6 +8,7 @@ pub mod error;
 pub mod grammar;
 pub mod sampler;
 pub mod server;
+pub mod speculative;
 pub mod tokenizer;
 
 pub use error::ServingError;

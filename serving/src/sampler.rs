@@ -7,7 +7,7 @@
 //! the logits. Log-probabilities reported to users are always of the *raw* logits (OpenAI
 //! semantics), independent of the sampling filters.
 
-use runtime::sampling::{sample_row, SampleParams, SampleRequest};
+use runtime::sampling::{draw_kept, kept, sample_row, SampleParams, SampleRequest};
 
 /// How to pick the next token. `temperature <= 0` is greedy decoding.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -171,6 +171,43 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let r = self.request(None);
         sample_row(logits, &r.params, r.u)
+    }
+
+    /// The distribution [`Sampler::sample`] draws from (the rules of [`runtime::sampling`]:
+    /// temperature and filters applied), renormalised, ids ascending; greedy: all mass on the
+    /// argmax. Speculative decoding compares the draft's and the model's distributions in this
+    /// form, so that its output follows this one.
+    pub fn distribution(&self, logits: &[f32]) -> Dist {
+        let mut d = kept(logits, &self.params.filters());
+        let total: f64 = d.iter().map(|e| e.1).sum();
+        for e in &mut d {
+            e.1 /= total;
+        }
+        d.sort_unstable_by_key(|e| e.0);
+        Dist(d)
+    }
+
+    /// Draw a token from `d` with this sampler's stream (no number is drawn for a single-token
+    /// distribution).
+    pub fn draw(&mut self, d: &Dist) -> u32 {
+        if d.0.len() == 1 {
+            return d.0[0].0;
+        }
+        let u = self.next_uniform();
+        draw_kept(&d.0, u)
+    }
+}
+
+/// A token distribution: `(id, probability)` with ascending ids, probabilities summing to 1.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Dist(pub Vec<(u32, f64)>);
+
+impl Dist {
+    /// Probability of `id` (0 outside the support).
+    pub fn p(&self, id: u32) -> f64 {
+        self.0
+            .binary_search_by_key(&id, |e| e.0)
+            .map_or(0.0, |i| self.0[i].1)
     }
 }
 

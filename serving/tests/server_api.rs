@@ -568,6 +568,7 @@ fn full_queue_answers_429() {
             max_running: 1,
             prefill_chunk: 512,
             context_length: 512,
+            draft: None,
         }),
         ..Options::default()
     });

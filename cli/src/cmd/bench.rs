@@ -78,6 +78,10 @@ pub struct Args {
     /// Kernel microbenchmarks: fewer types and repetitions (a smoke run).
     #[arg(long)]
     quick: bool,
+    /// Speculative decoding after the tests (`--draft mtp --draft-n K`): greedy decode of the
+    /// first `-n` length with drafts against plain decoding from the same prompt.
+    #[command(flatten)]
+    draft: super::bench_draft::BenchDraftArgs,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -247,6 +251,31 @@ pub fn run(args: Args) -> Result<ExitCode> {
                     "date": date,
                 }));
             }
+        }
+    }
+    if args.draft.draft.draft.is_some() {
+        let n = args.n_gen.iter().copied().find(|&n| n > 0).unwrap_or(64);
+        let prompt = tokens(
+            b.vocab,
+            args.n_prompt.first().copied().unwrap_or(0).max(1),
+            5,
+        );
+        // The baseline: plain greedy decoding of the same length right before.
+        b.run_once(Test::Tg, n, 0, 1)?;
+        let plain = b.run_once(Test::Tg, n, 0, 1)?;
+        if let Some(mut d) =
+            super::bench_draft::run(&args.draft, b.lm, &prompt, n, plain, !args.json)?
+        {
+            d["test"] = serde_json::json!("tg-draft");
+            d["model"] = serde_json::json!(model_name);
+            d["backend"] = serde_json::json!(backend);
+            d["device"] = serde_json::json!(device.name());
+            d["tp"] = serde_json::json!(tp_world);
+            d["n_prompt"] = serde_json::json!(prompt.len());
+            d["n_gen"] = serde_json::json!(n);
+            d["plain_decode_tok_s"] = serde_json::json!(plain);
+            d["date"] = serde_json::json!(date);
+            records.push(d);
         }
     }
     if args.json {

@@ -2,7 +2,7 @@
 //! continue a prompt, streaming the text as it is produced (or one JSON object for scripts).
 
 use anyhow::{bail, Context, Result};
-use runtime::sampling::{SampleParams, SampleRequest, Sampled};
+use runtime::sampling::{finish_rows, SampleParams, SampleRequest, Sampled};
 use runtime::{LanguageModel, SeqStep};
 use serde_json::json;
 use serving::chat::{ChatMessage, ChatTemplate};
@@ -76,6 +76,8 @@ pub struct Args {
     threads: Option<usize>,
     #[command(flatten)]
     tp: super::tp::TpArgs,
+    #[command(flatten)]
+    draft: super::draft::DraftArgs,
 }
 
 struct Step {
@@ -121,14 +123,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let device = loaded.device;
     let lm: &dyn LanguageModel = loaded.lm.as_ref();
     let load_s = load_start.elapsed().as_secs_f64();
-    // The model samples (on the GPU: on the device, copying back the ids, and the logits only
-    // with --logprobs); the seeded stream of `Sampler` supplies each step's uniform number.
-    let params = SampleParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-    };
+    let draft_k = args.draft.k_for(lm)?;
 
     // A prompt needs room for at least one generated token.
     let limit = lm.context_length().saturating_sub(1);
@@ -163,13 +158,28 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     let n_predict = args.n_predict.min(lm.context_length() - prompt.len());
 
+    // The model samples (on the GPU: on the device, copying back the ids, and the logits only
+    // with --logprobs); the seeded stream of `sampler` supplies each step's uniform number
+    // (`Sampler::request`). Speculative rounds sample on the host by the same rules.
     let mut sampler = Sampler::new(sampling);
     let mut detok = Detokenizer::new(!args.special);
     let mut out = std::io::stdout().lock();
-    let mut seq = lm.new_sequence();
-    // The whole run's cache at once: no reallocation and copy while decoding.
-    seq.reserve(prompt.len() + n_predict)
-        .context("allocating the KV cache")?;
+    let mut seq = match draft_k {
+        Some(_) => None,
+        None => {
+            let mut s = lm.new_sequence();
+            // The whole run's cache at once: no reallocation and copy while decoding.
+            s.reserve(prompt.len() + n_predict)
+                .context("allocating the KV cache")?;
+            Some(s)
+        }
+    };
+    let mut spec = match draft_k {
+        Some(k) => {
+            Some(serving::speculative::SpecSequence::new(lm, k).context("starting --draft mtp")?)
+        }
+        None => None,
+    };
     let mut steps: Vec<Step> = Vec::new();
     let mut text_out = String::new();
     let mut finish = "length";
@@ -187,16 +197,17 @@ pub fn run(args: Args) -> Result<ExitCode> {
             runtime::numerics::non_finite_message(&device.name(), fed.len() - 1, &d)
         )
     };
-    let mut request = || SampleRequest {
-        params,
-        u: if params.is_greedy() {
-            0.0
-        } else {
-            sampler.next_uniform()
-        },
-        logprobs: args.logprobs,
+    // With drafts: tokens already chosen by the last verification round, in order.
+    let mut queue: std::collections::VecDeque<serving::speculative::Emitted> = Default::default();
+    let mut next = match (&mut seq, &mut spec) {
+        (Some(s), _) => forward(lm, s.as_mut(), &prompt, sampler.request(args.logprobs))?,
+        (None, Some(sp)) => {
+            let logits = sp.prefill(lm, &prompt).context("forward pass")?;
+            let id = sampler.sample(&logits);
+            chosen(id, &logits, args.logprobs)
+        }
+        (None, None) => bail!("no sequence"),
     };
-    let mut next = forward(lm, seq.as_mut(), &prompt, request())?;
     check(&next, &fed)?;
     let prompt_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
@@ -218,8 +229,21 @@ pub fn run(args: Args) -> Result<ExitCode> {
             out.flush()?;
         }
         if i + 1 < n_predict {
-            next = forward(lm, seq.as_mut(), &[id], request())?;
             fed.push(id);
+            next = match (&mut seq, &mut spec) {
+                (Some(s), _) => forward(lm, s.as_mut(), &[id], sampler.request(args.logprobs))?,
+                (None, Some(sp)) => {
+                    if queue.is_empty() {
+                        queue.extend(
+                            sp.step(lm, &mut sampler, id, n_predict - i - 1)
+                                .context("speculative decoding round")?,
+                        );
+                    }
+                    let e = queue.pop_front().context("no token from the round")?;
+                    chosen(e.id, &e.logits, args.logprobs)
+                }
+                (None, None) => bail!("no sequence"),
+            };
             check(&next, &fed)?;
         }
     }
@@ -258,6 +282,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
             "device": device.name(),
             "tp": loaded.tp,
             "load": {"weight_bytes": loaded.weight_bytes, "seconds": loaded.load_s},
+            "draft": spec.as_ref().map(|s| {
+                let mut d = s.stats.to_json();
+                d["kind"] = json!("mtp");
+                d["n"] = json!(draft_k);
+                d["rounds"] = json!(s.stats.rounds);
+                d
+            }),
             "timings": {
                 "load_s": load_s,
                 "prompt_tokens": prompt.len(),
@@ -302,8 +333,42 @@ pub fn run(args: Args) -> Result<ExitCode> {
             decode_s * 1e3,
             n_decode_forwards as f64 / decode_s.max(1e-9),
         );
+        if let Some(s) = &spec {
+            eprintln!(
+                "[draft mtp, {} per round] drafted {}, accepted {} ({:.1}%), per position: {}",
+                draft_k.unwrap_or(0),
+                s.stats.n_drafted(),
+                s.stats.n_accepted(),
+                100.0 * s.stats.acceptance_rate(),
+                s.stats
+                    .per_position_rates()
+                    .iter()
+                    .map(|r| format!("{r:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A token chosen on the host from `logits` (a speculative round's), in the form
+/// [`LanguageModel::forward_sample`] returns it.
+fn chosen(id: u32, logits: &[f32], logprobs: Option<usize>) -> Sampled {
+    let non_finite = runtime::numerics::first_non_finite(logits).is_some();
+    let req = SampleRequest {
+        params: SampleParams::GREEDY,
+        u: 0.0,
+        logprobs,
+    };
+    finish_rows(&[(id, non_finite)], &[req], Some(logits), logits.len())
+        .pop()
+        .unwrap_or(Sampled {
+            id,
+            non_finite,
+            logprob: None,
+            top: Vec::new(),
+        })
 }
 
 /// One step: append `tokens`, sample the next token.

@@ -1,9 +1,11 @@
 //! One module per subcommand: `Args` (clap) and `run`.
 
 pub mod bench;
+pub mod bench_draft;
 pub mod completions;
 pub mod convert;
 pub mod doctor;
+pub mod draft;
 pub mod edit;
 pub mod generate;
 pub mod info;

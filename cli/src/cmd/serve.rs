@@ -54,6 +54,8 @@ pub struct Args {
     threads: Option<usize>,
     #[command(flatten)]
     tp: super::tp::TpArgs,
+    #[command(flatten)]
+    draft: super::draft::DraftArgs,
     /// Open connections at most (also capped by the descriptor limit); beyond it the
     /// longest-idle connection is closed, or the new one gets 503 when all are busy.
     #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
@@ -139,6 +141,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
     let (name, model) = (args.alias.clone(), args.model.clone());
     let (max_queue, parallel, ctx) = (args.max_queue, args.parallel, args.ctx_size);
     let opts = args.tp.options(args.device)?;
+    let draft = args.draft.clone();
     let load_metrics = metrics.clone();
     let loading = tokio::task::spawn_blocking(move || -> Result<server::Backend> {
         let (gguf, default_name) = match &model {
@@ -159,6 +162,12 @@ async fn serve(args: Args) -> Result<ExitCode> {
         let gguf = Arc::new(gguf);
         let loaded = super::tp::load(Arc::clone(&gguf), opts, true)?;
         let lm = loaded.lm;
+        let draft_k = draft.k_for(lm.as_ref())?;
+        if let Some(k) = draft_k {
+            eprintln!(
+                "gguftool serve: speculative decoding with the MTP layer, {k} drafts per round"
+            );
+        }
         match loaded.tp.as_ref().filter(|t| t.world > 1) {
             Some(t) => eprintln!(
                 "gguftool serve: running on {} over {} ranks ({}; all-reduce {})",
@@ -182,6 +191,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
         let backend = server::model_backend_with(&gguf, lm, &name, load_metrics, template, |c| {
             c.max_queue = max_queue as usize;
             c.max_running = parallel as usize;
+            c.draft = draft_k;
             if let Some(n) = ctx {
                 if n as usize > c.context_length {
                     eprintln!(

@@ -429,6 +429,20 @@ fn synthetic_vocab(n: usize) -> (Vec<String>, Vec<i32>, Vec<String>) {
     let mut units: Vec<String> = ('a'..='z').chain('0'..='9').map(String::from).collect();
     units.extend(('a'..='z').map(|c| format!("\u{120}{c}")));
     let mut seen: std::collections::HashSet<String> = tokens.iter().cloned().collect();
+    // The spaced units are merges themselves (`Ġ` + letter), so every merge below has both
+    // parts in the vocabulary.
+    for u in &units {
+        if tokens.len() >= special0 {
+            break;
+        }
+        if seen.insert(u.clone()) {
+            let mut c = u.chars();
+            let first = c.next().map(String::from).unwrap_or_default();
+            merges.push(format!("{first} {}", c.as_str()));
+            tokens.push(u.clone());
+            types.push(NORMAL);
+        }
+    }
     let mut frontier: Vec<String> = units.clone();
     // Breadth-first: unit+letter pairs, then (pair)+letter, ... until the span is filled.
     'fill: while tokens.len() < special0 {

@@ -78,6 +78,8 @@ struct StepIn {
     len: usize,
     tokens: Vec<u32>,
     all_logits: bool,
+    /// A drafting sequence (its rank caches keep the draft layer's state).
+    draft: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -91,7 +93,13 @@ enum Cmd {
         steps: Arc<Vec<StepIn>>,
         want: Want,
     },
-    /// Undo a failed step: cache lengths to restore.
+    /// One draft-layer step of one sequence (trunk length `len`, checked on every rank).
+    Draft {
+        seq: u64,
+        len: usize,
+        tokens: Arc<Vec<u32>>,
+    },
+    /// Undo a failed step, or roll back rejected drafts: cache lengths to restore.
     Truncate(Vec<(u64, usize)>),
     Free(u64),
     /// Clear an aborted group (rank 0 only; answered with `Reply::Done`).
@@ -107,6 +115,7 @@ enum RankOut {
 struct Loaded {
     report: RankReport,
     free: Option<u64>,
+    draft_layers: usize,
 }
 
 enum Reply {
@@ -127,6 +136,8 @@ pub struct TpModel {
     report: TpReport,
     cache_bytes_per_token: usize,
     capacity: Option<usize>,
+    /// Draft layers every rank loaded.
+    draft_layers: usize,
 }
 
 fn dead(world: usize) -> RuntimeError {
@@ -242,6 +253,7 @@ impl TpModel {
             },
             cache_bytes_per_token: 0,
             capacity: None,
+            draft_layers: 0,
         };
         if let Some(e) = first_err {
             // Dropping `this` stops and joins the ranks that did load.
@@ -249,6 +261,7 @@ impl TpModel {
         }
         let infos: Vec<Loaded> = infos.into_iter().flatten().collect();
         this.cache_bytes_per_token = infos.iter().map(|i| i.report.cache_bytes_per_token).sum();
+        this.draft_layers = infos.iter().map(|i| i.draft_layers).min().unwrap_or(0);
         // The KV budget: the tightest rank's free memory, less the activation workspace, over
         // that rank's cache bytes per token (every rank grows by the same tokens).
         this.capacity = infos
@@ -282,15 +295,27 @@ impl TpModel {
 
     /// Run one step on every rank; on any failure undo it everywhere.
     fn run(&self, steps: Vec<StepIn>, want: Want) -> Result<Vec<RankOut>, RuntimeError> {
-        let rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
         let undo: Vec<(u64, usize)> = steps.iter().map(|s| (s.seq, s.len)).collect();
         let steps = Arc::new(steps);
-        for tx in &self.txs {
-            tx.send(Cmd::Forward {
+        self.broadcast(
+            || Cmd::Forward {
                 steps: Arc::clone(&steps),
                 want,
-            })
-            .map_err(|_| dead(self.world))?;
+            },
+            undo,
+        )
+    }
+
+    /// Send `cmd()` to every rank and collect their answers; on any failure roll the caches of
+    /// `undo` back everywhere.
+    fn broadcast(
+        &self,
+        cmd: impl Fn() -> Cmd,
+        undo: Vec<(u64, usize)>,
+    ) -> Result<Vec<RankOut>, RuntimeError> {
+        let rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+        for tx in &self.txs {
+            tx.send(cmd()).map_err(|_| dead(self.world))?;
         }
         let mut outs: Vec<Option<Result<RankOut, RuntimeError>>> =
             (0..self.world).map(|_| None).collect();
@@ -345,6 +370,7 @@ impl TpModel {
                 len: seq.len,
                 tokens: s.tokens.to_vec(),
                 all_logits: s.all_logits,
+                draft: seq.draft,
             });
         }
         Ok(out)
@@ -382,7 +408,15 @@ fn load_rank<B: Backend>(
     let m = GlmModel::load_view(s.backend, Arc::clone(model), Some(view), progress)?;
     let report = rank_report(&m, s.device);
     let free = s.free_memory.as_ref().and_then(|f| f());
-    Ok((m, Loaded { report, free }))
+    let draft_layers = m.mtp_layers().len();
+    Ok((
+        m,
+        Loaded {
+            report,
+            free,
+            draft_layers,
+        },
+    ))
 }
 
 /// What rank `m` holds.
@@ -422,19 +456,32 @@ fn rank_loop<B: Backend>(
     while let Ok(cmd) = rx.recv() {
         match cmd {
             Cmd::Forward { steps, want } => {
-                let r = catch_unwind(AssertUnwindSafe(|| {
+                let r = guarded(rank, &model, "a forward pass", || {
                     rank_step(rank, &model, &mut caches, &steps, want)
-                }))
-                .unwrap_or_else(|_| {
-                    Err(RuntimeError::Tp {
-                        world: model.view().world,
-                        msg: format!("rank {rank} panicked during a forward pass"),
-                    })
                 });
-                if r.is_err() {
-                    // Release the ranks waiting for this one in a collective.
-                    model.backend().comm().abort();
+                if reply.send((rank, Reply::Forward(r))).is_err() {
+                    return;
                 }
+            }
+            Cmd::Draft { seq, len, tokens } => {
+                let r = guarded(rank, &model, "a draft step", || {
+                    let c = caches
+                        .get_mut(&seq)
+                        .filter(|c| c.len() == len)
+                        .ok_or_else(|| {
+                            RuntimeError::Backend(format!(
+                                "rank {rank}: no cache of length {len} for sequence {seq}"
+                            ))
+                        })?;
+                    let head = if rank == 0 {
+                        HeadOutput::Gathered
+                    } else {
+                        HeadOutput::GatherOnly
+                    };
+                    model
+                        .forward_draft(c, &tokens, head, None)
+                        .map(|l| RankOut::Logits(vec![l]))
+                });
                 if reply.send((rank, Reply::Forward(r))).is_err() {
                     return;
                 }
@@ -445,7 +492,7 @@ fn rank_loop<B: Backend>(
                         caches.remove(&id);
                     } else if let Some(c) = caches.get_mut(&id) {
                         // Best effort: a cache that cannot shrink fails its next step.
-                        let _ = c.truncate(len);
+                        let _ = c.rollback(len);
                     }
                 }
             }
@@ -463,6 +510,26 @@ fn rank_loop<B: Backend>(
     }
 }
 
+/// Run one rank's part of a step: a panic becomes an error, and any error releases the ranks
+/// waiting for this one in a collective.
+fn guarded<B: Backend>(
+    rank: usize,
+    model: &GlmModel<Ranked<B>>,
+    what: &str,
+    f: impl FnOnce() -> Result<RankOut, RuntimeError>,
+) -> Result<RankOut, RuntimeError> {
+    let r = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        Err(RuntimeError::Tp {
+            world: model.view().world,
+            msg: format!("rank {rank} panicked during {what}"),
+        })
+    });
+    if r.is_err() {
+        model.backend().comm().abort();
+    }
+    r
+}
+
 fn rank_step<B: Backend>(
     rank: usize,
     model: &GlmModel<Ranked<B>>,
@@ -476,7 +543,11 @@ fn rank_step<B: Backend>(
     for s in steps {
         let c = match caches.remove(&s.seq) {
             Some(c) => c,
-            None if s.len == 0 => match model.new_cache() {
+            None if s.len == 0 => match if s.draft {
+                model.new_draft_cache()
+            } else {
+                model.new_cache()
+            } {
                 Ok(c) => c,
                 Err(e) => {
                     failure = Some(e);
@@ -544,6 +615,7 @@ fn rank_step<B: Backend>(
 struct TpSeq {
     id: u64,
     len: usize,
+    draft: bool,
     bytes_per_token: usize,
     txs: Vec<Sender<Cmd>>,
 }
@@ -554,6 +626,24 @@ impl SequenceState for TpSeq {
     }
     fn cache_bytes(&self) -> usize {
         self.len * self.bytes_per_token
+    }
+    fn truncate(&mut self, len: usize) -> Result<(), RuntimeError> {
+        if len > self.len {
+            return Err(RuntimeError::Backend(format!(
+                "truncate to {len} tokens: the sequence holds {}",
+                self.len
+            )));
+        }
+        // Commands are applied in order on every rank, before any later step.
+        for tx in &self.txs {
+            tx.send(Cmd::Truncate(vec![(self.id, len)]))
+                .map_err(|_| RuntimeError::Tp {
+                    world: self.txs.len(),
+                    msg: "a rank thread has stopped".into(),
+                })?;
+        }
+        self.len = len;
+        Ok(())
     }
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
@@ -573,9 +663,55 @@ impl LanguageModel for TpModel {
         Box::new(TpSeq {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             len: 0,
+            draft: false,
             bytes_per_token: self.cache_bytes_per_token,
             txs: self.txs.clone(),
         })
+    }
+    fn draft_layers(&self) -> usize {
+        self.draft_layers
+    }
+    fn new_draft_sequence(&self) -> Result<Box<dyn SequenceState>, RuntimeError> {
+        if self.draft_layers == 0 {
+            return Err(RuntimeError::NoDraftLayer);
+        }
+        Ok(Box::new(TpSeq {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            len: 0,
+            draft: true,
+            bytes_per_token: self.cache_bytes_per_token,
+            txs: self.txs.clone(),
+        }))
+    }
+    fn draft_forward(
+        &self,
+        seq: &mut dyn SequenceState,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, RuntimeError> {
+        let seq = seq
+            .as_any_mut()
+            .downcast_mut::<TpSeq>()
+            .filter(|s| s.draft)
+            .ok_or_else(|| {
+                RuntimeError::Backend("draft step on a sequence made without a draft layer".into())
+            })?;
+        let tokens = Arc::new(tokens.to_vec());
+        let (id, len) = (seq.id, seq.len);
+        let mut outs = self.broadcast(
+            || Cmd::Draft {
+                seq: id,
+                len,
+                tokens: Arc::clone(&tokens),
+            },
+            vec![(id, len)],
+        )?;
+        match outs.swap_remove(0) {
+            RankOut::Logits(mut l) if l.len() == 1 => Ok(l.swap_remove(0)),
+            _ => Err(RuntimeError::Tp {
+                world: self.world,
+                msg: "rank 0 returned no draft logits".into(),
+            }),
+        }
     }
     fn vocab_size(&self) -> usize {
         self.spec.n_vocab

@@ -107,6 +107,8 @@ pub struct Metrics {
     model_name: std::sync::OnceLock<String>,
     /// KV bytes per cached token, as last measured on running sequences (f64 bits; 0: never).
     kv_bytes_per_token_bits: AtomicU64,
+    /// Speculative decoding counters over all sequences (`serve --draft mtp`).
+    draft: Mutex<crate::speculative::DraftStats>,
 }
 
 impl Default for Metrics {
@@ -132,6 +134,7 @@ impl Default for Metrics {
             step_tokens: Histogram::new(BATCH_BOUNDS),
             model_name: std::sync::OnceLock::new(),
             kv_bytes_per_token_bits: AtomicU64::new(0),
+            draft: Mutex::new(Default::default()),
         }
     }
 }
@@ -163,6 +166,16 @@ impl Metrics {
             &self.decode_micros
         };
         c.fetch_add(micros, Ordering::Relaxed);
+    }
+
+    /// Add one speculative round's counters.
+    pub fn record_draft(&self, d: &crate::speculative::DraftStats) {
+        lock(&self.draft).merge(d);
+    }
+
+    /// The speculative decoding counters so far.
+    pub fn draft(&self) -> crate::speculative::DraftStats {
+        lock(&self.draft).clone()
     }
 
     /// The served model's id, labelled on every series from now on (set once; later calls are
@@ -279,6 +292,51 @@ impl Metrics {
             "counter",
             "Seconds in forward passes that generated tokens.",
             decode_s.to_string(),
+        );
+        // Speculative decoding (vLLM's spec_decode series): drafted and accepted tokens, overall
+        // and per draft depth (a draft counts as accepted only when all before it were).
+        let d = lock(&self.draft).clone();
+        one(
+            "gguftool_spec_decode_num_drafts_total",
+            "counter",
+            "Speculative rounds (draft + verification) run.",
+            d.rounds.to_string(),
+        );
+        one(
+            "gguftool_spec_decode_num_draft_tokens_total",
+            "counter",
+            "Tokens proposed by the draft (MTP) layer.",
+            d.n_drafted().to_string(),
+        );
+        one(
+            "gguftool_spec_decode_num_accepted_tokens_total",
+            "counter",
+            "Draft tokens accepted by the verification step.",
+            d.n_accepted().to_string(),
+        );
+        one(
+            "gguftool_spec_decode_acceptance_rate",
+            "gauge",
+            "Accepted / drafted tokens since start (0 when nothing was drafted).",
+            d.acceptance_rate().to_string(),
+        );
+        let per_pos = |o: &mut String, name: &str, help: &str, v: &dyn Fn(&(u64, u64)) -> u64| {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter");
+            for (i, p) in d.per_position.iter().enumerate() {
+                let _ = writeln!(o, "{name}{{position=\"{}\"}} {}", i + 1, v(p));
+            }
+        };
+        per_pos(
+            &mut o,
+            "gguftool_spec_decode_num_accepted_tokens_per_pos_total",
+            "Draft tokens accepted, by draft depth (1 = first).",
+            &|p| p.1,
+        );
+        per_pos(
+            &mut o,
+            "gguftool_spec_decode_num_draft_tokens_per_pos_total",
+            "Draft tokens proposed, by draft depth (1 = first).",
+            &|p| p.0,
         );
         let _ = writeln!(
             o,

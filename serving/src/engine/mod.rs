@@ -18,6 +18,7 @@ pub mod metrics;
 use crate::sampler::{
     self, ConstraintSource, RepeatWindow, Sampler, SamplingParams, TokenConstraint,
 };
+use crate::speculative::Drafter;
 pub use metrics::Metrics;
 use runtime::lm::{LanguageModel, SeqStep, SequenceState};
 use runtime::sampling::{SampleParams, SampleRequest, Sampled};
@@ -43,6 +44,10 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Longest sequence (prompt + generated); at most the model's context length.
     pub context_length: usize,
+    /// Speculative decoding with the model's NextN/MTP layer, this many drafts per round
+    /// (`serve --draft mtp`); `None`: off. Requests whose logits are adjusted per token (logit
+    /// bias, penalties, grammars, `min_tokens`) decode without drafts.
+    pub draft: Option<usize>,
 }
 
 /// Makes the error of a request whose logits came out non-finite (NaN / infinity), given the
@@ -69,6 +74,7 @@ impl EngineConfig {
             max_running: 16,
             prefill_chunk: 512,
             context_length: model.context_length(),
+            draft: None,
         }
     }
 }
@@ -429,6 +435,8 @@ struct Active {
     /// reported, since sampling adjusts the logits in place.
     raw: Vec<f32>,
     last_token: Option<Instant>,
+    /// Speculative decoding state when this sequence drafts (its `state` is a drafting one).
+    drafter: Option<Drafter>,
 }
 
 impl Active {
@@ -442,6 +450,8 @@ impl Active {
         match w {
             Work::Decode => true,
             Work::Prefill { to, .. } => to == req.prompt.len() && req.max_tokens > 0,
+            // A speculative round samples on its own, outside the batched step.
+            Work::Speculate => false,
         }
     }
 
@@ -472,8 +482,13 @@ enum Out {
 /// What one sequence does in the current step.
 #[derive(Clone, Copy)]
 enum Work {
-    Prefill { from: usize, to: usize },
+    Prefill {
+        from: usize,
+        to: usize,
+    },
     Decode,
+    /// A drafting sequence's round (draft, verify, roll back), run on its own after the batch.
+    Speculate,
 }
 
 struct Scheduler {
@@ -539,8 +554,33 @@ impl Scheduler {
                 }
                 // The whole request's cache at once (what admission counted against the pool):
                 // decoding then never reallocates or copies it.
-                let mut state = self.model.new_sequence();
-                let need = job.req.prompt.len().saturating_add(job.req.max_tokens);
+                // Speculative decoding needs the model's own distribution unadjusted.
+                let draftable = job.req.logit_bias.is_empty()
+                    && job.req.presence_penalty == 0.0
+                    && job.req.frequency_penalty == 0.0
+                    && RepeatWindow::new(job.req.repeat_penalty, job.req.repeat_last_n).is_none()
+                    && job.req.constraint.is_none()
+                    && job.req.min_tokens == 0;
+                let drafting = match self.config.draft {
+                    Some(k) if draftable && self.model.draft_layers() > 0 => {
+                        match (Drafter::new(k), self.model.new_draft_sequence()) {
+                            (Ok(d), Ok(s)) => Some((d, s, k)),
+                            _ => None,
+                        }
+                    }
+                    _ => None,
+                };
+                // A verification step feeds up to `k` drafted tokens past the accepted ones.
+                let (drafter, mut state, lookahead) = match drafting {
+                    Some((d, s, k)) => (Some(d), s, k),
+                    None => (None, self.model.new_sequence(), 0),
+                };
+                let need = job
+                    .req
+                    .prompt
+                    .len()
+                    .saturating_add(job.req.max_tokens)
+                    .saturating_add(lookahead);
                 if let Err(e) = state.reserve(need) {
                     drop(state);
                     if !self.running.is_empty() {
@@ -575,6 +615,7 @@ impl Scheduler {
                     }
                 }
                 self.running.push(Active {
+                    drafter,
                     sampler: Sampler::new(job.req.sampling),
                     job,
                     state,
@@ -631,7 +672,9 @@ impl Scheduler {
         let mut any_prefill_started = false;
         for a in &self.running {
             let left = a.prefill_left();
-            if left == 0 {
+            if left == 0 && a.drafter.is_some() {
+                work.push(Some(Work::Speculate));
+            } else if left == 0 {
                 work.push(Some(Work::Decode));
             } else if budget > 0 || !any_prefill_started {
                 // Prompt logprobs need a full logits row per token (vocab x 4 bytes: 600 KB for
@@ -665,6 +708,9 @@ impl Scheduler {
         let mut prefill_only = true;
         for (a, w) in self.running.iter_mut().zip(&work) {
             let Some(w) = *w else { continue };
+            if let Work::Speculate = w {
+                continue;
+            }
             let samples = a.samples(w);
             let Active {
                 state,
@@ -696,6 +742,7 @@ impl Scheduler {
                     prefill_only = false;
                     (&next[..], false)
                 }
+                Work::Speculate => continue,
             };
             n_tokens += tokens.len();
             steps.push(SeqStep {
@@ -711,16 +758,23 @@ impl Scheduler {
 
         let t0 = Instant::now();
         let model = &self.model;
-        let result = with_masks(constraints, || {
-            if on_host {
-                model.forward(&mut steps).map(Rows::Logits)
-            } else {
-                model.forward_sample(&mut steps, &reqs).map(Rows::Sampled)
-            }
-        });
+        let batched = !steps.is_empty();
+        let result = if batched {
+            with_masks(constraints, || {
+                if on_host {
+                    model.forward(&mut steps).map(Rows::Logits)
+                } else {
+                    model.forward_sample(&mut steps, &reqs).map(Rows::Sampled)
+                }
+            })
+        } else {
+            Ok(Ok(Rows::Sampled(Vec::new())))
+        };
         drop(steps);
-        self.metrics
-            .record_step(n_tokens, prefill_only, t0.elapsed().as_micros() as u64);
+        if batched {
+            self.metrics
+                .record_step(n_tokens, prefill_only, t0.elapsed().as_micros() as u64);
+        }
         let vocab = self.model.vocab_size();
         let outputs: Vec<Out> = match result {
             Ok(Ok(Rows::Logits(out)))
@@ -752,6 +806,12 @@ impl Scheduler {
         let mut finished: Vec<usize> = Vec::new();
         for (i, (a, w)) in self.running.iter_mut().zip(&work).enumerate() {
             let Some(w) = *w else { continue };
+            if let Work::Speculate = w {
+                if speculate(a, self.model.as_ref(), &self.metrics) {
+                    finished.push(i);
+                }
+                continue;
+            }
             let Some(mut out) = outputs.next() else {
                 break;
             };
@@ -762,7 +822,7 @@ impl Scheduler {
             if non_finite {
                 let mut tokens = match w {
                     Work::Prefill { to, .. } => a.job.req.prompt[..to].to_vec(),
-                    Work::Decode => a.job.req.prompt.clone(),
+                    Work::Decode | Work::Speculate => a.job.req.prompt.clone(),
                 };
                 if let Work::Decode = w {
                     tokens.push(a.next[0]);
@@ -786,9 +846,15 @@ impl Scheduler {
                         .prompt_tokens
                         .fetch_add((to - from) as u64, Ordering::Relaxed);
                     a.prefilled = to;
+                    if to == a.job.req.prompt.len() {
+                        if let Some(d) = a.drafter.as_mut() {
+                            d.prefilled(&a.job.req.prompt);
+                        }
+                    }
                     prefill_done(a, from, to, &mut out, vocab, &self.metrics)
                 }
                 Work::Decode => next_token(a, &mut out, vocab, &self.metrics),
+                Work::Speculate => false,
             };
             if done {
                 finished.push(i);
@@ -988,6 +1054,48 @@ fn sample_on_host(
         top: sampler::top_logprobs(&a.raw, k),
     });
     Ok((id, lp))
+}
+
+/// One speculative round of a drafting sequence (its last token was sent): the emitted tokens
+/// go out one by one as if sampled singly (logprobs from the trunk logits each was chosen
+/// from); stop tokens and `max_tokens` end it at once. Returns true when the request ended.
+fn speculate(a: &mut Active, model: &dyn LanguageModel, metrics: &Metrics) -> bool {
+    let Some(drafter) = a.drafter.as_mut() else {
+        return fail(a, "speculative step without a drafter", metrics);
+    };
+    let t0 = Instant::now();
+    let max_new = a.job.req.max_tokens.saturating_sub(a.generated);
+    let before = drafter.stats.clone();
+    let round = catch_unwind(AssertUnwindSafe(|| {
+        drafter.round(model, a.state.as_mut(), &mut a.sampler, a.next[0], max_new)
+    }));
+    let emitted = match round {
+        Ok(Ok(e)) => e,
+        Ok(Err(e)) => return fail(a, &format!("speculative decoding: {e}"), metrics),
+        Err(_) => return fail(a, "backend panicked during a speculative round", metrics),
+    };
+    metrics.record_step(emitted.len(), false, t0.elapsed().as_micros() as u64);
+    metrics.record_draft(&drafter.stats.since(&before));
+    if emitted
+        .iter()
+        .any(|e| runtime::numerics::first_non_finite(&e.logits).is_some())
+    {
+        return fail(
+            a,
+            "the model produced non-finite logits (NaN or infinity) in a verification step",
+            metrics,
+        );
+    }
+    for e in emitted {
+        let lp = a.job.req.logprobs.map(|k| TokenLogprobs {
+            logprob: sampler::logprob(&e.logits, e.id),
+            top: sampler::top_logprobs(&e.logits, k),
+        });
+        if emit(a, e.id, lp, metrics) {
+            return true;
+        }
+    }
+    false
 }
 
 /// Send the sampled token `id` and decide whether the request ends.
