@@ -992,6 +992,19 @@ fn tp_sharded_model_is_compared_with_the_whole_cpu_reference() {
     assert_eq!(code, 0, "{j}");
     assert_eq!(status(&j, "layers"), "pass");
     assert_detail(&j, "layers", "tp 2 on cpu vs CPU reference");
+    // Layer by layer on rank 0: a non-empty set of whole (replicated or all-reduced)
+    // activations was compared, block outputs among them.
+    let d = detail(&j, "layers");
+    let n: usize = d
+        .split("rank 0: ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        n >= 3 * 4,
+        "too few activations compared layer by layer: {d}"
+    );
     // 4 heads do not split over 3 ranks: a finding naming the split, not a crash or exit 2.
     let (code, j) = doctor(&[m, "--device", "cpu", "--tp", "3", "--checks", "7"]);
     assert_eq!(code, 1, "{j}");

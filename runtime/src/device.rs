@@ -128,6 +128,8 @@ pub struct Loaded {
     pub device: Device,
     /// The split, for a tensor-parallel model.
     pub tp: Option<TpReport>,
+    /// The same model as its ranks, when it has more than one (doctor observes rank 0).
+    pub sharded: Option<Arc<TpModel>>,
     /// Bytes of weights loaded (over all ranks) and the load's wall time.
     pub weight_bytes: u64,
     pub load_s: f64,
@@ -228,6 +230,7 @@ pub fn load(model: Arc<gguf::Model>, opts: &LoadOptions) -> Result<Loaded, Runti
             lm,
             device,
             weight_bytes: rank.weight_bytes,
+            sharded: None,
             tp: Some(TpReport {
                 world: 1,
                 moe_split: opts.moe_split,
@@ -255,10 +258,12 @@ pub fn load(model: Arc<gguf::Model>, opts: &LoadOptions) -> Result<Loaded, Runti
         }
     };
     let report = tp.tp_report();
+    let tp = Arc::new(tp);
     Ok(Loaded {
         weight_bytes: report.as_ref().map_or(0, |r| r.load_bytes),
         tp: report,
-        lm: Arc::new(tp),
+        lm: Arc::clone(&tp) as Arc<dyn LanguageModel>,
+        sharded: Some(tp),
         device,
         load_s: t0.elapsed().as_secs_f64(),
     })

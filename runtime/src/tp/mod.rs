@@ -20,7 +20,7 @@ pub mod plan;
 
 pub use backend::{RankComm, Ranked};
 pub use host::{sum_in_rank_order, GroupAborted, HostComm, HostGroup, RankSlots, SpinBarrier};
-pub use model::{RankReport, RankSetup, TpModel, TpReport};
+pub use model::{Observed, ObservedData, RankReport, RankSetup, TpModel, TpReport};
 
 use crate::spec::{AttentionSpec, FfnKind, ModelSpec, TensorSpec};
 use crate::RuntimeError;

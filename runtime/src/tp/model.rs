@@ -102,6 +102,8 @@ enum Cmd {
     /// Undo a failed step, or roll back rejected drafts: cache lengths to restore.
     Truncate(Vec<(u64, usize)>),
     Free(u64),
+    /// Run `tokens` as a fresh sequence on every rank; rank 0 records its activations.
+    Observe(Arc<Vec<u32>>),
     /// Clear an aborted group (rank 0 only; answered with `Reply::Done`).
     ResetComm,
     Stop,
@@ -110,6 +112,22 @@ enum Cmd {
 enum RankOut {
     Logits(Vec<Vec<f32>>),
     Top(Vec<LocalTop>),
+    Observed(Vec<Observed>),
+}
+
+/// One activation as a rank saw it (an owned copy of [`crate::glm::Activation`]).
+#[derive(Debug, Clone)]
+pub struct Observed {
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: ObservedData,
+}
+
+#[derive(Debug, Clone)]
+pub enum ObservedData {
+    F32(Vec<f32>),
+    Index(Vec<i64>),
 }
 
 struct Loaded {
@@ -306,6 +324,23 @@ impl TpModel {
         )
     }
 
+    /// Rank 0's activations of a fresh sequence over `tokens` (every rank runs the step): the
+    /// replicated and all-reduced ones (norms, the latent, the indexer, the router, each block's
+    /// attention and FFN outputs after their all-reduce) are the unsharded model's; the
+    /// head- or vocabulary-split ones have the rank's local shape.
+    pub fn observe_rank0(&self, tokens: &[u32]) -> Result<Vec<Observed>, RuntimeError> {
+        crate::glm::check_step(&self.spec, 0, tokens)?;
+        let tokens = Arc::new(tokens.to_vec());
+        let mut outs = self.broadcast(|| Cmd::Observe(Arc::clone(&tokens)), Vec::new())?;
+        match outs.swap_remove(0) {
+            RankOut::Observed(v) => Ok(v),
+            _ => Err(RuntimeError::Tp {
+                world: self.world,
+                msg: "rank 0 returned no activations".into(),
+            }),
+        }
+    }
+
     /// Send `cmd()` to every rank and collect their answers; on any failure roll the caches of
     /// `undo` back everywhere.
     fn broadcast(
@@ -481,6 +516,40 @@ fn rank_loop<B: Backend>(
                     model
                         .forward_draft(c, &tokens, head, None)
                         .map(|l| RankOut::Logits(vec![l]))
+                });
+                if reply.send((rank, Reply::Forward(r))).is_err() {
+                    return;
+                }
+            }
+            Cmd::Observe(tokens) => {
+                let r = guarded(rank, &model, "an observed forward pass", || {
+                    let mut cache = model.new_cache()?;
+                    let mut out = Vec::new();
+                    let mut record = |name: &str, a: crate::glm::Activation<'_>| {
+                        out.push(match a {
+                            crate::glm::Activation::F32 { rows, cols, data } => Observed {
+                                name: name.to_string(),
+                                rows,
+                                cols,
+                                data: ObservedData::F32(data.to_vec()),
+                            },
+                            crate::glm::Activation::Index { rows, cols, data } => Observed {
+                                name: name.to_string(),
+                                rows,
+                                cols,
+                                data: ObservedData::Index(data.to_vec()),
+                            },
+                        })
+                    };
+                    let mut b = [SeqStep {
+                        seq: &mut cache,
+                        tokens: &tokens,
+                        all_logits: true,
+                    }];
+                    let obs: Option<crate::glm::Observer<'_>> =
+                        if rank == 0 { Some(&mut record) } else { None };
+                    model.forward_observed(&mut b, obs)?;
+                    Ok(RankOut::Observed(out))
                 });
                 if reply.send((rank, Reply::Forward(r))).is_err() {
                     return;

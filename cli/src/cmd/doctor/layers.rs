@@ -824,6 +824,80 @@ fn tp_side(
         }
     };
     let tol = runtime::cuda::check::tolerance_for(tp.device, cpu.spec().n_layer);
+    // Layer by layer first, where the ranks compute in f32 like the reference (CPU ranks, or
+    // CUDA ranks on the exact path): rank 0's replicated and all-reduced activations are the
+    // whole model's, so the first block whose outputs diverge is named as for one device.
+    let exact_ranks = match tp.device {
+        runtime::device::Device::Cuda(_) => runtime::cuda::CudaOptions::default().exact,
+        _ => true,
+    };
+    let mut by_layer = String::new();
+    match (&tp.sharded, exact_ranks) {
+        (Some(ranks), true) => match (observe(&cpu, &ids), ranks.observe_rank0(&ids)) {
+            (Ok(want), Ok(got)) => {
+                let by_name: HashMap<&str, &Act> =
+                    want.iter().map(|a| (a.name.as_str(), a)).collect();
+                // Head- and vocabulary-split activations have the rank's local shape: only
+                // the whole ones are comparable.
+                let got: Vec<Act> = got
+                    .into_iter()
+                    .map(|o| Act {
+                        name: o.name,
+                        rows: o.rows,
+                        cols: o.cols,
+                        data: match o.data {
+                            runtime::tp::ObservedData::F32(v) => Data::F32(v),
+                            runtime::tp::ObservedData::Index(v) => Data::Idx(v),
+                        },
+                    })
+                    .filter(|g| {
+                        by_name
+                            .get(g.name.as_str())
+                            .is_some_and(|w| w.rows == g.rows && w.cols == g.cols)
+                    })
+                    .collect();
+                let metric = Metric::MaxAbs {
+                    tol: f64::from(runtime::cuda::check::LOGIT_TOL),
+                    why: "f32 on every rank; only the summation order of the all-reduced partial sums differs".into(),
+                };
+                let lookup = |n: &str| by_name.get(n).map(|a| (*a).clone());
+                let out = compare(&got, &lookup, &metric);
+                if let Some(div) = &out.divergence {
+                    let spec = ModelSpec::from_model(model).ok();
+                    let mut item = describe(
+                        div,
+                        &out,
+                        &metric,
+                        &format!("the CPU reference ({subject}, rank 0)"),
+                        model,
+                        spec.as_ref(),
+                        &got,
+                    );
+                    item.advice = Some(
+                        "run with --tp 1: if that passes, a shard role or slice in the mapping table is wrong for this model".into(),
+                    );
+                    r.push(item);
+                    return None;
+                }
+                by_layer = format!(
+                    "; rank 0: {} whole activations within {:.0e} of max |value|",
+                    out.compared,
+                    metric.tol()
+                );
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                r.push(Item::finding(
+                    subject.clone(),
+                    format!("the observed forward pass failed: {e}"),
+                ));
+                return None;
+            }
+        },
+        (Some(_), false) => {
+            by_layer = "; not layer by layer: the fast path's quantized activations have no per-layer bound (GGUFTOOL_CUDA_EXACT=1 compares them)".into();
+        }
+        (None, _) => {}
+    }
     match runtime::cuda::check::compare_with(&cpu, tp.lm.as_ref(), &ids, 8, tol) {
         Ok(c) => match c.failure {
             Some(f) => {
@@ -839,7 +913,7 @@ fn tp_side(
                 None
             }
             None => Some(format!(
-                "{subject} vs CPU reference: logits of {} tokens within {tol:.1e} of max |logit| (max rel diff {:.2e}), greedy {}/{} decode steps identical",
+                "{subject} vs CPU reference: logits of {} tokens within {tol:.1e} of max |logit| (max rel diff {:.2e}), greedy {}/{} decode steps identical{by_layer}",
                 ids.len(),
                 c.max_rel_diff,
                 c.greedy_identical,
