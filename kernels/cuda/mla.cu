@@ -30,6 +30,7 @@ struct MlaP {
     int n_keys, split_len;
     float scale;
     int n_split, heads_per_block;
+    int stage_q;
     float* part;
 };
 
@@ -50,6 +51,10 @@ DEV void mla_impl(const MlaP& p) {
     float* ks = sm;
     float* ps = sm + MLA_KT * DS;
     int* kok = (int*)(ps + p.heads_per_block * MLA_KT);
+    // With stage_q (a decode step's few tokens: a block then reads only a tile or two) the
+    // block's queries are copied to shared memory first, all loads in flight together, instead
+    // of the score loop waiting on an L2 round trip per step of q.
+    float* qsm = (float*)(kok + MLA_KT);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int split = blockIdx.x;
     const long long s = blockIdx.y;
@@ -62,6 +67,21 @@ DEV void mla_impl(const MlaP& p) {
     int hh4[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) hh4[i] = min(h0 + i, p.H - 1);
+    const int hb0 = blockIdx.z * p.heads_per_block;
+    if (p.stage_q) {
+        const int nh = min(p.heads_per_block, p.H - hb0), d4q = p.D >> 2;
+#pragma unroll 8
+        for (int i = threadIdx.x; i < nh * d4q; i += blockDim.x) {
+            const int hh = i / d4q, c = i - hh * d4q;
+            *(float4*)(qsm + hh * p.D + 4 * c) =
+                __ldg((const float4*)(qs + (hb0 + hh) * p.q_head + 4 * c));
+        }
+        // Read only after the tile loop's first barrier.
+    }
+    const float* qh[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        qh[i] = p.stage_q ? qsm + (hh4[i] - hb0) * p.D : qs + hh4[i] * p.q_head;
     float m[4], l[4], acc[4][16];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -79,6 +99,9 @@ DEV void mla_impl(const MlaP& p) {
             kok[threadIdx.x] = (t >= 0 && t < p.T && t <= pos_s) ? (int)t + 1 : 0;
         }
         __syncthreads();
+        // Unrolled so that several rows' loads are in flight at once (latency, not bandwidth,
+        // bounds a decode step's few tiles).
+#pragma unroll 8
         for (int i = threadIdx.x; i < MLA_KT * d4; i += blockDim.x) {
             const int kk = i / d4, c4 = i - kk * d4;
             const int tt = kok[kk];
@@ -90,11 +113,16 @@ DEV void mla_impl(const MlaP& p) {
         // Scores: lane = key of the tile, 4 heads per warp.
         float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         const float* kr = ks + lane * DS;
+        // Unrolled: the q loads of 4 steps are issued together (8 spill on sm_120). Rolled,
+        // each step waited for its own q load (an L2 round trip on the first tile), which made a
+        // short-context decode step's attention latency-bound (~50 us a layer at 64 heads).
+        // Same summation order.
+#pragma unroll 4
         for (int d = 0; d < p.D; d += 4) {
             const float4 k4 = *(const float4*)(kr + d);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const float4 q4 = __ldg((const float4*)(qs + hh4[i] * p.q_head + d));
+                const float4 q4 = *(const float4*)(qh[i] + d);
                 sc[i] += q4.x * k4.x + q4.y * k4.y + q4.z * k4.z + q4.w * k4.w;
             }
         }

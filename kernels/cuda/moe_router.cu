@@ -83,3 +83,14 @@ extern "C" __global__ void moe_router_f32(const float* __restrict__ logits, long
         }
     }
 }
+
+// Expert parallelism: ids re-based to this rank's experts first .. first + count (others -1),
+// in place, so the rank's MoE launches skip what other ranks compute without the ids visiting
+// the host. Negative ids (empty slots) stay -1.
+extern "C" __global__ void moe_local_ids(int* ids, long long n, int first, int count) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int e = ids[i];
+        ids[i] = (e >= first && e - first < count) ? e - first : -1;
+    }
+}

@@ -198,3 +198,26 @@ DEV int compact_selected(const float* __restrict__ xr, int n, bool select, uint3
     }
     return written;
 }
+
+// q8a quantization of one block of 32 values held one per lane of a full warp (the input format
+// of gemvq.cu): d = max|x| / 127, q = round(x / d) (half away from zero; 0 when d = 0), the code
+// at qs[at] and, from lane 0, the record {f32 d; i16 sum of codes 0..15; i16 of 16..31} at
+// qd[at >> 5] (`at` = the lane's element index, block-aligned per warp). The division is the
+// correctly rounded IEEE one, so a CPU emulation reproduces every code exactly. A block holding
+// NaN or an infinity gets d = NaN (codes 0). The one rule for quantize.cu and every fused
+// producer epilogue.
+DEV void q8a_store_block(float v, long long at, int8_t* __restrict__ qs, float2* __restrict__ qd) {
+    const int lane = threadIdx.x & 31;
+    const float amax = warp_max(fabsf(v));
+    // A NaN or infinity in the block poisons its scale, so it shows in every output it feeds
+    // (fmaxf would skip a NaN; the float path propagates both).
+    const bool bad = __any_sync(0xffffffffu, !(fabsf(v) <= 3.402823466e38f));
+    const float dd = bad ? __int_as_float(0x7fc00000) : amax / 127.0f;
+    const int q = (dd > 0.0f && !bad) ? (int)roundf(v / dd) : 0;
+    qs[at] = (int8_t)q;
+    int sum = q;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const int hi = __shfl_sync(0xffffffffu, sum, 16);
+    if (lane == 0) qd[at >> 5] = make_float2(dd, __int_as_float((sum & 0xFFFF) | (hi << 16)));
+}

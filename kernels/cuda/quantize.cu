@@ -17,18 +17,6 @@ extern "C" __global__ void quantize_q8a(const float* __restrict__ x, long long x
     for (long long b = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); b < total;
          b += warps) {
         const long long r = b / nb, c = b % nb;
-        const float v = x[r * x_stride + c * 32 + lane];
-        const float amax = warp_max(fabsf(v));
-        // A NaN or infinity in the block poisons its scale, so it shows in every output it feeds
-        // (fmaxf would skip a NaN; the float path propagates both).
-        const bool bad = __any_sync(0xffffffffu, !(fabsf(v) <= 3.402823466e38f));
-        const float dd = bad ? __int_as_float(0x7fc00000) : amax / 127.0f;
-        const int q = (dd > 0.0f && !bad) ? (int)roundf(v / dd) : 0;
-        qs[r * K + c * 32 + lane] = (int8_t)q;
-        int sum = q;
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        const int hi = __shfl_sync(0xffffffffu, sum, 16);
-        if (lane == 0) ds[b] = make_float2(dd, __int_as_float((sum & 0xFFFF) | (hi << 16)));
+        q8a_store_block(x[r * x_stride + c * 32 + lane], r * K + c * 32 + lane, qs, ds);
     }
 }

@@ -104,7 +104,26 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     float bv = NEG_INF;
     int bi = 0x7fffffff;
     float bad = 0.0f;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    // One block reads the whole row: 16-byte loads, several in flight per thread, when the row
+    // is aligned (the argmax is order-free: larger wins, ties to the lower id, NaN never wins).
+    int v0 = 0;
+    if ((((unsigned long long)xr) & 15) == 0) {
+        const float4* x4 = (const float4*)xr;
+        const int n4 = V >> 2;
+#pragma unroll 4
+        for (int j = threadIdx.x; j < n4; j += blockDim.x) {
+            const float4 q = x4[j];
+            const int i = 4 * j;
+            argmax_step(bv, bi, q.x, i);
+            argmax_step(bv, bi, q.y, i + 1);
+            argmax_step(bv, bi, q.z, i + 2);
+            argmax_step(bv, bi, q.w, i + 3);
+            bad += (isfinite(q.x) ? 0.0f : 1.0f) + (isfinite(q.y) ? 0.0f : 1.0f) +
+                   (isfinite(q.z) ? 0.0f : 1.0f) + (isfinite(q.w) ? 0.0f : 1.0f);
+        }
+        v0 = n4 << 2;
+    }
+    for (int i = v0 + threadIdx.x; i < V; i += blockDim.x) {
         argmax_step(bv, bi, xr[i], i);
         bad += isfinite(xr[i]) ? 0.0f : 1.0f;
     }

@@ -238,6 +238,23 @@ impl OneShotRank {
         Ok(())
     }
 
+    /// Whether a wait timed out since the last call (waits for this rank's stream), clearing
+    /// the flag: a timed-out launch returns with its output unreduced, so the step that ran it
+    /// must be discarded.
+    pub fn take_timeout(&self) -> Result<bool, KernelError> {
+        self.gpu.synchronize()?;
+        let mut v = [0u32];
+        // SAFETY: the error word is 4 bytes; the stream is idle (synchronized above).
+        unsafe { result::memcpy_dtoh_sync(&mut v, self.error.ptr) }
+            .map_err(KernelError::driver("cuMemcpyDtoH"))?;
+        if v[0] != 0 {
+            // SAFETY: as above.
+            unsafe { result::memset_d8_sync(self.error.ptr, 0, 4) }
+                .map_err(KernelError::driver("cuMemsetD8"))?;
+        }
+        Ok(v[0] != 0)
+    }
+
     /// Whether a wait timed out since the group was made (a rank that never arrived).
     pub fn timed_out(&self) -> Result<bool, KernelError> {
         self.gpu.synchronize()?;

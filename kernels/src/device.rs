@@ -63,6 +63,9 @@ pub(crate) struct Kernel {
     pub f: CudaFunction,
     pub name: Arc<str>,
     pub params: Arc<Vec<usize>>,
+    /// The dynamic shared memory limit last set on the function (0: the default), so a launch
+    /// wrapper's opt-in is one driver call per kernel, not one per launch.
+    pub smem_limit: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// Kernel arguments being collected, with their sizes for the signature check.
@@ -172,6 +175,23 @@ impl Profile {
 
 static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
 
+/// Nanoseconds host threads have spent blocked on a device (stream synchronizations and
+/// downloads), summed over every thread and device of the process.
+static WAIT_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn note_wait(t0: std::time::Instant) {
+    let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    WAIT_NS.fetch_add(ns, Ordering::Relaxed);
+}
+
+/// Total time host threads have waited for devices so far (see [`Gpu::synchronize`] and
+/// [`Gpu::download`]): over a timed region, wall time minus this is the host's own work
+/// (building and launching kernels), which shows whether a decode step is bound by the host
+/// or by the device.
+pub fn host_wait_ns() -> u64 {
+    WAIT_NS.load(Ordering::Relaxed)
+}
+
 impl Gpu {
     /// The process-wide handle for device `ordinal` (created on first call), so compiled modules
     /// are shared by every user of that device.
@@ -276,12 +296,16 @@ impl Gpu {
 
     /// Wait for all queued work; a kernel fault surfaces here.
     pub fn synchronize(&self) -> Result<(), KernelError> {
-        self.stream
+        let t0 = std::time::Instant::now();
+        let r = self
+            .stream
             .synchronize()
             .map_err(|source| KernelError::Launch {
                 op: "synchronize",
                 source,
-            })
+            });
+        note_wait(t0);
+        r
     }
 
     /// Registers and local memory of every kernel loaded so far.
@@ -371,6 +395,7 @@ impl Gpu {
             f,
             name: name.into(),
             params,
+            smem_limit: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         };
         self.funcs
             .lock()
@@ -381,11 +406,16 @@ impl Gpu {
 
     /// Allow `bytes` of dynamic shared memory for `k` (needed above 48 KiB).
     pub(crate) fn allow_smem(&self, k: &Kernel, bytes: usize) -> Result<(), KernelError> {
+        if bytes <= k.smem_limit.load(Ordering::Relaxed) {
+            return Ok(());
+        }
         k.f.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             bytes as i32,
         )
-        .map_err(KernelError::driver("cuFuncSetAttribute"))
+        .map_err(KernelError::driver("cuFuncSetAttribute"))?;
+        k.smem_limit.fetch_max(bytes, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Start collecting the arguments of a launch of `k` on this device's stream.
@@ -689,6 +719,16 @@ impl Gpu {
         &self,
         dev: &impl cudarc::driver::DevicePtr<T>,
     ) -> Result<Vec<T>, KernelError> {
+        let t0 = std::time::Instant::now();
+        let r = self.download_inner(dev);
+        note_wait(t0);
+        r
+    }
+
+    fn download_inner<T: DeviceRepr + Clone + Default>(
+        &self,
+        dev: &impl cudarc::driver::DevicePtr<T>,
+    ) -> Result<Vec<T>, KernelError> {
         let mut out = vec![T::default(); dev.len()];
         if out.is_empty() {
             return Ok(out);
@@ -710,7 +750,13 @@ impl Gpu {
                 op: "download",
                 source,
             })?;
-        self.synchronize()?;
+        // The caller counts the wait (not `self.synchronize`, which would count it twice).
+        self.stream
+            .synchronize()
+            .map_err(|source| KernelError::Launch {
+                op: "download",
+                source,
+            })?;
         Ok(out)
     }
 }

@@ -50,6 +50,27 @@ struct Q8AParams {
 }
 
 impl Q8Act {
+    /// Uninitialized storage for `rows` x `k` q8 activations (`k` a multiple of 32), for a
+    /// producer kernel that writes them (quantize.cu, or a norm's fused epilogue): the codes' and
+    /// the records' device addresses.
+    pub(crate) fn alloc(g: &Gpu, rows: usize, k: usize) -> Result<(Q8Act, u64, u64), KernelError> {
+        let n = rows * k;
+        let ds_off = n.div_ceil(16) * 16;
+        let total = ds_off + 8 * (n / 32);
+        let buf = g.alloc::<u8>(total)?;
+        let base = buf.ptr();
+        Ok((
+            Q8Act {
+                buf,
+                rows,
+                k,
+                ds_off,
+            },
+            base,
+            base + ds_off as u64,
+        ))
+    }
+
     fn params(&self) -> Q8AParams {
         let base = self.buf.ptr();
         Q8AParams {
@@ -208,27 +229,17 @@ impl Gpu {
         }
         need_len(OP, "x", dlen(x), (rows - 1) * x_stride + k)?;
         let n = rows * k;
-        let ds_off = n.div_ceil(16) * 16;
-        let total = ds_off + 8 * (n / 32);
-        let mut buf = self.alloc::<u8>(total)?;
+        let (q, qp, dp) = Q8Act::alloc(self, rows, k)?;
         let f = self.func(Op::Quantize, "quantize_q8a")?;
         let blocks = (n / 32).div_ceil(8).min(1 << 16) as u64;
         let cfg = self.cfg(OP, (blocks, 1, 1), 256)?;
         let (xp, _gx) = x.device_ptr(self.stream());
-        let base = buf.ptr();
-        let (qp, dp) = (base, base + ds_off as u64);
         let (xs, r64, k32) = (x_stride as i64, rows as i64, to_i32(OP, "k", k)?);
         let mut b = self.args(&f);
         b.arg(&xp).arg(&xs).arg(&r64).arg(&k32).arg(&qp).arg(&dp);
-        // SAFETY: x extent checked; the output regions lie within `buf` (sized above).
+        // SAFETY: x extent checked; the output regions lie within `q`'s buffer (sized by alloc).
         unsafe { self.launch(OP, b, cfg) }?;
-        let _ = &mut buf;
-        Ok(Q8Act {
-            buf,
-            rows,
-            k,
-            ds_off,
-        })
+        Ok(q)
     }
 
     /// Integer-dot-product GEMV over channels (see [`QChannels`], [`QMode`]): `y` rows get the

@@ -34,7 +34,8 @@ pub use act::Rows3;
 pub use attention::{AttnShape, KeyLists};
 pub use comm::{can_access_peer, OneShotHandles, OneShotRank};
 pub use device::{
-    device_count, driver_available, DeviceInfo, Gpu, KernelResources, KindTime, Profile,
+    device_count, driver_available, host_wait_ns, DeviceInfo, Gpu, KernelResources, KindTime,
+    Profile,
 };
 pub use error::KernelError;
 pub use gemv::{Channels, MatShape};

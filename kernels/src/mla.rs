@@ -14,6 +14,9 @@ use crate::ops::Op;
 
 /// Keys per shared-memory tile (mla.cu's MLA_KT).
 const KT: usize = 32;
+/// Steps of up to this many query tokens stage their queries in shared memory (decode, MTP
+/// verification).
+const STAGE_Q_MAX_TOKENS: usize = 8;
 /// attention.cu's COMBINE_MAX_SPLITS.
 const COMBINE_MAX_SPLITS: usize = 1024;
 /// Budget for the split partials of one launch group; more tokens are processed in groups.
@@ -75,6 +78,7 @@ struct MlaP {
     scale: f32,
     n_split: i32,
     heads_per_block: i32,
+    stage_q: i32,
     part: u64,
 }
 
@@ -149,6 +153,10 @@ impl Gpu {
                 format!("key width {} needs {smem} B of shared memory", m.d),
             ));
         }
+        // Decode-sized steps stage each block's queries (up to 32 heads) in shared memory; the
+        // larger footprint would halve a long prefill's blocks per SM, so those read q from L1.
+        let smem_staged = smem + 4 * 32 * m.d;
+        let stage = m.tokens <= STAGE_Q_MAX_TOKENS && smem_staged <= self.max_smem_optin();
         need_len(
             OP,
             "q",
@@ -187,7 +195,7 @@ impl Gpu {
             },
         )?;
         let f_comb = self.func(Op::Attention, "attn_combine_f32")?;
-        self.allow_smem(&f_part, smem)?;
+        self.allow_smem(&f_part, if stage { smem_staged } else { smem })?;
         let s = self.stream();
         let (qp, _gq) = q.device_ptr(s);
         let (kp, _gk) = kv.device_ptr(s);
@@ -239,6 +247,7 @@ impl Gpu {
                 scale: m.scale,
                 n_split: to_i32(OP, "splits", n_split)?,
                 heads_per_block: hc as i32,
+                stage_q: i32::from(stage),
                 part: part.ptr(),
             };
             let mut cfg = self.cfg(
@@ -246,7 +255,11 @@ impl Gpu {
                 (n_split as u64, cs as u64, hg as u64),
                 32 * (hc / 4) as u32,
             )?;
-            cfg.shared_mem_bytes = smem as u32;
+            cfg.shared_mem_bytes = if stage {
+                (smem + 4 * hc * m.d) as u32
+            } else {
+                smem as u32
+            };
             let mut b = self.args(&f_part);
             b.arg(&p);
             // SAFETY: q/kv/idx extents checked above for every token; the kernel range-checks

@@ -106,6 +106,34 @@ impl Gpu {
         unsafe { self.launch(OP, b, lc) }
     }
 
+    /// Expert ids re-based in place to the experts `first .. first + count` this rank holds
+    /// (expert parallelism): `e - first` for those, `-1` (an empty slot) for every other id.
+    pub fn moe_local_ids(
+        &self,
+        ids: &mut impl DevicePtrMut<i32>,
+        n: usize,
+        first: usize,
+        count: usize,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "moe_router";
+        if n == 0 {
+            return Ok(());
+        }
+        need_len(OP, "ids", dlen(ids), n)?;
+        let f = self.func(Op::MoeRouter, "moe_local_ids")?;
+        let threads = 256u32;
+        let blocks = n.div_ceil(threads as usize).min(1024) as u64;
+        let lc = self.cfg(OP, (blocks, 1, 1), threads)?;
+        let s = self.stream();
+        let (ip, _g) = ids.device_ptr_mut(s);
+        let n64 = n as i64;
+        let (fi, ci) = (to_i32(OP, "first", first)?, to_i32(OP, "count", count)?);
+        let mut b = self.args(&f);
+        b.arg(&ip).arg(&n64).arg(&fi).arg(&ci);
+        // SAFETY: ids holds n values (checked above); the kernel is grid-stride over n.
+        unsafe { self.launch(OP, b, lc) }
+    }
+
     /// `out[t] = sum_k w[t,k] * y[t*top_k + k]` (+ `out[t]` when `accumulate`), `d` values per
     /// row; `y` rows are `y_stride` apart, `out` rows `out_stride` apart. With `ids`, slots whose
     /// expert id is negative (empty) are skipped.

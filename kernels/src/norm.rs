@@ -4,6 +4,7 @@ use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
+use crate::gemvq::Q8Act;
 use crate::launch::{opt_ptr, shape_err, span};
 use crate::ops::Op;
 
@@ -29,7 +30,11 @@ impl Rows {
 }
 
 fn block_for(n: usize) -> u32 {
-    if n >= 2048 {
+    // Wide rows get the most threads: a single row (decode) is one block, bound by how many
+    // loads are in flight, not by the SM's arithmetic.
+    if n >= 4096 {
+        1024
+    } else if n >= 2048 {
         512
     } else if n >= 256 {
         256
@@ -73,7 +78,31 @@ impl Gpu {
             y,
             l,
             eps,
+            false,
         )
+        .map(|_| ())
+    }
+
+    /// [`Gpu::rms_norm`] on dense rows that also returns `y` as q8 activations, bit for bit what
+    /// [`Gpu::quantize_q8`] of `y` gives, from the same launch (`l.n` a multiple of 32).
+    pub fn rms_norm_q8(
+        &self,
+        x: &impl DevicePtr<f32>,
+        w: Option<&CudaView<'_, f32>>,
+        y: &mut impl DevicePtrMut<f32>,
+        l: Rows,
+        eps: f32,
+    ) -> Result<Q8Act, KernelError> {
+        self.rms_norm_impl(
+            x,
+            Residual::<CudaSlice<f32>, CudaSlice<f32>>::None,
+            w,
+            y,
+            l,
+            eps,
+            true,
+        )?
+        .ok_or_else(|| shape_err("rmsnorm", "no q8 output"))
     }
 
     /// [`Gpu::rms_norm`] in place on `x` (`l.x_stride` must equal `l.y_stride`): normalizes the
@@ -99,7 +128,13 @@ impl Gpu {
         let n = to_i32(OP, "n", l.n)?;
         let mut b = self.args(&f);
         b.arg(&xp).arg(&xs).arg(&none).arg(&xs).arg(&none).arg(&xs);
-        b.arg(&wp).arg(&xp).arg(&xs).arg(&n).arg(&eps);
+        b.arg(&wp)
+            .arg(&xp)
+            .arg(&xs)
+            .arg(&n)
+            .arg(&eps)
+            .arg(&none)
+            .arg(&none);
         // SAFETY: extents checked above; the kernel allows y == x (each thread rewrites only
         // the elements it read, after the row's reduction).
         unsafe { self.launch(OP, b, cfg) }
@@ -116,7 +151,16 @@ impl Gpu {
         l: Rows,
         eps: f32,
     ) -> Result<(), KernelError> {
-        self.rms_norm_impl(x, Residual::<CudaSlice<f32>, _>::InPlace(res), w, y, l, eps)
+        self.rms_norm_impl(
+            x,
+            Residual::<CudaSlice<f32>, _>::InPlace(res),
+            w,
+            y,
+            l,
+            eps,
+            false,
+        )
+        .map(|_| ())
     }
 
     /// [`Gpu::add_rms_norm`] keeping the residual input: `h[r] = x[r] + res[r]` goes to `h`
@@ -132,9 +176,28 @@ impl Gpu {
         l: Rows,
         eps: f32,
     ) -> Result<(), KernelError> {
-        self.rms_norm_impl(x, Residual::Split(res, h), w, y, l, eps)
+        self.rms_norm_impl(x, Residual::Split(res, h), w, y, l, eps, false)
+            .map(|_| ())
     }
 
+    /// [`Gpu::add_rms_norm_to`] that also returns `y` as q8 activations (see
+    /// [`Gpu::rms_norm_q8`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm_to_q8(
+        &self,
+        x: &impl DevicePtr<f32>,
+        res: &impl DevicePtr<f32>,
+        h: &mut impl DevicePtrMut<f32>,
+        w: Option<&CudaView<'_, f32>>,
+        y: &mut impl DevicePtrMut<f32>,
+        l: Rows,
+        eps: f32,
+    ) -> Result<Q8Act, KernelError> {
+        self.rms_norm_impl(x, Residual::Split(res, h), w, y, l, eps, true)?
+            .ok_or_else(|| shape_err("rmsnorm", "no q8 output"))
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn rms_norm_impl<I: DevicePtr<f32>, R: DevicePtrMut<f32>>(
         &self,
         x: &impl DevicePtr<f32>,
@@ -143,11 +206,26 @@ impl Gpu {
         y: &mut impl DevicePtrMut<f32>,
         l: Rows,
         eps: f32,
-    ) -> Result<(), KernelError> {
+        want_q8: bool,
+    ) -> Result<Option<Q8Act>, KernelError> {
         const OP: &str = "rmsnorm";
         check_rows(OP, dlen(x), dlen(y), l)?;
+        if want_q8 && (!l.n.is_multiple_of(32) || l.y_stride != l.n) {
+            return Err(shape_err(
+                OP,
+                format!("q8 output needs dense rows of a multiple of 32: {l:?}"),
+            ));
+        }
         let f = self.func(Op::RmsNorm, "rmsnorm_f32")?;
-        let cfg = self.cfg(OP, (l.rows as u64, 1, 1), block_for(l.n))?;
+        let threads = block_for(l.n);
+        let cfg = self.cfg(OP, (l.rows as u64, 1, 1), threads)?;
+        debug_assert!(threads.is_multiple_of(32));
+        let (q8, qp, dp) = if want_q8 {
+            let (q, qp, dp) = Q8Act::alloc(self, l.rows, l.n)?;
+            (Some(q), qp, dp)
+        } else {
+            (None, 0u64, 0u64)
+        };
         let s = self.stream();
         let wp = opt_ptr(OP, "w", w, l.n, s)?;
         let (xp, _gx) = x.device_ptr(s);
@@ -174,9 +252,17 @@ impl Gpu {
         let n = to_i32(OP, "n", l.n)?;
         let mut b = self.args(&f);
         b.arg(&xp).arg(&xs).arg(&ip).arg(&ys).arg(&op).arg(&ys);
-        b.arg(&wp).arg(&yp).arg(&ys).arg(&n).arg(&eps);
-        // SAFETY: extents of x, res, h, y and w checked above.
-        unsafe { self.launch(OP, b, cfg) }
+        b.arg(&wp)
+            .arg(&yp)
+            .arg(&ys)
+            .arg(&n)
+            .arg(&eps)
+            .arg(&qp)
+            .arg(&dp);
+        // SAFETY: extents of x, res, h, y and w checked above; the q8 regions were sized for
+        // l.rows x l.n by Q8Act::alloc.
+        unsafe { self.launch(OP, b, cfg) }?;
+        Ok(q8)
     }
 
     /// `y[r] = (x[r] - mean) / sqrt(var + eps) * w + b` with the biased variance.

@@ -277,7 +277,7 @@ impl Op {
             Op::Mla => &["mla_partial_f32", "mla_partial_bf16"],
             Op::IndexerScores => &["indexer_scores_f32", "indexer_scores_bf16"],
             Op::TopK => &["topk_f32"],
-            Op::MoeRouter => &["moe_router_f32"],
+            Op::MoeRouter => &["moe_router_f32", "moe_local_ids"],
             Op::MoeCombine => &["moe_combine_f32"],
             Op::MoeSort => &["moe_count", "moe_plan", "moe_scatter"],
             Op::SiluMul => &["silu_mul_f32"],

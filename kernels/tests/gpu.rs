@@ -992,6 +992,32 @@ fn route_cpu(logits: &[f32], bias: &[f32], c: RouterConfig) -> (Vec<i32>, Vec<f3
 }
 
 #[test]
+fn moe_local_ids_rebases_on_the_device() {
+    let Some(g) = gpu("moe_local_ids_rebases_on_the_device") else {
+        return;
+    };
+    let _s = serial();
+    // Ids of every kind: below, inside and above the rank's range, empty slots, the bounds.
+    let ids: Vec<i32> = (0..5000).map(|i| (i * 37 % 263) - 3).collect();
+    for (first, count) in [(0usize, 32usize), (64, 32), (224, 32), (0, 256), (100, 1)] {
+        let mut d = g.upload(&ids).unwrap();
+        g.moe_local_ids(&mut d, ids.len(), first, count).unwrap();
+        let got = g.download(&d).unwrap();
+        let want: Vec<i32> = ids
+            .iter()
+            .map(|&e| {
+                if e >= first as i32 && e < (first + count) as i32 {
+                    e - first as i32
+                } else {
+                    -1
+                }
+            })
+            .collect();
+        assert_eq!(got, want, "first {first} count {count}");
+    }
+}
+
+#[test]
 fn moe_router_matches_cpu() {
     let Some(g) = gpu("moe_router_matches_cpu") else {
         return;
@@ -1610,6 +1636,64 @@ fn repacked_layouts_decode_bit_exact() {
     }
 }
 
+/// The norms' fused q8 epilogue gives exactly the codes and records a separate quantize launch
+/// of the same f32 output gives (widths of the decode norms: 6144 hidden, 2048 q_lora, 512).
+#[test]
+fn fused_norm_q8_equals_a_separate_quantize() {
+    let Some(g) = gpu("fused_norm_q8_equals_a_separate_quantize") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("norm_q8");
+    for (rows, n) in [(1usize, 6144usize), (3, 2048), (5, 512), (2, 96)] {
+        let mut x = activations(&mut r, rows, n);
+        let res = activations(&mut r, rows, n);
+        let w = activations(&mut r, 1, n);
+        x[40] = 0.0;
+        let (dx, dres, dw) = (
+            g.upload(&x).unwrap(),
+            g.upload(&res).unwrap(),
+            g.upload(&w).unwrap(),
+        );
+        let dwv = dw.as_view();
+        let l = Rows::dense(rows, n);
+        // rms_norm
+        let mut y = g.upload(&vec![0f32; rows * n]).unwrap();
+        let fused = g.rms_norm_q8(&dx, Some(&dwv), &mut y, l, 1e-5).unwrap();
+        let sep = g.quantize_q8(&y, rows, n, n).unwrap();
+        let mut y2 = g.upload(&vec![0f32; rows * n]).unwrap();
+        g.rms_norm(&dx, Some(&dwv), &mut y2, l, 1e-5).unwrap();
+        assert_eq!(
+            g.download(&y).unwrap(),
+            g.download(&y2).unwrap(),
+            "{rows}x{n}: the f32 output is unchanged by the epilogue"
+        );
+        assert_eq!(
+            fused.to_host(&g).unwrap(),
+            sep.to_host(&g).unwrap(),
+            "rms_norm {rows}x{n}"
+        );
+        // add + rms_norm
+        let mut h = g.upload(&vec![0f32; rows * n]).unwrap();
+        let mut y = g.upload(&vec![0f32; rows * n]).unwrap();
+        let fused = g
+            .add_rms_norm_to_q8(&dx, &dres, &mut h, Some(&dwv), &mut y, l, 1e-5)
+            .unwrap();
+        let sep = g.quantize_q8(&y, rows, n, n).unwrap();
+        assert_eq!(
+            fused.to_host(&g).unwrap(),
+            sep.to_host(&g).unwrap(),
+            "add_rms_norm {rows}x{n}"
+        );
+    }
+    // Rows that are not whole q8 blocks are refused, not silently misquantized.
+    let dx = g.upload(&[1f32; 40]).unwrap();
+    let mut y = g.upload(&[0f32; 40]).unwrap();
+    assert!(g
+        .rms_norm_q8(&dx, None, &mut y, Rows::dense(1, 40), 1e-5)
+        .is_err());
+}
+
 #[test]
 fn quantize_q8_matches_cpu_emulation() {
     let Some(g) = gpu("quantize_q8_matches_cpu_emulation") else {
@@ -2215,6 +2299,9 @@ fn mla_latent_kernel_matches_f64() {
         (8, 4097, 1, false),
         (8, 300, 4, true),
         (4, 77, 5, false),
+        // More than 8 query tokens: q read from L1 instead of staged in shared memory.
+        (64, 300, 12, false),
+        (64, 2100, 9, true),
     ] {
         for bf16 in [false, true] {
             let (ok, worst) = check_mla::<f32>(&g, &mut r, heads, t_len, s_n, sparse, bf16);
@@ -2663,6 +2750,59 @@ fn sample_ok_top(x: &[f32], p: kernels::SampleParams, id: usize, argmax: usize, 
         before += w(i);
     }
     false
+}
+
+/// Greedy picks the CPU's argmax (larger wins, ties to the lower id, NaN never wins) on aligned
+/// rows (the 16-byte path) and on rows that start unaligned or end mid-vector (the scalar path).
+#[test]
+fn greedy_sampling_is_the_argmax_on_any_row_alignment() {
+    let Some(g) = gpu("greedy_sampling_is_the_argmax_on_any_row_alignment") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("greedy");
+    let greedy = kernels::SampleParams {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        u: 0.5,
+        min_p: 0.0,
+    };
+    for (n, stride) in [
+        (154_880usize, 154_880usize),
+        (1001, 1003),
+        (4099, 4100),
+        (7, 9),
+    ] {
+        let rows = 4;
+        let mut x: Vec<f32> = (0..rows * stride).map(|_| r.sym(2.0)).collect();
+        // Row 1: a tie of the maximum at two ids; row 2: a NaN beside the maximum.
+        let top = 100.0;
+        x[stride + n / 3] = top;
+        x[stride + n - 1] = top;
+        x[2 * stride + n / 2] = top;
+        x[2 * stride + n / 4] = f32::NAN;
+        let dx = g.upload(&x).unwrap();
+        let mut ids = g.upload(&vec![-7i32; rows]).unwrap();
+        g.sample(&dx, rows, n, stride, &vec![greedy; rows], &mut ids)
+            .unwrap();
+        let got: Vec<u32> = g
+            .download(&ids)
+            .unwrap()
+            .into_iter()
+            .map(|v| kernels::sampled_id(v).0)
+            .collect();
+        for (row_i, &id) in got.iter().enumerate() {
+            let xr = &x[row_i * stride..row_i * stride + n];
+            let mut best = (f32::NEG_INFINITY, usize::MAX);
+            for (i, &v) in xr.iter().enumerate() {
+                if !v.is_nan() && (v > best.0 || best.1 == usize::MAX) {
+                    best = (v, i);
+                }
+            }
+            assert_eq!(id as usize, best.1, "V {n} stride {stride} row {row_i}");
+        }
+    }
 }
 
 #[test]

@@ -253,6 +253,7 @@ pub fn load(model: Arc<gguf::Model>, opts: &LoadOptions) -> Result<Loaded, Runti
                 &devs,
                 opts.moe_split,
                 opts.allreduce,
+                crate::cuda::CudaOptions::default(),
                 opts.progress.clone(),
             )?
         }

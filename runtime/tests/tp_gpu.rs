@@ -1,6 +1,6 @@
 //! Tensor parallelism on CUDA with several ranks sharing one GPU (separate streams, the one-shot
 //! all-reduce over same-device buffers): the all-reduce equals the CPU's rank-order sum bitwise
-//! on every rank, and TP 2/4 (8 on the GLM-5-shaped model) give TP 1's greedy tokens wherever
+//! on every rank, and TP 2/4 (8 on the GLM-5-shaped model) on the exact path give TP 1's greedy tokens wherever
 //! TP 1's top-2 gap exceeds twice the derived tolerance, with logits within it
 //! (`runtime::tp::check`). Without a GPU every test prints "skipped: no CUDA device".
 //! `GGUFTOOL_FIXTURES` points at the fixtures away from the checkout; `GGUFTOOL_TP_GLM5` names the
@@ -19,6 +19,11 @@ use runtime::LanguageModel;
 fn say(msg: &str) {
     let _ = writeln!(std::io::stderr().lock(), "{msg}");
 }
+
+const EXACT: runtime::cuda::CudaOptions = runtime::cuda::CudaOptions {
+    exact: true,
+    kv_bf16: false,
+};
 
 fn no_gpu(test: &str) -> bool {
     if kernels::device_count() == 0 {
@@ -176,7 +181,11 @@ fn check_model(
     configs: &[(usize, MoeSplit)],
     steps: usize,
 ) -> Vec<String> {
-    let one = runtime::cuda::load_cuda(Arc::clone(model), 0).unwrap();
+    // The exact path (f32 activations and caches): its only difference from TP 1 is the f32
+    // summation order, which `tp_tolerance` bounds. The fast path's q8 activations would turn
+    // that order difference into whole-code rounding flips (a bound of its own, checked against
+    // the CPU in runtime's cuda tests and by `doctor --tp`).
+    let one = runtime::cuda::load_cuda_with(Arc::clone(model), 0, EXACT).unwrap();
     let mut bad = Vec::new();
     for &(world, moe) in configs {
         let tp = runtime::cuda::comm::load_cuda_tp(
@@ -184,6 +193,7 @@ fn check_model(
             &vec![0; world],
             moe,
             AllReduce::Auto,
+            EXACT,
             None,
         )
         .unwrap_or_else(|e| panic!("{name} TP {world}: {e}"));
@@ -513,6 +523,7 @@ fn decode_rates_of_the_splits_on_one_gpu() {
             &vec![0; world],
             moe,
             AllReduce::Auto,
+            runtime::cuda::CudaOptions::default(),
             None,
         )
         .unwrap();

@@ -158,6 +158,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         lm: lm.as_ref(),
         vocab: lm.vocab_size(),
         chunk: if gpu.is_some() { 2048 } else { 256 },
+        waits: std::cell::Cell::new((0, 0)),
     };
     let model_name = path
         .file_name()
@@ -183,9 +184,18 @@ pub fn run(args: Args) -> Result<ExitCode> {
             b.run_once(test, len, 0, npl)?;
             for &depth in &args.n_depth {
                 let mut samples = Vec::with_capacity(args.repetitions);
+                let (mut wall_ns, mut wait_ns) = (0u64, 0u64);
                 for _ in 0..args.repetitions {
                     samples.push(b.run_once(test, len, depth, npl)?);
+                    let (w, t) = b.waits.get();
+                    wall_ns += w;
+                    wait_ns += t;
                 }
+                // The host's share of the wall time spent building and launching work (not
+                // waiting for the device): near 1 means the step is bound by the host, not the
+                // GPU. One host thread per rank waits: meaningful at TP 1 only.
+                let host_busy = (gpu.is_some() && tp_world == 1 && wall_ns > 0)
+                    .then(|| 1.0 - (wait_ns as f64 / wall_ns as f64).min(1.0));
                 let (avg, sd) = mean_sd(&samples);
                 let kernels = match (&gpu, args.no_profile) {
                     (Some(g), false) => Some(b.profile(g, test, len, depth, npl)?),
@@ -222,6 +232,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
                     if let Some(k) = &kernels {
                         println!("|   device time per token: {} |", kernel_line(k, 6));
                     }
+                    if let Some(h) = host_busy {
+                        println!(
+                            "|   host busy (launching, not waiting for the GPU): {:.0}% of the wall time |",
+                            100.0 * h
+                        );
+                    }
                 }
                 let (n_prompt, n_gen) = match test {
                     Test::Pp => (len, 0),
@@ -248,6 +264,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
                     "copy_gbs": copy_gbs,
                     "copy_share": share,
                     "kernels": kernels.as_ref().map(kernels_json),
+                    "host_busy_share": host_busy,
                     "date": date,
                 }));
             }
@@ -304,6 +321,8 @@ struct Bencher<'a> {
     vocab: usize,
     /// Largest prefill chunk when filling the depth (bounds activation memory).
     chunk: usize,
+    /// Of the last timed repetition: (wall ns, ns host threads waited for the device).
+    waits: std::cell::Cell<(u64, u64)>,
 }
 
 /// Deterministic token ids spread over the vocabulary (llama-bench feeds arbitrary tokens too:
@@ -362,6 +381,20 @@ impl Bencher<'_> {
 
     /// The timed part of one repetition: tokens per second over all sequences.
     fn timed(&self, seqs: &mut [Box<dyn SequenceState>], test: Test, len: usize) -> Result<f64> {
+        let (t0, w0) = (Instant::now(), kernels::host_wait_ns());
+        let r = self.timed_inner(seqs, test, len);
+        let wall = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.waits
+            .set((wall, kernels::host_wait_ns().saturating_sub(w0)));
+        r
+    }
+
+    fn timed_inner(
+        &self,
+        seqs: &mut [Box<dyn SequenceState>],
+        test: Test,
+        len: usize,
+    ) -> Result<f64> {
         let npl = seqs.len();
         match test {
             Test::Pp => {

@@ -30,10 +30,12 @@
 //! Discrete selections (the DSA indexer's top-k keys, the router's experts) are not smooth: a
 //! rounding can swap the element at a selection boundary, which changes that step's outputs by
 //! far more than any rounding bound, and every later step through the cache. [`compare`]
-//! therefore observes both models' selections every step: equal sets continue the comparison;
-//! sets that differ by a near-tie swap (at most 2 + |set|/50 elements of their symmetric
-//! difference per row) end it at that step as a "selection flip" (reported, not a failure: both
-//! models computed a valid state); anything larger is a failure (a kernel selecting wrongly).
+//! therefore observes both models' selections every step, in forward order: equal sets continue
+//! the comparison; at the first selection that differs, rows that differ by a near-tie swap (at
+//! most 2 + |set|/50 elements of their symmetric difference per row) end it at that step as a
+//! "selection flip" (reported, not a failure: both models computed a valid state; later layers'
+//! selections of that step are downstream of the swap and not judged); anything larger is a
+//! failure (a kernel selecting wrongly).
 
 use crate::backend::Backend;
 use crate::cpu::CpuBackend;
@@ -207,22 +209,28 @@ fn compare_selections(c: &Selections, g: &Selections) -> SelCmp {
     if c.len() != g.len() {
         return SelCmp::Differ(format!("{} vs {} selections", g.len(), c.len()));
     }
-    let mut flip = None;
+    // Selections come in forward order. The first one that differs is judged (each of its rows
+    // on its own: rows of one selection are computed from the same inputs); every later one is
+    // downstream of it (a swapped expert or key changes the next layers' inputs, so at prefill
+    // one near-tie swap in layer l can move many choices in layer l + 1 of the same step) and
+    // says nothing more about the kernels.
     for ((nc, sc), (ng, sg)) in c.iter().zip(g) {
         if nc != ng || sc.len() != sg.len() {
             return SelCmp::Differ(format!("{ng} vs {nc}"));
         }
+        let mut differs = false;
         for (a, b) in sc.iter().zip(sg) {
             let d = sym_diff(a, b);
             if d > 2 + a.len() / 50 {
                 return SelCmp::Differ(format!("{nc}: {d} of {} entries differ", a.len()));
             }
-            if d > 0 && flip.is_none() {
-                flip = Some(nc.clone());
-            }
+            differs |= d > 0;
+        }
+        if differs {
+            return SelCmp::Flip(nc.clone());
         }
     }
-    flip.map_or(SelCmp::Equal, SelCmp::Flip)
+    SelCmp::Equal
 }
 
 /// Prefill `prompt` on both models, then teacher-forced greedy decoding of `steps` tokens (the
@@ -450,6 +458,30 @@ mod unit {
             SelCmp::Differ(_)
         ));
         assert_eq!(sym_diff(&[1, 2, 3], &[2, 3, 4]), 2);
+    }
+
+    /// Only the first differing selection of a step is judged: what follows it is downstream.
+    #[test]
+    fn selections_after_the_first_swap_are_downstream() {
+        let two = |l0: Vec<i64>, l1: Vec<i64>| {
+            vec![
+                ("blk.0.router.experts".to_string(), vec![l0]),
+                ("blk.1.router.experts".to_string(), vec![l1]),
+            ]
+        };
+        let base = two(vec![0, 1, 2, 3], vec![0, 1, 2, 3]);
+        // Layer 0 swaps one expert; layer 1 then differs completely: a flip at layer 0.
+        let cascade = two(vec![0, 1, 2, 4], vec![5, 6, 7, 8]);
+        match compare_selections(&base, &cascade) {
+            SelCmp::Flip(name) => assert_eq!(name, "blk.0.router.experts"),
+            _ => panic!("a near-tie swap followed by its consequences is a flip"),
+        }
+        // Layer 0 equal, layer 1 wholly different: a kernel selecting wrongly.
+        let wrong = two(vec![0, 1, 2, 3], vec![5, 6, 7, 8]);
+        assert!(matches!(
+            compare_selections(&base, &wrong),
+            SelCmp::Differ(_)
+        ));
     }
 
     /// The observed comparison of a model with itself (CPU) finds no difference, no flip.

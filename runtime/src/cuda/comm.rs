@@ -35,39 +35,19 @@ fn kerr(what: &str) -> impl FnOnce(kernels::KernelError) -> RuntimeError + '_ {
     move |e| RuntimeError::Backend(format!("{what}: {e}"))
 }
 
-/// Expert ids re-based to `first .. first + count` (others -1), through the host: a small
-/// `[tokens, k]` copy per MoE layer (expert parallelism on CUDA; column split needs none).
+/// Expert ids re-based to `first .. first + count` (others -1) on the device, in place
+/// (expert parallelism on CUDA; column split needs none): no host round trip in the step.
 pub(crate) fn local_expert_ids(
     be: &CudaBackend,
-    ids: CudaIndex,
+    mut ids: CudaIndex,
     first: usize,
     count: usize,
 ) -> Result<CudaIndex, RuntimeError> {
     let n = ids.rows * ids.cols;
-    if n == 0 {
-        return Ok(ids);
-    }
-    let v = be
-        .gpu
-        .download(&ids.buf.slice(0..n))
+    be.gpu
+        .moe_local_ids(&mut ids.buf, n, first, count)
         .map_err(kerr("local_expert_ids"))?;
-    let (lo, hi) = (first as i64, (first + count) as i64);
-    let w: Vec<i32> = v
-        .iter()
-        .map(|&e| {
-            let e = e as i64;
-            if (lo..hi).contains(&e) {
-                (e - lo) as i32
-            } else {
-                -1
-            }
-        })
-        .collect();
-    Ok(CudaIndex {
-        rows: ids.rows,
-        cols: ids.cols,
-        buf: be.gpu.upload_async(&w).map_err(kerr("local_expert_ids"))?,
-    })
+    Ok(ids)
 }
 
 /// NCCL's communicator holds a raw handle; each rank's is used by that rank's thread only.
@@ -78,11 +58,16 @@ unsafe impl Send for NcclComm {}
 unsafe impl Sync for NcclComm {}
 
 enum Reduce {
-    /// Launched after a host barrier of the ranks: in eager mode a rank may sit in a driver call
-    /// that waits for the whole device (an allocation, a cuBLAS handle, a module load); were a
-    /// peer's kernel already spinning for this rank's flag, neither would finish. After the
-    /// barrier every rank's kernel is queued before any rank's next host call. (A captured
-    /// decode graph has no such calls.)
+    /// Ranks sharing a GPU launch between two host barriers. A driver call may wait for the
+    /// whole context: lazy loading of a kernel at its first launch (CUDA's default module
+    /// loading), an allocation, a cuBLAS handle. Were a rank to make such a call while its own
+    /// all-reduce kernel already spins for a peer whose launch has not been queued yet, the call
+    /// would wait for the spin and the spin for the peer's flag: the kernel's 20 s timeout then
+    /// ended it with its output unreduced (the first step of a fresh TP model, when every
+    /// kernel is loaded for the first time). The barrier before the launch keeps a rank from
+    /// spinning before its peers reach the collective; the one after keeps every rank from its
+    /// next driver call until all ranks' kernels are queued. (A captured decode graph makes no
+    /// such calls.)
     OneShot(OneShotRank, Option<Arc<SpinBarrier>>),
     Nccl(NcclComm),
     Host,
@@ -118,15 +103,24 @@ impl RankComm<CudaBackend> for CudaComm {
         }
         match &self.reduce {
             Reduce::OneShot(r, barrier) => {
-                if let Some(b) = barrier {
+                let wait = |b: &SpinBarrier| {
                     b.wait().map_err(|e| RuntimeError::Tp {
                         world: r.world(),
                         msg: e.to_string(),
-                    })?;
+                    })
+                };
+                if let Some(b) = barrier {
+                    wait(b)?;
                 }
                 let buf = x.f32_mut().ok_or_else(|| not_f32("all-reduce"))?;
+                // On an error the rank's step fails and aborts the group (`tp::model::guarded`),
+                // which releases the peers from the second barrier.
                 r.all_reduce(&mut buf.slice_mut(0..n), n)
-                    .map_err(kerr("all-reduce (oneshot)"))
+                    .map_err(kerr("all-reduce (oneshot)"))?;
+                if let Some(b) = barrier {
+                    wait(b)?;
+                }
+                Ok(())
             }
             Reduce::Nccl(c) => {
                 let buf = x.f32_mut().ok_or_else(|| not_f32("all-reduce"))?;
@@ -157,6 +151,21 @@ impl RankComm<CudaBackend> for CudaComm {
     }
     fn kind(&self) -> String {
         self.kind_name().into()
+    }
+    fn check(&self) -> Result<(), RuntimeError> {
+        if let Reduce::OneShot(r, _) = &self.reduce {
+            if r.take_timeout().map_err(kerr("all-reduce (oneshot)"))? {
+                return Err(RuntimeError::Tp {
+                    world: r.world(),
+                    msg: format!(
+                        "rank {}: a one-shot all-reduce timed out waiting for a peer; \
+                         this step's results are discarded",
+                        r.rank()
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 }
 
@@ -312,6 +321,7 @@ fn setup_rank(
     rank: usize,
     devices: &[usize],
     choice: &[AllReduce],
+    opts: CudaOptions,
     host: HostComm,
     g: &SetupGroup,
     barrier: Option<&Arc<SpinBarrier>>,
@@ -319,7 +329,7 @@ fn setup_rank(
     let world = devices.len();
     let ordinal = devices[rank];
     let gpu = Gpu::open_private(ordinal).map_err(kerr("opening the CUDA device"))?;
-    let be = CudaBackend::on(Arc::clone(&gpu), CudaOptions::default());
+    let be = CudaBackend::on(Arc::clone(&gpu), opts);
     let build = |w: AllReduce, host: HostComm| -> Result<CudaComm, RuntimeError> {
         let reduce = match w {
             AllReduce::OneShot => {
@@ -365,12 +375,13 @@ fn setup_rank(
 }
 
 /// Load `model` over one rank per entry of `devices` (CUDA ordinals; repeats put several ranks
-/// on one GPU).
+/// on one GPU), every rank's backend with `opts`.
 pub fn load_cuda_tp(
     model: Arc<gguf::Model>,
     devices: &[usize],
     moe: MoeSplit,
     want: AllReduce,
+    opts: CudaOptions,
     progress: Option<Arc<dyn Fn(u64) + Send + Sync>>,
 ) -> Result<TpModel, RuntimeError> {
     let world = devices.len();
@@ -388,7 +399,7 @@ pub fn load_cuda_tp(
         moe,
         move |rank| {
             let host = hosts.take(rank)?;
-            let s = setup_rank(rank, &devs, &choice, host, &g2, barrier.as_ref())?;
+            let s = setup_rank(rank, &devs, &choice, opts, host, &g2, barrier.as_ref())?;
             kinds2
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())

@@ -182,6 +182,9 @@ pub struct CudaBackend {
     /// Sample on the device (sample.cu); `GGUFTOOL_DEVICE_SAMPLING=0` copies the logits and
     /// samples on the host with the same rules instead (a fallback, and a comparison).
     device_sampling: bool,
+    /// Norms feeding integer-dot GEMVs write the q8 copy in their own launch
+    /// (`GGUFTOOL_NORM_Q8=0`: a separate quantize launch, as before).
+    norm_q8: bool,
 }
 
 fn err(msg: impl Into<String>) -> RuntimeError {
@@ -218,6 +221,7 @@ impl CudaBackend {
             inputs: Arc::new(Mutex::new(Inputs::default())),
             prefill_gemm: std::env::var("GGUFTOOL_PREFILL_GEMM").map_or(true, |v| v != "0"),
             device_sampling: std::env::var("GGUFTOOL_DEVICE_SAMPLING").map_or(true, |v| v != "0"),
+            norm_q8: std::env::var("GGUFTOOL_NORM_Q8").map_or(true, |v| v != "0"),
         }
     }
 
@@ -355,6 +359,17 @@ impl CudaBackend {
     }
 
     /// Whether the fast integer-dot path takes `shape`.
+    /// Whether a norm's output of `rows` x `k` should carry its q8 copy from the norm's own
+    /// launch: on the fast path, when the integer-dot GEMVs that follow a norm would quantize
+    /// it anyway (decode and short steps; longer ones go to the tensor cores in bf16). Saves one
+    /// quantize launch per norm (bitwise the same codes, tested in kernels' GPU tests).
+    fn q8_epilogue(&self, rows: usize, k: usize) -> bool {
+        !self.opts.exact
+            && k.is_multiple_of(32)
+            && (rows <= GEMVQ_MAX_ROWS || !self.prefill_gemm)
+            && self.norm_q8
+    }
+
     fn fast(&self, shape: &MatShape) -> bool {
         !self.opts.exact && kernels::gemvq_supported(shape)
     }
@@ -905,10 +920,19 @@ impl Backend for CudaBackend {
         if groups > 0 {
             let wv = wv.slice(0..g);
             let xb = x.f32().ok_or_else(|| not_f32("rms_norm"))?;
+            let fuse = g == x.cols && self.q8_epilogue(x.rows, g);
             let o = out.f32_mut().ok_or_else(|| not_f32("rms_norm"))?;
-            self.gpu
-                .rms_norm(xb, Some(&wv), o, Rows::dense(groups, g), eps)
-                .map_err(kerr("rms_norm"))?;
+            if fuse {
+                let q = self
+                    .gpu
+                    .rms_norm_q8(xb, Some(&wv), o, Rows::dense(groups, g), eps)
+                    .map_err(kerr("rms_norm"))?;
+                let _ = out.q8.set(q);
+            } else {
+                self.gpu
+                    .rms_norm(xb, Some(&wv), o, Rows::dense(groups, g), eps)
+                    .map_err(kerr("rms_norm"))?;
+            }
         }
         Ok(out)
     }
@@ -937,11 +961,21 @@ impl Backend for CudaBackend {
             let xb = x.f32().ok_or_else(|| not_f32("add_rms_norm"))?;
             let rb = res.f32().ok_or_else(|| not_f32("add_rms_norm"))?;
             let hb = h.f32_mut().ok_or_else(|| not_f32("add_rms_norm"))?;
+            let fuse = self.q8_epilogue(x.rows, g);
             let yb = y.f32_mut().ok_or_else(|| not_f32("add_rms_norm"))?;
             // The kernel forms x + res; f32 addition commutes, so this is bitwise `add`.
-            self.gpu
-                .add_rms_norm_to(xb, rb, hb, Some(&wv), yb, Rows::dense(x.rows, g), eps)
-                .map_err(kerr("add_rms_norm"))?;
+            let l = Rows::dense(x.rows, g);
+            if fuse {
+                let q = self
+                    .gpu
+                    .add_rms_norm_to_q8(xb, rb, hb, Some(&wv), yb, l, eps)
+                    .map_err(kerr("add_rms_norm"))?;
+                let _ = y.q8.set(q);
+            } else {
+                self.gpu
+                    .add_rms_norm_to(xb, rb, hb, Some(&wv), yb, l, eps)
+                    .map_err(kerr("add_rms_norm"))?;
+            }
         }
         Ok((h, y))
     }

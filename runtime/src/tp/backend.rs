@@ -21,6 +21,11 @@ pub trait RankComm<B: Backend>: Send + Sync {
     fn reset(&self);
     /// A short description for reports (`host`, `oneshot`, `nccl`).
     fn kind(&self) -> String;
+    /// After a step: fail if a collective of it went wrong on the device without an error at
+    /// launch (a one-shot all-reduce that timed out), so its results are never used.
+    fn check(&self) -> Result<(), RuntimeError> {
+        Ok(())
+    }
 }
 
 /// Backend `B` as rank `comm.rank()` of a tensor-parallel group.

@@ -587,12 +587,14 @@ fn guarded<B: Backend>(
     what: &str,
     f: impl FnOnce() -> Result<RankOut, RuntimeError>,
 ) -> Result<RankOut, RuntimeError> {
-    let r = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
-        Err(RuntimeError::Tp {
-            world: model.view().world,
-            msg: format!("rank {rank} panicked during {what}"),
+    let r = catch_unwind(AssertUnwindSafe(f))
+        .unwrap_or_else(|_| {
+            Err(RuntimeError::Tp {
+                world: model.view().world,
+                msg: format!("rank {rank} panicked during {what}"),
+            })
         })
-    });
+        .and_then(|out| model.backend().comm().check().map(|()| out));
     if r.is_err() {
         model.backend().comm().abort();
     }
