@@ -242,17 +242,14 @@ impl OneShotRank {
     /// the flag: a timed-out launch returns with its output unreduced, so the step that ran it
     /// must be discarded.
     pub fn take_timeout(&self) -> Result<bool, KernelError> {
-        self.gpu.synchronize()?;
-        let mut v = [0u32];
-        // SAFETY: the error word is 4 bytes; the stream is idle (synchronized above).
-        unsafe { result::memcpy_dtoh_sync(&mut v, self.error.ptr) }
-            .map_err(KernelError::driver("cuMemcpyDtoH"))?;
-        if v[0] != 0 {
-            // SAFETY: as above.
+        // Once per step: through the pinned staging buffer, ordered after this rank's kernels.
+        let v = self.gpu.download_word(self.error.ptr)?;
+        if v != 0 {
+            // SAFETY: the error word is 4 bytes; the stream is idle (the download waited for it).
             unsafe { result::memset_d8_sync(self.error.ptr, 0, 4) }
                 .map_err(KernelError::driver("cuMemsetD8"))?;
         }
-        Ok(v[0] != 0)
+        Ok(v != 0)
     }
 
     /// Whether a wait timed out since the group was made (a rank that never arrived).

@@ -725,6 +725,27 @@ impl Gpu {
         r
     }
 
+    /// Copy one small value at raw device address `src` back through the pinned staging
+    /// buffer, in order on this device's stream (waits for it): no pageable copy.
+    pub(crate) fn download_word(&self, src: u64) -> Result<u32, KernelError> {
+        let t0 = std::time::Instant::now();
+        let mut out = [0u32];
+        let staged = self
+            .staging
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .download(&self.stream, src, &mut out);
+        note_wait(t0);
+        match staged {
+            Ok(true) => Ok(out[0]),
+            Ok(false) => Err(KernelError::BadShape {
+                op: "download",
+                msg: "4 bytes did not fit the staging buffer".into(),
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
     fn download_inner<T: DeviceRepr + Clone + Default>(
         &self,
         dev: &impl cudarc::driver::DevicePtr<T>,
