@@ -862,8 +862,25 @@ impl<B: Backend> GlmModel<B> {
         cache: &mut KvCache<B>,
         tokens: &[u32],
         head: HeadOutput,
-        mut obs: Option<Observer<'_>>,
+        obs: Option<Observer<'_>>,
     ) -> Result<Vec<f32>, RuntimeError> {
+        self.forward_draft_with(cache, tokens, head, obs, |m, l| match l {
+            Some(l) => m.backend.to_host(&l),
+            None => Ok(Vec::new()),
+        })
+    }
+
+    /// [`GlmModel::forward_draft`] with `finish` turning the last row's logits (on the device;
+    /// `None` for a rank that only took part in the gather) into the result before the draft
+    /// state commits (its failure leaves the state as before).
+    pub fn forward_draft_with<R>(
+        &self,
+        cache: &mut KvCache<B>,
+        tokens: &[u32],
+        head: HeadOutput,
+        mut obs: Option<Observer<'_>>,
+        finish: impl FnOnce(&Self, Option<B::Tensor>) -> Result<R, RuntimeError>,
+    ) -> Result<R, RuntimeError> {
         let mtp = self.mtp.first().ok_or(RuntimeError::NoDraftLayer)?;
         let d = cache.draft.as_deref_mut().ok_or_else(|| {
             RuntimeError::Backend("draft step on a sequence made without a draft layer".into())
@@ -894,7 +911,9 @@ impl<B: Backend> GlmModel<B> {
             d.own.take()
         }
         .ok_or_else(|| model_err("draft state without hidden input"))?;
-        let r = self.draft_rows(mtp, &mut d.cache, &input, tokens, pos0, head, &mut obs);
+        let r = self
+            .draft_rows(mtp, &mut d.cache, &input, tokens, pos0, head, &mut obs)
+            .and_then(|(last, l)| Ok((last, finish(self, l)?)));
         match r {
             Ok((last, logits)) => {
                 d.cache.len = pos0 + tokens.len();
@@ -917,7 +936,7 @@ impl<B: Backend> GlmModel<B> {
     }
 
     /// The draft layer's rows `pos0 ..` from hidden states `hidden` and next tokens `tokens`:
-    /// its post-`shared_head_norm` last row and that row's logits.
+    /// its post-`shared_head_norm` last row and that row's logits (on the device).
     #[allow(clippy::too_many_arguments)]
     fn draft_rows(
         &self,
@@ -928,7 +947,7 @@ impl<B: Backend> GlmModel<B> {
         pos0: usize,
         head: HeadOutput,
         obs: &mut Option<Observer<'_>>,
-    ) -> Result<(B::Tensor, Vec<f32>), RuntimeError> {
+    ) -> Result<(B::Tensor, Option<B::Tensor>), RuntimeError> {
         let be = &self.backend;
         let eps = self.spec.rms_eps;
         let bi = mtp.layer.spec.index;
@@ -959,10 +978,7 @@ impl<B: Backend> GlmModel<B> {
             || format!("blk.{bi}.nextn.shared_head_norm.out"),
             &last,
         )?;
-        let logits = match self.head(&last, head, obs, "nextn.logits")? {
-            Some(l) => be.to_host(&l)?,
-            None => Vec::new(),
-        };
+        let logits = self.head(&last, head, obs, "nextn.logits")?;
         Ok((last, logits))
     }
 
@@ -1456,6 +1472,42 @@ impl<B: Backend> LanguageModel for GlmModel<B> {
             .downcast_mut::<KvCache<B>>()
             .ok_or_else(|| RuntimeError::Backend("sequence state of another model".into()))?;
         self.forward_draft(cache, tokens, HeadOutput::Gathered, None)
+    }
+    fn draft_forward_greedy(
+        &self,
+        seq: &mut dyn SequenceState,
+        tokens: &[u32],
+    ) -> Result<Sampled, RuntimeError> {
+        let cache = seq
+            .as_any_mut()
+            .downcast_mut::<KvCache<B>>()
+            .ok_or_else(|| RuntimeError::Backend("sequence state of another model".into()))?;
+        self.forward_draft_with(cache, tokens, HeadOutput::Gathered, None, |m, l| {
+            let l = l.ok_or_else(|| model_err("draft step: no logits"))?;
+            let reqs = [SampleRequest::greedy()];
+            let ids = m.backend.sample(&l, &reqs)?;
+            finish_rows(&ids, &reqs, None, m.spec.n_vocab)
+                .pop()
+                .ok_or_else(|| model_err("draft step: no id"))
+        })
+    }
+    /// Greedy ids of every row on the device (only the ids come back).
+    fn forward_greedy_rows(
+        &self,
+        seq: &mut dyn SequenceState,
+        tokens: &[u32],
+    ) -> Result<Vec<Sampled>, RuntimeError> {
+        let reqs = vec![SampleRequest::greedy(); tokens.len()];
+        let mut batch = [SeqStep {
+            seq,
+            tokens,
+            all_logits: true,
+        }];
+        self.step(&mut batch, HeadOutput::Gathered, None, |m, logits, _, _| {
+            let logits = logits.ok_or_else(|| model_err("greedy rows: no logits"))?;
+            let ids = m.backend.sample(&logits, &reqs)?;
+            Ok(finish_rows(&ids, &reqs, None, m.spec.n_vocab))
+        })
     }
     /// Samples with the backend's sampler on the gathered logits (on the GPU: only the ids
     /// and, for requests with log-probabilities, the logits come back).

@@ -105,6 +105,36 @@ pub trait LanguageModel: Send + Sync {
         Err(RuntimeError::NoDraftLayer)
     }
 
+    /// Append `tokens` to `seq` and return the greedy choice after every one of them (the
+    /// largest logit, lowest id among equals, with whether the row held a non-finite logit):
+    /// the verification step of greedy speculative decoding. A GPU model picks on the device
+    /// and copies back only the ids; the default copies every row's logits to the host.
+    fn forward_greedy_rows(
+        &self,
+        seq: &mut dyn SequenceState,
+        tokens: &[u32],
+    ) -> Result<Vec<Sampled>, RuntimeError> {
+        let logits = self.forward(&mut [SeqStep {
+            seq,
+            tokens,
+            all_logits: true,
+        }])?;
+        greedy_rows_host(logits.into_iter().next(), tokens.len(), self.vocab_size())
+    }
+
+    /// [`LanguageModel::draft_forward`] followed by the greedy choice on its logits (greedy
+    /// drafting): only the id comes back from a GPU model.
+    fn draft_forward_greedy(
+        &self,
+        seq: &mut dyn SequenceState,
+        tokens: &[u32],
+    ) -> Result<Sampled, RuntimeError> {
+        let logits = self.draft_forward(seq, tokens)?;
+        greedy_rows_host(Some(logits), 1, self.vocab_size())?
+            .pop()
+            .ok_or_else(|| RuntimeError::Backend("draft step returned no logits".into()))
+    }
+
     /// [`LanguageModel::forward`] for steps that want the last position only, returning each
     /// sequence's sampled token (`reqs[i]` for `batch[i]`, rules of [`crate::sampling`]): what
     /// `generate` and the server need per decode step. A GPU model samples on the device and
@@ -163,6 +193,22 @@ pub trait LanguageModel: Send + Sync {
     fn cache_capacity_tokens(&self) -> Option<usize> {
         None
     }
+}
+
+/// Greedy picks of `rows` rows of host logits (`[rows, vocab]`).
+pub(crate) fn greedy_rows_host(
+    logits: Option<Vec<f32>>,
+    rows: usize,
+    vocab: usize,
+) -> Result<Vec<Sampled>, RuntimeError> {
+    let flat = logits.filter(|l| l.len() == rows * vocab).ok_or_else(|| {
+        RuntimeError::Backend(format!(
+            "greedy rows: expected {rows} rows of {vocab} logits"
+        ))
+    })?;
+    let reqs = vec![SampleRequest::greedy(); rows];
+    let ids = sample_host(&flat, vocab, &reqs);
+    Ok(finish_rows(&ids, &reqs, None, vocab))
 }
 
 /// `forward_top_k` answers for the last position of each step only.

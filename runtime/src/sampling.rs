@@ -49,6 +49,17 @@ pub struct SampleRequest {
     pub logprobs: Option<usize>,
 }
 
+impl SampleRequest {
+    /// Greedy, without log-probabilities.
+    pub fn greedy() -> Self {
+        SampleRequest {
+            params: SampleParams::GREEDY,
+            u: 0.0,
+            logprobs: None,
+        }
+    }
+}
+
 /// One sequence's sampled token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sampled {

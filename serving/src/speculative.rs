@@ -101,11 +101,14 @@ fn ratio(a: u64, b: u64) -> f64 {
     }
 }
 
-/// One emitted token and the trunk's logits it was chosen from (for logprobs).
+/// One emitted token and the trunk's logits it was chosen from (for logprobs; empty when the
+/// round was asked for ids only).
 #[derive(Debug, Clone)]
 pub struct Emitted {
     pub id: u32,
     pub logits: Vec<f32>,
+    /// The trunk row it was chosen from held a NaN or infinite logit.
+    pub non_finite: bool,
 }
 
 /// The acceptance rule on one round: `p` holds the `k + 1` target distributions, `q` the `k`
@@ -188,7 +191,8 @@ impl Drafter {
     /// One round on `seq` after token `last` was chosen (and emitted): draft up to `k` tokens
     /// (fewer when only `max_new` more tokens are wanted), verify them with the trunk, and
     /// return the tokens that follow `last` (1 ..= k + 1 of them), each with the trunk logits it
-    /// was chosen from. `last` is fed to the trunk here.
+    /// was chosen from when `want_logits` (for log-probabilities). `last` is fed to the trunk
+    /// here.
     pub fn round(
         &mut self,
         lm: &dyn LanguageModel,
@@ -196,11 +200,15 @@ impl Drafter {
         sampler: &mut Sampler,
         last: u32,
         max_new: usize,
+        want_logits: bool,
     ) -> Result<Vec<Emitted>, RuntimeError> {
         let n0 = seq.len();
         // Room in the context for `last` and the drafts.
         let room = lm.context_length().saturating_sub(n0 + 1);
         let k = self.k.min(max_new.saturating_sub(1)).min(room);
+        if sampler.params().is_greedy() && !want_logits {
+            return self.round_greedy(lm, seq, last, k, n0);
+        }
         let mut drafts = Vec::with_capacity(k);
         let mut q = Vec::with_capacity(k);
         if k > 0 {
@@ -254,13 +262,74 @@ impl Drafter {
             .map(|(&id, r)| Emitted {
                 id,
                 logits: r.to_vec(),
+                non_finite: false,
             })
             .collect();
         out.push(Emitted {
             id: next,
             logits: rows[n_acc].to_vec(),
+            non_finite: false,
         });
+        for e in &mut out {
+            e.non_finite = runtime::numerics::first_non_finite(&e.logits).is_some();
+        }
         Ok(out)
+    }
+
+    /// [`Drafter::round`] under greedy sampling without log-probabilities: drafts and trunk
+    /// rows are picked where the logits are (on a GPU only ids come back), and a draft is kept
+    /// exactly when it is the trunk's own greedy pick (what [`accept`] does with one-hot
+    /// distributions).
+    fn round_greedy(
+        &mut self,
+        lm: &dyn LanguageModel,
+        seq: &mut dyn SequenceState,
+        last: u32,
+        k: usize,
+        n0: usize,
+    ) -> Result<Vec<Emitted>, RuntimeError> {
+        let mut drafts = Vec::with_capacity(k);
+        if k > 0 {
+            let mut feed = std::mem::take(&mut self.catch_up);
+            feed.push(last);
+            let mut d = lm.draft_forward_greedy(seq, &feed)?.id;
+            drafts.push(d);
+            while drafts.len() < k {
+                d = lm.draft_forward_greedy(seq, &[d])?.id;
+                drafts.push(d);
+            }
+        } else {
+            self.catch_up.push(last);
+        }
+        let mut tokens = Vec::with_capacity(k + 1);
+        tokens.push(last);
+        tokens.extend_from_slice(&drafts);
+        let rows = lm.forward_greedy_rows(seq, &tokens)?;
+        if rows.len() != tokens.len() {
+            return Err(RuntimeError::Backend(format!(
+                "verification returned {} rows for {} tokens",
+                rows.len(),
+                tokens.len()
+            )));
+        }
+        let n_acc = drafts
+            .iter()
+            .zip(&rows)
+            .take_while(|(d, r)| **d == r.id)
+            .count();
+        if k > 0 {
+            self.stats.record(k, n_acc);
+            seq.truncate(n0 + 1 + n_acc)?;
+            self.catch_up = drafts[..n_acc].to_vec();
+        }
+        Ok(rows[..=n_acc]
+            .iter()
+            .map(|r| Emitted {
+                id: r.id,
+                logits: Vec::new(),
+                non_finite: r.non_finite,
+            })
+            .collect())
     }
 }
 
@@ -312,10 +381,11 @@ impl SpecSequence {
         sampler: &mut Sampler,
         last: u32,
         max_new: usize,
+        want_logits: bool,
     ) -> Result<Vec<Emitted>, RuntimeError> {
         let r = self
             .drafter
-            .round(lm, self.seq.as_mut(), sampler, last, max_new);
+            .round(lm, self.seq.as_mut(), sampler, last, max_new, want_logits);
         self.stats = self.drafter.stats.clone();
         r
     }

@@ -57,7 +57,8 @@ fn plain_greedy(lm: &dyn LanguageModel, prompt: &[u32], n: usize) -> Vec<u32> {
     out
 }
 
-/// Speculative decoding with `k` drafts per round, `n` tokens, with the sampler `params`.
+/// Speculative decoding with `k` drafts per round, `n` tokens, with the sampler `params`
+/// (greedy rounds pick on the model's side and return ids only).
 fn speculative(
     lm: &dyn LanguageModel,
     prompt: &[u32],
@@ -65,14 +66,35 @@ fn speculative(
     k: usize,
     params: SamplingParams,
 ) -> (Vec<u32>, DraftStats) {
+    speculative_with(lm, prompt, n, k, params, false)
+}
+
+/// [`speculative`], the rounds asked for the trunk logits of every emitted token when
+/// `want_logits` (the host-side acceptance path, as with log-probabilities).
+fn speculative_with(
+    lm: &dyn LanguageModel,
+    prompt: &[u32],
+    n: usize,
+    k: usize,
+    params: SamplingParams,
+    want_logits: bool,
+) -> (Vec<u32>, DraftStats) {
     let mut sp = SpecSequence::new(lm, k).unwrap();
     let mut s = Sampler::new(params);
     let l = sp.prefill(lm, prompt).unwrap();
     let mut out = vec![s.sample(&l)];
     while out.len() < n {
         let last = *out.last().unwrap();
-        let got = sp.step(lm, &mut s, last, n - out.len()).unwrap();
+        let got = sp
+            .step(lm, &mut s, last, n - out.len(), want_logits)
+            .unwrap();
         assert!(!got.is_empty() && got.len() <= k + 1);
+        let vocab = lm.vocab_size();
+        assert!(
+            got.iter()
+                .all(|e| e.logits.len() == if want_logits { vocab } else { 0 }),
+            "logits come back exactly when asked for"
+        );
         out.extend(got.iter().map(|e| e.id));
         // The trunk holds the prompt and every emitted token but the last.
         assert_eq!(sp.len(), prompt.len() + out.len() - 1);
@@ -96,6 +118,10 @@ fn greedy_with_mtp_drafts_equals_plain_greedy_on_every_reference_prompt() {
             let (got, st) = speculative(&lm, &prompt, 24, k, SamplingParams::greedy());
             assert_eq!(got, want, "{id}, {k} drafts per round");
             assert!(st.n_drafted() > 0, "{id}: nothing drafted");
+            // The host-side acceptance (full logits per row) keeps the same drafts.
+            let (host, sh) = speculative_with(&lm, &prompt, 24, k, SamplingParams::greedy(), true);
+            assert_eq!(host, want, "{id}, {k} drafts per round, host acceptance");
+            assert_eq!(sh, st, "{id}, {k}: the same drafts kept on both paths");
         }
     }
 }
@@ -369,6 +395,14 @@ fn cuda_greedy_with_mtp_drafts_equals_plain_greedy() {
         for k in [1, 3, 4] {
             let (got, st) = speculative(lm.as_ref(), &prompt, 24, k, SamplingParams::greedy());
             assert_eq!(got, want, "CUDA {id}, {k} drafts per round");
+            // Ids picked on the device = the host's picks from the same rounds' logits.
+            let (host, sh) =
+                speculative_with(lm.as_ref(), &prompt, 24, k, SamplingParams::greedy(), true);
+            assert_eq!(
+                host, want,
+                "CUDA {id}, {k} drafts per round, host acceptance"
+            );
+            assert_eq!(sh, st, "CUDA {id}, {k}: the same drafts kept on both paths");
             println!("CUDA {id} k={k}: per position {:?}", st.per_position);
         }
     }

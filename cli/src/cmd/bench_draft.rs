@@ -51,7 +51,7 @@ pub fn run(
         let mut done = 1;
         let t0 = Instant::now();
         while done < n {
-            let got = sp.step(m, &mut s, last, n - done)?;
+            let got = sp.step(m, &mut s, last, n - done, false)?;
             done += got.len();
             last = got.last().context("empty round")?.id;
         }
@@ -76,12 +76,9 @@ pub fn run(
         let toks: Vec<u32> = prompt.iter().copied().cycle().take(j).collect();
         let mut t = Vec::with_capacity(reps);
         for _ in 0..reps {
+            // As a greedy round verifies: the pick after every row, ids only.
             let t0 = Instant::now();
-            m.forward(&mut [SeqStep {
-                seq: seq.as_mut(),
-                tokens: &toks,
-                all_logits: j > 1,
-            }])?;
+            m.forward_greedy_rows(seq.as_mut(), &toks)?;
             t.push(t0.elapsed().as_secs_f64() * 1e3);
             seq.truncate(n0)?;
         }
@@ -100,7 +97,7 @@ pub fn run(
     let mut t = Vec::with_capacity(reps);
     for _ in 0..reps {
         let t0 = Instant::now();
-        m.draft_forward(ds.as_mut(), &prompt[..1])?;
+        m.draft_forward_greedy(ds.as_mut(), &prompt[..1])?;
         t.push(t0.elapsed().as_secs_f64() * 1e3);
     }
     let draft_ms = median(t);

@@ -235,12 +235,28 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 (None, Some(sp)) => {
                     if queue.is_empty() {
                         queue.extend(
-                            sp.step(lm, &mut sampler, id, n_predict - i - 1)
-                                .context("speculative decoding round")?,
+                            sp.step(
+                                lm,
+                                &mut sampler,
+                                id,
+                                n_predict - i - 1,
+                                args.logprobs.is_some(),
+                            )
+                            .context("speculative decoding round")?,
                         );
                     }
                     let e = queue.pop_front().context("no token from the round")?;
-                    chosen(e.id, &e.logits, args.logprobs)
+                    if e.logits.is_empty() {
+                        // An ids-only round (greedy, no log-probabilities).
+                        Sampled {
+                            id: e.id,
+                            non_finite: e.non_finite,
+                            logprob: None,
+                            top: Vec::new(),
+                        }
+                    } else {
+                        chosen(e.id, &e.logits, args.logprobs)
+                    }
                 }
                 (None, None) => bail!("no sequence"),
             };

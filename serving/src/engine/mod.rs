@@ -1067,7 +1067,14 @@ fn speculate(a: &mut Active, model: &dyn LanguageModel, metrics: &Metrics) -> bo
     let max_new = a.job.req.max_tokens.saturating_sub(a.generated);
     let before = drafter.stats.clone();
     let round = catch_unwind(AssertUnwindSafe(|| {
-        drafter.round(model, a.state.as_mut(), &mut a.sampler, a.next[0], max_new)
+        drafter.round(
+            model,
+            a.state.as_mut(),
+            &mut a.sampler,
+            a.next[0],
+            max_new,
+            a.job.req.logprobs.is_some(),
+        )
     }));
     let emitted = match round {
         Ok(Ok(e)) => e,
@@ -1076,10 +1083,7 @@ fn speculate(a: &mut Active, model: &dyn LanguageModel, metrics: &Metrics) -> bo
     };
     metrics.record_step(emitted.len(), false, t0.elapsed().as_micros() as u64);
     metrics.record_draft(&drafter.stats.since(&before));
-    if emitted
-        .iter()
-        .any(|e| runtime::numerics::first_non_finite(&e.logits).is_some())
-    {
+    if emitted.iter().any(|e| e.non_finite) {
         return fail(
             a,
             "the model produced non-finite logits (NaN or infinity) in a verification step",
