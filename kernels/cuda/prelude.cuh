@@ -221,3 +221,68 @@ DEV void q8a_store_block(float v, long long at, int8_t* __restrict__ qs, float2*
     const int hi = __shfl_sync(0xffffffffu, sum, 16);
     if (lane == 0) qd[at >> 5] = make_float2(dd, __int_as_float((sum & 0xFFFF) | (hi << 16)));
 }
+
+// Arg-max of xr[i0, i1) by one block (argmax_step's order), with 16-byte loads when xr + i0 is
+// aligned; every thread gets the winner (INT_MAX id when nothing qualifies). Returns whether
+// the range holds a NaN or an infinity. The order is total (numbers by value then index, NaN
+// never taken), so reducing a row in chunks and then the chunks' winners gives the same
+// (value, id) as one pass over the row: the multi-block greedy paths rely on this.
+DEV bool block_argmax_range(const float* __restrict__ xr, int i0, int i1, float& bv, int& bi,
+                            float* sv, int* si) {
+    float v = NEG_INF;
+    int idx = 0x7fffffff;
+    int bad = 0;
+    int j0 = i0;
+    if ((((unsigned long long)(xr + i0)) & 15) == 0) {
+        const float4* x4 = (const float4*)(xr + i0);
+        const int n4 = (i1 - i0) >> 2;
+#pragma unroll 4
+        for (int j = threadIdx.x; j < n4; j += blockDim.x) {
+            const float4 q = x4[j];
+            const int i = i0 + 4 * j;
+            argmax_step(v, idx, q.x, i);
+            argmax_step(v, idx, q.y, i + 1);
+            argmax_step(v, idx, q.z, i + 2);
+            argmax_step(v, idx, q.w, i + 3);
+            bad |= !isfinite(q.x) | !isfinite(q.y) | !isfinite(q.z) | !isfinite(q.w);
+        }
+        j0 = i0 + (n4 << 2);
+    }
+    for (int i = j0 + threadIdx.x; i < i1; i += blockDim.x) {
+        const float q = xr[i];
+        argmax_step(v, idx, q, i);
+        bad |= !isfinite(q);
+    }
+    block_argmax(v, idx, sv, si);
+    bv = v;
+    bi = idx;
+    return __syncthreads_or(bad) != 0;
+}
+
+// Per-chunk record of the multi-block greedy paths: {value bits, id, non-finite seen, 0}.
+DEV void argmax_part_store(int4* p, float v, int i, bool bad) {
+    int4 q;
+    q.x = __float_as_int(v);
+    q.y = i;
+    q.z = bad ? 1 : 0;
+    q.w = 0;
+    *p = q;
+}
+
+// Reduce `chunks` records of one row (the second stage of the multi-block greedy paths); every
+// thread gets the winner; returns whether any chunk saw a non-finite value.
+DEV bool argmax_merge_parts(const int4* __restrict__ part, int chunks, float& bv, int& bi,
+                            float* sv, int* si) {
+    float v = NEG_INF;
+    int idx = 0x7fffffff;
+    int bad = 0;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        const int4 q = part[c];
+        argmax_step(v, idx, __int_as_float(q.x), q.y);
+        bad |= q.z;
+    }
+    block_argmax(v, idx, sv, si);
+    bv = v;
+    bi = idx;
+    return __syncthreads_or(bad) != 0;
+}

@@ -17,6 +17,10 @@
 //      order-preserving keys; ties at tau are all kept);
 //   4. inverse CDF at u * (the distribution's mass), in the stated order.
 // Every reduction and scan runs in a fixed order, so a row and u always give the same id.
+// Greedy rows of a long vocabulary may instead go through sample_greedy_part (grid (chunks,
+// rows), one record per chunk) and sample_greedy_final (one block per row): one 1024-thread
+// block reading a 620 KB row is latency-bound on one SM. Same id and flag as sample_rows
+// (argmax_step's order is total); sample_rows then skips those rows (skip_greedy).
 
 #define SAMPLE_THREADS 1024
 #define SAMPLE_CAND 1024
@@ -32,6 +36,9 @@ struct SampleP {
 #define SAMPLE_NONFINITE (1 << 30)
 
 DEV uint32_t s_key(float f) { return select_key<false>(f); }
+
+// The rows the host also sees as greedy (it picks the launch plan from the same test).
+DEV bool s_greedy(const SampleP& p) { return !(p.temp > 0.0f) || p.top_k == 1; }
 
 // Block-wide exclusive prefix sum of a float in thread order (fixed order: warp shuffles, then
 // the warps' totals summed sequentially); `total` gets the block sum.
@@ -87,7 +94,7 @@ DEV int s_invcdf(const float* xr, int n, uint32_t kmin, float mx, float temp, fl
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(const float* __restrict__ logits, long long stride, int V,
-                const SampleP* __restrict__ params, int* __restrict__ out) {
+                const SampleP* __restrict__ params, int skip_greedy, int* __restrict__ out) {
     __shared__ float cv[SAMPLE_CAND];
     __shared__ int ci[SAMPLE_CAND];
     __shared__ int hist[256];
@@ -100,36 +107,13 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     const long long r = blockIdx.x;
     const float* xr = logits + r * stride;
     const SampleP p = params[r];
-    // Greedy.
-    float bv = NEG_INF;
-    int bi = 0x7fffffff;
-    float bad = 0.0f;
-    // One block reads the whole row: 16-byte loads, several in flight per thread, when the row
-    // is aligned (the argmax is order-free: larger wins, ties to the lower id, NaN never wins).
-    int v0 = 0;
-    if ((((unsigned long long)xr) & 15) == 0) {
-        const float4* x4 = (const float4*)xr;
-        const int n4 = V >> 2;
-#pragma unroll 4
-        for (int j = threadIdx.x; j < n4; j += blockDim.x) {
-            const float4 q = x4[j];
-            const int i = 4 * j;
-            argmax_step(bv, bi, q.x, i);
-            argmax_step(bv, bi, q.y, i + 1);
-            argmax_step(bv, bi, q.z, i + 2);
-            argmax_step(bv, bi, q.w, i + 3);
-            bad += (isfinite(q.x) ? 0.0f : 1.0f) + (isfinite(q.y) ? 0.0f : 1.0f) +
-                   (isfinite(q.z) ? 0.0f : 1.0f) + (isfinite(q.w) ? 0.0f : 1.0f);
-        }
-        v0 = n4 << 2;
-    }
-    for (int i = v0 + threadIdx.x; i < V; i += blockDim.x) {
-        argmax_step(bv, bi, xr[i], i);
-        bad += isfinite(xr[i]) ? 0.0f : 1.0f;
-    }
-    block_argmax(bv, bi, sv, si);
-    const int flag = block_sum(bad, wsum) > 0.0f ? SAMPLE_NONFINITE : 0;
-    if (!(p.temp > 0.0f) || p.top_k == 1 || bi == 0x7fffffff || bv == NEG_INF) {
+    if (skip_greedy && s_greedy(p)) return;  // sample_greedy_part/final own this row
+    // The maximum (and the greedy answer): one block reads the whole row, 16-byte loads when
+    // it is aligned.
+    float bv;
+    int bi;
+    const int flag = block_argmax_range(xr, 0, V, bv, bi, sv, si) ? SAMPLE_NONFINITE : 0;
+    if (s_greedy(p) || bi == 0x7fffffff || bv == NEG_INF) {
         if (threadIdx.x == 0) out[r] = (bi == 0x7fffffff ? 0 : bi) + flag;
         return;
     }
@@ -247,4 +231,41 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         id = s_invcdf(xr, V, kmin, mx, temp, p.u * m, wsum, &sh_id);
     }
     if (threadIdx.x == 0) out[r] = (id < 0 ? bi : id) + flag;
+}
+
+#define GREEDY_THREADS 256
+
+// Chunk blockIdx.x (`chunk` logits) of every greedy row: its (value, id, non-finite) record at
+// part[r * gridDim.x + blockIdx.x]. Non-greedy rows are left to sample_rows.
+extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
+    sample_greedy_part(const float* __restrict__ logits, long long stride, int V, int chunk,
+                       const SampleP* __restrict__ params, long long rows,
+                       int4* __restrict__ part) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int i0 = blockIdx.x * chunk, i1 = min(V, i0 + chunk);
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        if (!s_greedy(params[r])) continue;
+        float v;
+        int idx;
+        const bool bad = block_argmax_range(logits + r * stride, i0, i1, v, idx, sv, si);
+        if (threadIdx.x == 0) argmax_part_store(part + r * gridDim.x + blockIdx.x, v, idx, bad);
+    }
+}
+
+// The greedy rows' ids from their `chunks` records, as sample_rows writes them.
+extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
+    sample_greedy_final(const int4* __restrict__ part, int chunks,
+                        const SampleP* __restrict__ params, long long rows,
+                        int* __restrict__ out) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        if (!s_greedy(params[r])) continue;
+        float v;
+        int idx;
+        const bool bad = argmax_merge_parts(part + r * chunks, chunks, v, idx, sv, si);
+        if (threadIdx.x == 0)
+            out[r] = (idx == 0x7fffffff ? 0 : idx) + (bad ? SAMPLE_NONFINITE : 0);
+    }
 }

@@ -6,6 +6,7 @@ use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
 use crate::launch::{shape_err, span};
 use crate::ops::Op;
+use crate::sample::{greedy_plan, Split};
 
 const BLOCK: u32 = 256;
 
@@ -328,22 +329,65 @@ impl Gpu {
         stride: usize,
         out: &mut impl DevicePtrMut<i32>,
     ) -> Result<(), KernelError> {
+        self.argmax_split(x, rows, n, stride, out, Split::Auto)
+    }
+
+    /// [`Gpu::argmax`] with the launch plan chosen by `split`: `argmax_f32` (one block per row)
+    /// or `argmax_part_f32` (grid (chunks, rows)) + `argmax_final_f32` (one block per row), the
+    /// plan and threshold of greedy sampling ([`crate::sample::GREEDY_SPLIT_MIN`]). Same ids.
+    pub fn argmax_split(
+        &self,
+        x: &impl DevicePtr<f32>,
+        rows: usize,
+        n: usize,
+        stride: usize,
+        out: &mut impl DevicePtrMut<i32>,
+        split: Split,
+    ) -> Result<(), KernelError> {
         const OP: &str = "argmax";
         if rows == 0 || n == 0 {
             return Err(shape_err(OP, "empty logits"));
         }
         need_len(OP, "x", dlen(x), span(rows, stride, n))?;
         need_len(OP, "out", dlen(out), rows)?;
-        let f = self.func(Op::Argmax, "argmax_f32")?;
-        let cfg = self.cfg(OP, (rows as u64, 1, 1), 1024)?;
+        let n32 = to_i32(OP, "n", n)?;
+        let st = stride as i64;
         let s = self.stream();
         let (xp, _gx) = x.device_ptr(s);
         let (op, _go) = out.device_ptr_mut(s);
-        let st = stride as i64;
-        let n32 = to_i32(OP, "n", n)?;
+        let Some((chunk, chunks)) = greedy_plan(split, n, rows, self.info().sm_count) else {
+            let f = self.func(Op::Argmax, "argmax_f32")?;
+            let cfg = self.cfg(OP, (rows as u64, 1, 1), 1024)?;
+            let mut bl = self.args(&f);
+            bl.arg(&xp).arg(&st).arg(&n32).arg(&op);
+            // SAFETY: extents checked above.
+            return unsafe { self.launch(OP, bl, cfg) };
+        };
+        let words = rows
+            .checked_mul(chunks * 4)
+            .ok_or_else(|| shape_err(OP, format!("{rows} rows x {chunks} chunks")))?;
+        // Pool scratch, returned once both launches are queued (reused only by later work).
+        let part = self.alloc::<i32>(words)?;
+        let partp = part.ptr();
+        let (chunk32, chunks32) = (to_i32(OP, "chunk", chunk)?, to_i32(OP, "chunks", chunks)?);
+        let rows64 = rows as i64;
+        let f = self.func(Op::Argmax, "argmax_part_f32")?;
+        let cfg = self.cfg_rows(OP, chunks as u64, rows, 256)?;
         let mut bl = self.args(&f);
-        bl.arg(&xp).arg(&st).arg(&n32).arg(&op);
-        // SAFETY: extents checked above.
+        bl.arg(&xp)
+            .arg(&st)
+            .arg(&n32)
+            .arg(&chunk32)
+            .arg(&rows64)
+            .arg(&partp);
+        // SAFETY: extents checked above; `part` holds rows x chunks records of 4 ints, and
+        // block (c, r) writes record (r, c) only.
+        unsafe { self.launch(OP, bl, cfg) }?;
+        let f = self.func(Op::Argmax, "argmax_final_f32")?;
+        let cfg = self.cfg(OP, (rows as u64, 1, 1), 256)?;
+        let mut bl = self.args(&f);
+        bl.arg(&partp).arg(&chunks32).arg(&rows64).arg(&op);
+        // SAFETY: reads the records written above, writes out[r] for r < rows.
         unsafe { self.launch(OP, bl, cfg) }
     }
 }

@@ -14,7 +14,7 @@ use cudarc::nvrtc::Ptx;
 use crate::error::KernelError;
 use crate::nvrtc;
 use crate::ops::Op;
-use crate::pool::{DevBuf, Pool, PoolStats, Staging, STAGING_SLOT};
+use crate::pool::{Bulk, DevBuf, Pool, PoolStats, StagedError, Staging, BULK_SLOT, STAGING_SLOT};
 use crate::quant::DeviceTables;
 
 /// Whether the CUDA driver library can be loaded (cudarc would panic on first use otherwise).
@@ -136,6 +136,8 @@ pub struct Gpu {
     sync_each: AtomicBool,
     pool: Arc<Pool>,
     staging: Mutex<Staging>,
+    /// Pinned slots of bulk uploads (weights), apart from `staging`'s step-input ring.
+    bulk: Mutex<Bulk>,
     profiling: AtomicBool,
     profile: Mutex<
         Vec<(
@@ -260,6 +262,7 @@ impl Gpu {
         let pool_cap = (info.total_mem as usize / 16).clamp(256 << 20, 8 << 30);
         let pool = Pool::new(stream.clone(), pool_cap);
         let staging = Mutex::new(Staging::new(ctx.clone()));
+        let bulk = Mutex::new(Bulk::new(ctx.clone()));
         Ok(Gpu {
             ctx,
             stream,
@@ -273,6 +276,7 @@ impl Gpu {
             sync_each: AtomicBool::new(sync_each),
             pool,
             staging,
+            bulk,
             profiling: AtomicBool::new(false),
             profile: Mutex::new(Vec::new()),
         })
@@ -658,6 +662,53 @@ impl Gpu {
         self.stream
             .clone_htod(host)
             .map_err(KernelError::driver("cuMemcpyHtoD"))
+    }
+
+    /// A new device buffer of `len` bytes filled through pinned staging slots, one chunk of at
+    /// most [`BULK_SLOT`] bytes at a time: `fill(offset, chunk)` writes bytes `offset ..
+    /// offset + chunk.len()` of the data into `chunk` (pinned host memory), whose copy is then
+    /// queued on this device's stream. Filling one chunk overlaps the copies of the ones
+    /// before it, so a `fill` that reads a memory-mapped file keeps the disk and the copy
+    /// engine busy together, and no host copy of the whole data is ever made. The slots are
+    /// allocated on first use and reused by every later call. On return the copies may still be
+    /// in flight: work queued on this stream afterwards sees the data (stream order); other
+    /// streams must synchronize first. An error (from `fill`, or the device) returns only after
+    /// every copy queued by the call has completed, the buffer freed. `fill` runs with this
+    /// device's bulk slots locked: it must not upload through them itself.
+    pub fn upload_staged<E>(
+        &self,
+        len: usize,
+        fill: impl FnMut(usize, &mut [u8]) -> Result<(), E>,
+    ) -> Result<CudaSlice<u8>, StagedError<E>> {
+        self.upload_staged_chunks(len, BULK_SLOT, fill)
+    }
+
+    /// [`Gpu::upload_staged`] in chunks of `chunk` bytes (clamped to 1 ..= [`BULK_SLOT`]).
+    pub fn upload_staged_chunks<E>(
+        &self,
+        len: usize,
+        chunk: usize,
+        mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), E>,
+    ) -> Result<CudaSlice<u8>, StagedError<E>> {
+        // SAFETY: every byte is written by the copies queued below before later work on the
+        // stream reads it; on an error the buffer is dropped unread.
+        let dst = unsafe { self.stream.alloc::<u8>(len) }
+            .map_err(KernelError::driver("cuMemAllocAsync"))?;
+        if len == 0 {
+            return Ok(dst);
+        }
+        let ptr = {
+            let (p, _g) = cudarc::driver::DevicePtr::device_ptr(&dst, &self.stream);
+            p
+        };
+        self.bulk.lock().unwrap_or_else(|p| p.into_inner()).upload(
+            &self.stream,
+            ptr,
+            len,
+            chunk,
+            &mut fill,
+        )?;
+        Ok(dst)
     }
 
     /// A zero-filled device buffer of `n` elements.

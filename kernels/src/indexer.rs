@@ -6,6 +6,7 @@ use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
 use crate::launch::{shape_err, span};
 use crate::ops::Op;
+use crate::sample::{split_chunks, Split, TOPK_SPLIT_MIN};
 
 /// Shapes and strides of one indexer call (f32 elements).
 #[derive(Debug, Clone, Copy)]
@@ -124,6 +125,26 @@ impl Gpu {
         out: &mut impl DevicePtrMut<i32>,
         count: Option<&mut CudaViewMut<'_, i32>>,
     ) -> Result<(), KernelError> {
+        self.topk_split(scores, rows, n, stride, k, out, count, Split::Auto)
+    }
+
+    /// [`Gpu::topk`] with the launch plan chosen by `split`. One block per row (`topk_f32`),
+    /// or, for rows of at least [`TOPK_SPLIT_MIN`] keys that [`split_chunks`] gives at least 4
+    /// blocks (decode and short steps: rows up to about SMs / 2), each row over a grid of
+    /// (chunks, rows) blocks: a memset of the row's histograms, tickets and states, four
+    /// `topk_mb_hist` digit passes and `topk_mb_gather` (topk.cu). Same output either way.
+    #[allow(clippy::too_many_arguments)]
+    pub fn topk_split(
+        &self,
+        scores: &impl DevicePtr<f32>,
+        rows: usize,
+        n: usize,
+        stride: usize,
+        k: usize,
+        out: &mut impl DevicePtrMut<i32>,
+        count: Option<&mut CudaViewMut<'_, i32>>,
+        split: Split,
+    ) -> Result<(), KernelError> {
         const OP: &str = "topk";
         if rows == 0 || n == 0 || k == 0 {
             return Err(shape_err(OP, "empty top-k"));
@@ -133,8 +154,12 @@ impl Gpu {
         }
         need_len(OP, "scores", dlen(scores), span(rows, stride, n))?;
         need_len(OP, "out", dlen(out), rows * k)?;
-        let f = self.func(Op::TopK, "topk_f32")?;
-        let cfg = self.cfg(OP, (rows as u64, 1, 1), 1024)?;
+        let plan = split_chunks(n, rows, self.info().sm_count);
+        let plan = match split {
+            Split::OneBlock => None,
+            Split::Blocks => Some(plan),
+            Split::Auto => (n >= TOPK_SPLIT_MIN && plan.1 >= 4).then_some(plan),
+        };
         let s = self.stream();
         let (sp, _g1) = scores.device_ptr(s);
         let (op, _g2) = out.device_ptr_mut(s);
@@ -149,15 +174,75 @@ impl Gpu {
         let n32 = to_i32(OP, "n", n)?;
         let k32 = to_i32(OP, "k", k)?;
         let os = k as i64;
+        let Some((chunk, chunks)) = plan else {
+            let f = self.func(Op::TopK, "topk_f32")?;
+            let cfg = self.cfg(OP, (rows as u64, 1, 1), 1024)?;
+            let mut b = self.args(&f);
+            b.arg(&sp)
+                .arg(&st)
+                .arg(&n32)
+                .arg(&k32)
+                .arg(&op)
+                .arg(&os)
+                .arg(&cp);
+            // SAFETY: extents checked above.
+            return unsafe { self.launch(OP, b, cfg) };
+        };
+        // Grid y is the row (no grid-stride: the split is for few rows).
+        let cfg = self.cfg(OP, (chunks as u64, rows as u64, 1), TKM_THREADS)?;
+        let chunk32 = to_i32(OP, "chunk", chunk)?;
+        // Scratch from the pool: per row TKM_ZR zeroed ints (histograms, tickets, states),
+        // then per chunk one candidate count and TKM_G ints of the last pass's table.
+        let zlen = rows * TKM_ZR;
+        let vlen = rows * chunks;
+        let len = rows
+            .checked_mul(chunks * (TKM_G + 1))
+            .and_then(|v| v.checked_add(zlen))
+            .ok_or_else(|| shape_err(OP, format!("{rows} rows x {chunks} chunks")))?;
+        let mut scratch = self.alloc::<i32>(len)?;
+        let zp = scratch.ptr();
+        let vp = zp + 4 * zlen as u64;
+        let gp = vp + 4 * vlen as u64;
+        let t0 = self.prof_start()?;
+        let zeroed = s.memset_zeros(&mut scratch.slice_mut(0..zlen));
+        self.prof_stop(OP, t0)?;
+        zeroed.map_err(KernelError::driver("cuMemsetD8Async"))?;
+        let f = self.func(Op::TopK, "topk_mb_hist")?;
+        for pass in 0..4i32 {
+            let mut b = self.args(&f);
+            b.arg(&sp)
+                .arg(&st)
+                .arg(&n32)
+                .arg(&k32)
+                .arg(&chunk32)
+                .arg(&pass)
+                .arg(&zp)
+                .arg(&vp)
+                .arg(&gp);
+            // SAFETY: extents checked above; block (c, r) reads keys [c * chunk, n) of row r
+            // only, and writes the row's TKM_ZR ints and its chunk's records in `scratch`.
+            unsafe { self.launch(OP, b, cfg) }?;
+        }
+        let f = self.func(Op::TopK, "topk_mb_gather")?;
         let mut b = self.args(&f);
         b.arg(&sp)
             .arg(&st)
             .arg(&n32)
             .arg(&k32)
+            .arg(&chunk32)
+            .arg(&zp)
+            .arg(&vp)
+            .arg(&gp)
             .arg(&op)
             .arg(&os)
             .arg(&cp);
-        // SAFETY: extents checked above.
+        // SAFETY: as above; writes out[r * k + j] for j < k and count[r].
         unsafe { self.launch(OP, b, cfg) }
     }
 }
+
+/// Zeroed ints per row of the split top-k, threads per block and ints per chunk of its
+/// last-pass table (topk.cu's TKM_ZR, TKM_THREADS, TKM_G).
+const TKM_ZR: usize = 1056;
+const TKM_THREADS: u32 = 256;
+const TKM_G: usize = 257;

@@ -276,7 +276,7 @@ impl Op {
             Op::Attention => &["attn_scores_f32", "attn_av_partial_f32", "attn_combine_f32"],
             Op::Mla => &["mla_partial_f32", "mla_partial_bf16"],
             Op::IndexerScores => &["indexer_scores_f32", "indexer_scores_bf16"],
-            Op::TopK => &["topk_f32"],
+            Op::TopK => &["topk_f32", "topk_mb_hist", "topk_mb_gather"],
             Op::MoeRouter => &["moe_router_f32", "moe_local_ids"],
             Op::MoeCombine => &["moe_combine_f32"],
             Op::MoeSort => &["moe_count", "moe_plan", "moe_scatter"],
@@ -290,8 +290,8 @@ impl Op {
                 "gather_rows_f32",
                 "bf16_to_f32",
             ],
-            Op::Argmax => &["argmax_f32"],
-            Op::Sample => &["sample_rows"],
+            Op::Argmax => &["argmax_f32", "argmax_part_f32", "argmax_final_f32"],
+            Op::Sample => &["sample_rows", "sample_greedy_part", "sample_greedy_final"],
             Op::AllReduce => &["allreduce_oneshot_f32"],
         };
         names.iter().map(|s| s.to_string()).collect()

@@ -11,7 +11,10 @@
 //!
 //! Uploads of small step inputs (token ids, positions) go through a ring of pinned host buffers
 //! (`cuMemcpyHtoDAsync` from pageable memory is synchronous); each slot records an event after
-//! its copy and is reused only once that event completed.
+//! its copy and is reused only once that event completed. Bulk uploads (weights at load) have a
+//! ring of larger slots of their own ([`Bulk`]), so a load never waits on or evicts the step
+//! inputs' ring, and the caller fills each slot in place: the read of chunk i + 1 (from a
+//! memory-mapped file) overlaps the DMA of chunk i.
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -342,10 +345,77 @@ impl Drop for Pinned {
     }
 }
 
+/// A pinned upload slot and the event of the last copy queued from it.
+struct Slot {
+    buf: Pinned,
+    done: Option<CudaEvent>,
+}
+
+impl Slot {
+    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Slot, KernelError> {
+        Ok(Slot {
+            buf: Pinned::new(ctx, bytes)?,
+            done: None,
+        })
+    }
+
+    /// Block until the copy last queued from this slot has read it (the slot is then free).
+    fn wait(&self, op: &'static str) -> Result<(), KernelError> {
+        match &self.done {
+            Some(e) => e
+                .synchronize()
+                .map_err(|source| KernelError::Launch { op, source }),
+            None => Ok(()),
+        }
+    }
+
+    /// Queue a copy of the slot's first `bytes` bytes to device address `dst` on `stream` and
+    /// record the event [`Slot::wait`] waits for. The caller waited for the slot before
+    /// writing it and `dst` holds `bytes` bytes.
+    fn send(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        stream: &CudaStream,
+        bytes: usize,
+        dst: u64,
+    ) -> Result<(), KernelError> {
+        // The event first: once the copy is queued, nothing may fail without an event (or a
+        // synchronization) that keeps the slot from being rewritten or freed under it.
+        let e = match self.done.take() {
+            Some(e) => e,
+            None => ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .map_err(KernelError::driver("cuEventCreate"))?,
+        };
+        // SAFETY: `bytes` fits the slot and `dst` (callers); the slot is not written again
+        // before the event recorded below completes.
+        let r = unsafe {
+            result::memcpy_htod_async(dst, &self.buf.bytes_mut()[..bytes], stream.cu_stream())
+        }
+        .map_err(KernelError::driver("cuMemcpyHtoDAsync"))
+        .and_then(|()| {
+            e.record(stream)
+                .map_err(KernelError::driver("cuEventRecord"))
+        });
+        if r.is_err() {
+            let _ = stream.synchronize();
+        }
+        self.done = Some(e);
+        r
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // The pinned memory must outlive the copy queued from it.
+        let _ = self.wait("free staging");
+    }
+}
+
 /// Ring of pinned upload slots, each reusable once the copy it last staged has completed.
 pub(crate) struct Staging {
     ctx: Arc<CudaContext>,
-    slots: Vec<(Pinned, Option<CudaEvent>)>,
+    slots: Vec<Slot>,
     next: usize,
     /// Pinned buffer for downloads (grown on demand).
     down: Option<Pinned>,
@@ -377,37 +447,17 @@ impl Staging {
         let bytes = std::mem::size_of_val(host);
         debug_assert!(bytes <= STAGING_SLOT);
         if self.slots.len() < STAGING_SLOTS {
-            self.slots
-                .push((Pinned::new(&self.ctx, STAGING_SLOT)?, None));
+            self.slots.push(Slot::new(&self.ctx, STAGING_SLOT)?);
             self.next = self.slots.len() - 1;
         }
         let i = self.next;
         self.next = (self.next + 1) % STAGING_SLOTS.min(self.slots.len()).max(1);
-        let (buf, ev) = &mut self.slots[i];
-        if let Some(e) = ev.as_ref() {
-            e.synchronize().map_err(|source| KernelError::Launch {
-                op: "upload",
-                source,
-            })?;
-        }
+        let slot = &mut self.slots[i];
+        slot.wait("upload")?;
         // SAFETY: `host` is `bytes` bytes of plain data.
         let src = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, bytes) };
-        buf.bytes_mut()[..bytes].copy_from_slice(src);
-        // SAFETY: dst holds `bytes` bytes (caller); the pinned slot stays untouched until the
-        // event recorded below completes.
-        unsafe { result::memcpy_htod_async(dst, &buf.bytes_mut()[..bytes], stream.cu_stream()) }
-            .map_err(KernelError::driver("cuMemcpyHtoDAsync"))?;
-        let e = match ev.take() {
-            Some(e) => e,
-            None => self
-                .ctx
-                .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                .map_err(KernelError::driver("cuEventCreate"))?,
-        };
-        e.record(stream)
-            .map_err(KernelError::driver("cuEventRecord"))?;
-        *ev = Some(e);
-        Ok(())
+        slot.buf.bytes_mut()[..bytes].copy_from_slice(src);
+        slot.send(&self.ctx, stream, bytes, dst)
     }
 
     /// Copy `src` (device, `out.len()` elements) into `out` through pinned memory and wait.
@@ -440,6 +490,92 @@ impl Staging {
         let dst = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, bytes) };
         dst.copy_from_slice(&d.bytes_mut()[..bytes]);
         Ok(true)
+    }
+}
+
+/// Bytes of one bulk staging slot: large enough that a copy's fixed cost (~10 us) is noise
+/// next to its transfer, small enough that the first chunk's read is not a long wait.
+pub const BULK_SLOT: usize = 8 << 20;
+/// Bulk slots in the ring: the copies of up to three chunks may be in flight while the fourth
+/// is being filled.
+const BULK_SLOTS: usize = 4;
+
+/// Why a staged upload failed: the caller's fill (its error, and where), or the device.
+#[derive(Debug, thiserror::Error)]
+pub enum StagedError<E> {
+    /// `fill` failed for the chunk at byte `offset`; nothing of the upload is left in flight.
+    #[error("filling bytes from {offset} of a staged upload: {source}")]
+    Fill {
+        offset: usize,
+        #[source]
+        source: E,
+    },
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+}
+
+/// The ring of pinned slots bulk uploads stream through (allocated on first use, kept for the
+/// next upload, freed with the device once their copies completed).
+pub(crate) struct Bulk {
+    ctx: Arc<CudaContext>,
+    slots: Vec<Slot>,
+    next: usize,
+}
+
+impl Bulk {
+    pub(crate) fn new(ctx: Arc<CudaContext>) -> Bulk {
+        Bulk {
+            ctx,
+            slots: Vec::new(),
+            next: 0,
+        }
+    }
+
+    /// Fill device bytes `dst .. dst + len` chunk by chunk (`chunk` bytes each, at most
+    /// [`BULK_SLOT`], the last one shorter): `fill(offset, slot)` writes bytes `offset ..
+    /// offset + slot.len()` of the data into a free pinned slot, whose copy is then queued on
+    /// `stream`. Returns with the last copies still in flight (stream order covers later work
+    /// on `stream`); on an error, only once every queued copy has completed.
+    pub(crate) fn upload<E>(
+        &mut self,
+        stream: &CudaStream,
+        dst: u64,
+        len: usize,
+        chunk: usize,
+        fill: &mut impl FnMut(usize, &mut [u8]) -> Result<(), E>,
+    ) -> Result<(), StagedError<E>> {
+        let r = self.upload_inner(stream, dst, len, chunk.clamp(1, BULK_SLOT), fill);
+        if r.is_err() {
+            // The caller frees (or reuses) the destination next; no copy may still write it.
+            let _ = stream.synchronize();
+        }
+        r
+    }
+
+    fn upload_inner<E>(
+        &mut self,
+        stream: &CudaStream,
+        dst: u64,
+        len: usize,
+        chunk: usize,
+        fill: &mut impl FnMut(usize, &mut [u8]) -> Result<(), E>,
+    ) -> Result<(), StagedError<E>> {
+        let mut offset = 0;
+        while offset < len {
+            let n = chunk.min(len - offset);
+            let i = self.next;
+            if i == self.slots.len() {
+                self.slots.push(Slot::new(&self.ctx, BULK_SLOT)?);
+            }
+            let slot = &mut self.slots[i];
+            slot.wait("staged upload")?;
+            fill(offset, &mut slot.buf.bytes_mut()[..n])
+                .map_err(|source| StagedError::Fill { offset, source })?;
+            slot.send(&self.ctx, stream, n, dst + offset as u64)?;
+            self.next = (i + 1) % BULK_SLOTS;
+            offset += n;
+        }
+        Ok(())
     }
 }
 

@@ -4,6 +4,7 @@
 
 use crate::RuntimeError;
 use gguf::GgmlType;
+use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
@@ -32,8 +33,9 @@ impl Bytes {
 }
 
 /// A tensor-parallel share of the bytes: `count` runs of `len` bytes, `stride` apart, from
-/// `first` (see `mappings::shard::TensorSlice`). Reads go straight to the underlying bytes;
-/// only a caller that needs one contiguous buffer (a device upload) gets a copy of the share.
+/// `first` (see `mappings::shard::TensorSlice`). Reads go straight to the underlying bytes
+/// (rows, or any byte range with [`HostWeight::read_into`]); only a caller of
+/// [`HostWeight::bytes`] gets a contiguous copy of the share.
 #[derive(Clone)]
 struct Strided {
     first: usize,
@@ -254,7 +256,8 @@ impl HostWeight {
     }
 
     /// The raw bytes in the GGUF type, contiguous. For a strided share this is a copy of the
-    /// share (made once, on first use: device uploads), never of the whole tensor.
+    /// share (made once, on first use, kept with the share), never of the whole tensor; device
+    /// uploads read shares with [`HostWeight::read_into`] instead.
     pub fn bytes(&self) -> &[u8] {
         let all = self.bytes.all();
         match &self.view {
@@ -268,6 +271,67 @@ impl HostWeight {
                 }
                 out
             }),
+        }
+    }
+
+    /// Copy bytes `offset .. offset + out.len()` of [`HostWeight::bytes`] into `out`, read in
+    /// place (for a strided share, run by run): no contiguous copy of the share is made, so a
+    /// device upload can gather a share chunk by chunk into its staging buffers.
+    pub fn read_into(&self, offset: usize, out: &mut [u8]) -> Result<(), RuntimeError> {
+        let want = out.len();
+        let end = offset.checked_add(want).filter(|&e| e <= self.n_bytes);
+        let short = || {
+            RuntimeError::Model(format!(
+                "tensor {}: bytes {offset}..{} of its {} are not in the file",
+                self.name,
+                offset.saturating_add(want),
+                self.n_bytes
+            ))
+        };
+        if end.is_none() {
+            return Err(short());
+        }
+        let all = self.bytes.all();
+        let Some(v) = &self.view else {
+            let src = all.get(offset..offset + out.len()).ok_or_else(short)?;
+            out.copy_from_slice(src);
+            return Ok(());
+        };
+        let (mut pos, mut done) = (offset, 0);
+        while done < out.len() {
+            // `pos` < n_bytes = len * count, so len > 0 here.
+            let (run, within) = (pos / v.len, pos % v.len);
+            let n = (v.len - within).min(out.len() - done);
+            let src = v.first + run * v.stride + within;
+            let src = all.get(src..src + n).ok_or_else(short)?;
+            out[done..done + n].copy_from_slice(src);
+            pos += n;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// The bytes of [`HostWeight::bytes`], borrowed where they lie contiguous in place, else a
+    /// gathered copy that is not kept (unlike `bytes`, whose copy lives as long as the share).
+    pub fn gathered(&self) -> Result<Cow<'_, [u8]>, RuntimeError> {
+        match &self.view {
+            Some(v) if v.count > 1 => {
+                let mut out = vec![0u8; self.n_bytes];
+                self.read_into(0, &mut out)?;
+                Ok(Cow::Owned(out))
+            }
+            _ => {
+                let b = self.bytes();
+                if b.len() != self.n_bytes {
+                    return Err(RuntimeError::Model(format!(
+                        "tensor {}: {} of its {} bytes are in the file",
+                        self.name,
+                        b.len(),
+                        self.n_bytes
+                    )));
+                }
+                Ok(Cow::Borrowed(b))
+            }
         }
     }
 
@@ -315,4 +379,118 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Str
         _ => gguf::quant::dequantize_row(ty, bytes, out).map_err(|e| e.to_string())?,
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A weight of `ty` and `dims` whose bytes are a position-dependent pattern (types are not
+    /// decoded here, so any bytes do).
+    fn patterned(ty: GgmlType, dims: Vec<usize>, seed: u8) -> HostWeight {
+        let n = expected_bytes("w", ty, &dims).expect("whole blocks");
+        let bytes = (0..n)
+            .map(|i| (i.wrapping_mul(131) ^ (i >> 8)) as u8 ^ seed)
+            .collect();
+        HostWeight::from_bytes("w", ty, dims, bytes).expect("weight")
+    }
+
+    /// `w`'s bytes gathered in chunks of `chunk` bytes through `read_into`.
+    fn chunked(w: &HostWeight, chunk: usize) -> Vec<u8> {
+        let mut out = vec![0xA5u8; w.n_bytes()];
+        for (i, c) in out.chunks_mut(chunk.max(1)).enumerate() {
+            w.read_into(i * chunk.max(1), c).expect("in range");
+        }
+        out
+    }
+
+    fn contiguous_unused(w: &HostWeight) -> bool {
+        w.view.as_ref().is_none_or(|v| v.contiguous.get().is_none())
+    }
+
+    #[test]
+    fn chunked_reads_of_a_strided_share_equal_its_bytes() {
+        // Columns 64..160 of a Q8_0 [256, 3, 5] tensor: 15 runs of 3 blocks, 8 blocks apart.
+        let w = patterned(GgmlType::Q8_0, vec![256, 3, 5], 7);
+        let (share, reencoded) = w.shard(0, 64..160).expect("share");
+        assert!(!reencoded);
+        assert!(share.view.as_ref().is_some_and(|v| v.count == 15));
+        let sizes = [1, 7, 33, 102, 4096, share.n_bytes()];
+        let got: Vec<Vec<u8>> = sizes.iter().map(|&c| chunked(&share, c)).collect();
+        let g = share.gathered().expect("gathered");
+        assert!(matches!(g, Cow::Owned(_)));
+        assert!(
+            contiguous_unused(&share),
+            "read_into built the contiguous copy"
+        );
+        for (c, got) in sizes.iter().zip(&got) {
+            assert_eq!(got, share.bytes(), "chunk {c}");
+        }
+        assert_eq!(&*g, share.bytes());
+    }
+
+    #[test]
+    fn reads_past_the_end_are_errors() {
+        let w = patterned(GgmlType::F32, vec![8, 4], 1);
+        let (share, _) = w.shard(1, 1..3).expect("share");
+        let n = share.n_bytes();
+        let mut buf = vec![0u8; 5];
+        assert!(share.read_into(n - 4, &mut buf).is_err());
+        assert!(share.read_into(usize::MAX, &mut buf).is_err());
+        assert!(share.read_into(n - 5, &mut buf).is_ok());
+        assert!(share.read_into(n, &mut []).is_ok());
+        assert!(w.read_into(w.n_bytes() - 1, &mut buf).is_err());
+    }
+
+    #[test]
+    fn whole_weights_and_single_runs_are_borrowed() {
+        let w = patterned(GgmlType::F16, vec![16, 6], 3);
+        assert!(matches!(w.gathered().expect("whole"), Cow::Borrowed(_)));
+        assert_eq!(chunked(&w, 7), w.bytes());
+        // Rows 2..5 are one contiguous run.
+        let (rows, _) = w.shard(1, 2..5).expect("share");
+        let g = rows.gathered().expect("rows");
+        assert!(matches!(g, Cow::Borrowed(_)));
+        assert_eq!(&*g, &w.bytes()[2 * 32..5 * 32]);
+        assert_eq!(chunked(&rows, 5), &*g);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Any share along any axis, read in chunks of any size (one byte up to past the
+        /// whole), equals `bytes()` of that share, without building its contiguous copy.
+        #[test]
+        fn gathered_chunks_equal_bytes(
+            ty in prop::sample::select(vec![GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_K]),
+            blocks0 in 1usize..4,
+            d1 in 1usize..6,
+            d2 in 1usize..5,
+            axis in 0usize..3,
+            a in 0usize..64,
+            b in 0usize..64,
+            chunk in 1usize..600,
+            seed in any::<u8>(),
+        ) {
+            let bs = ty.block_size();
+            let dims = vec![blocks0 * bs, d1, d2];
+            let w = patterned(ty, dims.clone(), seed);
+            // A non-empty range along `axis`, on block boundaries for the rows.
+            let unit = if axis == 0 { bs } else { 1 };
+            let n = dims[axis] / unit;
+            let (lo, hi) = (a % n, b % n);
+            let range = lo.min(hi) * unit..(lo.max(hi) + 1) * unit;
+            let (share, reencoded) = w.shard(axis, range).expect("share");
+            prop_assert!(!reencoded);
+            let sizes = [1, 7, chunk, 4096, share.n_bytes()];
+            let got: Vec<Vec<u8>> = sizes.iter().map(|&c| chunked(&share, c)).collect();
+            let g = share.gathered().expect("gathered").into_owned();
+            prop_assert!(contiguous_unused(&share));
+            for (c, got) in sizes.iter().zip(&got) {
+                prop_assert_eq!(&got[..], share.bytes(), "chunk {}", c);
+            }
+            prop_assert_eq!(&g[..], share.bytes());
+        }
+    }
 }

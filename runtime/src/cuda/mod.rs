@@ -185,6 +185,10 @@ pub struct CudaBackend {
     /// Norms feeding integer-dot GEMVs write the q8 copy in their own launch
     /// (`GGUFTOOL_NORM_Q8=0`: a separate quantize launch, as before).
     norm_q8: bool,
+    /// Steps of up to this many rows take the integer-dot GEMVs, longer ones the tensor-core
+    /// prefill path ([`GEMVQ_MAX_ROWS`]; `GGUFTOOL_GEMVQ_MAX_ROWS`, 8 ..= 1024, to measure
+    /// where one overtakes the other).
+    gemvq_max_rows: usize,
 }
 
 fn err(msg: impl Into<String>) -> RuntimeError {
@@ -222,6 +226,10 @@ impl CudaBackend {
             prefill_gemm: std::env::var("GGUFTOOL_PREFILL_GEMM").map_or(true, |v| v != "0"),
             device_sampling: std::env::var("GGUFTOOL_DEVICE_SAMPLING").map_or(true, |v| v != "0"),
             norm_q8: std::env::var("GGUFTOOL_NORM_Q8").map_or(true, |v| v != "0"),
+            gemvq_max_rows: std::env::var("GGUFTOOL_GEMVQ_MAX_ROWS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .map_or(GEMVQ_MAX_ROWS, |v| v.clamp(GEMV_MAX_ROWS, 1024)),
         }
     }
 
@@ -366,7 +374,7 @@ impl CudaBackend {
     fn q8_epilogue(&self, rows: usize, k: usize) -> bool {
         !self.opts.exact
             && k.is_multiple_of(32)
-            && (rows <= GEMVQ_MAX_ROWS || !self.prefill_gemm)
+            && (rows <= self.gemvq_max_rows || !self.prefill_gemm)
             && self.norm_q8
     }
 
@@ -385,7 +393,7 @@ impl CudaBackend {
         let shape = Self::shape_of(w, m, k, 1);
         let xb = x.f32().ok_or_else(|| not_f32("matmul"))?;
         let gemv_ok = k.is_multiple_of(32) && k.is_multiple_of(w.ty.block_size());
-        if self.fast(&shape) && x.rows <= GEMVQ_MAX_ROWS {
+        if self.fast(&shape) && x.rows <= self.gemvq_max_rows {
             let q = self.q8(x, x.rows, k)?;
             let ncols = x.rows.min(8);
             let ch = QChannels {
@@ -504,20 +512,37 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, w: HostWeight) -> Result<CudaWeight, RuntimeError> {
+        use kernels::pool::StagedError;
         let ty = w.ty();
         let dims = w.dims().to_vec();
         // Matrices of the unaligned block types go to the device repacked (same bytes).
         let packed = dims.len() >= 2
             && kernels::repack::is_packed(ty)
             && dims[0].is_multiple_of(ty.block_size());
+        // Through pinned staging slots, filled straight from the mmap (a share run by run), so
+        // the disk read of one chunk overlaps the copy of the one before and no host copy of a
+        // weight stored as is is made.
+        let staged = |r: Result<_, StagedError<RuntimeError>>| {
+            r.map_err(|e| match e {
+                StagedError::Fill { source, .. } => source,
+                StagedError::Kernel(k) => kerr("upload")(k),
+            })
+        };
         let bytes = if packed {
-            let r = kernels::repack::repack(ty, w.bytes())
+            // The device layout regroups block fields over the whole tensor: permuted on the
+            // host first (a share gathered for it, not kept).
+            let r = kernels::repack::repack(ty, &w.gathered()?)
                 .ok_or_else(|| err(format!("upload: {} is not whole {ty} blocks", w.name())))?;
-            self.gpu.upload(&r)
+            staged(self.gpu.upload_staged(r.len(), |at, chunk| {
+                chunk.copy_from_slice(&r[at..at + chunk.len()]);
+                Ok(())
+            }))?
         } else {
-            self.gpu.upload(w.bytes())
-        }
-        .map_err(kerr("upload"))?;
+            staged(
+                self.gpu
+                    .upload_staged(w.n_bytes(), |at, chunk| w.read_into(at, chunk)),
+            )?
+        };
         let values = if dims.len() == 1 {
             Some(self.gpu.upload(&w.to_f32()?).map_err(kerr("upload"))?)
         } else {
@@ -819,7 +844,7 @@ impl Backend for CudaBackend {
         let xb = x.f32().ok_or_else(|| not_f32("matmul_heads"))?;
         let o = out.f32_mut().ok_or_else(|| not_f32("matmul_heads"))?;
         // View x as [rows * n_head, k]: row c = token c / n_head, head c % n_head (its slab).
-        if self.fast(&shape) && self.prefill_gemm && x.rows > GEMVQ_MAX_ROWS {
+        if self.fast(&shape) && self.prefill_gemm && x.rows > self.gemvq_max_rows {
             return self
                 .gpu
                 .matmul_heads_bf16(shape, &w.bytes, xb, x.rows, o)
@@ -1319,7 +1344,7 @@ impl Backend for CudaBackend {
             && self.fast(&d_shape)
             && gate.ty == up.ty
             && gate.packed == up.packed;
-        if fast && self.prefill_gemm && x.rows > GEMVQ_MAX_ROWS {
+        if fast && self.prefill_gemm && x.rows > self.gemvq_max_rows {
             self.moe_ffn_gemm(x, gate, up, down, weights, experts, &mut out)?;
         } else if fast {
             self.moe_ffn_fast(x, gate, up, down, weights, experts, &mut out)?;

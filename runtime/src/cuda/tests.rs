@@ -492,3 +492,57 @@ fn cuda_reserved_cache_never_reallocates() {
         assert!(ok, "appended rows changed");
     }
 }
+
+/// Weights uploaded through the pinned staging slots (several 8 MiB chunks each) download
+/// equal to `HostWeight::bytes()`: whole weights, strided tensor-parallel shares gathered run
+/// by run from the view, a share that is one run, and a repacked type (Q8_0) both whole and
+/// as a strided share (compared in the device layout).
+#[test]
+fn cuda_staged_upload_of_shares_equals_their_bytes() {
+    use crate::backend::Backend;
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (cuda_staged_upload_of_shares_equals_their_bytes)");
+        return;
+    }
+    let be = CudaBackend::with_options(0, EXACT).expect("device");
+    let patterned = |ty: GgmlType, dims: Vec<usize>| {
+        let rows: usize = dims[1..].iter().product();
+        let n = ty.row_bytes(dims[0] as u64).expect("whole blocks") as usize * rows;
+        let bytes = (0..n)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8 ^ (i as u8))
+            .collect();
+        HostWeight::from_bytes("w", ty, dims, bytes).expect("weight")
+    };
+    // F16 [4096, 1500]: 12.3 MB; Q4_K [4096, 8000]: 18.4 MB; Q8_0 [4096, 2600]: 11.3 MB.
+    let f16 = patterned(GgmlType::F16, vec![4096, 1500]);
+    let q4k = patterned(GgmlType::Q4_K, vec![4096, 8000]);
+    let q8 = patterned(GgmlType::Q8_0, vec![4096, 2600]);
+    let cases: Vec<(&str, HostWeight)> = vec![
+        ("f16 whole", f16.clone()),
+        ("f16 cols", f16.shard(0, 1024..3072).expect("share").0),
+        ("f16 rows", f16.shard(1, 100..1400).expect("share").0),
+        ("q4_k cols", q4k.shard(0, 2048..4096).expect("share").0),
+        ("q8_0 whole, packed", q8.clone()),
+        ("q8_0 cols, packed", q8.shard(0, 0..2048).expect("share").0),
+    ];
+    let mut failures = Vec::new();
+    for (what, w) in cases {
+        let up = be.upload(w.clone()).expect("upload");
+        let got = be.gpu.download(&up.bytes).expect("download");
+        let want = if up.packed {
+            kernels::repack::repack(w.ty(), w.bytes()).expect("whole blocks")
+        } else {
+            w.bytes().to_vec()
+        };
+        let ok = got == want && up.packed == (w.ty() == GgmlType::Q8_0);
+        say(&format!(
+            "| staged upload | {what} | {} B | {} |",
+            want.len(),
+            if ok { "equal" } else { "DIFFERS" }
+        ));
+        if !ok {
+            failures.push(what);
+        }
+    }
+    assert!(failures.is_empty(), "staged uploads differ: {failures:?}");
+}

@@ -1,10 +1,11 @@
 //! A tensor-parallel rank's backend: the base backend's ops unchanged, plus the collectives of
-//! the rank's group. The forward pass sees an ordinary [`Backend`].
+//! the rank's group and the turns its uploads take with the other ranks of its device. The
+//! forward pass sees an ordinary [`Backend`].
 
 use crate::backend::{AttnParams, Backend, IndexerParams, RopeParams, RouteParams};
 use crate::weights::HostWeight;
 use crate::RuntimeError;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 
 /// The collectives of one rank of a group, over backend `B`'s tensors. Every rank of the group
 /// must call the same collectives in the same order (lock-step).
@@ -28,10 +29,49 @@ pub trait RankComm<B: Backend>: Send + Sync {
     }
 }
 
+/// The loader of one device: the ranks placed on it upload one weight at a time, in the order
+/// they asked (first come, first served). An upload reads its weight from the memory-mapped
+/// file while it copies it, so two ranks uploading at once would make the disk serve two
+/// regions of the file at once, slower than one sequential stream; taking turns keeps one
+/// reader per device while ranks on different devices still load in parallel. Ranks of one
+/// device share a tensor's neighbouring shares, so alternating turns read the file nearly in
+/// order. A ticket queue rather than a plain mutex: a rank that releases and asks again at
+/// once queues behind the waiting ranks instead of running ahead of them.
+#[derive(Default)]
+pub(crate) struct LoadTurns {
+    /// (next ticket to hand out, ticket now served).
+    tickets: Mutex<(u64, u64)>,
+    turn: Condvar,
+}
+
+/// A rank's turn on its device's loader, ended on drop (also when the upload fails or panics).
+struct LoadTurn<'a>(&'a LoadTurns);
+
+impl LoadTurns {
+    fn take(&self) -> LoadTurn<'_> {
+        let mut t = self.tickets.lock().unwrap_or_else(|p| p.into_inner());
+        let mine = t.0;
+        t.0 += 1;
+        while t.1 != mine {
+            t = self.turn.wait(t).unwrap_or_else(|p| p.into_inner());
+        }
+        LoadTurn(self)
+    }
+}
+
+impl Drop for LoadTurn<'_> {
+    fn drop(&mut self) {
+        self.0.tickets.lock().unwrap_or_else(|p| p.into_inner()).1 += 1;
+        self.0.turn.notify_all();
+    }
+}
+
 /// Backend `B` as rank `comm.rank()` of a tensor-parallel group.
 pub struct Ranked<B: Backend> {
     inner: B,
     comm: Arc<dyn RankComm<B>>,
+    /// The loader of this rank's device, shared with the other ranks on it.
+    loader: Option<Arc<LoadTurns>>,
 }
 
 impl<B: Backend> Clone for Ranked<B> {
@@ -39,13 +79,23 @@ impl<B: Backend> Clone for Ranked<B> {
         Ranked {
             inner: self.inner.clone(),
             comm: Arc::clone(&self.comm),
+            loader: self.loader.clone(),
         }
     }
 }
 
 impl<B: Backend> Ranked<B> {
     pub fn new(inner: B, comm: Arc<dyn RankComm<B>>) -> Self {
-        Ranked { inner, comm }
+        Ranked {
+            inner,
+            comm,
+            loader: None,
+        }
+    }
+    /// Upload weights in turns with the other ranks holding the same `loader`.
+    pub(crate) fn with_loader(mut self, loader: Arc<LoadTurns>) -> Self {
+        self.loader = Some(loader);
+        self
     }
     pub fn inner(&self) -> &B {
         &self.inner
@@ -69,6 +119,9 @@ impl<B: Backend> Backend for Ranked<B> {
         )
     }
     fn upload(&self, w: HostWeight) -> Result<Self::Weight, RuntimeError> {
+        // The turn covers the weight's whole read and upload (the backend reads the mmap while
+        // it copies); the share was only cut (a view), not read, before.
+        let _turn = self.loader.as_deref().map(LoadTurns::take);
         self.inner.upload(w)
     }
     fn new_tensor(&self, r: usize, c: usize, d: &[f32]) -> Result<Self::Tensor, RuntimeError> {
@@ -273,5 +326,48 @@ impl<B: Backend> Backend for Ranked<B> {
         count: usize,
     ) -> Result<Self::Index, RuntimeError> {
         self.inner.local_expert_ids(ids, first, count)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LoadTurns;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    /// Turns exclude each other, every taker gets its turns, and a turn ended by a panic
+    /// passes on to the next taker.
+    #[test]
+    fn load_turns_exclude_each_other_and_survive_a_panic() {
+        let turns = Arc::new(LoadTurns::default());
+        let inside = Arc::new(AtomicUsize::new(0));
+        let done = Arc::new(AtomicUsize::new(0));
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let (turns, inside, done) = (turns.clone(), inside.clone(), done.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..200 {
+                        let _t = turns.take();
+                        assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two at once");
+                        std::thread::yield_now();
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                        done.fetch_add(1, Ordering::SeqCst);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("taker");
+        }
+        assert_eq!(done.load(Ordering::SeqCst), 800);
+        let t2 = turns.clone();
+        let r = std::thread::spawn(move || {
+            let _t = t2.take();
+            panic!("upload failed");
+        })
+        .join();
+        assert!(r.is_err());
+        // Would block forever had the panicking turn not ended.
+        drop(turns.take());
     }
 }

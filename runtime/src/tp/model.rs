@@ -7,7 +7,7 @@
 //! A step that fails on any rank is undone on every rank (caches truncated to their lengths
 //! before the step), so the sequences stay usable, as on a single device.
 
-use super::backend::Ranked;
+use super::backend::{LoadTurns, Ranked};
 use super::host::GroupAborted;
 use super::{MoeSplit, Shard, ShardView};
 use crate::backend::Backend;
@@ -171,9 +171,11 @@ fn is_abort(e: &RuntimeError) -> bool {
 
 impl TpModel {
     /// Load `model` over `world` ranks: one thread per rank runs `setup(rank)` (its device and
-    /// communicator), then reads its share straight from the memory-mapped file. `progress` is
-    /// told the bytes of every weight uploaded (by any rank). `on_failure` is called when a rank
-    /// fails to load, to release ranks waiting for it in their setup.
+    /// communicator), then reads its share straight from the memory-mapped file. Ranks whose
+    /// setups name the same device upload in turns, one weight at a time (one reader of the
+    /// file per device); ranks on different devices load in parallel. `progress` is told the
+    /// bytes of every weight uploaded (by any rank). `on_failure` is called when a rank fails
+    /// to load, to release ranks waiting for it in their setup.
     pub fn load<B, F>(
         model: Arc<gguf::Model>,
         world: usize,
@@ -193,18 +195,19 @@ impl TpModel {
             .collect::<Result<Vec<_>, _>>()?;
         let t0 = Instant::now();
         let setup = Arc::new(setup);
+        let loaders: Loaders = Arc::default();
         let (reply_tx, rx) = channel::<(usize, Reply)>();
         let mut txs = Vec::with_capacity(world);
         let mut threads = Vec::with_capacity(world);
         for (rank, view) in views.into_iter().enumerate() {
             let (tx, cmd_rx) = channel::<Cmd>();
             let (model, setup, reply) = (Arc::clone(&model), Arc::clone(&setup), reply_tx.clone());
-            let progress = progress.clone();
+            let (progress, loaders) = (progress.clone(), Arc::clone(&loaders));
             let h = std::thread::Builder::new()
                 .name(format!("tp-rank-{rank}"))
                 .spawn(move || {
                     let loaded = catch_unwind(AssertUnwindSafe(|| {
-                        load_rank(&model, view, &*setup, progress.as_deref())
+                        load_rank(&model, view, &*setup, progress.as_deref(), &loaders)
                     }))
                     .unwrap_or_else(|_| {
                         Err(RuntimeError::Tp {
@@ -431,16 +434,28 @@ impl Drop for TpModel {
     }
 }
 
+/// The loader of each device (by the name its ranks' setups give it).
+type Loaders = Arc<Mutex<HashMap<String, Arc<LoadTurns>>>>;
+
 fn load_rank<B: Backend>(
     model: &Arc<gguf::Model>,
     view: ShardView,
     setup: &(dyn Fn(usize) -> Result<RankSetup<B>, RuntimeError> + Send + Sync),
     progress: Option<&(dyn Fn(u64) + Send + Sync)>,
+    loaders: &Loaders,
 ) -> Result<(GlmModel<Ranked<B>>, Loaded), RuntimeError> {
     let rank = view.rank;
     let s = setup(rank)?;
+    let loader = Arc::clone(
+        loaders
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(s.device.clone())
+            .or_default(),
+    );
+    let backend = s.backend.with_loader(loader);
     let progress = progress.map(|p| p as &(dyn Fn(u64) + Sync));
-    let m = GlmModel::load_view(s.backend, Arc::clone(model), Some(view), progress)?;
+    let m = GlmModel::load_view(backend, Arc::clone(model), Some(view), progress)?;
     let report = rank_report(&m, s.device);
     let free = s.free_memory.as_ref().and_then(|f| f());
     let draft_layers = m.mtp_layers().len();
