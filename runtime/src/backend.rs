@@ -102,6 +102,9 @@ pub trait Backend: Clone + Send + Sync + 'static {
     ) -> Result<Self::Tensor, RuntimeError>;
     fn to_host(&self, t: &Self::Tensor) -> Result<Vec<f32>, RuntimeError>;
     fn index_to_host(&self, i: &Self::Index) -> Result<(usize, usize, Vec<i64>), RuntimeError>;
+    /// The f32 values of a 1-D weight (a norm, a bias): what the ops that read it as a vector
+    /// see. The forward's observer recomputes the router's ranking keys with it.
+    fn vector_to_host(&self, w: &Self::Weight) -> Result<Vec<f32>, RuntimeError>;
     /// `(rows, cols)`.
     fn shape(&self, t: &Self::Tensor) -> (usize, usize);
     /// A `[0, cols]` tensor to grow with [`Backend::append_rows`] (KV caches).

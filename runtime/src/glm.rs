@@ -46,6 +46,22 @@ pub enum Activation<'a> {
 /// Receives `(name, activation)` pairs such as `blk.3.attn_output.out` during a forward pass.
 pub type Observer<'o> = &'o mut dyn FnMut(&str, Activation<'_>);
 
+/// In an observed activation of ranking keys (`blk.N.indexer.scores`, `blk.N.router.choice`),
+/// a key that cannot be selected (a causally masked key, an expert of a group not kept): below
+/// every real key, like the -inf the ops rank it as, but finite, so that observers looking for
+/// overflows (`numerics::locate_non_finite`) or differencing two models' activations (`gguftool
+/// doctor`) do not read the mask as a NaN or an infinity.
+pub const MASKED_KEY: f32 = f32::MIN;
+
+/// A ranking key as observed: -inf (masked) becomes [`MASKED_KEY`].
+fn masked(v: f32) -> f32 {
+    if v == f32::NEG_INFINITY {
+        MASKED_KEY
+    } else {
+        v
+    }
+}
+
 /// How MLA attention is evaluated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttnMode {
@@ -728,6 +744,56 @@ impl<B: Backend> GlmModel<B> {
         Ok(())
     }
 
+    /// What the router's top-k ranks, for an observer judging a differing expert choice by it
+    /// (`cuda::check`): `blk.N.router.logits` (the raw logits, whose error bounds the keys'),
+    /// `blk.N.router.choice` (the ranked values: [`crate::cpu::route_choice`], the CPU
+    /// router's own definition, on host copies of this backend's logits and bias; experts of
+    /// groups not kept hold [`MASKED_KEY`]) and, with group-limited routing, `blk.N.router.keys`
+    /// (the same values unmasked: the groups' scores are computed from them).
+    fn emit_route_keys(
+        &self,
+        obs: &mut Option<Observer<'_>>,
+        bi: usize,
+        logits: &B::Tensor,
+        bias: Option<&B::Weight>,
+        p: &RouteParams,
+    ) -> Result<(), RuntimeError> {
+        let Some(o) = obs.as_mut() else {
+            return Ok(());
+        };
+        let be = &self.backend;
+        let (rows, cols) = be.shape(logits);
+        let l = be.to_host(logits)?;
+        let b = bias.map(|b| be.vector_to_host(b)).transpose()?;
+        crate::backend::check_route((rows, cols), b.as_ref().map(Vec::len), p)?;
+        let grouped = crate::cpu::group_limited(p);
+        let mut choice = Vec::with_capacity(l.len());
+        let mut keys = Vec::with_capacity(if grouped { l.len() } else { 0 });
+        for row in l.chunks_exact(cols.max(1)) {
+            let (_, c) = crate::cpu::route_choice(row, b.as_deref(), p);
+            if grouped {
+                let ungrouped = RouteParams {
+                    n_group: 1,
+                    n_group_used: 1,
+                    ..*p
+                };
+                keys.extend(crate::cpu::route_choice(row, b.as_deref(), &ungrouped).1);
+            }
+            choice.extend(c.into_iter().map(masked));
+        }
+        let mut out = vec![("logits", &l), ("choice", &choice)];
+        if grouped {
+            out.push(("keys", &keys));
+        }
+        for (what, data) in out {
+            o(
+                &format!("blk.{bi}.router.{what}"),
+                Activation::F32 { rows, cols, data },
+            );
+        }
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -1121,6 +1187,24 @@ impl<B: Backend> GlmModel<B> {
         };
         let mut outs = Vec::with_capacity(segs.len());
         let mut observed_sel: Vec<(usize, usize, Vec<i64>)> = Vec::new();
+        // What the indexer ranks, for an observer judging a differing key selection by it
+        // (`cuda::check`): recomputed on the host by the CPU's own formula
+        // (`cpu::indexer_scores`) from host copies of this backend's indexer inputs (queries,
+        // weights, cached keys). That reads the one definition of the scores the CPU op ranks
+        // without a second backend op (and a CUDA kernel) that would return them; it costs a
+        // host pass over the keys, observed forwards only.
+        let mut observed_scores: Vec<(usize, usize, Vec<f32>)> = Vec::new();
+        let ix_host = match (&ix_q, obs.is_some() && layer.spec.own_indexer) {
+            (Some((qi, wts)), true) => Some((be.to_host(qi)?, be.to_host(wts)?)),
+            _ => None,
+        };
+        let ix_params = |ix: &crate::spec::IndexerSpec, pos0: usize| IndexerParams {
+            n_head: ix.n_head,
+            head_dim: ix.head_dim,
+            scale: (ix.head_dim as f64).powf(-0.5) as f32,
+            top_k: ix.top_k,
+            pos0,
+        };
         for (si, s) in segs.iter().enumerate() {
             let cache = &mut caches[si].layers[li];
             be.append_rows(&mut cache.kv, &*self.seg_rows(&kv_rows, s, segs)?)?;
@@ -1134,13 +1218,7 @@ impl<B: Backend> GlmModel<B> {
                         &*self.seg_rows(qi, s, segs)?,
                         &*self.seg_rows(wts, s, segs)?,
                         keys,
-                        &IndexerParams {
-                            n_head: ix.n_head,
-                            head_dim: ix.head_dim,
-                            scale: (ix.head_dim as f64).powf(-0.5) as f32,
-                            top_k: ix.top_k,
-                            pos0: s.pos0,
-                        },
+                        &ix_params(ix, s.pos0),
                     )?),
                     _ => None,
                 },
@@ -1153,6 +1231,21 @@ impl<B: Backend> GlmModel<B> {
                         Some(sl) => be.index_to_host(sl)?,
                         None => dense_selection(s, ix.top_k.min(t)),
                     });
+                    // A shared indexer's layer copies the previous layer's selection: the
+                    // scores were that layer's (observed there).
+                    if layer.spec.own_indexer {
+                        observed_scores.push(match (&sel, &ix_host, &cache.index_keys) {
+                            (Some(_), Some((qh, wh)), Some(keys)) => observed_index_scores(
+                                qh,
+                                wh,
+                                &be.to_host(keys)?,
+                                s,
+                                t,
+                                &ix_params(ix, s.pos0),
+                            )?,
+                            _ => dense_scores(s, t),
+                        });
+                    }
                 }
             }
             let p = AttnParams {
@@ -1194,6 +1287,25 @@ impl<B: Backend> GlmModel<B> {
             prev_sel[si] = sel;
         }
         if let Some(o) = obs.as_mut() {
+            if !observed_scores.is_empty() {
+                let cols = observed_scores.iter().map(|s| s.1).max().unwrap_or(0);
+                let rows: usize = observed_scores.iter().map(|s| s.0).sum();
+                let mut data = Vec::with_capacity(rows * cols);
+                for (r, c, d) in &observed_scores {
+                    for i in 0..*r {
+                        data.extend_from_slice(&d[i * c..(i + 1) * c]);
+                        data.extend(std::iter::repeat_n(MASKED_KEY, cols - c));
+                    }
+                }
+                o(
+                    &format!("blk.{bi}.indexer.scores"),
+                    Activation::F32 {
+                        rows,
+                        cols,
+                        data: &data,
+                    },
+                );
+            }
             if !observed_sel.is_empty() {
                 let cols = observed_sel.iter().map(|s| s.1).max().unwrap_or(0);
                 let rows: usize = observed_sel.iter().map(|s| s.0).sum();
@@ -1334,19 +1446,19 @@ impl<B: Backend> GlmModel<B> {
                     .ok_or_else(|| model_err("MoE layer without expert parameters"))?;
                 // The router runs in f32 on f32 weights (never quantised in GGUF).
                 let logits = be.matmul(x, router)?;
-                let (wts, ids) = be.moe_route(
-                    &logits,
-                    bias.as_ref(),
-                    &RouteParams {
-                        n_expert: e.n_expert,
-                        n_used: e.n_used,
-                        n_group: e.n_group,
-                        n_group_used: e.n_group_used,
-                        gating: e.gating,
-                        normalize: e.normalize,
-                        scale: e.scale,
-                    },
-                )?;
+                let rp = RouteParams {
+                    n_expert: e.n_expert,
+                    n_used: e.n_used,
+                    n_group: e.n_group,
+                    n_group_used: e.n_group_used,
+                    gating: e.gating,
+                    normalize: e.normalize,
+                    scale: e.scale,
+                };
+                let (wts, ids) = be.moe_route(&logits, bias.as_ref(), &rp)?;
+                if obs.is_some() {
+                    self.emit_route_keys(obs, bi, &logits, bias.as_ref(), &rp)?;
+                }
                 self.emit(obs, || format!("blk.{bi}.router.weights"), &wts)?;
                 self.emit_index(obs, || format!("blk.{bi}.router.experts"), &ids)?;
                 // Expert parallelism: this rank computes only the chosen experts it holds.
@@ -1425,6 +1537,53 @@ struct Seg {
     row0: usize,
     n: usize,
     pos0: usize,
+}
+
+/// The indexer's scores of segment `s`'s queries (`q`, `w`: the whole batch's rows, host copies)
+/// against its `t` cached keys (`keys`, `[t, head_dim]`): `[s.n, t]`, the keys past each query's
+/// position [`MASKED_KEY`].
+fn observed_index_scores(
+    q: &[f32],
+    w: &[f32],
+    keys: &[f32],
+    s: &Seg,
+    t: usize,
+    p: &IndexerParams,
+) -> Result<(usize, usize, Vec<f32>), RuntimeError> {
+    use rayon::prelude::*;
+    let (qw, ww) = (p.n_head * p.head_dim, p.n_head);
+    if q.len() < (s.row0 + s.n) * qw || w.len() < (s.row0 + s.n) * ww || keys.len() < t * p.head_dim
+    {
+        return Err(model_err(
+            "observed indexer scores: inputs shorter than the step",
+        ));
+    }
+    let mut d = vec![MASKED_KEY; s.n * t];
+    d.par_chunks_mut(t.max(1)).enumerate().for_each(|(i, row)| {
+        let r = s.row0 + i;
+        let valid = (s.pos0 + i + 1).min(t);
+        let sc = crate::cpu::indexer_scores(
+            &q[r * qw..(r + 1) * qw],
+            &w[r * ww..(r + 1) * ww],
+            keys,
+            valid,
+            p,
+        );
+        row[..sc.len()].copy_from_slice(&sc);
+    });
+    Ok((s.n, t, d))
+}
+
+/// A dense step's "scores" in the form of [`observed_index_scores`]: every causal key is
+/// selected without ranking (0), the later ones masked.
+fn dense_scores(s: &Seg, t: usize) -> (usize, usize, Vec<f32>) {
+    let mut d = vec![MASKED_KEY; s.n * t];
+    for i in 0..s.n {
+        for j in 0..(s.pos0 + i + 1).min(t) {
+            d[i * t + j] = 0.0;
+        }
+    }
+    (s.n, t, d)
 }
 
 /// What a dense step selects, in the indexer's output form: row `i` lists keys `0 ..= pos0 + i`.

@@ -90,6 +90,86 @@ fn top_k(scores: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
+/// The lightning indexer's scores of one query against keys `0 .. n_keys` (see
+/// [`IndexerParams`]): `sum_h w[h] * relu(scale * q[h] . k[j])`. `keys` is row-major
+/// `[>= n_keys, head_dim]`. The CPU's `indexer_topk` ranks exactly these; the forward's observer
+/// recomputes them from host copies of the op's inputs (`blk.N.indexer.scores`), so both read
+/// this one formula.
+pub(crate) fn indexer_scores(
+    q: &[f32],
+    w: &[f32],
+    keys: &[f32],
+    n_keys: usize,
+    p: &IndexerParams,
+) -> Vec<f32> {
+    let d = p.head_dim;
+    keys.chunks_exact(d.max(1))
+        .take(n_keys)
+        .map(|kj| {
+            let mut acc = 0f32;
+            for (qh, wh) in q.chunks_exact(d.max(1)).zip(w).take(p.n_head) {
+                acc += (dot(qh, kj) * p.scale).max(0.0) * wh;
+            }
+            acc
+        })
+        .collect()
+}
+
+/// Router probabilities from one row of logits (sigmoid or softmax gating).
+fn route_probs(l: &[f32], gating: Gating) -> Vec<f32> {
+    match gating {
+        Gating::Sigmoid => l.iter().map(|&x| sigmoid(x)).collect(),
+        Gating::Softmax => {
+            let mx = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let ex: Vec<f32> = l.iter().map(|x| (x - mx).exp()).collect();
+            let s: f32 = ex.iter().sum();
+            ex.iter().map(|x| x / s).collect()
+        }
+    }
+}
+
+/// Whether routing first keeps `n_group_used` of `n_group` expert groups.
+pub(crate) fn group_limited(p: &RouteParams) -> bool {
+    p.n_group > 1 && p.n_group_used < p.n_group
+}
+
+/// Each expert group's score, the sum of its two best `keys` (`keys` = probabilities plus
+/// bias, one row): the group-limited router keeps the `n_group_used` best groups.
+pub(crate) fn route_group_scores(keys: &[f32], p: &RouteParams) -> Vec<f32> {
+    let gs = (p.n_expert / p.n_group.max(1)).max(1);
+    keys.chunks(gs)
+        .map(|g| top_k(g, 2).iter().map(|&i| g[i]).sum())
+        .collect()
+}
+
+/// One row of routing: `(probs, choice)`, the gated probabilities (the chosen experts'
+/// weights) and the values whose top `n_used` are the chosen experts: probabilities plus the
+/// e_score_correction bias, with the experts of groups not kept set to -inf (group-limited
+/// routing). The CPU's `moe_route` ranks exactly `choice`; the forward's observer emits it
+/// (`blk.N.router.choice`) from host copies of the logits and the bias, so both read this one
+/// definition. Shapes as [`crate::backend::check_route`] accepts them.
+pub(crate) fn route_choice(
+    l: &[f32],
+    bias: Option<&[f32]>,
+    p: &RouteParams,
+) -> (Vec<f32>, Vec<f32>) {
+    let probs = route_probs(l, p.gating);
+    let mut choice: Vec<f32> = match bias {
+        Some(b) => probs.iter().zip(b).map(|(x, y)| x + y).collect(),
+        None => probs.clone(),
+    };
+    if group_limited(p) {
+        let gs = (p.n_expert / p.n_group).max(1);
+        let keep = top_k(&route_group_scores(&choice, p), p.n_group_used);
+        for (gi, g) in choice.chunks_mut(gs).enumerate() {
+            if !keep.contains(&gi) {
+                g.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+            }
+        }
+    }
+    (probs, choice)
+}
+
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Weight = HostWeight;
@@ -124,6 +204,10 @@ impl Backend for CpuBackend {
 
     fn index_to_host(&self, i: &CpuIndex) -> Result<(usize, usize, Vec<i64>), RuntimeError> {
         Ok((i.rows, i.cols, i.data.iter().map(|&v| v as i64).collect()))
+    }
+
+    fn vector_to_host(&self, w: &HostWeight) -> Result<Vec<f32>, RuntimeError> {
+        vector(w)
     }
 
     fn shape(&self, t: &CpuTensor) -> (usize, usize) {
@@ -510,20 +594,7 @@ impl Backend for CpuBackend {
                 let chosen: Vec<usize> = if valid <= kk {
                     (0..valid).collect()
                 } else {
-                    let qi = q.row(i);
-                    let wi = weights.row(i);
-                    let scores: Vec<f32> = (0..valid)
-                        .map(|j| {
-                            let kj = keys.row(j);
-                            let mut acc = 0f32;
-                            for h in 0..p.n_head {
-                                let s =
-                                    dot(&qi[h * p.head_dim..(h + 1) * p.head_dim], kj) * p.scale;
-                                acc += s.max(0.0) * wi[h];
-                            }
-                            acc
-                        })
-                        .collect();
+                    let scores = indexer_scores(q.row(i), weights.row(i), &keys.data, valid, p);
                     let mut c = top_k(&scores, kk);
                     c.sort_unstable();
                     c
@@ -545,40 +616,13 @@ impl Backend for CpuBackend {
         bias: Option<&HostWeight>,
         p: &RouteParams,
     ) -> Result<(CpuTensor, CpuIndex), RuntimeError> {
-        let e = p.n_expert;
         let bias = bias.map(vector).transpose()?;
         check_route(logits.shape(), bias.as_ref().map(Vec::len), p)?;
         let k = p.n_used;
         let mut w = vec![0f32; logits.rows * k];
         let mut ids = vec![-1i32; logits.rows * k];
         for r in 0..logits.rows {
-            let l = logits.row(r);
-            let probs: Vec<f32> = match p.gating {
-                Gating::Sigmoid => l.iter().map(|&x| sigmoid(x)).collect(),
-                Gating::Softmax => {
-                    let mx = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let ex: Vec<f32> = l.iter().map(|x| (x - mx).exp()).collect();
-                    let s: f32 = ex.iter().sum();
-                    ex.iter().map(|x| x / s).collect()
-                }
-            };
-            let mut choice: Vec<f32> = match &bias {
-                Some(b) => probs.iter().zip(b).map(|(x, y)| x + y).collect(),
-                None => probs.clone(),
-            };
-            if p.n_group > 1 && p.n_group_used < p.n_group {
-                let gs = e / p.n_group;
-                let group_scores: Vec<f32> = choice
-                    .chunks(gs)
-                    .map(|g| top_k(g, 2).iter().map(|&i| g[i]).sum())
-                    .collect();
-                let keep = top_k(&group_scores, p.n_group_used);
-                for (gi, g) in choice.chunks_mut(gs).enumerate() {
-                    if !keep.contains(&gi) {
-                        g.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
-                    }
-                }
-            }
+            let (probs, choice) = route_choice(logits.row(r), bias.as_deref(), p);
             let chosen = top_k(&choice, k);
             let mut ws: Vec<f32> = chosen.iter().map(|&i| probs[i]).collect();
             if p.normalize {

@@ -44,8 +44,12 @@ pub mod comm;
 mod tests;
 
 /// Up to this many activation rows a matmul runs as a GEMV (weights read once per 8 rows, in
-/// their own encoding); above it, dequantize to tiles + cuBLAS.
-pub const GEMVQ_MAX_ROWS: usize = 64;
+/// their own encoding); above it, dequantize to tiles + cuBLAS. 8: on the H200 (2026-12-02,
+/// GLM-5-shaped file, `GGUFTOOL_GEMVQ_MAX_ROWS` swept over 8/16/32/64) the tensor-core path is
+/// faster from 12 rows on (pp12 2,181 against 1,987 tok/s, pp32 5,770 against 2,758, pp64 10,667
+/// against 3,056), while decode, MTP verification (<= 5 rows) and batches of up to 8 sequences
+/// keep the GEMVs, which read each weight once for all their rows.
+pub const GEMVQ_MAX_ROWS: usize = 8;
 /// The exact path's GEMV limit (f32 activations, one weight read per row).
 const GEMV_MAX_ROWS: usize = 8;
 /// Smallest capacity a KV cache grows to (rows), then doubling.
@@ -594,6 +598,12 @@ impl Backend for CudaBackend {
                 .map_err(kerr("index_to_host"))?
         };
         Ok((i.rows, i.cols, v.into_iter().map(i64::from).collect()))
+    }
+
+    fn vector_to_host(&self, w: &CudaWeight) -> Result<Vec<f32>, RuntimeError> {
+        // 1-D weights carry their f32 values (the copy the vector ops read).
+        let v = self.vector(w, "vector_to_host")?;
+        self.gpu.download(v).map_err(kerr("vector_to_host"))
     }
 
     fn shape(&self, t: &CudaTensor) -> (usize, usize) {

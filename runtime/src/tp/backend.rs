@@ -133,6 +133,9 @@ impl<B: Backend> Backend for Ranked<B> {
     fn index_to_host(&self, i: &Self::Index) -> Result<(usize, usize, Vec<i64>), RuntimeError> {
         self.inner.index_to_host(i)
     }
+    fn vector_to_host(&self, w: &Self::Weight) -> Result<Vec<f32>, RuntimeError> {
+        self.inner.vector_to_host(w)
+    }
     fn shape(&self, t: &Self::Tensor) -> (usize, usize) {
         self.inner.shape(t)
     }
