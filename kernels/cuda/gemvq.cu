@@ -14,10 +14,11 @@
 // rounding (|x - d q| <= d/2): see kernels/src/gemvq.rs for the error bound.
 //
 // Mapping (as gemv.cu): 128 threads = 4 warps; a warp splits into 32/lpr groups of lpr lanes
-// (lpr = largest power of two <= 32 dividing K/32, so every lane has work at K = 192 .. 16384);
-// a group owns one output row; lane l takes the 32-weight tasks l, l + lpr, ... of that row,
-// each one 16-byte weight load (GGUF blocks for Q4_K/Q5_K/IQ4_XS, the repacked layout for the
-// types whose blocks are not 16-byte aligned). Up to NC activation columns share every weight
+// (lpr = largest power of two <= 32 dividing the row's K / TW tasks, so every lane has work
+// at K = 192 .. 16384; TW = task_w<NC>(), the host's `QType::task_weights`); a group owns one
+// output row; lane l takes the tasks l, l + lpr, ... of that row, each 32 weights in 16-byte
+// loads (one-column Q4_K launches: 64) (GGUF blocks for Q4_K/Q5_K/IQ4_XS, the repacked layout
+// for the types whose blocks are not 16-byte aligned). Up to NC activation columns share every weight
 // load. Partial sums reduce over the group in a fixed order: bitwise reproducible.
 //
 // Modes: plain; GLU (y = silu(W x) * (W2 x), gate and up of an FFN in one pass); combine
@@ -44,6 +45,7 @@ struct GemvQ {
     const int* yidx;
     long long y_stride, y_rows;
     const float* cw;
+    int ksplit;
 };
 
 DEV int dp4a(int a, int b, int c) {
@@ -100,34 +102,81 @@ DEV int block_sum16(const float2& ds) {
     return (v >> 16) + (int)(short)(v & 0xFFFF);
 }
 
-// One task = 32 weights of one row: `gb` = index of the row's first block, t = task in the row.
+// Weights per task of an NC-column launch: 32, but GQ_TW1 (the host's define: 64 for Q4_K) in
+// one-column launches.
+template <int NC> DEV constexpr int task_w() { return NC == 1 ? GQ_TW1 : 32; }
+
+// One task = task_w<NC>() weights of one row: `gb` = index of the row's first block, t = task
+// in the row.
 template <int QT> struct Task;
 
+// Q4_K. A 32-weight task loads the 16-byte header for 16 bytes of codes; a 64-weight task (the
+// two 32-element sub-blocks that share 32 code bytes, low and high nibbles) decodes the header
+// once for 32 code bytes and reads each activation block record once. A one-column launch is
+// bound by the per-task work at a fixed number of tasks per lane, not by bytes (H200,
+// 2026-12-02: Q4_K, Q6_K and Q8_0 GEMVs of one shape all took ~30 us while their bytes differ
+// 2x), so it takes 64; launches of several columns amortize the decode over their columns and
+// keep 32 (twice the tasks to spread over lanes, fewer registers: pp8 measured slower with 64).
 template <> struct Task<QT_Q4_K> {
     template <int NC>
     static DEV void run(const uint8_t* W, long long, long long gb, int t, const XCol (&x)[NC],
                         int nc, const uint32_t (&)[4], float (&acc)[NC]) {
-        const int sb = t >> 3, c = (t & 7) >> 1, h = t & 1;
-        const uint8_t* blk = W + (gb + sb) * 144;
-        const uint4 hd = ldw4(blk), q = ldw4(blk + 16 + 32 * c + 16 * h);
-        float d0, m0, d1, m1;
-        k_scales(hd, 2 * c, d0, m0);
-        k_scales(hd, 2 * c + 1, d1, m1);
-        const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
-        uint32_t lo[4], hi[4];
+        static_assert(task_w<NC>() == 32 || task_w<NC>() == 64, "Q4_K tasks are 32 or 64 weights");
+        if constexpr (task_w<NC>() == 32) {
+            const int sb = t >> 3, c = (t & 7) >> 1, h = t & 1;
+            const uint8_t* blk = W + (gb + sb) * 144;
+            const uint4 hd = ldw4(blk), q = ldw4(blk + 16 + 32 * c + 16 * h);
+            float d0, m0, d1, m1;
+            k_scales(hd, 2 * c, d0, m0);
+            k_scales(hd, 2 * c + 1, d1, m1);
+            const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
+            uint32_t lo[4], hi[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            lo[k] = qw[k] & 0x0F0F0F0Fu;
-            hi[k] = (qw[k] >> 4) & 0x0F0F0F0Fu;
-        }
-        const int k0 = sb * 256 + 64 * c + 16 * h;
+            for (int k = 0; k < 4; ++k) {
+                lo[k] = qw[k] & 0x0F0F0F0Fu;
+                hi[k] = (qw[k] >> 4) & 0x0F0F0F0Fu;
+            }
+            const int k0 = sb * 256 + 64 * c + 16 * h;
 #pragma unroll
-        for (int j = 0; j < NC; ++j) {
-            if (j >= nc) break;
-            const int a = dot16(lo, ldx4(x[j].q + k0)), b = dot16(hi, ldx4(x[j].q + k0 + 32));
-            const float2 da = x[j].ds[k0 >> 5], db = x[j].ds[(k0 >> 5) + 1];
-            acc[j] += da.x * (d0 * (float)a - m0 * (float)half_sum(da, h)) +
-                      db.x * (d1 * (float)b - m1 * (float)half_sum(db, h));
+            for (int j = 0; j < NC; ++j) {
+                if (j >= nc) break;
+                const int a = dot16(lo, ldx4(x[j].q + k0)), b = dot16(hi, ldx4(x[j].q + k0 + 32));
+                const float2 da = x[j].ds[k0 >> 5], db = x[j].ds[(k0 >> 5) + 1];
+                acc[j] += da.x * (d0 * (float)a - m0 * (float)half_sum(da, h)) +
+                          db.x * (d1 * (float)b - m1 * (float)half_sum(db, h));
+            }
+        } else {
+            const int sb = t >> 2, c = t & 3;
+            const uint8_t* blk = W + (gb + sb) * 144;
+            // Every load of the task first, so all of them are in flight together.
+            const uint4 hd = ldw4(blk), q0 = ldw4(blk + 16 + 32 * c), q1 = ldw4(blk + 32 + 32 * c);
+            {
+                float d0, m0, d1, m1;
+                k_scales(hd, 2 * c, d0, m0);
+                k_scales(hd, 2 * c + 1, d1, m1);
+                const uint32_t wa[4] = {q0.x, q0.y, q0.z, q0.w}, wb[4] = {q1.x, q1.y, q1.z, q1.w};
+                uint32_t la[4], ha[4], lb[4], hb[4];
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    la[k] = wa[k] & 0x0F0F0F0Fu;
+                    ha[k] = (wa[k] >> 4) & 0x0F0F0F0Fu;
+                    lb[k] = wb[k] & 0x0F0F0F0Fu;
+                    hb[k] = (wb[k] >> 4) & 0x0F0F0F0Fu;
+                }
+                // Elements k0 .. k0 + 31 are the low nibbles of the 32 bytes, k0 + 32 .. k0 + 63
+                // the high ones: activation blocks k0/32 and k0/32 + 1, whole.
+                const int k0 = sb * 256 + 64 * c;
+#pragma unroll
+                for (int j = 0; j < NC; ++j) {
+                    if (j >= nc) break;
+                    const int8_t* xq = x[j].q + k0;
+                    const int a = dot16(lb, ldx4(xq + 16)) + dot16(la, ldx4(xq));
+                    const int b = dot16(hb, ldx4(xq + 48)) + dot16(ha, ldx4(xq + 32));
+                    const float2 da = x[j].ds[k0 >> 5], db = x[j].ds[(k0 >> 5) + 1];
+                    acc[j] += da.x * (d0 * (float)a - m0 * (float)block_sum16(da)) +
+                              db.x * (d1 * (float)b - m1 * (float)block_sum16(db));
+                }
+            }
         }
     }
 };
@@ -313,15 +362,34 @@ DEV float group_sum(float v, int lpr) {
 }
 DEV float silu(float g) { return g / (1.0f + expf(-g)); }
 
-// MODE 0 plain, 1 GLU, 2 combine.
+// Sum of the KS warps' partial results of a block's row groups, in warp order (fixed: bitwise
+// reproducible); `red` holds one value per (warp, group), warps base .. base + ks - 1 share a
+// row group. Returns the sum on the warp with wk == 0 (the others' value is unused). Every
+// thread of the block must call it.
+DEV float ksplit_sum(float v, float* red, int warp, int base, int wk, int ks, int grp, int gl) {
+    if (gl == 0) red[warp * 32 + grp] = v;
+    __syncthreads();
+    float s = 0.0f;
+    if (wk == 0)
+        for (int w = 0; w < ks; ++w) s += red[(base + w) * 32 + grp];
+    __syncthreads();  // `red` is reused by the next channel
+    return s;
+}
+
+// MODE 0 plain, 1 GLU, 2 combine. One-column launches may split a row group's tasks (combine:
+// its expert slots) over KS = p.ksplit warps of the block (1, 2 or 4, the host's choice against
+// the tail of the last wave: a launch of 1.3 waves runs its last 0.3 at a quarter of the speed).
 template <int QT, int NC, int MODE>
 DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
+    __shared__ float red[2][4 * 32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lpr = p.lpr, groups = 32 / lpr;
+    const int KS = NC == 1 ? p.ksplit : 1;
+    const int wk = warp % KS;
     const int gl = lane & (lpr - 1), grp = lane / lpr;
-    const int row = (blockIdx.x * 4 + warp) * groups + grp;
+    const int row = (blockIdx.x * (4 / KS) + warp / KS) * groups + grp;
     const int rr = min(row, p.nrows - 1);
-    const int nt = p.K >> 5;
+    const int nt = p.K / task_w<NC>();  // tasks per row (the host's lanes-per-row divides it)
     const long long bpr = p.K / QTraits<QT>::QB;
     const float nan = __int_as_float(0x7fc00000);
     uint32_t T[4] = {0, 0, 0, 0};
@@ -335,10 +403,10 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
     for (long long ch = blockIdx.y; ch < p.count; ch += gridDim.y) {
         if (MODE == 2) {
             float acc = 0.0f;
-            for (int k = 0; k < p.ctopk; ++k) {
+            for (int k = wk; k < p.ctopk; k += KS) {
                 const long long slot = ch * p.ctopk + k;
                 const int e = p.ids[slot];
-                if (e < 0) continue;  // empty slot (uniform across the block)
+                if (e < 0) continue;  // empty slot (uniform across the warp)
                 if (e >= p.n_slabs || slot >= p.x.rows) {
                     acc = nan;
                     continue;
@@ -350,7 +418,8 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
                 acc += p.cw[slot] * a[0];
             }
             acc = group_sum(acc, lpr);
-            if (gl == 0 && row < p.nrows && ch < p.y_rows) p.y[ch * p.y_stride + row] = acc;
+            if (KS > 1) acc = ksplit_sum(acc, red[0], warp, warp - wk, wk, KS, grp, gl);
+            if (wk == 0 && gl == 0 && row < p.nrows && ch < p.y_rows) p.y[ch * p.y_stride + row] = acc;
             continue;
         }
         const long long e = p.ids ? (long long)p.ids[ch] : ch % p.n_slabs;
@@ -373,8 +442,9 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
         for (int j = 0; j < NC; ++j) acc[j] = acc2[j] = 0.0f;
         if (!bad) {
             const long long gb = (e * p.nrows + rr) * bpr;
+            const int step = lpr * KS;
 #pragma unroll 2
-            for (int t = gl; t < nt; t += lpr) {
+            for (int t = wk * lpr + gl; t < nt; t += step) {
                 Task<QT>::template run<NC>(p.w, p.nblk, gb, t, xc, nc, T, acc);
                 if (MODE == 1) Task<QT>::template run<NC>(p.w2, p.nblk, gb, t, xc, nc, T, acc2);
             }
@@ -382,11 +452,15 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
 #pragma unroll
         for (int j = 0; j < NC; ++j) {
             if (j >= nc) break;
-            float v = group_sum(acc[j], lpr);
-            if (MODE == 1) v = silu(v) * group_sum(acc2[j], lpr);
+            float v = group_sum(acc[j], lpr), v2 = MODE == 1 ? group_sum(acc2[j], lpr) : 0.0f;
+            if (KS > 1) {
+                v = ksplit_sum(v, red[0], warp, warp - wk, wk, KS, grp, gl);
+                if (MODE == 1) v2 = ksplit_sum(v2, red[1], warp, warp - wk, wk, KS, grp, gl);
+            }
+            if (MODE == 1) v = silu(v) * v2;
             if (bad) v = nan;
             const long long yr = p.yidx ? (long long)p.yidx[ch * p.ncols + j] : ch * p.ncols + j;
-            if (gl == 0 && row < p.nrows && yr >= 0 && yr < p.y_rows) p.y[yr * p.y_stride + row] = v;
+            if (wk == 0 && gl == 0 && row < p.nrows && yr >= 0 && yr < p.y_rows) p.y[yr * p.y_stride + row] = v;
         }
     }
 }

@@ -66,6 +66,8 @@ pub(crate) struct Kernel {
     /// The dynamic shared memory limit last set on the function (0: the default), so a launch
     /// wrapper's opt-in is one driver call per kernel, not one per launch.
     pub smem_limit: Arc<std::sync::atomic::AtomicUsize>,
+    /// Resident blocks per SM at 128 threads and no dynamic shared memory (0: not asked yet).
+    pub blocks_per_sm_128: Arc<std::sync::atomic::AtomicU32>,
 }
 
 /// Kernel arguments being collected, with their sizes for the signature check.
@@ -134,6 +136,8 @@ pub struct Gpu {
     tables: OnceLock<DeviceTables>,
     blas: OnceLock<cudarc::cublas::CudaBlas>,
     sync_each: AtomicBool,
+    /// Warps per row group of one-column integer GEMVs: 0 = chosen per launch, else 1, 2 or 4.
+    gemvq_ksplit: std::sync::atomic::AtomicUsize,
     pool: Arc<Pool>,
     staging: Mutex<Staging>,
     /// Pinned slots of bulk uploads (weights), apart from `staging`'s step-input ring.
@@ -257,6 +261,11 @@ impl Gpu {
                 .map_err(KernelError::driver("cuDeviceTotalMem"))? as u64,
         };
         let sync_each = std::env::var("GGUFTOOL_CUDA_SYNC").is_ok_and(|v| v == "1");
+        let gemvq_ksplit = std::env::var("GGUFTOOL_GEMVQ_KSPLIT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|k| matches!(k, 1 | 2 | 4))
+            .unwrap_or(0);
         // Cached free memory: enough for every activation of a long prefill chunk to recur
         // without cuMemAlloc, bounded so idle caches never crowd out weights and KV caches.
         let pool_cap = (info.total_mem as usize / 16).clamp(256 << 20, 8 << 30);
@@ -274,6 +283,7 @@ impl Gpu {
             tables: OnceLock::new(),
             blas: OnceLock::new(),
             sync_each: AtomicBool::new(sync_each),
+            gemvq_ksplit: std::sync::atomic::AtomicUsize::new(gemvq_ksplit),
             pool,
             staging,
             bulk,
@@ -296,6 +306,28 @@ impl Gpu {
     /// reported by the op that caused it instead of a later one.
     pub fn set_sync_each(&self, on: bool) {
         self.sync_each.store(on, Ordering::Relaxed);
+    }
+
+    /// Force the number of warps that share a row group in one-column integer GEMVs (1, 2 or 4;
+    /// `None`: chosen per launch, the default; also `GGUFTOOL_GEMVQ_KSPLIT`). For tests and
+    /// measurements: every choice computes the same sums in another order.
+    pub fn force_gemvq_ksplit(&self, ks: Option<usize>) -> Result<(), KernelError> {
+        let v = match ks {
+            None => 0,
+            Some(k @ (1 | 2 | 4)) => k,
+            Some(k) => {
+                return Err(KernelError::BadShape {
+                    op: "gemvq",
+                    msg: format!("k-split {k} (1, 2 or 4)"),
+                })
+            }
+        };
+        self.gemvq_ksplit.store(v, Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub(crate) fn gemvq_ksplit(&self) -> Option<usize> {
+        Some(self.gemvq_ksplit.load(Ordering::Relaxed)).filter(|&k| k > 0)
     }
 
     /// Wait for all queued work; a kernel fault surfaces here.
@@ -400,6 +432,7 @@ impl Gpu {
             name: name.into(),
             params,
             smem_limit: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            blocks_per_sm_128: Arc::new(std::sync::atomic::AtomicU32::new(0)),
         };
         self.funcs
             .lock()
@@ -420,6 +453,23 @@ impl Gpu {
         .map_err(KernelError::driver("cuFuncSetAttribute"))?;
         k.smem_limit.fetch_max(bytes, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// How many 128-thread blocks of `k` (no dynamic shared memory) one SM holds at once: the
+    /// driver's occupancy answer, asked once per kernel.
+    pub(crate) fn blocks_per_sm_128(&self, k: &Kernel) -> Result<u32, KernelError> {
+        let known = k.blocks_per_sm_128.load(Ordering::Relaxed);
+        if known > 0 {
+            return Ok(known);
+        }
+        let n =
+            k.f.occupancy_max_active_blocks_per_multiprocessor(128, 0, None)
+                .map_err(KernelError::driver(
+                    "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                ))?
+                .max(1);
+        k.blocks_per_sm_128.store(n, Ordering::Relaxed);
+        Ok(n)
     }
 
     /// Start collecting the arguments of a launch of `k` on this device's stream.

@@ -88,9 +88,15 @@ impl MatShape {
 /// Lanes per output row: the largest power of two <= 32 dividing the row's 32-element chunks,
 /// so every lane has work for any K (K = 192: 2 lanes, 6 chunks, 3 each).
 pub(crate) fn lanes_per_row(k: usize) -> usize {
-    let chunks = (k / 32).max(1);
+    lanes_for_tasks(k / 32)
+}
+
+/// Lanes per output row for a row of `tasks` units of work: the largest power of two <= 32
+/// dividing it.
+pub(crate) fn lanes_for_tasks(tasks: usize) -> usize {
+    let tasks = tasks.max(1);
     let mut l = 32;
-    while l > 1 && !chunks.is_multiple_of(l) {
+    while l > 1 && !tasks.is_multiple_of(l) {
         l /= 2;
     }
     l

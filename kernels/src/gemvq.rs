@@ -11,12 +11,14 @@
 //! products that is (a_b / rms(x)) / (127 * sqrt(12)) ~= 0.2-1% of the output's scale
 //! (a_b / rms in [1, sqrt(32)]). [`Q8_REL_ERR`] states the bound the tests use.
 
+use std::sync::OnceLock;
+
 use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut, DeviceRepr};
 
 use crate::dequant::check_aligned;
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
-use crate::gemv::{lanes_per_row, MatShape};
+use crate::gemv::{lanes_for_tasks, MatShape};
 use crate::launch::shape_err;
 use crate::ops::{Op, QType, GEMVQ_VARIANTS};
 use crate::pool::DevBuf;
@@ -178,11 +180,53 @@ struct GemvQParams {
     y_stride: i64,
     y_rows: i64,
     cw: u64,
+    ksplit: i32,
 }
 
 // SAFETY: plain structs laid out exactly as `struct Q8A` / `struct GemvQ` in gemvq.cu.
 unsafe impl DeviceRepr for Q8AParams {}
 unsafe impl DeviceRepr for GemvQParams {}
+
+/// Warps of a 4-warp block that share one row group in a one-column launch (1, 2 or 4; their
+/// partial sums meet in shared memory in a fixed order). A launch's time is about the number of
+/// waves it needs times the tasks one lane runs per row, and a wave started is a wave paid: the
+/// attention output GEMV (6,144 rows, 1,536 blocks at 9 blocks per SM on 132 SMs, 1.29 waves)
+/// ran its last 0.29 wave with a quarter of the GPU busy (Nsight Compute, H200, 2026-12-02).
+/// Splitting a row's tasks (combine: its expert slots, `topk` > 0) over more warps makes more,
+/// shorter blocks; ties keep fewer warps per row (no shared-memory reduction). A launch that
+/// fills more than one wave unsplit is split only while every lane keeps >= 2 tasks: at one task
+/// per lane the reduction costs what the tail did (Q6_K 6,144 x 2,048: 8.2 us unsplit, 10.1 us
+/// in 2 warps per row, same H200 call; the attention output gained 26.8 -> 25.1 us).
+/// [`Gpu::force_gemvq_ksplit`] (or `GGUFTOOL_GEMVQ_KSPLIT=1|2|4`) forces one.
+fn k_split(
+    rows: usize,
+    groups: usize,
+    channels: usize,
+    tasks: usize,
+    lpr: usize,
+    topk: usize,
+    slots: usize,
+) -> usize {
+    let blocks = |ks: usize| rows.div_ceil((4 / ks) * groups) * channels;
+    let one_wave = blocks(1) <= slots;
+    let mut best = (usize::MAX, 1);
+    for ks in [1usize, 2, 4] {
+        let waves = blocks(ks).div_ceil(slots.max(1));
+        let per_lane = if topk > 0 {
+            topk.div_ceil(ks) * tasks.div_ceil(lpr)
+        } else {
+            tasks.div_ceil(lpr * ks)
+        };
+        if ks > 1 && !one_wave && per_lane < 2 {
+            continue;
+        }
+        let cost = waves * per_lane;
+        if cost < best.0 {
+            best = (cost, ks);
+        }
+    }
+    best.1
+}
 
 /// Whether `shape` has an integer-dot-product GEMV (type, layout and row length).
 pub fn gemvq_supported(shape: &MatShape) -> bool {
@@ -195,7 +239,7 @@ pub fn gemvq_supported(shape: &MatShape) -> bool {
 /// A static name per (mode, type), for launch errors and profiles.
 fn kind_name(mode: &str, qt: QType) -> &'static str {
     use std::collections::HashMap;
-    use std::sync::{Mutex, OnceLock};
+    use std::sync::Mutex;
     static NAMES: OnceLock<Mutex<HashMap<String, &'static str>>> = OnceLock::new();
     let key = format!("{mode} {}", qt.suffix());
     let mut m = NAMES
@@ -346,8 +390,33 @@ impl Gpu {
             qt,
         );
         let tables = self.tables()?.params;
-        let lpr = lanes_per_row(shape.k);
-        let rows_per_block = 4 * (32 / lpr);
+        let tw = if ch.ncols == 1 { qt.task_weights() } else { 32 };
+        if !shape.k.is_multiple_of(tw) {
+            return Err(shape_err(OP, format!("K = {} in tasks of {tw}", shape.k)));
+        }
+        let tasks = shape.k / tw;
+        let lpr = lanes_for_tasks(tasks);
+        let ks = if ch.ncols == 1 {
+            match self.gemvq_ksplit() {
+                Some(k) => k,
+                None => {
+                    let slots =
+                        self.info().sm_count as usize * self.blocks_per_sm_128(&f)? as usize;
+                    k_split(
+                        shape.rows,
+                        32 / lpr,
+                        ch.count.min(65_535),
+                        tasks,
+                        lpr,
+                        ctopk,
+                        slots,
+                    )
+                }
+            }
+        } else {
+            1
+        };
+        let rows_per_block = (4 / ks) * (32 / lpr);
         let cfg = self.cfg_rows(
             OP,
             shape.rows.div_ceil(rows_per_block) as u64,
@@ -377,11 +446,48 @@ impl Gpu {
             y_stride: ch.y_stride as i64,
             y_rows: y_rows as i64,
             cw: cwp,
+            ksplit: ks as i32,
         };
         let mut b = self.args(&f);
         b.arg(&p).arg(&tables);
         // SAFETY: weight, id, index and output extents checked above; the kernel range-checks
         // every id and index it reads (bad ids give NaN outputs, bad indices are skipped).
         unsafe { self.launch(kind, b, cfg) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::k_split;
+
+    /// 132 SMs x 9 resident blocks (54 registers at 128 threads: the H200's answer).
+    const SLOTS: usize = 132 * 9;
+
+    #[test]
+    fn k_split_fills_the_last_wave_and_keeps_lanes_busy() {
+        // attn_output, Q4_K in 64-weight tasks: 6,144 rows of 256 tasks, 1.29 waves unsplit.
+        assert_eq!(k_split(6144, 1, 1, 256, 32, 0, SLOTS), 2);
+        // q_b: 16,384 rows of 32 tasks: splitting would idle half the lanes.
+        assert_eq!(k_split(16384, 1, 1, 32, 32, 0, SLOTS), 1);
+        // kv_a: 576 rows, 0.12 waves: four warps per row.
+        assert_eq!(k_split(576, 1, 1, 96, 32, 0, SLOTS), 4);
+        // The MoE down projection + weighted sum, 8 expert slots per row: the slots split
+        // (2 and 4 warps cost 3 x 4 and 6 x 2 task-waves: the tie keeps fewer).
+        assert_eq!(k_split(6144, 1, 1, 32, 32, 8, SLOTS), 2);
+        // Many channels (8 experts' gate+up): already 3.4 waves of full blocks.
+        assert_eq!(k_split(2048, 1, 8, 96, 32, 0, SLOTS), 1);
+        // The shared expert's Q6_K down (64 tasks, 8 blocks per SM): 1.45 waves, but split
+        // lanes would hold one task each.
+        assert_eq!(k_split(6144, 1, 1, 64, 32, 0, 132 * 8), 1);
+        // q_a (Q4_K, 96 tasks): under one wave, two warps per row.
+        assert_eq!(k_split(2048, 1, 1, 96, 32, 0, SLOTS), 2);
+        // Any answer is one of the kernel's.
+        for rows in [1, 7, 64, 1000, 154_880] {
+            for tasks in [1, 6, 96, 512] {
+                let lpr = crate::gemv::lanes_for_tasks(tasks);
+                let ks = k_split(rows, 32 / lpr, 1, tasks, lpr, 0, SLOTS);
+                assert!(matches!(ks, 1 | 2 | 4), "{rows} {tasks}: {ks}");
+            }
+        }
     }
 }

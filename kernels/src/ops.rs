@@ -5,6 +5,8 @@
 //! GEMV (`gemvq.cu`) is compiled once per weight type (a `#define` selects it), so a model only
 //! compiles the types it has.
 
+use std::sync::OnceLock;
+
 use gguf::GgmlType;
 
 /// Shared prelude of every module: integer typedefs, f16/bf16 conversions, reductions.
@@ -78,7 +80,30 @@ impl QType {
     pub fn suffix(self) -> &'static str {
         self.device().1
     }
+
+    /// Weights per task (one lane's unit of work) of a one-column GEMV (`GQ_TW1` in gemvq.cu;
+    /// launches of several columns always use 32): 32, but Q4_K's cover 64 (two sub-blocks
+    /// sharing 32 code bytes: the header decoded once for them; faster on the H200,
+    /// docs/GPU.md). `GGUFTOOL_Q4K_TASK=32|64` picks Q4_K's width to measure.
+    pub fn task_weights(self) -> usize {
+        static Q4K: OnceLock<usize> = OnceLock::new();
+        match self {
+            QType::Q4K => *Q4K.get_or_init(|| {
+                match std::env::var("GGUFTOOL_Q4K_TASK")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                {
+                    Some(w @ (32 | 64)) => w,
+                    _ => Q4K_TASK_WEIGHTS,
+                }
+            }),
+            _ => 32,
+        }
+    }
 }
+
+/// Q4_K's default GEMV task width (weights), see [`QType::task_weights`].
+const Q4K_TASK_WEIGHTS: usize = 64;
 
 /// The gemvq kernel variants: `(prefix, columns, mode)`.
 pub(crate) const GEMVQ_VARIANTS: [(&str, usize, u8); 7] = [
@@ -233,7 +258,10 @@ impl Op {
             let (id, suf) = q.device();
             v.push((
                 "gemvq-type.cuh",
-                format!("#define GQ_QT {id}\n#define GQ_SUF {suf}\n"),
+                format!(
+                    "#define GQ_QT {id}\n#define GQ_SUF {suf}\n#define GQ_TW1 {}\n",
+                    q.task_weights()
+                ),
             ));
         }
         v.push((self.file_name(), self.source().to_string()));

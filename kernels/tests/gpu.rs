@@ -1835,23 +1835,35 @@ fn gemvq_every_type_matches_emulation_and_error_bound() {
             (31, 6144, 3),
             (576, 2048, 8),
             (64, 512, 2),
+            (576, 6144, 1),  // kv_a: four warps per row by default
+            (2048, 6144, 1), // q_a: two
         ];
         if ty.block_size() == 32 {
             shapes.push((512, 192, 1)); // attn_k_b rows (K = 192): 2 lanes per row
             shapes.push((33, 192, 5));
         }
         for (rows, k, nc) in shapes {
-            let (ok, worst) = check_gemvq(&g, &mut r, ty, rows, k, nc);
-            row(
-                &format!("gemvq {ty}"),
-                &format!("{rows}x{k} x{nc}"),
-                worst,
-                1.0,
-                ok,
-            );
-            if !ok {
-                bad.push(format!("{ty} {rows}x{k} x{nc}"));
+            // One-column launches: the launch's own choice, then every k-split forced.
+            let splits: &[Option<usize>] = if nc == 1 {
+                &[None, Some(1), Some(2), Some(4)]
+            } else {
+                &[None]
+            };
+            for &ks in splits {
+                g.force_gemvq_ksplit(ks).unwrap();
+                let (ok, worst) = check_gemvq(&g, &mut r, ty, rows, k, nc);
+                row(
+                    &format!("gemvq {ty}"),
+                    &format!("{rows}x{k} x{nc} split {ks:?}"),
+                    worst,
+                    1.0,
+                    ok,
+                );
+                if !ok {
+                    bad.push(format!("{ty} {rows}x{k} x{nc} split {ks:?}"));
+                }
             }
+            g.force_gemvq_ksplit(None).unwrap();
         }
     }
     assert!(bad.is_empty(), "gemvq failed: {bad:?}");
@@ -2111,6 +2123,162 @@ fn gemvq_glu_combine_and_grouped_experts() {
         ok,
     );
     assert!(ok, "fused down + weighted sum");
+}
+
+/// Decode-shaped MoE launches (one column: the gate+up+SiLU of the routed experts, then the
+/// down projection + weighted sum) with the rows' tasks (combine: expert slots) split over 1, 2
+/// and 4 warps: each against the f64 product with the quantized activations.
+#[test]
+fn gemvq_glu_and_combine_split_over_warps() {
+    let Some(g) = gpu("gemvq_glu_and_combine_split_over_warps") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("gemvq_ksplit");
+    let (ne, ff, d, topk) = (5usize, 768usize, 2048usize, 4usize);
+    let gate_b = sane_blocks(GgmlType::Q4_K, ne * ff * d, &mut r);
+    let up_b = sane_blocks(GgmlType::Q4_K, ne * ff * d, &mut r);
+    let down_b = sane_blocks(GgmlType::Q4_K, ne * d * ff, &mut r);
+    let (gw, uw, dwf) = (
+        dequant_cpu(GgmlType::Q4_K, &gate_b),
+        dequant_cpu(GgmlType::Q4_K, &up_b),
+        dequant_cpu(GgmlType::Q4_K, &down_b),
+    );
+    let shape = |rows, k| MatShape {
+        ty: GgmlType::Q4_K,
+        rows,
+        k,
+        slabs: ne,
+        packed: false,
+    };
+    let (dg, du, ddn) = (
+        g.upload(&gate_b).unwrap(),
+        g.upload(&up_b).unwrap(),
+        g.upload(&down_b).unwrap(),
+    );
+    // Slot 2 is empty (-1): skipped by the combine, its GLU channel never written.
+    let ids: Vec<i32> = vec![4, 0, -1, 2];
+    let wts: Vec<f32> = (0..topk).map(|_| 0.2 + r.unit()).collect();
+    let x = activations(&mut r, 1, d);
+    let dx = g.upload(&x).unwrap();
+    let q = g.quantize_q8(&dx, 1, d, d).unwrap();
+    let (qc, qd, _) = q.to_host(&g).unwrap();
+    let dids = g.upload(&ids).unwrap();
+    let dw = g.upload(&wts).unwrap();
+    let (idv, wv) = (dids.as_view(), dw.as_view());
+    let dot =
+        |w: &[f32], e: usize, rows: usize, k: usize, row: usize, xv: &dyn Fn(usize) -> f64| {
+            let wr = &w[(e * rows + row) * k..(e * rows + row + 1) * k];
+            wr.iter().enumerate().fold((0f64, 0f64), |(s, m), (i, &w)| {
+                (
+                    s + f64::from(w) * xv(i),
+                    m + f64::from(w.abs()) * xv(i).abs(),
+                )
+            })
+        };
+    let silu = |v: f64| v / (1.0 + (-v).exp());
+    let xq = |i: usize| f64::from(qc[i]) * f64::from(qd[i / 32]);
+    let (gamma_d, gamma_f) = (
+        (d as f64 / 32.0 + 16.0) * 4.0 * U32,
+        (ff as f64 / 32.0 + 16.0) * 4.0 * U32,
+    );
+    let mut bad = Vec::new();
+    for ks in [1usize, 2, 4] {
+        g.force_gemvq_ksplit(Some(ks)).unwrap();
+        let mut act = nan_buf(&g, topk * ff);
+        let ch = QChannels {
+            count: topk,
+            ncols: 1,
+            ids: Some(&idv),
+            xidx: None,
+            x_div: topk,
+            yidx: None,
+            y_stride: ff,
+            y_rows: topk,
+        };
+        g.gemv_q(shape(ff, d), &dg, QMode::Glu(&du), ch, &q, &mut act)
+            .unwrap();
+        let act_h = g.download(&act).unwrap();
+        let mut ok = act_h[2 * ff..3 * ff].iter().all(|v| v.is_nan());
+        for (slot, &e) in ids.iter().enumerate() {
+            if e < 0 {
+                continue;
+            }
+            for rr in 0..ff {
+                let (gv, gm) = dot(&gw, e as usize, ff, d, rr, &xq);
+                let (uv, um) = dot(&uw, e as usize, ff, d, rr, &xq);
+                let want = silu(gv) * uv;
+                // silu' <= 1.1; the q4_k scale-product bound 3 max|w| (check_gemvq).
+                let tol = 1.1 * 3.0 * gamma_d * gm * uv.abs()
+                    + silu(gv).abs() * 3.0 * gamma_d * um
+                    + 8.0 * U32 * want.abs()
+                    + 1e-30;
+                let got = f64::from(act_h[slot * ff + rr]);
+                ok &= got.is_finite() && (got - want).abs() <= tol;
+            }
+        }
+        row(
+            "gemvq glu decode",
+            &format!("{topk} slots {ff}x{d} split {ks}"),
+            0.0,
+            0.0,
+            ok,
+        );
+        if !ok {
+            bad.push(format!("glu split {ks}"));
+        }
+        // The combine reads one q8 row per slot: the act rows (the empty one zeroed).
+        let act_z: Vec<f32> = act_h
+            .iter()
+            .map(|v| if v.is_nan() { 0.0 } else { *v })
+            .collect();
+        let dz = g.upload(&act_z).unwrap();
+        let qa = g.quantize_q8(&dz, topk, ff, ff).unwrap();
+        let (ac, ad, _) = qa.to_host(&g).unwrap();
+        let mut y = nan_buf(&g, d);
+        let ch = QChannels {
+            count: 1,
+            ncols: 1,
+            ids: Some(&idv),
+            xidx: None,
+            x_div: 1,
+            yidx: None,
+            y_stride: d,
+            y_rows: 1,
+        };
+        let mode = QMode::Combine { weights: &wv, topk };
+        g.gemv_q(shape(d, ff), &ddn, mode, ch, &qa, &mut y).unwrap();
+        let yh = g.download(&y).unwrap();
+        let mut ok = true;
+        for rr in 0..d {
+            let (mut want, mut m) = (0f64, 0f64);
+            for (k, &e) in ids.iter().enumerate() {
+                if e < 0 {
+                    continue;
+                }
+                let xv = |i: usize| f64::from(ac[k * ff + i]) * f64::from(ad[(k * ff + i) / 32]);
+                let (v, mm) = dot(&dwf, e as usize, d, ff, rr, &xv);
+                want += f64::from(wts[k]) * v;
+                m += f64::from(wts[k]).abs() * mm;
+            }
+            ok &= (f64::from(yh[rr]) - want).abs() <= 3.0 * gamma_f * m + 1e-30;
+        }
+        row(
+            "gemvq combine decode",
+            &format!("{topk} slots {d}x{ff} split {ks}"),
+            0.0,
+            0.0,
+            ok,
+        );
+        if !ok {
+            bad.push(format!("combine split {ks}"));
+        }
+    }
+    g.force_gemvq_ksplit(None).unwrap();
+    assert!(
+        bad.is_empty(),
+        "split launches differ from the f64 products: {bad:?}"
+    );
 }
 
 /// f64 attention of one query over the latent rows `keys`, values = first `dv` columns.
