@@ -17,7 +17,7 @@
 // (lpr = largest power of two <= 32 dividing the row's K / TW tasks, so every lane has work
 // at K = 192 .. 16384; TW = task_w<NC>(), the host's `QType::task_weights`); a group owns one
 // output row; lane l takes the tasks l, l + lpr, ... of that row, each 32 weights in 16-byte
-// loads (one-column Q4_K launches: 64) (GGUF blocks for Q4_K/Q5_K/IQ4_XS, the repacked layout
+// loads (one-column Q4_K / Q6_K launches: 64) (GGUF blocks for Q4_K/Q5_K/IQ4_XS, the repacked layout
 // for the types whose blocks are not 16-byte aligned). Up to NC activation columns share every weight
 // load. Partial sums reduce over the group in a fixed order: bitwise reproducible.
 //
@@ -102,8 +102,8 @@ DEV int block_sum16(const float2& ds) {
     return (v >> 16) + (int)(short)(v & 0xFFFF);
 }
 
-// Weights per task of an NC-column launch: 32, but GQ_TW1 (the host's define: 64 for Q4_K) in
-// one-column launches.
+// Weights per task of an NC-column launch: 32, but GQ_TW1 (the host's define: 64 for Q4_K and
+// Q6_K) in one-column launches.
 template <int NC> DEV constexpr int task_w() { return NC == 1 ? GQ_TW1 : 32; }
 
 // One task = task_w<NC>() weights of one row: `gb` = index of the row's first block, t = task
@@ -212,34 +212,72 @@ template <> struct Task<QT_Q5_K> {
 
 // Q6_K repacked: task p of a superblock covers, in half hh = p/4, the 16 elements r = 16*pp + i
 // (low nibbles of ql[64hh + 16pp + i], high bits at shift 2*(pp/2)) and r = 64 + 16*pp + i (high
-// nibbles, shift 4 more), pp = p % 4; each group of 16 has one scale.
+// nibbles, shift 4 more), pp = p % 4; each group of 16 has one scale. A 64-weight task (one-column
+// launches, as Q4_K's) takes pp = m and m + 2 of a half: they share their 16 bytes of high bits,
+// the 8 scale bytes of the half and d, so 3 vector loads serve 64 weights instead of 4.
 template <> struct Task<QT_Q6_K_R> {
     template <int NC>
     static DEV void run(const uint8_t* W, long long nblk, long long gb, int t, const XCol (&x)[NC],
                         int nc, const uint32_t (&)[4], float (&acc)[NC]) {
-        const int sb = t >> 3, hh = (t & 7) >> 2, pp = t & 3;
-        const long long g = gb + sb;
-        const uint8_t* b = W + g * 192;
-        const uint4 ql = ldw4(b + 64 * hh + 16 * pp), qh = ldw4(b + 128 + 32 * hh + 16 * (pp & 1));
-        const int sa = 2 * (pp >> 1), sbb = sa + 4;
-        const uint32_t lw[4] = {ql.x, ql.y, ql.z, ql.w}, hw[4] = {qh.x, qh.y, qh.z, qh.w};
-        uint32_t qa[4], qb[4];
+        static_assert(task_w<NC>() == 32 || task_w<NC>() == 64, "Q6_K tasks are 32 or 64 weights");
+        if constexpr (task_w<NC>() == 32) {
+            const int sb = t >> 3, hh = (t & 7) >> 2, pp = t & 3;
+            const long long g = gb + sb;
+            const uint8_t* b = W + g * 192;
+            const uint4 ql = ldw4(b + 64 * hh + 16 * pp), qh = ldw4(b + 128 + 32 * hh + 16 * (pp & 1));
+            const int sa = 2 * (pp >> 1), sbb = sa + 4;
+            const uint32_t lw[4] = {ql.x, ql.y, ql.z, ql.w}, hw[4] = {qh.x, qh.y, qh.z, qh.w};
+            uint32_t qa[4], qb[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            qa[k] = (lw[k] & 0x0F0F0F0Fu) | (((hw[k] >> sa) & 0x03030303u) << 4);
-            qb[k] = ((lw[k] >> 4) & 0x0F0F0F0Fu) | (((hw[k] >> sbb) & 0x03030303u) << 4);
-        }
-        const uint8_t* scp = W + nblk * 192 + g * 16 + 8 * hh + pp;
-        const float d = rp_f16(W + nblk * 208 + 2 * g);
-        const float sca = d * (float)(int8_t)scp[0], scb = d * (float)(int8_t)scp[4];
-        const int k0 = sb * 256 + 128 * hh + 16 * pp, k1 = k0 + 64;
+            for (int k = 0; k < 4; ++k) {
+                qa[k] = (lw[k] & 0x0F0F0F0Fu) | (((hw[k] >> sa) & 0x03030303u) << 4);
+                qb[k] = ((lw[k] >> 4) & 0x0F0F0F0Fu) | (((hw[k] >> sbb) & 0x03030303u) << 4);
+            }
+            const uint8_t* scp = W + nblk * 192 + g * 16 + 8 * hh + pp;
+            const float d = rp_f16(W + nblk * 208 + 2 * g);
+            const float sca = d * (float)(int8_t)scp[0], scb = d * (float)(int8_t)scp[4];
+            const int k0 = sb * 256 + 128 * hh + 16 * pp, k1 = k0 + 64;
 #pragma unroll
-        for (int j = 0; j < NC; ++j) {
-            if (j >= nc) break;
-            const float2 da = x[j].ds[k0 >> 5], db = x[j].ds[k1 >> 5];
-            const int a = dot16(qa, ldx4(x[j].q + k0)) - 32 * half_sum(da, pp & 1);
-            const int bb = dot16(qb, ldx4(x[j].q + k1)) - 32 * half_sum(db, pp & 1);
-            acc[j] += sca * da.x * (float)a + scb * db.x * (float)bb;
+            for (int j = 0; j < NC; ++j) {
+                if (j >= nc) break;
+                const float2 da = x[j].ds[k0 >> 5], db = x[j].ds[k1 >> 5];
+                const int a = dot16(qa, ldx4(x[j].q + k0)) - 32 * half_sum(da, pp & 1);
+                const int bb = dot16(qb, ldx4(x[j].q + k1)) - 32 * half_sum(db, pp & 1);
+                acc[j] += sca * da.x * (float)a + scb * db.x * (float)bb;
+            }
+        } else {
+            const int sb = t >> 2, hh = (t & 3) >> 1, m = t & 1;
+            const long long g = gb + sb;
+            const uint8_t* b = W + g * 192;
+            // Every load of the task first, so all of them are in flight together.
+            const uint4 l0 = ldw4(b + 64 * hh + 16 * m), l1 = ldw4(b + 64 * hh + 16 * m + 32);
+            const uint4 qh = ldw4(b + 128 + 32 * hh + 16 * m);
+            const uint2 sc = ldw2(W + nblk * 192 + g * 16 + 8 * hh);  // s[pp] in .x, s[pp + 4] in .y
+            const float d = rp_f16(W + nblk * 208 + 2 * g);
+            const uint32_t hw[4] = {qh.x, qh.y, qh.z, qh.w};
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int pp = m + 2 * u, sa = 2 * u, sbb = sa + 4;
+                const uint4 ql = u ? l1 : l0;
+                const uint32_t lw[4] = {ql.x, ql.y, ql.z, ql.w};
+                uint32_t qa[4], qb[4];
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    qa[k] = (lw[k] & 0x0F0F0F0Fu) | (((hw[k] >> sa) & 0x03030303u) << 4);
+                    qb[k] = ((lw[k] >> 4) & 0x0F0F0F0Fu) | (((hw[k] >> sbb) & 0x03030303u) << 4);
+                }
+                const float sca = d * (float)(int8_t)((sc.x >> (8 * pp)) & 0xFFu);
+                const float scb = d * (float)(int8_t)((sc.y >> (8 * pp)) & 0xFFu);
+                const int k0 = sb * 256 + 128 * hh + 16 * pp, k1 = k0 + 64;
+#pragma unroll
+                for (int j = 0; j < NC; ++j) {
+                    if (j >= nc) break;
+                    const float2 da = x[j].ds[k0 >> 5], db = x[j].ds[k1 >> 5];
+                    const int a = dot16(qa, ldx4(x[j].q + k0)) - 32 * half_sum(da, m);
+                    const int bb = dot16(qb, ldx4(x[j].q + k1)) - 32 * half_sum(db, m);
+                    acc[j] += sca * da.x * (float)a + scb * db.x * (float)bb;
+                }
+            }
         }
     }
 };
@@ -467,14 +505,18 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
 
 #define GQ_CAT2(a, b) a##b
 #define GQ_CAT(a, b) GQ_CAT2(a, b)
-#define GQ_KERNEL(name, NC, MODE)                                                                 \
-    extern "C" __global__ void __launch_bounds__(128, 1) GQ_CAT(name, GQ_SUF)(GemvQ p, QTables t) { \
-        gemvq_impl<GQ_QT, NC, MODE>(p, t);                                                        \
+// One-column launches (decode) ask for resident blocks per SM (the last number: 9 blocks = <= 56
+// registers, 8 = 64; tests/compile.rs checks that none spills; the GLU kernel spilled for Q6_K
+// at 7 and keeps its registers): their speed is the memory parallelism of the warps an SM holds,
+// and the 64-weight tasks' registers would otherwise cost blocks (Q6_K 73 registers: 6 per SM).
+#define GQ_KERNEL(name, NC, MODE, MINB)                                                              \
+    extern "C" __global__ void __launch_bounds__(128, MINB) GQ_CAT(name, GQ_SUF)(GemvQ p, QTables t) { \
+        gemvq_impl<GQ_QT, NC, MODE>(p, t);                                                           \
     }
-GQ_KERNEL(gemvq1_, 1, 0)
-GQ_KERNEL(gemvq2_, 2, 0)
-GQ_KERNEL(gemvq4_, 4, 0)
-GQ_KERNEL(gemvq8_, 8, 0)
-GQ_KERNEL(gemvq_glu1_, 1, 1)
-GQ_KERNEL(gemvq_glu8_, 8, 1)
-GQ_KERNEL(gemvq_comb_, 1, 2)
+GQ_KERNEL(gemvq1_, 1, 0, 9)
+GQ_KERNEL(gemvq2_, 2, 0, 1)
+GQ_KERNEL(gemvq4_, 4, 0, 1)
+GQ_KERNEL(gemvq8_, 8, 0, 1)
+GQ_KERNEL(gemvq_glu1_, 1, 1, 1)
+GQ_KERNEL(gemvq_glu8_, 8, 1, 1)
+GQ_KERNEL(gemvq_comb_, 1, 2, 8)

@@ -82,28 +82,31 @@ impl QType {
     }
 
     /// Weights per task (one lane's unit of work) of a one-column GEMV (`GQ_TW1` in gemvq.cu;
-    /// launches of several columns always use 32): 32, but Q4_K's cover 64 (two sub-blocks
-    /// sharing 32 code bytes: the header decoded once for them; faster on the H200,
-    /// docs/GPU.md). `GGUFTOOL_Q4K_TASK=32|64` picks Q4_K's width to measure.
+    /// launches of several columns always use 32): 32, but Q4_K's and Q6_K's cover 64 (Q4_K: two
+    /// sub-blocks sharing 32 code bytes, the header decoded once; Q6_K: two 16-element groups
+    /// sharing their high bits, scales and d; faster on the H200, docs/GPU.md).
+    /// `GGUFTOOL_Q4K_TASK=32|64` and `GGUFTOOL_Q6K_TASK=32|64` pick the widths to measure.
     pub fn task_weights(self) -> usize {
+        fn width(var: &str, default: usize) -> usize {
+            match std::env::var(var).ok().and_then(|v| v.parse().ok()) {
+                Some(w @ (32 | 64)) => w,
+                _ => default,
+            }
+        }
         static Q4K: OnceLock<usize> = OnceLock::new();
+        static Q6K: OnceLock<usize> = OnceLock::new();
         match self {
-            QType::Q4K => *Q4K.get_or_init(|| {
-                match std::env::var("GGUFTOOL_Q4K_TASK")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                {
-                    Some(w @ (32 | 64)) => w,
-                    _ => Q4K_TASK_WEIGHTS,
-                }
-            }),
+            QType::Q4K => *Q4K.get_or_init(|| width("GGUFTOOL_Q4K_TASK", Q4K_TASK_WEIGHTS)),
+            QType::Q6K => *Q6K.get_or_init(|| width("GGUFTOOL_Q6K_TASK", Q6K_TASK_WEIGHTS)),
             _ => 32,
         }
     }
 }
 
-/// Q4_K's default GEMV task width (weights), see [`QType::task_weights`].
+/// Q4_K's and Q6_K's default one-column GEMV task widths (weights), see
+/// [`QType::task_weights`].
 const Q4K_TASK_WEIGHTS: usize = 64;
+const Q6K_TASK_WEIGHTS: usize = 64;
 
 /// The gemvq kernel variants: `(prefix, columns, mode)`.
 pub(crate) const GEMVQ_VARIANTS: [(&str, usize, u8); 7] = [
