@@ -150,32 +150,30 @@ template <> struct Task<QT_Q4_K> {
             const uint8_t* blk = W + (gb + sb) * 144;
             // Every load of the task first, so all of them are in flight together.
             const uint4 hd = ldw4(blk), q0 = ldw4(blk + 16 + 32 * c), q1 = ldw4(blk + 32 + 32 * c);
-            {
-                float d0, m0, d1, m1;
-                k_scales(hd, 2 * c, d0, m0);
-                k_scales(hd, 2 * c + 1, d1, m1);
-                const uint32_t wa[4] = {q0.x, q0.y, q0.z, q0.w}, wb[4] = {q1.x, q1.y, q1.z, q1.w};
-                uint32_t la[4], ha[4], lb[4], hb[4];
+            float d0, m0, d1, m1;
+            k_scales(hd, 2 * c, d0, m0);
+            k_scales(hd, 2 * c + 1, d1, m1);
+            const uint32_t wa[4] = {q0.x, q0.y, q0.z, q0.w}, wb[4] = {q1.x, q1.y, q1.z, q1.w};
+            uint32_t la[4], ha[4], lb[4], hb[4];
 #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    la[k] = wa[k] & 0x0F0F0F0Fu;
-                    ha[k] = (wa[k] >> 4) & 0x0F0F0F0Fu;
-                    lb[k] = wb[k] & 0x0F0F0F0Fu;
-                    hb[k] = (wb[k] >> 4) & 0x0F0F0F0Fu;
-                }
-                // Elements k0 .. k0 + 31 are the low nibbles of the 32 bytes, k0 + 32 .. k0 + 63
-                // the high ones: activation blocks k0/32 and k0/32 + 1, whole.
-                const int k0 = sb * 256 + 64 * c;
+            for (int k = 0; k < 4; ++k) {
+                la[k] = wa[k] & 0x0F0F0F0Fu;
+                ha[k] = (wa[k] >> 4) & 0x0F0F0F0Fu;
+                lb[k] = wb[k] & 0x0F0F0F0Fu;
+                hb[k] = (wb[k] >> 4) & 0x0F0F0F0Fu;
+            }
+            // Elements k0 .. k0 + 31 are the low nibbles of the 32 bytes, k0 + 32 .. k0 + 63
+            // the high ones: activation blocks k0/32 and k0/32 + 1, whole.
+            const int k0 = sb * 256 + 64 * c;
 #pragma unroll
-                for (int j = 0; j < NC; ++j) {
-                    if (j >= nc) break;
-                    const int8_t* xq = x[j].q + k0;
-                    const int a = dot16(lb, ldx4(xq + 16)) + dot16(la, ldx4(xq));
-                    const int b = dot16(hb, ldx4(xq + 48)) + dot16(ha, ldx4(xq + 32));
-                    const float2 da = x[j].ds[k0 >> 5], db = x[j].ds[(k0 >> 5) + 1];
-                    acc[j] += da.x * (d0 * (float)a - m0 * (float)block_sum16(da)) +
-                              db.x * (d1 * (float)b - m1 * (float)block_sum16(db));
-                }
+            for (int j = 0; j < NC; ++j) {
+                if (j >= nc) break;
+                const int8_t* xq = x[j].q + k0;
+                const int a = dot16(lb, ldx4(xq + 16)) + dot16(la, ldx4(xq));
+                const int b = dot16(hb, ldx4(xq + 48)) + dot16(ha, ldx4(xq + 32));
+                const float2 da = x[j].ds[k0 >> 5], db = x[j].ds[(k0 >> 5) + 1];
+                acc[j] += da.x * (d0 * (float)a - m0 * (float)block_sum16(da)) +
+                          db.x * (d1 * (float)b - m1 * (float)block_sum16(db));
             }
         }
     }

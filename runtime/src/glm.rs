@@ -53,6 +53,21 @@ pub type Observer<'o> = &'o mut dyn FnMut(&str, Activation<'_>);
 /// doctor`) do not read the mask as a NaN or an infinity.
 pub const MASKED_KEY: f32 = f32::MIN;
 
+/// The sequences' `(rows, cols, row-major data)` parts of one observation stacked into one
+/// matrix as wide as the widest part, each shorter row padded with `pad`.
+fn pad_rows<T: Copy>(parts: &[(usize, usize, Vec<T>)], pad: T) -> (usize, usize, Vec<T>) {
+    let cols = parts.iter().map(|p| p.1).max().unwrap_or(0);
+    let rows: usize = parts.iter().map(|p| p.0).sum();
+    let mut data = Vec::with_capacity(rows * cols);
+    for (r, c, d) in parts {
+        for i in 0..*r {
+            data.extend_from_slice(&d[i * c..(i + 1) * c]);
+            data.extend(std::iter::repeat_n(pad, cols - c));
+        }
+    }
+    (rows, cols, data)
+}
+
 /// A ranking key as observed: -inf (masked) becomes [`MASKED_KEY`].
 fn masked(v: f32) -> f32 {
     if v == f32::NEG_INFINITY {
@@ -1288,15 +1303,7 @@ impl<B: Backend> GlmModel<B> {
         }
         if let Some(o) = obs.as_mut() {
             if !observed_scores.is_empty() {
-                let cols = observed_scores.iter().map(|s| s.1).max().unwrap_or(0);
-                let rows: usize = observed_scores.iter().map(|s| s.0).sum();
-                let mut data = Vec::with_capacity(rows * cols);
-                for (r, c, d) in &observed_scores {
-                    for i in 0..*r {
-                        data.extend_from_slice(&d[i * c..(i + 1) * c]);
-                        data.extend(std::iter::repeat_n(MASKED_KEY, cols - c));
-                    }
-                }
+                let (rows, cols, data) = pad_rows(&observed_scores, MASKED_KEY);
                 o(
                     &format!("blk.{bi}.indexer.scores"),
                     Activation::F32 {
@@ -1307,15 +1314,7 @@ impl<B: Backend> GlmModel<B> {
                 );
             }
             if !observed_sel.is_empty() {
-                let cols = observed_sel.iter().map(|s| s.1).max().unwrap_or(0);
-                let rows: usize = observed_sel.iter().map(|s| s.0).sum();
-                let mut data = Vec::with_capacity(rows * cols);
-                for (r, c, d) in &observed_sel {
-                    for i in 0..*r {
-                        data.extend_from_slice(&d[i * c..(i + 1) * c]);
-                        data.extend(std::iter::repeat_n(-1, cols - c));
-                    }
-                }
+                let (rows, cols, data) = pad_rows(&observed_sel, -1);
                 o(
                     &format!("blk.{bi}.indexer.topk_indices"),
                     Activation::Index {
