@@ -32,6 +32,9 @@ struct MlaP {
     int n_split, heads_per_block;
     int stage_q;
     float* part;
+    // Decode kernel with one split: the output itself (else null).
+    float* o;
+    long long o_tok, o_head;
 };
 
 template <int BF16>
@@ -186,3 +189,218 @@ DEV void mla_impl(const MlaP& p) {
 
 extern "C" __global__ void __launch_bounds__(256, 1) mla_partial_f32(MlaP p) { mla_impl<0>(p); }
 extern "C" __global__ void __launch_bounds__(256, 1) mla_partial_bf16(MlaP p) { mla_impl<1>(p); }
+
+// ---- Decode steps (up to a few query tokens): one warp per MLA_DEC_HPW heads, lane = dims. ----
+// The tile kernel above makes each warp walk 576-wide dot products serially with one block per
+// SM (186 registers, 150 KB of shared memory): a decode step's 1-2 tiles were latency-bound at
+// ~35 us a layer whatever T. Here lane l holds dims 4(l + 32j) .. +3 of its heads' queries in
+// registers; per key a warp loads the row once (5 x 8 bytes a lane), the partial dot products
+// meet in an xor butterfly (every lane ends with the same sum: each step adds the same two
+// values), and the same registers give the weighted values. A block's warps share the rows
+// through L1. Keys go in chunks of MLA_DEC_KC: pass 1 scores the chunk (lane r % 32 keeps key
+// r's score), one rescale per chunk, pass 2 re-reads the rows' first Dv columns (L1/L2) for the
+// weighted sum: no running-max rescale per key. Grid (n_split, S, ceil(H / heads per block));
+// with one split the block writes the normalised output itself (what attn_combine_f32 would
+// write for one split: acc * 1 / l), else (m, l, acc) partials for the combine.
+// Needs D <= 640 and Dv <= 512 (checked by the host). Launch bounds of 3 blocks per SM: without
+// them ptxas held 128 registers and spilled; with them 137-156, no spill (tests/compile.rs).
+#define MLA_DEC_WARPS 4
+#define MLA_DEC_HPW 2
+#define MLA_DEC_G 2
+#define MLA_DEC_KC 64
+
+// Key row index of slot jj of query s, or -1 when the slot is empty or masked.
+DEV long long mla_dec_key(const MlaP& p, long long s, int jj, int c1, long long pos_s) {
+    if (jj >= c1) return -1;
+    const long long t = p.idx ? (long long)p.idx[s * p.idx_stride + jj] : (long long)jj;
+    return (t >= 0 && t < p.T && t <= pos_s) ? t : -1;
+}
+
+template <int BF16, int HPW, int G>
+DEV void mla_dec_impl(const MlaP& p) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int split = blockIdx.x;
+    const long long s = blockIdx.y;
+    const int h0 = (blockIdx.z * (blockDim.x >> 5) + warp) * HPW;
+    if (h0 >= p.H) return;
+    const long long pos_s = p.pos ? (long long)p.pos[s] : (long long)p.pos0 + s;
+    const int n_eff = p.idx ? p.n_keys : (int)min((long long)p.T, pos_s + 1);
+    const int j0 = split * p.split_len;
+    const int j1 = min(n_eff, j0 + p.split_len);
+    const int nc = p.D >> 2, nvc = p.Dv >> 2;
+    float4 q[HPW][5];
+#pragma unroll
+    for (int h = 0; h < HPW; ++h) {
+        const float* qh = p.q + s * p.q_tok + (long long)min(h0 + h, p.H - 1) * p.q_head;
+#pragma unroll
+        for (int j = 0; j < 5; ++j) {
+            const int c = lane + 32 * j;
+            q[h][j] = c < nc ? __ldg((const float4*)(qh + 4 * c)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+    float m[HPW], l[HPW];
+    float4 acc[HPW][4];
+#pragma unroll
+    for (int h = 0; h < HPW; ++h) {
+        m[h] = NEG_INF;
+        l[h] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[h][j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    for (int c0 = j0; c0 < j1; c0 += MLA_DEC_KC) {
+        const int c1 = min(j1, c0 + MLA_DEC_KC);
+        // Pass 1: scores of this chunk's keys; key c0 + r's score is kept by lane r % 32.
+        float sreg[HPW][2], cm[HPW];
+#pragma unroll
+        for (int h = 0; h < HPW; ++h) {
+            sreg[h][0] = sreg[h][1] = NEG_INF;
+            cm[h] = NEG_INF;
+        }
+        for (int jt = c0; jt < c1; jt += G) {
+            long long tk[G];
+            float sc[HPW][G];
+#pragma unroll
+            for (int g = 0; g < G; ++g) tk[g] = mla_dec_key(p, s, jt + g, c1, pos_s);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float4 kr[5];
+#pragma unroll
+                for (int j = 0; j < 5; ++j) {
+                    const int c = lane + 32 * j;
+                    kr[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (tk[g] >= 0 && c < nc) {
+                        kr[j] = mla_load4<BF16>(p.kv, tk[g] * p.kv_stride + 4 * c);
+                    }
+                }
+#pragma unroll
+                for (int h = 0; h < HPW; ++h) {
+                    float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < 5; ++j) {
+                        float& a = (j & 1) ? a1 : a0;
+                        a = fmaf(q[h][j].x, kr[j].x, a);
+                        a = fmaf(q[h][j].y, kr[j].y, a);
+                        a = fmaf(q[h][j].z, kr[j].z, a);
+                        a = fmaf(q[h][j].w, kr[j].w, a);
+                    }
+                    sc[h][g] = a0 + a1;
+                }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+                for (int h = 0; h < HPW; ++h)
+#pragma unroll
+                    for (int g = 0; g < G; ++g) sc[h][g] += __shfl_xor_sync(0xffffffffu, sc[h][g], o);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const int r = jt + g - c0;
+#pragma unroll
+                for (int h = 0; h < HPW; ++h) {
+                    const float v = tk[g] >= 0 ? sc[h][g] * p.scale : NEG_INF;
+                    cm[h] = fmaxf(cm[h], v);
+                    if ((r & 31) == lane) {
+                        if (r < 32) sreg[h][0] = v;
+                        else sreg[h][1] = v;
+                    }
+                }
+            }
+        }
+        // One rescale per chunk of 64 keys.
+#pragma unroll
+        for (int h = 0; h < HPW; ++h) {
+            const float mn = fmaxf(m[h], cm[h]);
+            if (mn != m[h]) {
+                const float alpha = m[h] == NEG_INF ? 0.0f : expf(m[h] - mn);
+                l[h] *= alpha;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    acc[h][j].x *= alpha; acc[h][j].y *= alpha; acc[h][j].z *= alpha; acc[h][j].w *= alpha;
+                }
+                m[h] = mn;
+            }
+        }
+        // Pass 2: weighted values (the first Dv columns of the rows, read again from L1/L2).
+        for (int jt = c0; jt < c1; jt += G) {
+            long long tk[G];
+#pragma unroll
+            for (int g = 0; g < G; ++g) tk[g] = mla_dec_key(p, s, jt + g, c1, pos_s);
+            float pw[HPW][G];
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const int r = jt + g - c0;
+#pragma unroll
+                for (int h = 0; h < HPW; ++h) {
+                    const float v = __shfl_sync(0xffffffffu, r < 32 ? sreg[h][0] : sreg[h][1], r & 31);
+                    pw[h][g] = (v == NEG_INF) ? 0.0f : expf(v - m[h]);
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float4 vr[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int c = lane + 32 * j;
+                    vr[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (tk[g] >= 0 && c < nvc) {
+                        vr[j] = mla_load4<BF16>(p.kv, tk[g] * p.kv_stride + 4 * c);
+                    }
+                }
+#pragma unroll
+                for (int h = 0; h < HPW; ++h) {
+                    const float w = pw[h][g];
+                    l[h] += w;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        acc[h][j].x = fmaf(w, vr[j].x, acc[h][j].x);
+                        acc[h][j].y = fmaf(w, vr[j].y, acc[h][j].y);
+                        acc[h][j].z = fmaf(w, vr[j].z, acc[h][j].z);
+                        acc[h][j].w = fmaf(w, vr[j].w, acc[h][j].w);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < HPW; ++h) {
+        const int hh = h0 + h;
+        if (hh >= p.H) continue;
+        if (p.n_split == 1 && p.o) {
+            const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+            float* orow = p.o + s * p.o_tok + (long long)hh * p.o_head;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int c = lane + 32 * j;
+                if (c < nvc) {
+                    orow[4 * c] = acc[h][j].x * inv;
+                    orow[4 * c + 1] = acc[h][j].y * inv;
+                    orow[4 * c + 2] = acc[h][j].z * inv;
+                    orow[4 * c + 3] = acc[h][j].w * inv;
+                }
+            }
+        } else {
+            float* pr = p.part + ((s * p.H + hh) * (long long)p.n_split + split) * (p.Dv + 2);
+            if (lane == 0) {
+                pr[0] = m[h];
+                pr[1] = l[h];
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int c = lane + 32 * j;
+                if (c < nvc) {
+                    pr[2 + 4 * c] = acc[h][j].x;
+                    pr[3 + 4 * c] = acc[h][j].y;
+                    pr[4 + 4 * c] = acc[h][j].z;
+                    pr[5 + 4 * c] = acc[h][j].w;
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * MLA_DEC_WARPS, 3) mla_decode_f32(MlaP p) {
+    mla_dec_impl<0, MLA_DEC_HPW, MLA_DEC_G>(p);
+}
+extern "C" __global__ void __launch_bounds__(32 * MLA_DEC_WARPS, 3) mla_decode_bf16(MlaP p) {
+    mla_dec_impl<1, MLA_DEC_HPW, MLA_DEC_G>(p);
+}

@@ -41,7 +41,7 @@ pub use error::KernelError;
 pub use gemv::{Channels, MatShape};
 pub use gemvq::{gemvq_supported, Q8Act, QChannels, QMode, Q8_REL_ERR};
 pub use indexer::IndexerShape;
-pub use mla::{CacheElem, MlaShape};
+pub use mla::{force_mla_decode, CacheElem, MlaShape};
 pub use moe::{ExpertGroups, Gating, RouterConfig, MOE_TILE};
 pub use norm::Rows;
 pub use ops::{Op, QType};

@@ -80,6 +80,9 @@ struct MlaP {
     heads_per_block: i32,
     stage_q: i32,
     part: u64,
+    o: u64,
+    o_tok: i64,
+    o_head: i64,
 }
 
 // SAFETY: plain struct laid out exactly as `struct MlaP` in mla.cu.
@@ -102,6 +105,80 @@ fn plan(heads: usize, tokens: usize, n_eff: usize, sm: usize) -> (usize, usize, 
         }
     }
     best
+}
+
+/// mla.cu's decode kernel: heads per block (MLA_DEC_WARPS x MLA_DEC_HPW), keys per step
+/// (MLA_DEC_G), and the widest rows it holds in registers.
+const DEC_HEADS_PER_BLOCK: usize = 8;
+const DEC_G: usize = 2;
+const DEC_MAX_D: usize = 640;
+const DEC_MAX_DV: usize = 512;
+/// Decode blocks aimed at per SM (H200 sweep, docs/BENCHMARKS.md): 4 of 4 warps each.
+const DEC_BLOCKS_PER_SM: usize = 4;
+/// A split holds at least this many keys; up to `DEC_DIRECT_KEYS` keys take one split whose
+/// block writes the output itself (no combine launch).
+const DEC_MIN_SPLIT: usize = 16;
+const DEC_DIRECT_KEYS: usize = 32;
+
+/// 0 = choose by shape, 1 = always the tile kernel, 2 = the decode kernel wherever it applies
+/// (`GGUFTOOL_MLA_DECODE=0|1`, or [`force_mla_decode`]).
+static DEC_MODE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(u8::MAX);
+
+fn dec_mode() -> u8 {
+    use std::sync::atomic::Ordering;
+    let v = DEC_MODE.load(Ordering::Relaxed);
+    if v != u8::MAX {
+        return v;
+    }
+    let v = match std::env::var("GGUFTOOL_MLA_DECODE").as_deref() {
+        Ok("0") => 1,
+        Ok("1") => 2,
+        _ => 0,
+    };
+    DEC_MODE.store(v, Ordering::Relaxed);
+    v
+}
+
+/// Force the MLA kernel choice for this process (tests and A/B runs): `Some(false)` the tile
+/// kernel everywhere, `Some(true)` the decode kernel wherever its limits allow, `None` by shape.
+pub fn force_mla_decode(on: Option<bool>) {
+    let v = match on {
+        Some(false) => 1,
+        Some(true) => 2,
+        None => 0,
+    };
+    DEC_MODE.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether a call takes the decode kernel: steps of up to 8 tokens that see few keys, where the
+/// tile kernel is latency-bound (64 heads, one token, H200, `bench --kernels`: 16 keys 11.4 us
+/// against 35.0, 128 keys 16.6 against 38.7). From ~2,048 keys on, the tile kernel's latent
+/// tiles, read once per block instead of once per warp, win (62.1 against 66.9 us; 32,768 keys
+/// 621 against 899), so longer ones and the DSA's 2,048 selected keys keep it.
+fn use_decode(tokens: usize, n_eff: usize, d: usize, d_v: usize) -> bool {
+    if d > DEC_MAX_D || d_v > DEC_MAX_DV || tokens > STAGE_Q_MAX_TOKENS {
+        return false;
+    }
+    match dec_mode() {
+        1 => false,
+        2 => true,
+        _ => n_eff <= if tokens == 1 { 1024 } else { 512 },
+    }
+}
+
+/// Keys per split and splits of a decode-kernel launch.
+fn dec_plan(heads: usize, tokens: usize, n_eff: usize, sm: usize) -> (usize, usize) {
+    if n_eff <= DEC_DIRECT_KEYS {
+        return (n_eff.max(1), 1);
+    }
+    let blocks = tokens.max(1) * heads.div_ceil(DEC_HEADS_PER_BLOCK);
+    let want = (DEC_BLOCKS_PER_SM * sm.max(1)).div_ceil(blocks).max(1);
+    let len = n_eff
+        .div_ceil(want)
+        .max(DEC_MIN_SPLIT)
+        .max(n_eff.div_ceil(COMBINE_MAX_SPLITS))
+        .next_multiple_of(DEC_G);
+    (len, n_eff.div_ceil(len))
 }
 
 impl Gpu {
@@ -186,6 +263,9 @@ impl Gpu {
             None => m.kv_len,
         };
         let sm = self.info().sm_count as usize;
+        if use_decode(m.tokens, n_eff, m.d, m.d_v) {
+            return self.mla_decode::<C>(q, kv, keys, o, m, n_eff);
+        }
         let f_part = self.func(
             Op::Mla,
             if C::BF16 {
@@ -249,6 +329,9 @@ impl Gpu {
                 heads_per_block: hc as i32,
                 stage_q: i32::from(stage),
                 part: part.ptr(),
+                o: 0,
+                o_tok: 0,
+                o_head: 0,
             };
             let mut cfg = self.cfg(
                 OP,
@@ -285,11 +368,129 @@ impl Gpu {
         }
         Ok(())
     }
+
+    /// The decode kernel (mla.cu `mla_decode_*`): extents already checked by
+    /// [`Gpu::mla_attention`].
+    fn mla_decode<C: CacheElem>(
+        &self,
+        q: &impl DevicePtr<f32>,
+        kv: &impl DevicePtr<C>,
+        keys: Option<KeyLists<'_>>,
+        o: &mut impl DevicePtrMut<f32>,
+        m: MlaShape,
+        n_eff: usize,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "mla";
+        let sm = self.info().sm_count as usize;
+        let (split_len, n_split) = dec_plan(m.heads, m.tokens, n_eff, sm);
+        let f = self.func(
+            Op::Mla,
+            if C::BF16 {
+                "mla_decode_bf16"
+            } else {
+                "mla_decode_f32"
+            },
+        )?;
+        let s = self.stream();
+        let (qp, _gq) = q.device_ptr(s);
+        let (kp, _gk) = kv.device_ptr(s);
+        let (op, _go) = o.device_ptr_mut(s);
+        let (ip, istride) = match keys {
+            Some(kl) => (kl.idx.device_ptr(s).0, kl.stride),
+            None => (0u64, 0usize),
+        };
+        // One split: the kernel writes o itself; more: partials for the combine.
+        let mut part = if n_split > 1 {
+            Some(self.alloc::<f32>(m.tokens * m.heads * n_split * (m.d_v + 2))?)
+        } else {
+            None
+        };
+        let part_ptr = part.as_mut().map_or(0, |b| b.ptr());
+        let p = MlaP {
+            q: qp,
+            q_tok: m.q_tok_stride as i64,
+            q_head: m.q_head_stride as i64,
+            kv: kp,
+            kv_stride: m.kv_stride as i64,
+            d: to_i32(OP, "d", m.d)?,
+            dv: to_i32(OP, "d_v", m.d_v)?,
+            h: to_i32(OP, "heads", m.heads)?,
+            t: to_i32(OP, "kv_len", m.kv_len)?,
+            pos: 0,
+            pos0: to_i32(OP, "pos0", m.pos0)?,
+            idx: ip,
+            idx_stride: istride as i64,
+            n_keys: to_i32(OP, "n_keys", n_eff)?,
+            split_len: to_i32(OP, "split", split_len)?,
+            scale: m.scale,
+            n_split: to_i32(OP, "splits", n_split)?,
+            heads_per_block: DEC_HEADS_PER_BLOCK as i32,
+            stage_q: 0,
+            part: part_ptr,
+            o: if n_split == 1 { op } else { 0 },
+            o_tok: m.o_tok_stride as i64,
+            o_head: m.o_head_stride as i64,
+        };
+        let cfg = self.cfg(
+            OP,
+            (
+                n_split as u64,
+                m.tokens as u64,
+                m.heads.div_ceil(DEC_HEADS_PER_BLOCK) as u64,
+            ),
+            128,
+        )?;
+        let mut b = self.args(&f);
+        b.arg(&p);
+        // SAFETY: q/kv/o/idx extents checked by the caller for every token; the kernel
+        // range-checks every key index; `part` holds tokens * heads * n_split rows of d_v + 2.
+        unsafe { self.launch(OP, b, cfg) }?;
+        if let Some(part) = part.as_ref() {
+            let f_comb = self.func(Op::Attention, "attn_combine_f32")?;
+            let cfg2 = self.cfg_rows(OP, m.heads as u64, m.tokens, 256)?;
+            let (pp, ns, h, dv) = (part.ptr(), p.n_split, p.h, p.dv);
+            let (ots, ohs, cs64) = (
+                m.o_tok_stride as i64,
+                m.o_head_stride as i64,
+                m.tokens as i64,
+            );
+            let mut b2 = self.args(&f_comb);
+            b2.arg(&pp)
+                .arg(&ns)
+                .arg(&h)
+                .arg(&dv)
+                .arg(&op)
+                .arg(&ots)
+                .arg(&ohs)
+                .arg(&cs64);
+            // SAFETY: o extent checked by the caller; part written by the launch before.
+            unsafe { self.launch(OP, b2, cfg2) }?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::plan;
+    use super::{dec_plan, plan, COMBINE_MAX_SPLITS, DEC_DIRECT_KEYS};
+
+    #[test]
+    fn decode_plans_cover_every_key() {
+        for heads in [4usize, 8, 64] {
+            for tokens in [1usize, 2, 8] {
+                for n in [1usize, 16, 31, 32, 33, 100, 2048, 4097, 32768, 1 << 20] {
+                    let (len, ns) = dec_plan(heads, tokens, n, 132);
+                    assert!(len * ns >= n && len * (ns - 1) < n, "{heads} {tokens} {n}");
+                    assert!(ns <= COMBINE_MAX_SPLITS, "{n} keys: {ns} splits");
+                    assert_eq!(ns == 1, n <= DEC_DIRECT_KEYS || len >= n);
+                }
+            }
+        }
+        // 64 heads over 2048 keys: 8 head blocks x 66 splits = ~4 blocks per SM.
+        assert_eq!(dec_plan(64, 1, 2048, 132), (32, 64));
+        // A short decode: one split, no combine.
+        assert_eq!(dec_plan(64, 1, 20, 132), (20, 1));
+    }
 
     #[test]
     fn plans_fill_the_gpu() {

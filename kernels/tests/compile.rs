@@ -75,6 +75,8 @@ fn every_kernel_compiles_for_sm90_and_sm120() {
                             "gemv_iq4_xs",
                             "mla_partial_f32",
                             "mla_partial_bf16",
+                            "mla_decode_f32",
+                            "mla_decode_bf16",
                             "quantize_q8a",
                         ];
                         // Every integer-dot GEMV variant is hot (decode and grouped MoE).

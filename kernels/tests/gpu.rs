@@ -2413,8 +2413,10 @@ fn check_mla<C: CacheElem>(
             let qh = &q[(s * heads + h) * d..(s * heads + h + 1) * d];
             let (want, ds) = mla_cpu(qh, &c_used, d, dv, &keys_s, 1.0 / 16.0);
             // Softmax weights move by <= 2 max|ds| + exp's 4 ulps relative; the weighted sum of
-            // up to T values adds T + 8 roundings of max|c|.
-            let tol = (2.0 * ds + 8.0 * U32 + (keys_s.len() as f64 + 8.0) * U32) * cmax + 1e-30;
+            // up to T values adds T + 8 roundings of max|c|, and each rescale of the running
+            // sums (one per 32-key tile, or per 64-key chunk in the decode kernel) one more.
+            let n_k = keys_s.len() as f64;
+            let tol = (2.0 * ds + 8.0 * U32 + (n_k + n_k / 32.0 + 9.0) * U32) * cmax + 1e-30;
             // The bf16 cache itself, against the unrounded values: every value moves by <= 2^-9
             // of itself, every score by <= 2^-9 * scale * sum|q c|, so the output by
             // <= 2^-9 max|c| (1 + 2 * scale * max_t sum_i |q_i c_ti|).
@@ -2470,11 +2472,36 @@ fn mla_latent_kernel_matches_f64() {
         // More than 8 query tokens: q read from L1 instead of staged in shared memory.
         (64, 300, 12, false),
         (64, 2100, 9, true),
+        // The decode kernel's plans: one split written directly (<= 32 keys), 16-key splits,
+        // odd head counts, a long sparse list.
+        (64, 20, 1, false),
+        (64, 33, 1, false),
+        (5, 100, 1, false),
+        (64, 5000, 1, true),
+        (64, 700, 3, false),
     ] {
-        for bf16 in [false, true] {
+        // Each case through both kernels where the decode kernel applies (<= 8 tokens).
+        let kernels: &[Option<bool>] = if s_n <= 8 {
+            &[Some(false), Some(true)]
+        } else {
+            &[None]
+        };
+        for (&kern, bf16) in kernels
+            .iter()
+            .flat_map(|k| [false, true].into_iter().map(move |b| (k, b)))
+        {
+            kernels::force_mla_decode(kern);
             let (ok, worst) = check_mla::<f32>(&g, &mut r, heads, t_len, s_n, sparse, bf16);
+            kernels::force_mla_decode(None);
+            let kname = match kern {
+                Some(true) => "decode kernel",
+                _ => "tile kernel",
+            };
             row(
-                &format!("mla {}", if bf16 { "bf16 cache" } else { "f32 cache" }),
+                &format!(
+                    "mla {}, {kname}",
+                    if bf16 { "bf16 cache" } else { "f32 cache" }
+                ),
                 &format!(
                     "{heads} heads, T {t_len}, {s_n} queries{}",
                     if sparse { ", sparse" } else { "" }
@@ -2485,7 +2512,7 @@ fn mla_latent_kernel_matches_f64() {
             );
             if !ok {
                 bad.push(format!(
-                    "H {heads} T {t_len} S {s_n} sparse {sparse} bf16 {bf16}"
+                    "H {heads} T {t_len} S {s_n} sparse {sparse} bf16 {bf16} {kname}"
                 ));
             }
         }

@@ -381,7 +381,43 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
     }
 
     // 4. Attention: the MLA latent kernel (64 heads, 576/512) dense and DSA-sparse, the generic
-    //    kernel for comparison, and the DSA indexer + top-2048.
+    //    kernel for comparison, and the DSA indexer + top-2048. A decode step takes mla.cu's
+    //    decode kernel; the tile kernel (what longer steps take) is timed beside it.
+    for t_len in [16usize, 128, 2048, 32768] {
+        let (heads, dk, dv) = (64usize, 576usize, 512usize);
+        let kvb: Vec<u16> = acts(t_len * dk, 9)
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let kvb = g.upload(&kvb)?;
+        let q = g.upload(&acts(heads * dk, 10))?;
+        let mut o: CudaSlice<f32> = g.zeros(heads * dv)?;
+        let m = MlaShape {
+            tokens: 1,
+            heads,
+            d: dk,
+            d_v: dv,
+            q_tok_stride: heads * dk,
+            q_head_stride: dk,
+            kv_stride: dk,
+            kv_len: t_len,
+            o_tok_stride: heads * dv,
+            o_head_stride: dv,
+            scale: 1.0 / 16.0,
+            pos0: t_len - 1,
+        };
+        for (kern, name) in [(Some(true), "decode kernel"), (Some(false), "tile kernel")] {
+            kernels::force_mla_decode(kern);
+            let r = b.time(|_| g.mla_attention(&q, &kvb, None, &mut o, m));
+            kernels::force_mla_decode(None);
+            b.record(
+                "mla",
+                &format!("dense, 64 heads, T {t_len}, bf16 cache, {name}"),
+                (t_len * dk * 2) as f64,
+                r?,
+            );
+        }
+    }
     for t_len in [2048usize, 4096, 32768] {
         let (heads, dk, dv) = (64usize, 576usize, 512usize);
         let kv = g.upload(&acts(t_len * dk, 9))?;
