@@ -222,6 +222,47 @@ DEV void q8a_store_block(float v, long long at, int8_t* __restrict__ qs, float2*
     if (lane == 0) qd[at >> 5] = make_float2(dd, __int_as_float((sum & 0xFFFF) | (hi << 16)));
 }
 
+// q8a_store_block for N blocks a warp holds at once (value j of this lane at element
+// at0 + j * step; blocks with live[j] false, warp-uniform, store nothing). Same arithmetic per
+// block, so the same codes and records bit for bit; the N blocks' shuffle chains are interleaved
+// (a row of a decode norm: 6 blocks a warp, whose chains ran one after another).
+template <int N>
+DEV void q8a_store_blocks(const float (&v)[N], const bool (&live)[N], long long at0, long long step,
+                          int8_t* __restrict__ qs, float2* __restrict__ qd) {
+    const int lane = threadIdx.x & 31;
+    float amax[N];
+    int q[N];
+    bool bad[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) amax[j] = fabsf(v[j]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int j = 0; j < N; ++j) amax[j] = fmaxf(amax[j], __shfl_xor_sync(0xffffffffu, amax[j], o));
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        bad[j] = __any_sync(0xffffffffu, !(fabsf(v[j]) <= 3.402823466e38f));
+        const float dd = bad[j] ? __int_as_float(0x7fc00000) : amax[j] / 127.0f;
+        amax[j] = dd;
+        q[j] = (dd > 0.0f && !bad[j]) ? (int)roundf(v[j] / dd) : 0;
+        if (live[j]) qs[at0 + j * step] = (int8_t)q[j];
+    }
+    int sum[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) sum[j] = q[j];
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1)
+#pragma unroll
+        for (int j = 0; j < N; ++j) sum[j] += __shfl_xor_sync(0xffffffffu, sum[j], o);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        const int hi = __shfl_sync(0xffffffffu, sum[j], 16);
+        if (lane == 0 && live[j])
+            qd[(at0 + j * step) >> 5] =
+                make_float2(amax[j], __int_as_float((sum[j] & 0xFFFF) | (hi << 16)));
+    }
+}
+
 // Arg-max of xr[i0, i1) by one block (argmax_step's order), with 16-byte loads when xr + i0 is
 // aligned; every thread gets the winner (INT_MAX id when nothing qualifies). Returns whether
 // the range holds a NaN or an infinity. The order is total (numbers by value then index, NaN
