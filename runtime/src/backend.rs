@@ -242,6 +242,19 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     // --- fused ops (defaults: the op sequence they replace, so the CPU reference is unchanged) ---
 
+    /// `silu(x . gate^T) * (x . up^T)`: an FFN's gate and up projections and SwiGLU (the dense
+    /// MLP, the shared expert); `gate` and `up` are 2-D weights of equal dims `{k, ff}`.
+    fn glu(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        let g = self.matmul(x, gate)?;
+        let u = self.matmul(x, up)?;
+        self.silu_mul(&g, &u)
+    }
+
     /// `h = res + x`, then `(h, rms_norm(h, w))`: the residual add before a block's norm.
     fn add_rms_norm(
         &self,

@@ -1417,8 +1417,7 @@ impl<B: Backend> GlmModel<B> {
 
     fn mlp(&self, m: &Mlp<B>, x: &B::Tensor) -> Result<B::Tensor, RuntimeError> {
         let be = &self.backend;
-        let a = be.silu_mul(&be.matmul(x, &m.gate)?, &be.matmul(x, &m.up)?)?;
-        be.matmul(&a, &m.down)
+        be.matmul(&be.glu(x, &m.gate, &m.up)?, &m.down)
     }
 
     fn ffn(

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use gguf::{GgmlType, Metadata, Value};
 
 use super::check::{compare_models, compare_with, logit_tolerance, reference_prompts, PromptCheck};
-use super::{CudaBackend, CudaOptions};
+use super::{CudaBackend, CudaOptions, Fusions};
 use crate::glm::GlmModel;
 use crate::spec::ModelSpec;
 use crate::weights::HostWeight;
@@ -446,6 +446,112 @@ fn cuda_rms_norm_lead_equals_slice_norm_concat() {
         ));
         assert!(same, "rms_norm_lead differs at {rows} rows");
     }
+}
+
+/// A 2-D weight `{k, m}` of random `ty` blocks (Q4_K: GGUF layout; Q8_0: repacked on upload).
+fn random_weight(
+    be: &CudaBackend,
+    name: &str,
+    ty: GgmlType,
+    k: usize,
+    m: usize,
+    r: &mut Rng,
+) -> super::CudaWeight {
+    use crate::backend::Backend;
+    let bytes = random_blocks(ty, k * m, r);
+    be.upload(HostWeight::from_bytes(name, ty, vec![k, m], bytes).expect("weight"))
+        .expect("upload")
+}
+
+/// The GEMVs' row split forced to `ks` warps (`None`: automatic) until dropped, also when a
+/// check panics, so later tests of the binary see the automatic split.
+struct ForcedSplit(Arc<kernels::Gpu>);
+
+impl ForcedSplit {
+    fn set(g: &Arc<kernels::Gpu>, ks: Option<usize>) -> Self {
+        g.force_gemvq_ksplit(ks).expect("split");
+        ForcedSplit(g.clone())
+    }
+}
+
+impl Drop for ForcedSplit {
+    fn drop(&mut self) {
+        let _ = self.0.force_gemvq_ksplit(None);
+    }
+}
+
+/// `f()`'s result and the kernel launches it queued, by kind.
+fn launches<R>(be: &CudaBackend, f: impl FnOnce() -> R) -> (R, Vec<(String, f64)>) {
+    be.gpu().profile_begin();
+    let r = f();
+    let p = be.gpu().profile_end().expect("profile");
+    (
+        r,
+        p.kinds.into_iter().map(|k| (k.kind, k.launches)).collect(),
+    )
+}
+
+/// The fused gate+up+SiLU (`Backend::glu`: one GEMV launch reading both matrices) against the
+/// two GEMVs and `silu_mul` it replaces, at the shared expert's shape (Q4_K, 6,144 -> 2,048)
+/// and a repacked type (Q8_0), for 1, 3 and 8 tokens. With the rows' tasks split over the same
+/// warps (forced 1, 2 and 4) both sum the same q8 products in the same order and form the same
+/// f32 `g / (1 + exp(-g)) * u`: bitwise equal. The automatic split may differ between the two
+/// kernels (their register counts differ), so the automatic fused result must equal the
+/// unfused one at one of the three splits, bitwise.
+#[test]
+fn cuda_glu_equals_gemvs_then_silu_mul() {
+    use crate::backend::Backend;
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (cuda_glu_equals_gemvs_then_silu_mul)");
+        return;
+    }
+    let be = CudaBackend::with_options(0, FAST)
+        .expect("device")
+        .with_fusions(Fusions::ALL);
+    let g = be.gpu().clone();
+    let mut r = Rng(0x5eed_0000_0910_0001);
+    let mut failures = Vec::new();
+    for (ty, k, ff) in [(GgmlType::Q4_K, 6144, 2048), (GgmlType::Q8_0, 512, 768)] {
+        let gate = random_weight(&be, "ffn_gate", ty, k, ff, &mut r);
+        let up = random_weight(&be, "ffn_up", ty, k, ff, &mut r);
+        for rows in [1usize, 3, 8] {
+            let xv: Vec<f32> = (0..rows * k).map(|_| 4.0 * r.unit() - 2.0).collect();
+            let x = be.new_tensor(rows, k, &xv).expect("x");
+            let unfused = || {
+                let gt = be.matmul(&x, &gate).expect("gate");
+                let ut = be.matmul(&x, &up).expect("up");
+                be.to_host(&be.silu_mul(&gt, &ut).expect("silu_mul"))
+                    .expect("download")
+            };
+            let mut by_split = Vec::new();
+            for ks in [1usize, 2, 4] {
+                let _split = ForcedSplit::set(&g, Some(ks));
+                let want = unfused();
+                let (got, l) = launches(&be, || be.glu(&x, &gate, &up).expect("glu"));
+                let got = be.to_host(&got).expect("download");
+                let one = l.len() == 1 && l[0].0.starts_with("gemvq glu") && l[0].1 == 1.0;
+                let same = got == want;
+                say(&format!(
+                    "| glu {ty} | {rows}x{k} -> {ff} split {ks} | bitwise {same} | launches {l:?} |"
+                ));
+                if !(same && one) {
+                    failures.push(format!("{ty} {rows} rows split {ks}: {same} {l:?}"));
+                }
+                by_split.push(want);
+            }
+            let got = be
+                .to_host(&be.glu(&x, &gate, &up).expect("glu"))
+                .expect("download");
+            let ok = by_split.contains(&got) && got.iter().all(|v| v.is_finite());
+            say(&format!(
+                "| glu {ty} | {rows}x{k} -> {ff} automatic split | one of the unfused | {ok} |"
+            ));
+            if !ok {
+                failures.push(format!("{ty} {rows} rows automatic split"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 /// A cache reserved up front keeps its buffer (same device address, same capacity) while rows
