@@ -253,6 +253,89 @@ fn glm5_heads_prompts_past_1023_and_4096_tokens() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// The fused launches of a decode step against the launches they replace, end to end on the
+/// GLM-5-shaped model (layer 0 dense, layer 1 MoE with a shared expert): a 20-token prefill,
+/// then decode steps. With the GEMVs' row split forced (1 warp) for every configuration:
+/// - every fusion but the GLU against none: bitwise the same logits at every step (each is
+///   bitwise the ops it replaces), and per decode step exactly the launches they remove
+///   (`matmul_add`: 1; the residual add in the next norm: 1 per block);
+/// - all of them: the GLU removes 2 launches per FFN (dense, shared expert); its logits stay
+///   within the fast path's tolerance against the unfused ones (`check::logit_tolerance`; they
+///   are bitwise equal when the GLU sums in the plain GEMVs' order, which is reported).
+#[test]
+fn glm5_heads_decode_fusions_equal_the_launches_they_replace() {
+    use crate::lm::{LanguageModel, SeqStep};
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (glm5_heads_decode_fusions_equal_the_launches_they_replace)");
+        return;
+    }
+    let (md, w) = glm5_heads_weights();
+    let get = |name: &str| Ok(w.get(name).cloned());
+    let run = |fuse: Fusions| -> (Vec<Vec<f32>>, f64) {
+        let be = CudaBackend::with_options(0, FAST)
+            .expect("CUDA backend")
+            .with_fusions(fuse);
+        let gpu = GlmModel::from_weights(be, ModelSpec::from_metadata(&md).unwrap(), &get)
+            .expect("CUDA model");
+        let _split = ForcedSplit::set(gpu.backend().gpu(), Some(1));
+        let mut seq = gpu.new_sequence();
+        let mut toks: Vec<u32> = (0..20u32).map(|i| (i * 37 + 11) % 512).collect();
+        let mut out = Vec::new();
+        let mut per_step = 0.0;
+        for step in 0..4 {
+            let (l, prof) = launches(gpu.backend(), || {
+                gpu.forward(&mut [SeqStep {
+                    seq: seq.as_mut(),
+                    tokens: &toks,
+                    all_logits: false,
+                }])
+                .expect("forward")
+                .remove(0)
+            });
+            if step == 3 {
+                per_step = prof.iter().map(|k| k.1).sum();
+            }
+            toks = vec![(step as u32 * 101 + 7) % 512];
+            out.push(l);
+        }
+        (out, per_step)
+    };
+    let (base, n_base) = run(Fusions::NONE);
+    let (no_glu, n_no_glu) = run(Fusions {
+        glu: false,
+        ..Fusions::ALL
+    });
+    let (all, n_all) = run(Fusions::ALL);
+    let tol = logit_tolerance(FAST, 2);
+    let worst = base
+        .iter()
+        .zip(&all)
+        .map(|(a, b)| {
+            let max = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+            a.iter()
+                .zip(b)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs() / max))
+        })
+        .fold(0f32, f32::max);
+    say(&format!(
+        "| decode fusions | launches per step {n_base} / {n_no_glu} (no GLU) / {n_all} | \
+         no GLU bitwise {} | all: bitwise {}, max rel {worst:.2e} (tol {tol:.2e}) |",
+        no_glu == base,
+        all == base
+    ));
+    assert!(
+        no_glu == base,
+        "fusions other than the GLU changed the logits"
+    );
+    assert_eq!(
+        n_base - n_no_glu,
+        3.0,
+        "matmul_add + 2 residual adds per step"
+    );
+    assert!(worst <= tol, "GLU logits off by {worst}");
+    assert_eq!(n_no_glu - n_all, 4.0, "the GLU: 2 per FFN (dense + shared)");
+}
+
 /// The synthetic model itself is valid (runs without a GPU, so CI checks the builder).
 #[test]
 fn glm5_heads_model_runs_on_the_cpu() {
@@ -548,6 +631,51 @@ fn cuda_glu_equals_gemvs_then_silu_mul() {
             ));
             if !ok {
                 failures.push(format!("{ty} {rows} rows automatic split"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The accumulating GEMV (`Backend::matmul_add`: the shared expert's down projection added onto
+/// the routed experts' sum in the GEMV's epilogue) is bitwise `add(acc, matmul(x, w))`: the
+/// same GEMV launch, then the same single f32 add per output. One launch, no `add`; at the
+/// shared expert's down shape (Q6_K 2,048 -> 6,144) and Q4_K, for 1 and 3 tokens.
+#[test]
+fn cuda_matmul_add_equals_matmul_then_add() {
+    use crate::backend::Backend;
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (cuda_matmul_add_equals_matmul_then_add)");
+        return;
+    }
+    let be = CudaBackend::with_options(0, FAST)
+        .expect("device")
+        .with_fusions(Fusions::ALL);
+    let mut r = Rng(0x5eed_0000_add0_0002);
+    let mut failures = Vec::new();
+    for (ty, k, m) in [(GgmlType::Q6_K, 2048, 6144), (GgmlType::Q4_K, 2048, 6144)] {
+        let w = random_weight(&be, "ffn_down_shexp", ty, k, m, &mut r);
+        for rows in [1usize, 3] {
+            let xv: Vec<f32> = (0..rows * k).map(|_| 4.0 * r.unit() - 2.0).collect();
+            let av: Vec<f32> = (0..rows * m).map(|_| 4.0 * r.unit() - 2.0).collect();
+            let x = be.new_tensor(rows, k, &xv).expect("x");
+            let sum = be
+                .add(
+                    &be.new_tensor(rows, m, &av).expect("acc"),
+                    &be.matmul(&x, &w).expect("matmul"),
+                )
+                .expect("add");
+            let want = be.to_host(&sum).expect("download");
+            let acc = be.new_tensor(rows, m, &av).expect("acc");
+            let (got, l) = launches(&be, || be.matmul_add(&x, &w, acc).expect("matmul_add"));
+            let got = be.to_host(&got).expect("download");
+            let one = l.len() == 1 && l[0].0.starts_with("gemvq add") && l[0].1 == 1.0;
+            let same = got == want && got.iter().all(|v| v.is_finite());
+            say(&format!(
+                "| matmul_add {ty} | {rows}x{k} -> {m} | bitwise {same} | launches {l:?} |"
+            ));
+            if !(same && one) {
+                failures.push(format!("{ty} {rows} rows: {same} {l:?}"));
             }
         }
     }

@@ -236,6 +236,17 @@ impl<B: Backend> Backend for Ranked<B> {
     ) -> Result<Self::Tensor, RuntimeError> {
         self.inner.glu(x, gate, up)
     }
+    fn matmul_add(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        acc: Self::Tensor,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.matmul_add(x, w, acc)
+    }
+    fn residual_into_norm(&self) -> bool {
+        self.inner.residual_into_norm()
+    }
     fn add_rms_norm(
         &self,
         res: &Self::Tensor,
