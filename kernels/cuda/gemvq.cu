@@ -21,9 +21,10 @@
 // for the types whose blocks are not 16-byte aligned). Up to NC activation columns share every weight
 // load. Partial sums reduce over the group in a fixed order: bitwise reproducible.
 //
-// Modes: plain; GLU (y = silu(W x) * (W2 x), gate and up of an FFN in one pass); combine
-// (channel = token: y = sum_k cw[t,k] * W_{ids[t,k]} x_{t*topk + k}, the expert down projection
-// and weighted sum of a MoE layer, in fixed slot order, no atomics).
+// Modes: plain (optionally accumulating, y += W x: a second branch's output added onto the
+// first's in the epilogue, no add launch); GLU (y = silu(W x) * (W2 x), gate and up of an FFN in
+// one pass); combine (channel = token: y = sum_k cw[t,k] * W_{ids[t,k]} x_{t*topk + k}, the
+// expert down projection and weighted sum of a MoE layer, in fixed slot order, no atomics).
 
 struct Q8A {
     const int8_t* qs;
@@ -46,6 +47,7 @@ struct GemvQ {
     long long y_stride, y_rows;
     const float* cw;
     int ksplit;
+    int accum;  // plain mode: y += W x (the output's old value read first)
 };
 
 DEV int dp4a(int a, int b, int c) {
@@ -496,7 +498,12 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
             if (MODE == 1) v = silu(v) * v2;
             if (bad) v = nan;
             const long long yr = p.yidx ? (long long)p.yidx[ch * p.ncols + j] : ch * p.ncols + j;
-            if (wk == 0 && gl == 0 && row < p.nrows && yr >= 0 && yr < p.y_rows) p.y[yr * p.y_stride + row] = v;
+            if (wk == 0 && gl == 0 && row < p.nrows && yr >= 0 && yr < p.y_rows) {
+                // One thread owns each output: the read-modify-write needs no atomics, and the
+                // single f32 add is the add kernel's (bitwise `y + W x`).
+                float* yp = p.y + yr * p.y_stride + row;
+                *yp = MODE == 0 && p.accum ? *yp + v : v;
+            }
         }
     }
 }

@@ -147,6 +147,10 @@ impl QChannels<'_> {
 pub enum QMode<'a, W> {
     /// `W x`.
     Plain,
+    /// `y + W x`: the output's old values read first and the product added onto them in the
+    /// epilogue (a second branch's output onto the first's, no add launch; one f32 add per
+    /// output, the add kernel's).
+    Accumulate,
     /// `silu(W x) * (W2 x)` with `W2` of the same shape and type (FFN gate and up).
     Glu(&'a W),
     /// Channel = token t: `sum_k weights[t*topk + k] * W_{ids[t*topk+k]} x_{t*topk + k}` (a MoE
@@ -181,6 +185,7 @@ struct GemvQParams {
     y_rows: i64,
     cw: u64,
     ksplit: i32,
+    accum: i32,
 }
 
 // SAFETY: plain structs laid out exactly as `struct Q8A` / `struct GemvQ` in gemvq.cu.
@@ -246,7 +251,7 @@ fn kind_name(mode: &str, qt: QType) -> &'static str {
         .get_or_init(|| Mutex::new(HashMap::new()))
         .lock()
         .unwrap_or_else(|p| p.into_inner());
-    // At most 3 modes x 10 types ever: leaking them is bounded.
+    // At most 4 modes x 10 types ever: leaking them is bounded.
     m.entry(key.clone())
         .or_insert_with(|| Box::leak(key.into_boxed_str()))
 }
@@ -315,7 +320,7 @@ impl Gpu {
             return Err(shape_err(OP, format!("channels {ch:?}")));
         }
         let (prefix, ncols, ctopk, w2p, cwp) = match mode {
-            QMode::Plain => {
+            QMode::Plain | QMode::Accumulate => {
                 let nc = ch.ncols.next_power_of_two();
                 (
                     GEMVQ_VARIANTS
@@ -384,6 +389,7 @@ impl Gpu {
         let kind = kind_name(
             match mode {
                 QMode::Plain => "gemvq",
+                QMode::Accumulate => "gemvq add",
                 QMode::Glu(_) => "gemvq glu",
                 QMode::Combine { .. } => "gemvq combine",
             },
@@ -447,6 +453,7 @@ impl Gpu {
             y_rows: y_rows as i64,
             cw: cwp,
             ksplit: ks as i32,
+            accum: i32::from(matches!(mode, QMode::Accumulate)),
         };
         let mut b = self.args(&f);
         b.arg(&p).arg(&tables);

@@ -1869,6 +1869,73 @@ fn gemvq_every_type_matches_emulation_and_error_bound() {
     assert!(bad.is_empty(), "gemvq failed: {bad:?}");
 }
 
+/// The accumulating GEMV (`QMode::Accumulate`: y += W x in the epilogue) equals the plain GEMV's
+/// output added on the host, bitwise: same kernel, same launch shape (so the same row split and
+/// summation order), then one f32 addition per output, which is exactly rounded on both sides.
+/// One to eight columns, the shared expert's down projection (Q6_K 2,048 -> 6,144) and
+/// GLM-5-like Q4_K / Q8_0 shapes.
+#[test]
+fn gemvq_accumulate_adds_onto_the_output_bitwise() {
+    let Some(g) = gpu("gemvq_accumulate_adds_onto_the_output_bitwise") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("gemvq_accumulate");
+    let mut bad = Vec::new();
+    for (ty, rows, k, ncols) in [
+        (GgmlType::Q6_K, 6144usize, 2048usize, 1usize),
+        (GgmlType::Q4_K, 6144, 2048, 1),
+        (GgmlType::Q4_K, 576, 6144, 3),
+        (GgmlType::Q8_0, 512, 192, 8),
+    ] {
+        let bytes = sane_blocks(ty, rows * k, &mut r);
+        let packed = repack::is_packed(ty);
+        let dev = if packed {
+            repack::repack(ty, &bytes).unwrap()
+        } else {
+            bytes
+        };
+        let shape = MatShape {
+            ty,
+            rows,
+            k,
+            slabs: 1,
+            packed,
+        };
+        let dw = g.upload(&dev).unwrap();
+        let dx = g.upload(&activations(&mut r, ncols, k)).unwrap();
+        let q = g.quantize_q8(&dx, ncols, k, k).unwrap();
+        let ch = QChannels::dense(ncols, rows);
+        let mut dy = nan_buf(&g, ncols * rows);
+        g.gemv_q(shape, &dw, QMode::Plain, ch, &q, &mut dy).unwrap();
+        let plain = g.download(&dy).unwrap();
+        let y0 = r.vec(ncols * rows, 3.0);
+        let mut dacc = g.upload(&y0).unwrap();
+        g.gemv_q(shape, &dw, QMode::Accumulate, ch, &q, &mut dacc)
+            .unwrap();
+        let got = g.download(&dacc).unwrap();
+        let ok = plain.iter().all(|v| v.is_finite())
+            && got
+                .iter()
+                .zip(y0.iter().zip(&plain))
+                .all(|(a, (b, c))| a.to_bits() == (b + c).to_bits());
+        row(
+            &format!("gemvq accumulate {ty}"),
+            &format!("{rows}x{k} x{ncols}"),
+            0.0,
+            0.0,
+            ok,
+        );
+        if !ok {
+            bad.push(format!("{ty} {rows}x{k} x{ncols}"));
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "accumulating GEMV differs from plain + add: {bad:?}"
+    );
+}
+
 #[test]
 fn gemvq_glu_combine_and_grouped_experts() {
     let Some(g) = gpu("gemvq_glu_combine_and_grouped_experts") else {

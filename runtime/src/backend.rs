@@ -242,6 +242,39 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     // --- fused ops (defaults: the op sequence they replace, so the CPU reference is unchanged) ---
 
+    /// `silu(x . gate^T) * (x . up^T)`: an FFN's gate and up projections and SwiGLU (the dense
+    /// MLP, the shared expert); `gate` and `up` are 2-D weights of equal dims `{k, ff}`.
+    fn glu(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        let g = self.matmul(x, gate)?;
+        let u = self.matmul(x, up)?;
+        self.silu_mul(&g, &u)
+    }
+
+    /// `acc + x . w^T`: a second branch's output added onto the first's (the shared expert's
+    /// down projection onto the routed experts' sum).
+    fn matmul_add(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        acc: Self::Tensor,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        let y = self.matmul(x, w)?;
+        self.add(&acc, &y)
+    }
+
+    /// Whether the forward adds a block's output to the residual stream in the next block's
+    /// norm ([`Backend::add_rms_norm`], whose sum is [`Backend::add`]'s: the same values) instead
+    /// of at once, so a backend that pays per launch saves the add's. The default composition
+    /// runs the same two ops either way.
+    fn residual_into_norm(&self) -> bool {
+        true
+    }
+
     /// `h = res + x`, then `(h, rms_norm(h, w))`: the residual add before a block's norm.
     fn add_rms_norm(
         &self,

@@ -77,6 +77,19 @@ fn masked(v: f32) -> f32 {
     }
 }
 
+/// The residual stream between decoder blocks: `h`, and the last block's output with the
+/// block's index while its add waits for the next norm ([`Backend::residual_into_norm`]).
+struct Residual<T> {
+    h: T,
+    pending: Option<(T, usize)>,
+}
+
+impl<T> Residual<T> {
+    fn new(h: T) -> Self {
+        Residual { h, pending: None }
+    }
+}
+
 /// How MLA attention is evaluated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttnMode {
@@ -182,6 +195,8 @@ pub struct GlmModel<B: Backend> {
     layers: Vec<Layer<B>>,
     mtp: Vec<MtpLayer<B>>,
     mode: AttnMode,
+    /// Blocks leave their residual add to the next norm (the backend's choice by default).
+    residual_into_norm: bool,
 }
 
 fn model_err(msg: impl Into<String>) -> RuntimeError {
@@ -420,6 +435,7 @@ impl<B: Backend> GlmModel<B> {
             )));
         }
         let stats = ld.stats.into_inner();
+        let residual_into_norm = backend.residual_into_norm();
         Ok(Self {
             spec,
             attn,
@@ -432,6 +448,7 @@ impl<B: Backend> GlmModel<B> {
             layers,
             mtp,
             mode: AttnMode::Absorbed,
+            residual_into_norm,
         })
     }
 
@@ -598,6 +615,13 @@ impl<B: Backend> GlmModel<B> {
         }
         self.mode = mode;
         Ok(())
+    }
+
+    /// Whether a block's residual add runs in the next block's norm (`add_rms_norm`) or at once
+    /// (`add`): the same values either way (the backend's [`Backend::residual_into_norm`] by
+    /// default; to compare the two).
+    pub fn set_residual_into_norm(&mut self, on: bool) {
+        self.residual_into_norm = on;
     }
 
     /// One layer's (cache columns, separate value columns, indexer key columns).
@@ -824,21 +848,14 @@ impl<B: Backend> GlmModel<B> {
             .iter()
             .flat_map(|s| (s.pos0..s.pos0 + s.n).map(|p| p as u32))
             .collect();
-        let mut h = be.embed(&self.token_embd, tokens)?;
-        self.emit(obs, || "token_embd.out".into(), &h)?;
+        let embd = be.embed(&self.token_embd, tokens)?;
+        self.emit(obs, || "token_embd.out".into(), &embd)?;
+        let mut h = Residual::new(embd);
         // Selection of the last layer with its own indexer, per sequence (shared layers reuse it).
         let mut prev_sel: Vec<Option<B::Index>> = segs.iter().map(|_| None).collect();
         for (li, layer) in self.layers.iter().enumerate() {
             h = self.decoder_layer(li, layer, h, &positions, segs, caches, &mut prev_sel, obs)?;
         }
-        // Drafting sequences keep every position's post-norm hidden state for the draft layer;
-        // then the whole step is normalised once and the head rows are taken from it.
-        let drafting = caches.iter().any(|c| c.draft.is_some());
-        let normed = if drafting {
-            Some(be.rms_norm(&h, &self.output_norm, self.spec.rms_eps)?)
-        } else {
-            None
-        };
         // Only the rows whose logits are wanted go through the head.
         let mut rows = Vec::new();
         for (s, &all) in segs.iter().zip(all_logits) {
@@ -849,20 +866,27 @@ impl<B: Backend> GlmModel<B> {
             }
         }
         // Every row wanted (one decoded token, or all logits): no gather copy.
-        let every = rows.len() == be.shape(&h).0;
-        let hn = match normed {
-            Some(n) => {
+        let every = rows.len() == be.shape(&h.h).0;
+        // Drafting sequences keep every position's post-norm hidden state for the draft layer;
+        // then the whole step is normalised once and the head rows are taken from it.
+        let drafting = caches.iter().any(|c| c.draft.is_some());
+        let hn = if drafting || every {
+            let (_, n) = self.add_norm(h, &self.output_norm, obs)?;
+            if drafting {
                 self.keep_pending(&n, segs, caches)?;
-                if every {
-                    n
-                } else {
-                    be.gather_rows(&n, &rows)?
-                }
             }
-            None => {
-                let hs = if every { h } else { be.gather_rows(&h, &rows)? };
-                be.rms_norm(&hs, &self.output_norm, self.spec.rms_eps)?
+            if every {
+                n
+            } else {
+                be.gather_rows(&n, &rows)?
             }
+        } else {
+            let h = self.settle(h, obs)?;
+            be.rms_norm(
+                &be.gather_rows(&h, &rows)?,
+                &self.output_norm,
+                self.spec.rms_eps,
+            )?
         };
         self.emit(obs, || "output_norm.out".into(), &hn)?;
         self.head(&hn, head, obs, "logits")
@@ -1046,14 +1070,19 @@ impl<B: Backend> GlmModel<B> {
         let h = self.decoder_layer(
             0,
             &mtp.layer,
-            x,
+            Residual::new(x),
             &positions,
             &segs,
             &mut [cache],
             &mut prev_sel,
             obs,
         )?;
-        let last = be.rms_norm(&be.slice_rows(&h, n - 1, 1)?, &mtp.shared_head_norm, eps)?;
+        let last = if n == 1 {
+            self.add_norm(h, &mtp.shared_head_norm, obs)?.1
+        } else {
+            let h = self.settle(h, obs)?;
+            be.rms_norm(&be.slice_rows(&h, n - 1, 1)?, &mtp.shared_head_norm, eps)?
+        };
         self.emit(
             obs,
             || format!("blk.{bi}.nextn.shared_head_norm.out"),
@@ -1063,25 +1092,65 @@ impl<B: Backend> GlmModel<B> {
         Ok((last, logits))
     }
 
+    /// `h`'s pending block output added and the sum normalised by `w` (`add_rms_norm`: one op
+    /// where a backend fuses them), or `h` normalised when nothing is pending: `(h, norm)`.
+    /// Emits the finished block's `blk.N.out`.
+    fn add_norm(
+        &self,
+        h: Residual<B::Tensor>,
+        w: &B::Weight,
+        obs: &mut Option<Observer<'_>>,
+    ) -> Result<(B::Tensor, B::Tensor), RuntimeError> {
+        let (be, eps) = (&self.backend, self.spec.rms_eps);
+        match h.pending {
+            None => {
+                let x = be.rms_norm(&h.h, w, eps)?;
+                Ok((h.h, x))
+            }
+            Some((f, bi)) => {
+                let (h, x) = be.add_rms_norm(&h.h, &f, w, eps)?;
+                self.emit(obs, || format!("blk.{bi}.out"), &h)?;
+                Ok((h, x))
+            }
+        }
+    }
+
+    /// `h` with its pending block output added (emitting that block's `blk.N.out`).
+    fn settle(
+        &self,
+        h: Residual<B::Tensor>,
+        obs: &mut Option<Observer<'_>>,
+    ) -> Result<B::Tensor, RuntimeError> {
+        match h.pending {
+            None => Ok(h.h),
+            Some((f, bi)) => {
+                let h = self.backend.add(&h.h, &f)?;
+                self.emit(obs, || format!("blk.{bi}.out"), &h)?;
+                Ok(h)
+            }
+        }
+    }
+
     /// One decoder block on the residual stream `h` (attention, then FFN / MoE, each added back
-    /// after its partial sums are reduced over the ranks). NextN blocks are the same layer.
+    /// after its partial sums are reduced over the ranks; the FFN's add is left to the next
+    /// norm when `residual_into_norm`). NextN blocks are the same layer.
     #[allow(clippy::too_many_arguments)]
     fn decoder_layer(
         &self,
         li: usize,
         layer: &Layer<B>,
-        h: B::Tensor,
+        h: Residual<B::Tensor>,
         positions: &[u32],
         segs: &[Seg],
         caches: &mut [&mut KvCache<B>],
         prev_sel: &mut [Option<B::Index>],
         obs: &mut Option<Observer<'_>>,
-    ) -> Result<B::Tensor, RuntimeError> {
+    ) -> Result<Residual<B::Tensor>, RuntimeError> {
         let be = &self.backend;
         // Activations are named by GGUF block (the draft layer is blk.{n_layer}); `li` is the
         // layer's slot in the caches passed in.
         let bi = layer.spec.index;
-        let x = be.rms_norm(&h, &layer.attn_norm, self.spec.rms_eps)?;
+        let (h, x) = self.add_norm(h, &layer.attn_norm, obs)?;
         self.emit(obs, || format!("blk.{bi}.attn_norm.out"), &x)?;
         let mut a = match (&layer.attn, &self.attn) {
             (Attn::Mla(w), AttentionSpec::Mla(m)) => {
@@ -1101,9 +1170,15 @@ impl<B: Backend> GlmModel<B> {
         // Dense down / routed experts + shared expert: one reduction for the whole block.
         be.all_reduce_sum(&mut f)?;
         self.emit(obs, || format!("blk.{bi}.ffn.out"), &f)?;
-        let h = be.add(&h, &f)?;
-        self.emit(obs, || format!("blk.{bi}.out"), &h)?;
-        Ok(h)
+        // The sum over the ranks is added: every rank adds the same f.
+        let h = Residual {
+            h,
+            pending: Some((f, bi)),
+        };
+        if self.residual_into_norm {
+            return Ok(h);
+        }
+        Ok(Residual::new(self.settle(h, obs)?))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1417,8 +1492,7 @@ impl<B: Backend> GlmModel<B> {
 
     fn mlp(&self, m: &Mlp<B>, x: &B::Tensor) -> Result<B::Tensor, RuntimeError> {
         let be = &self.backend;
-        let a = be.silu_mul(&be.matmul(x, &m.gate)?, &be.matmul(x, &m.up)?)?;
-        be.matmul(&a, &m.down)
+        be.matmul(&be.glu(x, &m.gate, &m.up)?, &m.down)
     }
 
     fn ffn(
@@ -1469,7 +1543,8 @@ impl<B: Backend> GlmModel<B> {
                 };
                 let y = be.moe_ffn(x, gate, up, down, &wts, &ids)?;
                 match shared {
-                    Some(m) => be.add(&y, &self.mlp(m, x)?),
+                    // The shared expert's down projection adds onto the routed sum.
+                    Some(m) => be.matmul_add(&be.glu(x, &m.gate, &m.up)?, &m.down, y),
                     None => Ok(y),
                 }
             }

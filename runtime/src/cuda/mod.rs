@@ -80,6 +80,40 @@ impl Default for CudaOptions {
     }
 }
 
+/// The fused launches of the fast path, each with an environment switch that restores the
+/// launches it replaces (to A/B them in one build; docs/GPU.md). All on by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fusions {
+    /// `Backend::glu` as one GEMV launch over gate and up (gemvq's GLU mode, as the routed
+    /// experts run) instead of two GEMVs and `silu_mul` (`GGUFTOOL_FUSE_GLU=0`).
+    pub glu: bool,
+    /// The end of an FFN block without `add_f32` launches (`GGUFTOOL_FUSE_ADD=0`: both adds
+    /// back): the shared expert's down GEMV adds onto the routed experts' sum in its epilogue
+    /// (`Backend::matmul_add`), and the block's residual add runs in the next block's RMSNorm
+    /// launch (`Backend::residual_into_norm`, `add_rms_norm`).
+    pub add: bool,
+}
+
+impl Fusions {
+    pub const ALL: Fusions = Fusions {
+        glu: true,
+        add: true,
+    };
+    pub const NONE: Fusions = Fusions {
+        glu: false,
+        add: false,
+    };
+
+    /// [`Fusions::ALL`] less the ones switched off by their variable set to `0`.
+    pub fn from_env() -> Self {
+        let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
+        Fusions {
+            glu: on("GGUFTOOL_FUSE_GLU"),
+            add: on("GGUFTOOL_FUSE_ADD"),
+        }
+    }
+}
+
 /// Device storage of a tensor.
 enum Store {
     F32(DevBuf<f32>),
@@ -193,6 +227,7 @@ pub struct CudaBackend {
     /// prefill path ([`GEMVQ_MAX_ROWS`]; `GGUFTOOL_GEMVQ_MAX_ROWS`, 8 ..= 1024, to measure
     /// where one overtakes the other).
     gemvq_max_rows: usize,
+    fuse: Fusions,
 }
 
 fn err(msg: impl Into<String>) -> RuntimeError {
@@ -234,7 +269,18 @@ impl CudaBackend {
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
                 .map_or(GEMVQ_MAX_ROWS, |v| v.clamp(GEMV_MAX_ROWS, 1024)),
+            fuse: Fusions::from_env(),
         }
+    }
+
+    /// Choose the fused launches regardless of the environment (tests compare both).
+    pub fn with_fusions(mut self, fuse: Fusions) -> Self {
+        self.fuse = fuse;
+        self
+    }
+
+    pub fn fusions(&self) -> Fusions {
+        self.fuse
     }
 
     /// Choose the prefill path (see the `prefill_gemm` field) regardless of the environment.
@@ -911,6 +957,100 @@ impl Backend for CudaBackend {
             .gemv_batched(shape, &w.bytes, ch, xb, o)
             .map_err(kerr("matmul_heads"))?;
         Ok(out)
+    }
+
+    /// On the fast path, steps of up to `gemvq_max_rows` rows take one launch: gemvq's GLU mode
+    /// reads gate and up in one pass over the shared q8 activations, the SiLU product formed
+    /// in registers. Each output sums the same tasks in the same order as the plain GEMVs when
+    /// both split a row over the same warps (bitwise equal then, tested); the GLU kernel's own
+    /// register count may make the automatic split differ (f32 summation order only).
+    fn glu(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+    ) -> Result<CudaTensor, RuntimeError> {
+        let d = &gate.dims;
+        let shape = Self::shape_of(gate, d.get(1).copied().unwrap_or(0), x.cols, 1);
+        let fused = self.fuse.glu
+            && d.len() == 2
+            && d[0] == x.cols
+            && up.dims == *d
+            && (up.ty, up.packed) == (gate.ty, gate.packed)
+            && self.fast(&shape)
+            && (1..=self.gemvq_max_rows).contains(&x.rows);
+        if !fused {
+            // Also every shape error, reported by the ops as on the CPU.
+            let g = self.matmul(x, gate)?;
+            let u = self.matmul(x, up)?;
+            return self.silu_mul(&g, &u);
+        }
+        let (k, m) = (d[0], d[1]);
+        let q = self.q8(x, x.rows, k)?;
+        let mut out = self.alloc(x.rows, m)?;
+        // The channels of `matmul_into`'s GEMV: up to 8 tokens share each weight load.
+        let ncols = x.rows.min(8);
+        let ch = QChannels {
+            count: x.rows.div_ceil(ncols),
+            ncols,
+            ids: None,
+            xidx: None,
+            x_div: 1,
+            yidx: None,
+            y_stride: m,
+            y_rows: x.rows,
+        };
+        let o = out.f32_mut().ok_or_else(|| not_f32("glu"))?;
+        self.gpu
+            .gemv_q(shape, &gate.bytes, QMode::Glu(&up.bytes), ch, &q, o)
+            .map_err(kerr("glu"))?;
+        Ok(out)
+    }
+
+    /// On the fast path, steps of up to `gemvq_max_rows` rows add in the GEMV's epilogue
+    /// (gemvq's accumulate mode: the plain GEMV's outputs, then one f32 add each; bitwise
+    /// `add(acc, matmul(x, w))`, tested).
+    fn matmul_add(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        mut acc: CudaTensor,
+    ) -> Result<CudaTensor, RuntimeError> {
+        let d = &w.dims;
+        let shape = Self::shape_of(w, d.get(1).copied().unwrap_or(0), x.cols, 1);
+        let fused = self.fuse.add
+            && d.len() == 2
+            && d[0] == x.cols
+            && acc.shape() == (x.rows, d[1])
+            && acc.f32().is_some()
+            && self.fast(&shape)
+            && (1..=self.gemvq_max_rows).contains(&x.rows);
+        if !fused {
+            let y = self.matmul(x, w)?;
+            return self.add(&acc, &y);
+        }
+        let (k, m) = (d[0], d[1]);
+        let q = self.q8(x, x.rows, k)?;
+        let ncols = x.rows.min(8);
+        let ch = QChannels {
+            count: x.rows.div_ceil(ncols),
+            ncols,
+            ids: None,
+            xidx: None,
+            x_div: 1,
+            yidx: None,
+            y_stride: m,
+            y_rows: x.rows,
+        };
+        let o = acc.f32_mut().ok_or_else(|| not_f32("matmul_add"))?;
+        self.gpu
+            .gemv_q(shape, &w.bytes, QMode::Accumulate, ch, &q, o)
+            .map_err(kerr("matmul_add"))?;
+        Ok(acc)
+    }
+
+    fn residual_into_norm(&self) -> bool {
+        self.fuse.add
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor, RuntimeError> {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use gguf::{GgmlType, Metadata, Value};
 
 use super::check::{compare_models, compare_with, logit_tolerance, reference_prompts, PromptCheck};
-use super::{CudaBackend, CudaOptions};
+use super::{CudaBackend, CudaOptions, Fusions};
 use crate::glm::GlmModel;
 use crate::spec::ModelSpec;
 use crate::weights::HostWeight;
@@ -253,6 +253,89 @@ fn glm5_heads_prompts_past_1023_and_4096_tokens() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// The fused launches of a decode step against the launches they replace, end to end on the
+/// GLM-5-shaped model (layer 0 dense, layer 1 MoE with a shared expert): a 20-token prefill,
+/// then decode steps. With the GEMVs' row split forced (1 warp) for every configuration:
+/// - every fusion but the GLU against none: bitwise the same logits at every step (each is
+///   bitwise the ops it replaces), and per decode step exactly the launches they remove
+///   (`matmul_add`: 1; the residual add in the next norm: 1 per block);
+/// - all of them: the GLU removes 2 launches per FFN (dense, shared expert); its logits stay
+///   within the fast path's tolerance against the unfused ones (`check::logit_tolerance`; they
+///   are bitwise equal when the GLU sums in the plain GEMVs' order, which is reported).
+#[test]
+fn glm5_heads_decode_fusions_equal_the_launches_they_replace() {
+    use crate::lm::{LanguageModel, SeqStep};
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (glm5_heads_decode_fusions_equal_the_launches_they_replace)");
+        return;
+    }
+    let (md, w) = glm5_heads_weights();
+    let get = |name: &str| Ok(w.get(name).cloned());
+    let run = |fuse: Fusions| -> (Vec<Vec<f32>>, f64) {
+        let be = CudaBackend::with_options(0, FAST)
+            .expect("CUDA backend")
+            .with_fusions(fuse);
+        let gpu = GlmModel::from_weights(be, ModelSpec::from_metadata(&md).unwrap(), &get)
+            .expect("CUDA model");
+        let _split = ForcedSplit::set(gpu.backend().gpu(), Some(1));
+        let mut seq = gpu.new_sequence();
+        let mut toks: Vec<u32> = (0..20u32).map(|i| (i * 37 + 11) % 512).collect();
+        let mut out = Vec::new();
+        let mut per_step = 0.0;
+        for step in 0..4 {
+            let (l, prof) = launches(gpu.backend(), || {
+                gpu.forward(&mut [SeqStep {
+                    seq: seq.as_mut(),
+                    tokens: &toks,
+                    all_logits: false,
+                }])
+                .expect("forward")
+                .remove(0)
+            });
+            if step == 3 {
+                per_step = prof.iter().map(|k| k.1).sum();
+            }
+            toks = vec![(step as u32 * 101 + 7) % 512];
+            out.push(l);
+        }
+        (out, per_step)
+    };
+    let (base, n_base) = run(Fusions::NONE);
+    let (no_glu, n_no_glu) = run(Fusions {
+        glu: false,
+        ..Fusions::ALL
+    });
+    let (all, n_all) = run(Fusions::ALL);
+    let tol = logit_tolerance(FAST, 2);
+    let worst = base
+        .iter()
+        .zip(&all)
+        .map(|(a, b)| {
+            let max = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+            a.iter()
+                .zip(b)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs() / max))
+        })
+        .fold(0f32, f32::max);
+    say(&format!(
+        "| decode fusions | launches per step {n_base} / {n_no_glu} (no GLU) / {n_all} | \
+         no GLU bitwise {} | all: bitwise {}, max rel {worst:.2e} (tol {tol:.2e}) |",
+        no_glu == base,
+        all == base
+    ));
+    assert!(
+        no_glu == base,
+        "fusions other than the GLU changed the logits"
+    );
+    assert_eq!(
+        n_base - n_no_glu,
+        3.0,
+        "matmul_add + 2 residual adds per step"
+    );
+    assert!(worst <= tol, "GLU logits off by {worst}");
+    assert_eq!(n_no_glu - n_all, 4.0, "the GLU: 2 per FFN (dense + shared)");
+}
+
 /// The synthetic model itself is valid (runs without a GPU, so CI checks the builder).
 #[test]
 fn glm5_heads_model_runs_on_the_cpu() {
@@ -446,6 +529,157 @@ fn cuda_rms_norm_lead_equals_slice_norm_concat() {
         ));
         assert!(same, "rms_norm_lead differs at {rows} rows");
     }
+}
+
+/// A 2-D weight `{k, m}` of random `ty` blocks (Q4_K: GGUF layout; Q8_0: repacked on upload).
+fn random_weight(
+    be: &CudaBackend,
+    name: &str,
+    ty: GgmlType,
+    k: usize,
+    m: usize,
+    r: &mut Rng,
+) -> super::CudaWeight {
+    use crate::backend::Backend;
+    let bytes = random_blocks(ty, k * m, r);
+    be.upload(HostWeight::from_bytes(name, ty, vec![k, m], bytes).expect("weight"))
+        .expect("upload")
+}
+
+/// The GEMVs' row split forced to `ks` warps (`None`: automatic) until dropped, also when a
+/// check panics, so later tests of the binary see the automatic split.
+struct ForcedSplit(Arc<kernels::Gpu>);
+
+impl ForcedSplit {
+    fn set(g: &Arc<kernels::Gpu>, ks: Option<usize>) -> Self {
+        g.force_gemvq_ksplit(ks).expect("split");
+        ForcedSplit(g.clone())
+    }
+}
+
+impl Drop for ForcedSplit {
+    fn drop(&mut self) {
+        let _ = self.0.force_gemvq_ksplit(None);
+    }
+}
+
+/// `f()`'s result and the kernel launches it queued, by kind.
+fn launches<R>(be: &CudaBackend, f: impl FnOnce() -> R) -> (R, Vec<(String, f64)>) {
+    be.gpu().profile_begin();
+    let r = f();
+    let p = be.gpu().profile_end().expect("profile");
+    (
+        r,
+        p.kinds.into_iter().map(|k| (k.kind, k.launches)).collect(),
+    )
+}
+
+/// The fused gate+up+SiLU (`Backend::glu`: one GEMV launch reading both matrices) against the
+/// two GEMVs and `silu_mul` it replaces, at the shared expert's shape (Q4_K, 6,144 -> 2,048)
+/// and a repacked type (Q8_0), for 1, 3 and 8 tokens. With the rows' tasks split over the same
+/// warps (forced 1, 2 and 4) both sum the same q8 products in the same order and form the same
+/// f32 `g / (1 + exp(-g)) * u`: bitwise equal. The automatic split may differ between the two
+/// kernels (their register counts differ), so the automatic fused result must equal the
+/// unfused one at one of the three splits, bitwise.
+#[test]
+fn cuda_glu_equals_gemvs_then_silu_mul() {
+    use crate::backend::Backend;
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (cuda_glu_equals_gemvs_then_silu_mul)");
+        return;
+    }
+    let be = CudaBackend::with_options(0, FAST)
+        .expect("device")
+        .with_fusions(Fusions::ALL);
+    let g = be.gpu().clone();
+    let mut r = Rng(0x5eed_0000_0910_0001);
+    let mut failures = Vec::new();
+    for (ty, k, ff) in [(GgmlType::Q4_K, 6144, 2048), (GgmlType::Q8_0, 512, 768)] {
+        let gate = random_weight(&be, "ffn_gate", ty, k, ff, &mut r);
+        let up = random_weight(&be, "ffn_up", ty, k, ff, &mut r);
+        for rows in [1usize, 3, 8] {
+            let xv: Vec<f32> = (0..rows * k).map(|_| 4.0 * r.unit() - 2.0).collect();
+            let x = be.new_tensor(rows, k, &xv).expect("x");
+            let unfused = || {
+                let gt = be.matmul(&x, &gate).expect("gate");
+                let ut = be.matmul(&x, &up).expect("up");
+                be.to_host(&be.silu_mul(&gt, &ut).expect("silu_mul"))
+                    .expect("download")
+            };
+            let mut by_split = Vec::new();
+            for ks in [1usize, 2, 4] {
+                let _split = ForcedSplit::set(&g, Some(ks));
+                let want = unfused();
+                let (got, l) = launches(&be, || be.glu(&x, &gate, &up).expect("glu"));
+                let got = be.to_host(&got).expect("download");
+                let one = l.len() == 1 && l[0].0.starts_with("gemvq glu") && l[0].1 == 1.0;
+                let same = got == want;
+                say(&format!(
+                    "| glu {ty} | {rows}x{k} -> {ff} split {ks} | bitwise {same} | launches {l:?} |"
+                ));
+                if !(same && one) {
+                    failures.push(format!("{ty} {rows} rows split {ks}: {same} {l:?}"));
+                }
+                by_split.push(want);
+            }
+            let got = be
+                .to_host(&be.glu(&x, &gate, &up).expect("glu"))
+                .expect("download");
+            let ok = by_split.contains(&got) && got.iter().all(|v| v.is_finite());
+            say(&format!(
+                "| glu {ty} | {rows}x{k} -> {ff} automatic split | one of the unfused | {ok} |"
+            ));
+            if !ok {
+                failures.push(format!("{ty} {rows} rows automatic split"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The accumulating GEMV (`Backend::matmul_add`: the shared expert's down projection added onto
+/// the routed experts' sum in the GEMV's epilogue) is bitwise `add(acc, matmul(x, w))`: the
+/// same GEMV launch, then the same single f32 add per output. One launch, no `add`; at the
+/// shared expert's down shape (Q6_K 2,048 -> 6,144) and Q4_K, for 1 and 3 tokens.
+#[test]
+fn cuda_matmul_add_equals_matmul_then_add() {
+    use crate::backend::Backend;
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (cuda_matmul_add_equals_matmul_then_add)");
+        return;
+    }
+    let be = CudaBackend::with_options(0, FAST)
+        .expect("device")
+        .with_fusions(Fusions::ALL);
+    let mut r = Rng(0x5eed_0000_add0_0002);
+    let mut failures = Vec::new();
+    for (ty, k, m) in [(GgmlType::Q6_K, 2048, 6144), (GgmlType::Q4_K, 2048, 6144)] {
+        let w = random_weight(&be, "ffn_down_shexp", ty, k, m, &mut r);
+        for rows in [1usize, 3] {
+            let xv: Vec<f32> = (0..rows * k).map(|_| 4.0 * r.unit() - 2.0).collect();
+            let av: Vec<f32> = (0..rows * m).map(|_| 4.0 * r.unit() - 2.0).collect();
+            let x = be.new_tensor(rows, k, &xv).expect("x");
+            let sum = be
+                .add(
+                    &be.new_tensor(rows, m, &av).expect("acc"),
+                    &be.matmul(&x, &w).expect("matmul"),
+                )
+                .expect("add");
+            let want = be.to_host(&sum).expect("download");
+            let acc = be.new_tensor(rows, m, &av).expect("acc");
+            let (got, l) = launches(&be, || be.matmul_add(&x, &w, acc).expect("matmul_add"));
+            let got = be.to_host(&got).expect("download");
+            let one = l.len() == 1 && l[0].0.starts_with("gemvq add") && l[0].1 == 1.0;
+            let same = got == want && got.iter().all(|v| v.is_finite());
+            say(&format!(
+                "| matmul_add {ty} | {rows}x{k} -> {m} | bitwise {same} | launches {l:?} |"
+            ));
+            if !(same && one) {
+                failures.push(format!("{ty} {rows} rows: {same} {l:?}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 /// A cache reserved up front keeps its buffer (same device address, same capacity) while rows

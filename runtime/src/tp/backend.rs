@@ -228,6 +228,25 @@ impl<B: Backend> Backend for Ranked<B> {
     fn reserve_rows(&self, t: &mut Self::Tensor, rows: usize) -> Result<(), RuntimeError> {
         self.inner.reserve_rows(t, rows)
     }
+    fn glu(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.glu(x, gate, up)
+    }
+    fn matmul_add(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        acc: Self::Tensor,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.matmul_add(x, w, acc)
+    }
+    fn residual_into_norm(&self) -> bool {
+        self.inner.residual_into_norm()
+    }
     fn add_rms_norm(
         &self,
         res: &Self::Tensor,
