@@ -4,11 +4,16 @@
 // even components, then all odd ones; identical dot products); 2: NeoX pairs (x[j], x[j+n_rot/2]). Layout: token s, head h starts at
 // x + s*tok_stride + h*head_stride. inv_freq comes from the host (same f32 formula as the CPU).
 // One block per (head, token), thread j owns pair j (blockDim >= n_rot/2, checked by the host).
+// The rotated values go to y with its own layout (y == x: in place), so a rotation can land
+// straight in the tensor that consumes it (the absorbed MLA queries' rope columns) with the
+// in-place rotation's arithmetic.
 
-extern "C" __global__ void rope_f32(float* __restrict__ x, long long tok_stride, long long head_stride,
-                                    int off, int n_rot, const int* __restrict__ pos,
-                                    const float* __restrict__ inv_freq, int style,
-                                    long long tokens) {
+// No __restrict__: y may be x.
+extern "C" __global__ void rope_f32(const float* x, long long x_tok_stride, long long x_head_stride,
+                                    int x_off, float* y, long long y_tok_stride,
+                                    long long y_head_stride, int y_off, int n_rot,
+                                    const int* __restrict__ pos, const float* __restrict__ inv_freq,
+                                    int style, long long tokens) {
     const int half = n_rot >> 1;
     const int j = threadIdx.x;
     const int h = blockIdx.x;
@@ -16,7 +21,8 @@ extern "C" __global__ void rope_f32(float* __restrict__ x, long long tok_stride,
     // Tokens grid-stride over grid.y (limited to 65535; the bound is uniform per block, so the
     // barrier below is reached by every thread). Different tokens never share elements.
     for (long long s = blockIdx.y; s < tokens; s += gridDim.y) {
-        float* p = x + s * tok_stride + (long long)h * head_stride + off;
+        const float* p = x + s * x_tok_stride + (long long)h * x_head_stride + x_off;
+        float* q = y + s * y_tok_stride + (long long)h * y_head_stride + y_off;
         float o1 = 0.0f, o2 = 0.0f;
         if (active) {
             const float ang = (float)pos[s] * inv_freq[j];
@@ -27,16 +33,17 @@ extern "C" __global__ void rope_f32(float* __restrict__ x, long long tok_stride,
             o1 = x1 * cs - x2 * sn;
             o2 = x2 * cs + x1 * sn;
         }
-        // Every pair is read before any is overwritten (the de-interleaved write crosses pairs).
+        // Every pair is read before any is overwritten (in place, the de-interleaved write
+        // crosses pairs).
         __syncthreads();
         if (active) {
             if (style == 1) {
-                p[j] = o1;
-                p[half + j] = o2;
+                q[j] = o1;
+                q[half + j] = o2;
             } else {
                 const int i1 = style == 2 ? j : 2 * j, i2 = style == 2 ? j + half : 2 * j + 1;
-                p[i1] = o1;
-                p[i2] = o2;
+                q[i1] = o1;
+                q[i2] = o2;
             }
         }
     }

@@ -53,47 +53,101 @@ impl Gpu {
         style: RopeStyle,
     ) -> Result<(), KernelError> {
         const OP: &str = "rope";
-        if l.tokens == 0 || l.heads == 0 {
-            return Err(shape_err(OP, format!("empty layout {l:?}")));
+        check_layout(OP, "x", dlen(x), &l)?;
+        let (xp, _gx) = x.device_ptr_mut(self.stream());
+        // SAFETY: x holds the layout (checked); reading and writing one buffer is the kernel's
+        // in-place mode.
+        unsafe { self.rope_raw(xp, &l, xp, &l, pos, inv_freq, style) }
+    }
+
+    /// [`Gpu::rope`] from `x` (layout `xl`) into `y` (layout `yl`: the same tokens, heads and
+    /// rotated dims at its own strides and offset), `x` unchanged: the in-place rotation's
+    /// arithmetic, so `y` gets bitwise what rotating a copy of `x` and copying it there gives.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_to(
+        &self,
+        x: &impl DevicePtr<f32>,
+        xl: RopeLayout,
+        y: &mut impl DevicePtrMut<f32>,
+        yl: RopeLayout,
+        pos: &impl DevicePtr<i32>,
+        inv_freq: &impl DevicePtr<f32>,
+        style: RopeStyle,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "rope";
+        if (xl.tokens, xl.heads, xl.n_rot) != (yl.tokens, yl.heads, yl.n_rot) {
+            return Err(shape_err(OP, format!("layouts differ: {xl:?} -> {yl:?}")));
         }
-        if l.n_rot == 0 || !l.n_rot.is_multiple_of(2) || l.n_rot > 2048 {
-            return Err(shape_err(
-                OP,
-                format!("n_rot {} must be even, 2..=2048", l.n_rot),
-            ));
-        }
-        let need =
-            (l.tokens - 1) * l.tok_stride + (l.heads - 1) * l.head_stride + l.offset + l.n_rot;
-        need_len(OP, "x", dlen(x), need)?;
-        need_len(OP, "pos", dlen(pos), l.tokens)?;
-        need_len(OP, "inv_freq", dlen(inv_freq), l.n_rot / 2)?;
-        let f = self.func(Op::Rope, "rope_f32")?;
-        let block = (l.n_rot / 2).div_ceil(32) as u32 * 32;
-        let cfg = self.cfg_rows(OP, l.heads as u64, l.tokens, block)?;
+        check_layout(OP, "x", dlen(x), &xl)?;
+        check_layout(OP, "y", dlen(y), &yl)?;
         let s = self.stream();
-        let (xp, _gx) = x.device_ptr_mut(s);
+        let (xp, _gx) = x.device_ptr(s);
+        let (yp, _gy) = y.device_ptr_mut(s);
+        // SAFETY: both layouts checked against their buffers; distinct buffers (a `&` and a
+        // `&mut` borrow), so no element is read after another block wrote it.
+        unsafe { self.rope_raw(xp, &xl, yp, &yl, pos, inv_freq, style) }
+    }
+
+    /// # Safety
+    /// `xp` / `yp` must hold layouts `xl` / `yl` ([`check_layout`]), equal in tokens, heads and
+    /// n_rot; `yp` either is `xp` with `yl == xl` or shares no element with it.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn rope_raw(
+        &self,
+        xp: u64,
+        xl: &RopeLayout,
+        yp: u64,
+        yl: &RopeLayout,
+        pos: &impl DevicePtr<i32>,
+        inv_freq: &impl DevicePtr<f32>,
+        style: RopeStyle,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "rope";
+        need_len(OP, "pos", dlen(pos), xl.tokens)?;
+        need_len(OP, "inv_freq", dlen(inv_freq), xl.n_rot / 2)?;
+        let f = self.func(Op::Rope, "rope_f32")?;
+        let block = (xl.n_rot / 2).div_ceil(32) as u32 * 32;
+        let cfg = self.cfg_rows(OP, xl.heads as u64, xl.tokens, block)?;
+        let s = self.stream();
         let (pp, _gp) = pos.device_ptr(s);
         let (fp, _gf) = inv_freq.device_ptr(s);
-        let (ts, hs) = (l.tok_stride as i64, l.head_stride as i64);
-        let off = to_i32(OP, "offset", l.offset)?;
-        let nr = to_i32(OP, "n_rot", l.n_rot)?;
+        let (xts, xhs) = (xl.tok_stride as i64, xl.head_stride as i64);
+        let (yts, yhs) = (yl.tok_stride as i64, yl.head_stride as i64);
+        let xo = to_i32(OP, "offset", xl.offset)?;
+        let yo = to_i32(OP, "offset", yl.offset)?;
+        let nr = to_i32(OP, "n_rot", xl.n_rot)?;
         let de: i32 = match style {
             RopeStyle::Interleaved => 0,
             RopeStyle::InterleavedHf => 1,
             RopeStyle::Neox => 2,
         };
-        let t64 = l.tokens as i64;
+        let t64 = xl.tokens as i64;
         let mut b = self.args(&f);
-        b.arg(&xp)
-            .arg(&ts)
-            .arg(&hs)
-            .arg(&off)
-            .arg(&nr)
-            .arg(&pp)
-            .arg(&fp)
-            .arg(&de)
-            .arg(&t64);
-        // SAFETY: the furthest element touched is within x (checked above).
+        b.arg(&xp).arg(&xts).arg(&xhs).arg(&xo);
+        b.arg(&yp).arg(&yts).arg(&yhs).arg(&yo);
+        b.arg(&nr).arg(&pp).arg(&fp).arg(&de).arg(&t64);
+        // SAFETY: the caller's contract; pos and inv_freq extents checked above.
         unsafe { self.launch(OP, b, cfg) }
     }
+}
+
+/// A non-empty layout with an even `n_rot` in the kernel's range whose furthest element lies
+/// within `len`.
+fn check_layout(
+    op: &'static str,
+    what: &'static str,
+    len: usize,
+    l: &RopeLayout,
+) -> Result<(), KernelError> {
+    if l.tokens == 0 || l.heads == 0 {
+        return Err(shape_err(op, format!("empty layout {l:?}")));
+    }
+    if l.n_rot == 0 || !l.n_rot.is_multiple_of(2) || l.n_rot > 2048 {
+        return Err(shape_err(
+            op,
+            format!("n_rot {} must be even, 2..=2048", l.n_rot),
+        ));
+    }
+    let need = (l.tokens - 1) * l.tok_stride + (l.heads - 1) * l.head_stride + l.offset + l.n_rot;
+    need_len(op, what, len, need)
 }

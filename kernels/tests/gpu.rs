@@ -777,6 +777,68 @@ fn rope_interleaved_matches_f64() {
     }
 }
 
+/// RoPE out of place (`rope_to`): the MLA queries' rope columns (64 of every 256-wide head, at
+/// 192) rotated into the absorbed query rows (576 per head, at 512) equal, bitwise, the in-place
+/// rotation of the same values (the same kernel arithmetic), every other output element keeps
+/// its NaN poison and the input is unchanged; every style.
+#[test]
+fn rope_to_equals_rope_in_place() {
+    let Some(g) = gpu("rope_to_equals_rope_in_place") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("rope_to");
+    let pos: Vec<i32> = vec![0, 1, 5, 1000, 4095, 131071];
+    let (tokens, heads, n_rot) = (pos.len(), 64usize, 64usize);
+    let (xh, xo, yh, yo) = (256usize, 192usize, 576usize, 512usize);
+    let x = r.vec(tokens * heads * xh, 2.0);
+    let inv = kernels::rope_inv_freq(1e6, n_rot);
+    let (dpos, dinv) = (g.upload(&pos).unwrap(), g.upload(&inv).unwrap());
+    let lay = |head: usize, off: usize| RopeLayout {
+        tokens,
+        heads,
+        tok_stride: heads * head,
+        head_stride: head,
+        offset: off,
+        n_rot,
+    };
+    for style in [
+        RopeStyle::Interleaved,
+        RopeStyle::InterleavedHf,
+        RopeStyle::Neox,
+    ] {
+        let mut din = g.upload(&x).unwrap();
+        g.rope(&mut din, lay(xh, xo), &dpos, &dinv, style).unwrap();
+        let want = g.download(&din).unwrap();
+        let dx = g.upload(&x).unwrap();
+        let mut dy = nan_buf(&g, tokens * heads * yh);
+        g.rope_to(&dx, lay(xh, xo), &mut dy, lay(yh, yo), &dpos, &dinv, style)
+            .unwrap();
+        let y = g.download(&dy).unwrap();
+        let mut ok = g.download(&dx).unwrap() == x;
+        for s in 0..tokens {
+            for h in 0..heads {
+                let (xb, yb) = ((s * heads + h) * xh + xo, (s * heads + h) * yh);
+                for i in 0..yh {
+                    ok &= if (yo..yo + n_rot).contains(&i) {
+                        y[yb + i].to_bits() == want[xb + i - yo].to_bits()
+                    } else {
+                        y[yb + i].is_nan()
+                    };
+                }
+            }
+        }
+        row(
+            &format!("rope_to {style:?}"),
+            &format!("{tokens} tok x {heads} heads, {xh}@{xo} -> {yh}@{yo}"),
+            0.0,
+            0.0,
+            ok,
+        );
+        assert!(ok, "rope_to {style:?} differs from the in-place rotation");
+    }
+}
+
 #[test]
 fn elementwise_ops_match_f64() {
     let Some(g) = gpu("elementwise_ops_match_f64") else {

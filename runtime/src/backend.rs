@@ -267,6 +267,21 @@ pub trait Backend: Clone + Send + Sync + 'static {
         self.add(&acc, &y)
     }
 
+    /// The absorbed MLA queries: `q` is `[rows, n_head * (nope + rope)]`, each head's `nope`
+    /// position-free columns then its rope columns; per head, the position-free part times
+    /// slab h of `k_b` (`{nope, kv_lora, n_head}`) followed by the rope part rotated by `p`
+    /// (`n_groups` = heads, `group_dim` = the rope width): `[rows, n_head * (kv_lora + rope)]`.
+    fn mla_queries(
+        &self,
+        q: &Self::Tensor,
+        k_b: &Self::Weight,
+        nope: usize,
+        positions: &[u32],
+        p: &RopeParams,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        mla_queries_composed(self, q, k_b, nope, positions, p)
+    }
+
     /// Whether the forward adds a block's output to the residual stream in the next block's
     /// norm ([`Backend::add_rms_norm`], whose sum is [`Backend::add`]'s: the same values) instead
     /// of at once, so a backend that pays per launch saves the add's. The default composition
@@ -356,6 +371,24 @@ pub trait Backend: Clone + Send + Sync + 'static {
             first + count
         )))
     }
+}
+
+/// [`Backend::mla_queries`] by the layout ops: head slices of the two parts, RoPE on the rope
+/// part, the per-head matmul, the per-head concatenation.
+pub(crate) fn mla_queries_composed<B: Backend>(
+    be: &B,
+    q: &B::Tensor,
+    k_b: &B::Weight,
+    nope: usize,
+    positions: &[u32],
+    p: &RopeParams,
+) -> Result<B::Tensor, RuntimeError> {
+    let (heads, rope) = (p.n_groups, p.group_dim);
+    let q_nope = be.head_slice(q, heads, nope + rope, 0, nope)?;
+    let mut q_rot = be.head_slice(q, heads, nope + rope, nope, rope)?;
+    be.rope(&mut q_rot, positions, p)?;
+    let qa = be.matmul_heads(&q_nope, k_b)?;
+    be.head_concat(&qa, &q_rot, heads, false)
 }
 
 // --- shape checks shared by the backends ---

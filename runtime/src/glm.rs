@@ -1218,9 +1218,6 @@ impl<B: Backend> GlmModel<B> {
             None => (be.matmul(x, &w.q_b)?, None),
         };
         self.emit(obs, || format!("blk.{bi}.attn_q_b.out"), &q)?;
-        let q_nope = be.head_slice(&q, h_n, m.qk_head(), 0, m.qk_nope)?;
-        let mut q_rot = be.head_slice(&q, h_n, m.qk_head(), m.qk_nope, m.qk_rope)?;
-        be.rope(&mut q_rot, positions, &rope_p(h_n, m.qk_rope))?;
         // Compressed keys/values: normalised latent and the roped shared key part.
         let kv_a = be.matmul(x, &w.kv_a)?;
         self.emit(obs, || format!("blk.{bi}.attn_kv_a_mqa.out"), &kv_a)?;
@@ -1264,15 +1261,20 @@ impl<B: Backend> GlmModel<B> {
             }
         }
 
+        // Queries against the latent cache (absorbed: their position-free part through k_b,
+        // the rope part roped) or against keys expanded through kv_b (naive).
+        let q_rope = rope_p(h_n, m.qk_rope);
         let q_abs = match self.mode {
-            AttnMode::Absorbed => {
-                let qa = be.matmul_heads(&q_nope, &w.k_b)?;
-                Some(be.head_concat(&qa, &q_rot, h_n, false)?)
-            }
+            AttnMode::Absorbed => Some(be.mla_queries(&q, &w.k_b, m.qk_nope, positions, &q_rope)?),
             AttnMode::Naive => None,
         };
         let q_full = match self.mode {
-            AttnMode::Naive => Some(be.head_concat(&q_nope, &q_rot, h_n, false)?),
+            AttnMode::Naive => {
+                let q_nope = be.head_slice(&q, h_n, m.qk_head(), 0, m.qk_nope)?;
+                let mut q_rot = be.head_slice(&q, h_n, m.qk_head(), m.qk_nope, m.qk_rope)?;
+                be.rope(&mut q_rot, positions, &q_rope)?;
+                Some(be.head_concat(&q_nope, &q_rot, h_n, false)?)
+            }
             AttnMode::Absorbed => None,
         };
         let mut outs = Vec::with_capacity(segs.len());

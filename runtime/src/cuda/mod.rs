@@ -31,8 +31,8 @@ use kernels::{
 
 use crate::backend::{
     check_append_rows, check_attention, check_head_concat, check_head_slice, check_indexer,
-    check_moe_ffn, check_rope, check_route, check_same, check_sample, AttnParams, Backend, Gating,
-    IndexerParams, RopeParams, RopeStyle, RouteParams, Shape,
+    check_moe_ffn, check_rope, check_route, check_same, check_sample, mla_queries_composed,
+    AttnParams, Backend, Gating, IndexerParams, RopeParams, RopeStyle, RouteParams, Shape,
 };
 use crate::sampling::SampleRequest;
 use crate::weights::HostWeight;
@@ -92,16 +92,22 @@ pub struct Fusions {
     /// (`Backend::matmul_add`), and the block's residual add runs in the next block's RMSNorm
     /// launch (`Backend::residual_into_norm`, `add_rms_norm`).
     pub add: bool,
+    /// `Backend::mla_queries` in three launches instead of seven, no copies
+    /// (`GGUFTOOL_FUSE_QROPE=0`: two head slices, RoPE, quantize + per-head GEMV, two concat
+    /// copies).
+    pub qrope: bool,
 }
 
 impl Fusions {
     pub const ALL: Fusions = Fusions {
         glu: true,
         add: true,
+        qrope: true,
     };
     pub const NONE: Fusions = Fusions {
         glu: false,
         add: false,
+        qrope: false,
     };
 
     /// [`Fusions::ALL`] less the ones switched off by their variable set to `0`.
@@ -110,6 +116,7 @@ impl Fusions {
         Fusions {
             glu: on("GGUFTOOL_FUSE_GLU"),
             add: on("GGUFTOOL_FUSE_ADD"),
+            qrope: on("GGUFTOOL_FUSE_QROPE"),
         }
     }
 }
@@ -241,6 +248,9 @@ fn kerr(op: &'static str) -> impl FnOnce(KernelError) -> RuntimeError {
 fn not_f32(op: &str) -> RuntimeError {
     err(format!("{op}: expects an f32 activation tensor"))
 }
+
+/// RoPE's device inputs: (positions, inverse frequencies, the kernel's style).
+type RopeInputs = (Arc<DevBuf<i32>>, Arc<DevBuf<f32>>, kernels::RopeStyle);
 
 /// Position lists kept on the device (the layers of a step and the indexer share them).
 const POSITION_SLOTS: usize = 4;
@@ -510,6 +520,72 @@ impl CudaBackend {
         let d = Arc::new(self.gpu.upload_async(&v).map_err(kerr("matmul_heads"))?);
         inp.head_maps.insert((rows, heads), d.clone());
         Ok(d)
+    }
+
+    /// The per-head integer-dot GEMV of `matmul_heads` on q8 rows `q` (`rows * heads` of them,
+    /// token-major): head h's output row of token t goes to row `t * heads + h` of `o`, rows
+    /// `y_stride` apart (`m` for dense outputs, wider to leave room after each head's `m`
+    /// values).
+    fn heads_gemv_q(
+        &self,
+        shape: MatShape,
+        w: &CudaWeight,
+        q: &Q8Act,
+        rows: usize,
+        y_stride: usize,
+        o: &mut DevBuf<f32>,
+    ) -> Result<(), RuntimeError> {
+        let n_head = shape.slabs;
+        if rows == 1 {
+            let ch = QChannels {
+                count: n_head,
+                ncols: 1,
+                ids: None,
+                xidx: None,
+                x_div: 1,
+                yidx: None,
+                y_stride,
+                y_rows: n_head,
+            };
+            return self
+                .gpu
+                .gemv_q(shape, &w.bytes, QMode::Plain, ch, q, o)
+                .map_err(kerr("matmul_heads"));
+        }
+        // Batches: 8 tokens of one head per channel, so each head's matrix is read once per 8
+        // tokens.
+        let map = self.head_map(rows, n_head)?;
+        let idx = map.view();
+        let ch = QChannels {
+            count: rows.div_ceil(8) * n_head,
+            ncols: 8,
+            ids: None,
+            xidx: Some(&idx),
+            x_div: 1,
+            yidx: Some(&idx),
+            y_stride,
+            y_rows: rows * n_head,
+        };
+        self.gpu
+            .gemv_q(shape, &w.bytes, QMode::Plain, ch, q, o)
+            .map_err(kerr("matmul_heads"))
+    }
+
+    /// RoPE's device inputs: the positions, the inverse frequencies, the kernel's style.
+    fn rope_inputs(&self, positions: &[u32], p: &RopeParams) -> Result<RopeInputs, RuntimeError> {
+        let pos: Vec<i32> = positions
+            .iter()
+            .map(|&v| i32::try_from(v).map_err(|_| err(format!("rope: position {v} too large"))))
+            .collect::<Result<_, _>>()?;
+        let style = match p.style {
+            RopeStyle::Interleaved => kernels::RopeStyle::Interleaved,
+            RopeStyle::Neox => kernels::RopeStyle::Neox,
+        };
+        Ok((
+            self.positions(&pos)?,
+            self.inv_freq(p.theta, p.n_rot)?,
+            style,
+        ))
     }
 
     /// Grow a cache tensor to hold `need` rows (amortized doubling, at least
@@ -909,41 +985,7 @@ impl Backend for CudaBackend {
         }
         if self.fast(&shape) {
             let q = self.q8(x, x.rows * n_head, k)?;
-            if x.rows == 1 {
-                let ch = QChannels {
-                    count: n_head,
-                    ncols: 1,
-                    ids: None,
-                    xidx: None,
-                    x_div: 1,
-                    yidx: None,
-                    y_stride: m,
-                    y_rows: n_head,
-                };
-                return self
-                    .gpu
-                    .gemv_q(shape, &w.bytes, QMode::Plain, ch, &q, o)
-                    .map_err(kerr("matmul_heads"))
-                    .map(|()| out);
-            }
-            // Batches: 8 tokens of one head per channel, so each head's matrix is read once
-            // per 8 tokens.
-            let map = self.head_map(x.rows, n_head)?;
-            let groups = x.rows.div_ceil(8);
-            let idx = map.view();
-            let ch = QChannels {
-                count: groups * n_head,
-                ncols: 8,
-                ids: None,
-                xidx: Some(&idx),
-                x_div: 1,
-                yidx: Some(&idx),
-                y_stride: m,
-                y_rows: x.rows * n_head,
-            };
-            self.gpu
-                .gemv_q(shape, &w.bytes, QMode::Plain, ch, &q, o)
-                .map_err(kerr("matmul_heads"))?;
+            self.heads_gemv_q(shape, w, &q, x.rows, m, o)?;
             return Ok(out);
         }
         let ch = Channels {
@@ -1051,6 +1093,72 @@ impl Backend for CudaBackend {
 
     fn residual_into_norm(&self) -> bool {
         self.fuse.add
+    }
+
+    /// On the fast path, steps of up to `gemvq_max_rows` rows take three launches and no
+    /// copies: the position-free columns quantized where they lie in `q` (rows of `nope` values
+    /// one head width apart), the per-head GEMV writing each head's latent query into its
+    /// `kv_lora + rope`-wide output row, the rope columns rotated out of `q` into the rest of
+    /// that row (`rope_to`). Bitwise the composition: the same q8 codes, the same GEMV launch,
+    /// the in-place rotation's arithmetic (tested).
+    fn mla_queries(
+        &self,
+        q: &CudaTensor,
+        k_b: &CudaWeight,
+        nope: usize,
+        positions: &[u32],
+        p: &RopeParams,
+    ) -> Result<CudaTensor, RuntimeError> {
+        let d = &k_b.dims;
+        let (heads, rope) = (p.n_groups, p.group_dim);
+        let shape = Self::shape_of(k_b, d.get(1).copied().unwrap_or(0), nope, heads);
+        // The whole rope part rotated: the composition copies unrotated columns, this does not.
+        let fused = self.fuse.qrope
+            && d.len() == 3
+            && (d[0], d[2]) == (nope, heads)
+            && heads > 0
+            && q.cols == heads * (nope + rope)
+            && positions.len() == q.rows
+            && p.offset == 0
+            && p.n_rot == rope
+            && rope.is_multiple_of(2)
+            && q.f32().is_some()
+            && self.fast(&shape)
+            && (1..=self.gemvq_max_rows).contains(&q.rows);
+        if !fused {
+            return mla_queries_composed(self, q, k_b, nope, positions, p);
+        }
+        let (rows, lat) = (q.rows, d[1]);
+        let w = lat + rope;
+        let mut out = self.alloc(rows, heads * w)?;
+        let qb = q.f32().ok_or_else(|| not_f32("mla_queries"))?;
+        let x8 = self
+            .gpu
+            .quantize_q8(qb, rows * heads, nope, nope + rope)
+            .map_err(kerr("mla_queries"))?;
+        let (dpos, inv, style) = self.rope_inputs(positions, p)?;
+        let o = out.f32_mut().ok_or_else(|| not_f32("mla_queries"))?;
+        self.heads_gemv_q(shape, k_b, &x8, rows, w, o)?;
+        let layout = |head: usize, offset: usize| RopeLayout {
+            tokens: rows,
+            heads,
+            tok_stride: heads * head,
+            head_stride: head,
+            offset,
+            n_rot: rope,
+        };
+        self.gpu
+            .rope_to(
+                qb,
+                layout(nope + rope, nope),
+                o,
+                layout(w, lat),
+                &dpos.view(),
+                &inv.view(),
+                style,
+            )
+            .map_err(kerr("mla_queries"))?;
+        Ok(out)
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor, RuntimeError> {
@@ -1281,12 +1389,7 @@ impl Backend for CudaBackend {
         if x.rows == 0 || p.n_rot == 0 || p.n_groups == 0 {
             return Ok(());
         }
-        let pos: Vec<i32> = positions
-            .iter()
-            .map(|&v| i32::try_from(v).map_err(|_| err(format!("rope: position {v} too large"))))
-            .collect::<Result<_, _>>()?;
-        let dpos = self.positions(&pos)?;
-        let inv = self.inv_freq(p.theta, p.n_rot)?;
+        let (dpos, inv, style) = self.rope_inputs(positions, p)?;
         let layout = RopeLayout {
             tokens: x.rows,
             heads: p.n_groups,
@@ -1294,10 +1397,6 @@ impl Backend for CudaBackend {
             head_stride: p.group_dim,
             offset: p.offset,
             n_rot: p.n_rot,
-        };
-        let style = match p.style {
-            RopeStyle::Interleaved => kernels::RopeStyle::Interleaved,
-            RopeStyle::Neox => kernels::RopeStyle::Neox,
         };
         let xb = x.f32_mut().ok_or_else(|| not_f32("rope"))?;
         self.gpu

@@ -258,7 +258,8 @@ fn glm5_heads_prompts_past_1023_and_4096_tokens() {
 /// then decode steps. With the GEMVs' row split forced (1 warp) for every configuration:
 /// - every fusion but the GLU against none: bitwise the same logits at every step (each is
 ///   bitwise the ops it replaces), and per decode step exactly the launches they remove
-///   (`matmul_add`: 1; the residual add in the next norm: 1 per block);
+///   (`matmul_add`: 1; the residual add in the next norm: 1 per block; the MLA queries: 4 per
+///   block);
 /// - all of them: the GLU removes 2 launches per FFN (dense, shared expert); its logits stay
 ///   within the fast path's tolerance against the unfused ones (`check::logit_tolerance`; they
 ///   are bitwise equal when the GLU sums in the plain GEMVs' order, which is reported).
@@ -329,8 +330,8 @@ fn glm5_heads_decode_fusions_equal_the_launches_they_replace() {
     );
     assert_eq!(
         n_base - n_no_glu,
-        3.0,
-        "matmul_add + 2 residual adds per step"
+        11.0,
+        "matmul_add + 2 residual adds + 2 x 4 query launches per step"
     );
     assert!(worst <= tol, "GLU logits off by {worst}");
     assert_eq!(n_no_glu - n_all, 4.0, "the GLU: 2 per FFN (dense + shared)");
@@ -677,6 +678,65 @@ fn cuda_matmul_add_equals_matmul_then_add() {
             if !(same && one) {
                 failures.push(format!("{ty} {rows} rows: {same} {l:?}"));
             }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The absorbed MLA queries (`Backend::mla_queries`) at GLM-5's shapes (64 heads of 192
+/// position-free + 64 rope columns, `attn_k_b` Q8_0 `{192, 512, 64}`) for 1 and 3 tokens at
+/// positions past 4,096: the fused path (quantize in place, per-head GEMV into the 576-wide
+/// rows, RoPE out of place) is bitwise the composition it replaces (head slices, RoPE, per-head
+/// matmul, concatenation) and takes 3 launches, no copies.
+#[test]
+fn cuda_mla_queries_equal_slices_rope_heads_concat() {
+    use crate::backend::{mla_queries_composed, Backend, RopeParams, RopeStyle};
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (cuda_mla_queries_equal_slices_rope_heads_concat)");
+        return;
+    }
+    let be = CudaBackend::with_options(0, FAST)
+        .expect("device")
+        .with_fusions(Fusions::ALL);
+    let mut r = Rng(0x5eed_0000_0a0e_0001);
+    let (heads, nope, rope, lat) = (64usize, 192usize, 64usize, 512usize);
+    let bytes = random_blocks(GgmlType::Q8_0, nope * lat * heads, &mut r);
+    let k_b = be
+        .upload(
+            HostWeight::from_bytes("attn_k_b", GgmlType::Q8_0, vec![nope, lat, heads], bytes)
+                .expect("weight"),
+        )
+        .expect("upload");
+    let p = RopeParams {
+        n_groups: heads,
+        group_dim: rope,
+        offset: 0,
+        n_rot: rope,
+        theta: 1e6,
+        style: RopeStyle::Interleaved,
+    };
+    let mut failures = Vec::new();
+    for rows in [1usize, 3] {
+        let positions: Vec<u32> = (0..rows as u32).map(|i| 4100 + 7 * i).collect();
+        let qv: Vec<f32> = (0..rows * heads * (nope + rope))
+            .map(|_| 4.0 * r.unit() - 2.0)
+            .collect();
+        let q = be.new_tensor(rows, heads * (nope + rope), &qv).expect("q");
+        let want = mla_queries_composed(&be, &q, &k_b, nope, &positions, &p).expect("composed");
+        let want = be.to_host(&want).expect("download");
+        let (got, l) = launches(&be, || {
+            be.mla_queries(&q, &k_b, nope, &positions, &p)
+                .expect("mla_queries")
+        });
+        let got = be.to_host(&got).expect("download");
+        let n: f64 = l.iter().map(|k| k.1).sum();
+        let same = got == want && got.iter().all(|v| v.is_finite());
+        let copies = l.iter().any(|k| k.0.contains("copy"));
+        say(&format!(
+            "| mla_queries | {rows} tok x {heads} heads | bitwise {same} | launches {l:?} |"
+        ));
+        if !(same && n == 3.0 && !copies) {
+            failures.push(format!("{rows} rows: {same} {l:?}"));
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");

@@ -244,6 +244,16 @@ impl<B: Backend> Backend for Ranked<B> {
     ) -> Result<Self::Tensor, RuntimeError> {
         self.inner.matmul_add(x, w, acc)
     }
+    fn mla_queries(
+        &self,
+        q: &Self::Tensor,
+        k_b: &Self::Weight,
+        nope: usize,
+        positions: &[u32],
+        p: &RopeParams,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.mla_queries(q, k_b, nope, positions, p)
+    }
     fn residual_into_norm(&self) -> bool {
         self.inner.residual_into_norm()
     }
