@@ -500,9 +500,11 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
             const long long yr = p.yidx ? (long long)p.yidx[ch * p.ncols + j] : ch * p.ncols + j;
             if (wk == 0 && gl == 0 && row < p.nrows && yr >= 0 && yr < p.y_rows) {
                 // One thread owns each output: the read-modify-write needs no atomics, and the
-                // single f32 add is the add kernel's (bitwise `y + W x`).
+                // single f32 add is the add kernel's (bitwise `y + W x`). __fadd_rn: a plain `+`
+                // was contracted with the product that ends v (Q6_K's d * sum) into one fma,
+                // one rounding fewer than the separate GEMV and add (H200: not bitwise).
                 float* yp = p.y + yr * p.y_stride + row;
-                *yp = MODE == 0 && p.accum ? *yp + v : v;
+                *yp = MODE == 0 && p.accum ? __fadd_rn(*yp, v) : v;
             }
         }
     }
