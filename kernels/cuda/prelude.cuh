@@ -231,33 +231,37 @@ DEV void q8a_store_blocks(const float (&v)[N], const bool (&live)[N], long long 
                           int8_t* __restrict__ qs, float2* __restrict__ qd) {
     const int lane = threadIdx.x & 31;
     float amax[N];
-    int q[N];
-    bool bad[N];
+    int sum[N];
+    // Dead blocks (warp-uniform) skip their shuffles: a 2,048-wide row over 512 threads holds
+    // 4 live of 8.
 #pragma unroll
     for (int j = 0; j < N; ++j) amax[j] = fabsf(v[j]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
-        for (int j = 0; j < N; ++j) amax[j] = fmaxf(amax[j], __shfl_xor_sync(0xffffffffu, amax[j], o));
+        for (int j = 0; j < N; ++j)
+            if (live[j]) amax[j] = fmaxf(amax[j], __shfl_xor_sync(0xffffffffu, amax[j], o));
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-        bad[j] = __any_sync(0xffffffffu, !(fabsf(v[j]) <= 3.402823466e38f));
-        const float dd = bad[j] ? __int_as_float(0x7fc00000) : amax[j] / 127.0f;
+        sum[j] = 0;
+        if (!live[j]) continue;
+        const bool bad = __any_sync(0xffffffffu, !(fabsf(v[j]) <= 3.402823466e38f));
+        const float dd = bad ? __int_as_float(0x7fc00000) : amax[j] / 127.0f;
         amax[j] = dd;
-        q[j] = (dd > 0.0f && !bad[j]) ? (int)roundf(v[j] / dd) : 0;
-        if (live[j]) qs[at0 + j * step] = (int8_t)q[j];
+        const int q = (dd > 0.0f && !bad) ? (int)roundf(v[j] / dd) : 0;
+        qs[at0 + j * step] = (int8_t)q;
+        sum[j] = q;
     }
-    int sum[N];
-#pragma unroll
-    for (int j = 0; j < N; ++j) sum[j] = q[j];
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1)
 #pragma unroll
-        for (int j = 0; j < N; ++j) sum[j] += __shfl_xor_sync(0xffffffffu, sum[j], o);
+        for (int j = 0; j < N; ++j)
+            if (live[j]) sum[j] += __shfl_xor_sync(0xffffffffu, sum[j], o);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
+        if (!live[j]) continue;
         const int hi = __shfl_sync(0xffffffffu, sum[j], 16);
-        if (lane == 0 && live[j])
+        if (lane == 0)
             qd[(at0 + j * step) >> 5] =
                 make_float2(amax[j], __int_as_float((sum[j] & 0xFFFF) | (hi << 16)));
     }
