@@ -64,6 +64,20 @@ DEV float block_max(float v, float* scratch) {
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
+// RoPE of one pair (x1, x2) by the f32 angle `ang` (position * inverse frequency): rope.cu's
+// rotation, shared by the kernels that rotate as part of a fused launch so they round alike.
+DEV void rope_rotate(float x1, float x2, float ang, float& o1, float& o2) {
+    float sn, cs;
+    sincosf(ang, &sn, &cs);
+    o1 = x1 * cs - x2 * sn;
+    o2 = x2 * cs + x1 * sn;
+}
+// The elements (i1, i2) of pair j: adjacent (styles 0, 1) or n_rot/2 apart (NeoX, style 2).
+DEV void rope_pair(int style, int j, int half, int& i1, int& i2) {
+    i1 = style == 2 ? j : 2 * j;
+    i2 = style == 2 ? j + half : 2 * j + 1;
+}
+
 // Arg-max step over the total order "NaN below everything, then by value, ties to the lower
 // index": (ov, oi) replaces (v, i) when it ranks higher. A NaN never wins over a number, and a
 // NaN holder is always replaced by a number, so the butterfly reduction is symmetric.

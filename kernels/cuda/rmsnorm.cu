@@ -92,3 +92,70 @@ extern "C" __global__ void rmsnorm_f32(const float* x, long long x_stride,
     // Each thread reads back only the elements it wrote itself, so no barrier is needed.
     for (int i = t; i < n; i += bd) rms_out(src[i], inv, w, yr, r, n, i, qs, qd);
 }
+
+// A cache row's value: f32 `cf` or bf16 `cb` (the one that is set).
+DEV void cache_store(float v, long long at, float* __restrict__ cf, uint16_t* __restrict__ cb) {
+    if (cf) cf[at] = v;
+    else if (cb) cb[at] = f32_to_bf16(v);
+}
+
+// The MLA cache rows of kv_a's output in one launch (rms_norm_lead + RoPE + the cache append):
+// per row of `cols`, columns 0..n RMS-normalised by w as rmsnorm_f32's register path does it (the
+// host launches block_for(n) threads: the same elements per thread, the same reduction, the same
+// products, so bitwise its output), the pairs of columns off..off+n_rot (off >= n) rotated as
+// rope_f32 does (style 0 or 2), the other columns kept. The row is written back in place and, when
+// a cache pointer is set, to cache row r (`c_stride` apart). One block per row; n <= RMS_REGS *
+// blockDim.x and n_rot / 2 <= blockDim.x (checked by the host). `b` is unused (null): the
+// parameters are layernorm_rope_f32's, so one host launch serves both.
+extern "C" __global__ void rmsnorm_rope_f32(float* x, long long x_stride, int cols,
+                                            const float* __restrict__ w,
+                                            const float* __restrict__ b, int n, float eps, int off,
+                                            int n_rot, const int* __restrict__ pos,
+                                            const float* __restrict__ inv_freq, int style,
+                                            float* __restrict__ cf, uint16_t* __restrict__ cb,
+                                            long long c_stride) {
+    __shared__ float scratch[32];
+    const long long r = blockIdx.x;
+    float* xr = x + r * x_stride;
+    const long long cr = r * c_stride;
+    const int bd = blockDim.x, t = threadIdx.x, half = n_rot >> 1;
+    float xv[RMS_REGS];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < RMS_REGS; ++j) {
+        const int i = t + j * bd;
+        xv[j] = i < n ? xr[i] : 0.0f;
+    }
+    // The rotated pair, read before the reduction's barriers and written after them.
+    int i1 = 0, i2 = 0;
+    float o1 = 0.0f, o2 = 0.0f;
+    if (t < half) {
+        rope_pair(style, t, half, i1, i2);
+        rope_rotate(xr[off + i1], xr[off + i2], (float)pos[r] * inv_freq[t], o1, o2);
+    }
+#pragma unroll
+    for (int j = 0; j < RMS_REGS; ++j) {
+        const int i = t + j * bd;
+        if (i < n) ss += xv[j] * xv[j];
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma unroll
+    for (int j = 0; j < RMS_REGS; ++j) {
+        const int i = t + j * bd;
+        if (i < n) {
+            const float h = xv[j] * inv;
+            const float v = w ? w[i] * h : h;
+            xr[i] = v;
+            cache_store(v, cr + i, cf, cb);
+        }
+    }
+    for (int i = n + t; i < cols; i += bd)
+        if (i < off || i >= off + n_rot) cache_store(xr[i], cr + i, cf, cb);
+    if (t < half) {
+        xr[off + i1] = o1;
+        xr[off + i2] = o2;
+        cache_store(o1, cr + off + i1, cf, cb);
+        cache_store(o2, cr + off + i2, cf, cb);
+    }
+}

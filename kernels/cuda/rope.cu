@@ -25,13 +25,9 @@ extern "C" __global__ void rope_f32(const float* x, long long x_tok_stride, long
         float* q = y + s * y_tok_stride + (long long)h * y_head_stride + y_off;
         float o1 = 0.0f, o2 = 0.0f;
         if (active) {
-            const float ang = (float)pos[s] * inv_freq[j];
-            float sn, cs;
-            sincosf(ang, &sn, &cs);
-            const int i1 = style == 2 ? j : 2 * j, i2 = style == 2 ? j + half : 2 * j + 1;
-            const float x1 = p[i1], x2 = p[i2];
-            o1 = x1 * cs - x2 * sn;
-            o2 = x2 * cs + x1 * sn;
+            int i1, i2;
+            rope_pair(style, j, half, i1, i2);
+            rope_rotate(p[i1], p[i2], (float)pos[s] * inv_freq[j], o1, o2);
         }
         // Every pair is read before any is overwritten (in place, the de-interleaved write
         // crosses pairs).
@@ -41,7 +37,8 @@ extern "C" __global__ void rope_f32(const float* x, long long x_tok_stride, long
                 q[j] = o1;
                 q[half + j] = o2;
             } else {
-                const int i1 = style == 2 ? j : 2 * j, i2 = style == 2 ? j + half : 2 * j + 1;
+                int i1, i2;
+                rope_pair(style, j, half, i1, i2);
                 q[i1] = o1;
                 q[i2] = o2;
             }

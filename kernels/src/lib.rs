@@ -43,7 +43,7 @@ pub use gemvq::{gemvq_supported, Q8Act, QChannels, QMode, Q8_REL_ERR};
 pub use indexer::IndexerShape;
 pub use mla::{force_mla_decode, CacheElem, MlaShape};
 pub use moe::{ExpertGroups, Gating, RouterConfig, MOE_TILE};
-pub use norm::Rows;
+pub use norm::{CacheRows, RowRope, Rows};
 pub use ops::{Op, QType};
 pub use pool::{DevBuf, DevViewMut, PoolStats};
 pub use rope::{rope_inv_freq, RopeLayout, RopeStyle};

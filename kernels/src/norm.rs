@@ -7,6 +7,27 @@ use crate::error::KernelError;
 use crate::gemvq::Q8Act;
 use crate::launch::{opt_ptr, shape_err, span};
 use crate::ops::Op;
+use crate::pool::DevViewMut;
+use crate::rope::RopeStyle;
+
+/// RoPE inside a fused norm launch ([`Gpu::rms_norm_rope`], [`Gpu::layer_norm_rope`]): the pairs
+/// of columns `offset .. offset + n_rot` of row r rotated by `pos[r] * inv_freq[j]`, with
+/// rope.cu's arithmetic.
+#[derive(Debug, Clone, Copy)]
+pub struct RowRope<'a> {
+    pub offset: usize,
+    pub n_rot: usize,
+    pub pos: &'a CudaView<'a, i32>,
+    pub inv_freq: &'a CudaView<'a, f32>,
+    pub style: RopeStyle,
+}
+
+/// Where a fused norm launch also writes its rows: the next rows of a KV cache, dense, f32 or
+/// bf16 (rounded to nearest even, as `Gpu::to_bf16`).
+pub enum CacheRows<'a> {
+    F32(DevViewMut<'a, f32>),
+    Bf16(DevViewMut<'a, u16>),
+}
 
 /// `rows` rows of `n` values; row r of x starts at `r * x_stride`, of y at `r * y_stride`.
 #[derive(Debug, Clone, Copy)]
@@ -263,6 +284,139 @@ impl Gpu {
         // l.rows x l.n by Q8Act::alloc.
         unsafe { self.launch(OP, b, cfg) }?;
         Ok(q8)
+    }
+
+    /// The MLA cache rows in one launch: per row of `cols` values (`l.x_stride` apart), the
+    /// first `l.n` normalised in place exactly as [`Gpu::rms_norm_in_place`] does (the same
+    /// kernel code and block size: bitwise), RoPE `rope` on columns past them as [`Gpu::rope`]
+    /// does, and with `cache` every row also written to the cache's rows (`cols` apart).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm_rope(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        cols: usize,
+        w: Option<&CudaView<'_, f32>>,
+        l: Rows,
+        eps: f32,
+        rope: RowRope<'_>,
+        cache: Option<CacheRows<'_>>,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "rmsnorm_rope";
+        let threads = block_for(l.n);
+        if l.n > 8 * threads as usize || rope.offset < l.n || rope.offset + rope.n_rot > cols {
+            return Err(shape_err(
+                OP,
+                format!("{l:?} in rows of {cols}, rope {rope:?}"),
+            ));
+        }
+        let f = self.func(Op::RmsNorm, "rmsnorm_rope_f32")?;
+        let w_need = l.n;
+        self.norm_rope(
+            OP, f, x, cols, w, None, w_need, l, eps, rope, cache, threads,
+        )
+    }
+
+    /// The DSA indexer's cached keys in one launch: per row of `l.n` values, LayerNorm in
+    /// place exactly as [`Gpu::layer_norm`] computes it (the same kernel code and block size:
+    /// bitwise), then RoPE `rope` on the normalised values as [`Gpu::rope`] does, and with
+    /// `cache` every row also written to the cache's rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layer_norm_rope(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        w: Option<&CudaView<'_, f32>>,
+        bias: Option<&CudaView<'_, f32>>,
+        l: Rows,
+        eps: f32,
+        rope: RowRope<'_>,
+        cache: Option<CacheRows<'_>>,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "layernorm_rope";
+        if rope.offset + rope.n_rot > l.n {
+            return Err(shape_err(OP, format!("{l:?}, rope {rope:?}")));
+        }
+        let f = self.func(Op::LayerNorm, "layernorm_rope_f32")?;
+        let threads = block_for(l.n);
+        self.norm_rope(OP, f, x, l.n, w, bias, l.n, l, eps, rope, cache, threads)
+    }
+
+    /// The launch of the two fused norm + RoPE kernels (one parameter list: the RMS kernel
+    /// takes no bias, the LayerNorm one normalises all `cols`).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_rope(
+        &self,
+        op: &'static str,
+        f: crate::device::Kernel,
+        x: &mut impl DevicePtrMut<f32>,
+        cols: usize,
+        w: Option<&CudaView<'_, f32>>,
+        bias: Option<&CudaView<'_, f32>>,
+        w_need: usize,
+        l: Rows,
+        eps: f32,
+        rope: RowRope<'_>,
+        cache: Option<CacheRows<'_>>,
+        threads: u32,
+    ) -> Result<(), KernelError> {
+        if l.x_stride != l.y_stride || l.x_stride < cols {
+            return Err(shape_err(
+                op,
+                format!("in place with strides {l:?}, {cols} columns"),
+            ));
+        }
+        check_rows(op, dlen(x), dlen(x), Rows { n: cols, ..l })?;
+        let half = rope.n_rot / 2;
+        if rope.n_rot == 0
+            || !rope.n_rot.is_multiple_of(2)
+            || half > threads as usize
+            || rope.style == RopeStyle::InterleavedHf
+        {
+            return Err(shape_err(
+                op,
+                format!("rope {rope:?} in blocks of {threads}"),
+            ));
+        }
+        need_len(op, "pos", rope.pos.len(), l.rows)?;
+        need_len(op, "inv_freq", rope.inv_freq.len(), half)?;
+        let cfg = self.cfg(op, (l.rows as u64, 1, 1), threads)?;
+        let s = self.stream();
+        let wp = opt_ptr(op, "w", w, w_need, s)?;
+        let bp = opt_ptr(op, "b", bias, w_need, s)?;
+        let (pp, _gp) = rope.pos.device_ptr(s);
+        let (fp, _gf) = rope.inv_freq.device_ptr(s);
+        let need = l.rows * cols;
+        let (cf, cb, _gc) = match &cache {
+            None => (0u64, 0u64, None),
+            Some(CacheRows::F32(c)) => {
+                need_len(op, "cache", dlen(c), need)?;
+                let (p, g) = c.device_ptr(s);
+                (p, 0, Some(g))
+            }
+            Some(CacheRows::Bf16(c)) => {
+                need_len(op, "cache", dlen(c), need)?;
+                let (p, g) = c.device_ptr(s);
+                (0, p, Some(g))
+            }
+        };
+        let (xp, _gx) = x.device_ptr_mut(s);
+        let xs = l.x_stride as i64;
+        let (n, c32) = (to_i32(op, "n", l.n)?, to_i32(op, "cols", cols)?);
+        let (off, nr) = (
+            to_i32(op, "offset", rope.offset)?,
+            to_i32(op, "n_rot", rope.n_rot)?,
+        );
+        let style: i32 = match rope.style {
+            RopeStyle::Neox => 2,
+            _ => 0,
+        };
+        let cs = cols as i64;
+        let mut b = self.args(&f);
+        b.arg(&xp).arg(&xs).arg(&c32).arg(&wp).arg(&bp);
+        b.arg(&n).arg(&eps).arg(&off).arg(&nr).arg(&pp).arg(&fp);
+        b.arg(&style).arg(&cf).arg(&cb).arg(&cs);
+        // SAFETY: x, w, b, pos, inv_freq and the cache rows checked above against the rows the
+        // kernel touches; the rope span lies inside each row (checked by the callers).
+        unsafe { self.launch(op, b, cfg) }
     }
 
     /// `y[r] = (x[r] - mean) / sqrt(var + eps) * w + b` with the biased variance.

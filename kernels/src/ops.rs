@@ -301,8 +301,8 @@ impl Op {
                     .collect()
             }
             Op::Quantize => &["quantize_q8a"],
-            Op::RmsNorm => &["rmsnorm_f32"],
-            Op::LayerNorm => &["layernorm_f32"],
+            Op::RmsNorm => &["rmsnorm_f32", "rmsnorm_rope_f32"],
+            Op::LayerNorm => &["layernorm_f32", "layernorm_rope_f32"],
             Op::Rope => &["rope_f32"],
             Op::Attention => &["attn_scores_f32", "attn_av_partial_f32", "attn_combine_f32"],
             Op::Mla => &["mla_partial_f32", "mla_partial_bf16"],

@@ -839,6 +839,144 @@ fn rope_to_equals_rope_in_place() {
     }
 }
 
+/// The fused norm + RoPE + cache-write kernels against the launches they replace, bitwise: the
+/// MLA cache rows (`rms_norm_rope`: RMSNorm of the 512 latent columns in place, RoPE on the 64
+/// after them) against `rms_norm_in_place` + `rope`, and the indexer keys (`layer_norm_rope`:
+/// LayerNorm of 128 columns, RoPE on the first 64) against `layer_norm` + `rope`; the rows written
+/// back in place and into f32 and bf16 cache rows (against a copy / `to_bf16`), cache rows past
+/// the written ones keeping their poison; 1 and 5 rows, interleaved and NeoX pairs.
+#[test]
+fn norm_rope_kernels_equal_the_launches_they_fuse() {
+    let Some(g) = gpu("norm_rope_kernels_equal_the_launches_they_fuse") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("norm_rope");
+    let mut bad = Vec::new();
+    for rows in [1usize, 5] {
+        let pos: Vec<i32> = (0..rows as i32).map(|i| 4093 + 3 * i).collect();
+        let inv = kernels::rope_inv_freq(1e6, 64);
+        let (dpos, dinv) = (g.upload(&pos).unwrap(), g.upload(&inv).unwrap());
+        let (pv, fv) = (dpos.as_view(), dinv.as_view());
+        for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
+            // (name, columns, normalised lead, rope offset, LayerNorm?)
+            for (what, cols, n, off, ln) in [
+                ("mla kv rows", 576usize, 512usize, 512usize, false),
+                ("indexer keys", 128, 128, 0, true),
+            ] {
+                let x: Vec<f32> = (0..rows * cols).map(|_| r.sym(3.0)).collect();
+                let w: Vec<f32> = (0..n).map(|_| 1.0 + r.sym(0.2)).collect();
+                let b: Vec<f32> = (0..n).map(|_| r.sym(0.2)).collect();
+                let (dw, db) = (g.upload(&w).unwrap(), g.upload(&b).unwrap());
+                let (wv, bv) = (dw.as_view(), db.as_view());
+                let rl = RopeLayout {
+                    tokens: rows,
+                    heads: 1,
+                    tok_stride: cols,
+                    head_stride: cols,
+                    offset: off,
+                    n_rot: 64,
+                };
+                // The launches fused.
+                let want = if ln {
+                    let dx = g.upload(&x).unwrap();
+                    let mut dy = nan_buf(&g, rows * cols);
+                    g.layer_norm(
+                        &dx,
+                        Some(&wv),
+                        Some(&bv),
+                        &mut dy,
+                        Rows::dense(rows, cols),
+                        1e-6,
+                    )
+                    .unwrap();
+                    g.rope(&mut dy, rl, &dpos, &dinv, style).unwrap();
+                    g.download(&dy).unwrap()
+                } else {
+                    let mut dx = g.upload(&x).unwrap();
+                    let l = Rows {
+                        rows,
+                        n,
+                        x_stride: cols,
+                        y_stride: cols,
+                    };
+                    g.rms_norm_in_place(&mut dx, Some(&wv), l, 1e-6).unwrap();
+                    g.rope(&mut dx, rl, &dpos, &dinv, style).unwrap();
+                    g.download(&dx).unwrap()
+                };
+                let dwant = g.upload(&want).unwrap();
+                let mut dwb = g.alloc::<u16>(rows * cols).unwrap();
+                g.to_bf16(&dwant, &mut dwb, rows * cols).unwrap();
+                let want_bf = g.download(&dwb).unwrap();
+                for bf16 in [false, true] {
+                    let mut dx = g.upload(&x).unwrap();
+                    // One spare row past the written ones: it must keep its poison.
+                    let spare = (rows + 1) * cols;
+                    // Pool buffers, as a backend's caches.
+                    let mut cf = g.upload_async(&vec![f32::NAN; spare]).unwrap();
+                    let mut cb = g.upload_async(&vec![0x7fc1u16; spare]).unwrap();
+                    let out = if bf16 {
+                        CacheRows::Bf16(cb.slice_mut(0..rows * cols))
+                    } else {
+                        CacheRows::F32(cf.slice_mut(0..rows * cols))
+                    };
+                    let rope = RowRope {
+                        offset: off,
+                        n_rot: 64,
+                        pos: &pv,
+                        inv_freq: &fv,
+                        style,
+                    };
+                    if ln {
+                        let l = Rows::dense(rows, cols);
+                        g.layer_norm_rope(&mut dx, Some(&wv), Some(&bv), l, 1e-6, rope, Some(out))
+                            .unwrap();
+                    } else {
+                        let l = Rows {
+                            rows,
+                            n,
+                            x_stride: cols,
+                            y_stride: cols,
+                        };
+                        g.rms_norm_rope(&mut dx, cols, Some(&wv), l, 1e-6, rope, Some(out))
+                            .unwrap();
+                    }
+                    let got = g.download(&dx).unwrap();
+                    let mut ok = got.len() == want.len()
+                        && got
+                            .iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                    if bf16 {
+                        let c = g.download(&cb).unwrap();
+                        ok &= c[..rows * cols] == want_bf[..];
+                        ok &= c[rows * cols..].iter().all(|&v| v == 0x7fc1);
+                    } else {
+                        let c = g.download(&cf).unwrap();
+                        ok &= c[..rows * cols]
+                            .iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        ok &= c[rows * cols..].iter().all(|v| v.is_nan());
+                    }
+                    let cache = if bf16 { "bf16" } else { "f32" };
+                    row(
+                        &format!("{what} {style:?}"),
+                        &format!("{rows}x{cols}, {cache} cache"),
+                        0.0,
+                        0.0,
+                        ok,
+                    );
+                    if !ok {
+                        bad.push(format!("{what} {style:?} {rows} rows {cache}"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "fused norm + rope differs: {bad:?}");
+}
+
 #[test]
 fn elementwise_ops_match_f64() {
     let Some(g) = gpu("elementwise_ops_match_f64") else {
@@ -1605,6 +1743,7 @@ fn indexer_scores_and_topk() {
 // bf16 prefill GEMM, launches past the grid's y limit
 
 use kernels::{gemvq_supported, repack, CacheElem, MlaShape, QChannels, QMode, MOE_TILE};
+use kernels::{CacheRows, RowRope};
 
 /// Activations with block-to-block magnitude changes (a few blocks large, one all zero), as
 /// real hidden states have.

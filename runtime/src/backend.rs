@@ -282,6 +282,39 @@ pub trait Backend: Clone + Send + Sync + 'static {
         mla_queries_composed(self, q, k_b, nope, positions, p)
     }
 
+    /// The MLA cache rows of `kv_a`'s output: the first `n` columns (the latent) RMS-normalised
+    /// by `w`, RoPE `p` on the others (the shared key part); with `cache` (a step of one
+    /// sequence) the rows are also appended to it.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_kv_rows(
+        &self,
+        kv_a: Self::Tensor,
+        w: &Self::Weight,
+        n: usize,
+        eps: f32,
+        positions: &[u32],
+        p: &RopeParams,
+        cache: Option<&mut Self::Tensor>,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        mla_kv_rows_composed(self, kv_a, w, n, eps, positions, p, cache)
+    }
+
+    /// The DSA indexer's keys: LayerNorm of `k` (times `w` plus `b`), then RoPE `p`; with
+    /// `cache` (a step of one sequence) also appended to it.
+    #[allow(clippy::too_many_arguments)]
+    fn indexer_keys(
+        &self,
+        k: Self::Tensor,
+        w: &Self::Weight,
+        b: &Self::Weight,
+        eps: f32,
+        positions: &[u32],
+        p: &RopeParams,
+        cache: Option<&mut Self::Tensor>,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        indexer_keys_composed(self, k, w, b, eps, positions, p, cache)
+    }
+
     /// Whether the forward adds a block's output to the residual stream in the next block's
     /// norm ([`Backend::add_rms_norm`], whose sum is [`Backend::add`]'s: the same values) instead
     /// of at once, so a backend that pays per launch saves the add's. The default composition
@@ -389,6 +422,46 @@ pub(crate) fn mla_queries_composed<B: Backend>(
     be.rope(&mut q_rot, positions, p)?;
     let qa = be.matmul_heads(&q_nope, k_b)?;
     be.head_concat(&qa, &q_rot, heads, false)
+}
+
+/// [`Backend::mla_kv_rows`] by the ops: the latent norm in place, RoPE, the append.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mla_kv_rows_composed<B: Backend>(
+    be: &B,
+    kv_a: B::Tensor,
+    w: &B::Weight,
+    n: usize,
+    eps: f32,
+    positions: &[u32],
+    p: &RopeParams,
+    cache: Option<&mut B::Tensor>,
+) -> Result<B::Tensor, RuntimeError> {
+    let mut rows = be.rms_norm_lead(kv_a, w, n, eps)?;
+    be.rope(&mut rows, positions, p)?;
+    if let Some(c) = cache {
+        be.append_rows(c, &rows)?;
+    }
+    Ok(rows)
+}
+
+/// [`Backend::indexer_keys`] by the ops: LayerNorm, RoPE, the append.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn indexer_keys_composed<B: Backend>(
+    be: &B,
+    k: B::Tensor,
+    w: &B::Weight,
+    b: &B::Weight,
+    eps: f32,
+    positions: &[u32],
+    p: &RopeParams,
+    cache: Option<&mut B::Tensor>,
+) -> Result<B::Tensor, RuntimeError> {
+    let mut k = be.layer_norm(&k, w, b, eps)?;
+    be.rope(&mut k, positions, p)?;
+    if let Some(c) = cache {
+        be.append_rows(c, &k)?;
+    }
+    Ok(k)
 }
 
 // --- shape checks shared by the backends ---

@@ -1221,26 +1221,44 @@ impl<B: Backend> GlmModel<B> {
         // Compressed keys/values: normalised latent and the roped shared key part.
         let kv_a = be.matmul(x, &w.kv_a)?;
         self.emit(obs, || format!("blk.{bi}.attn_kv_a_mqa.out"), &kv_a)?;
-        // The cache rows in place: latent normalised, then the shared key part roped.
-        let mut kv_rows = be.rms_norm_lead(kv_a, &w.kv_a_norm, m.kv_lora_rank, m.lora_norm_eps)?;
-        if obs.is_some() {
-            let lat = be.slice_cols(&kv_rows, 0, m.kv_lora_rank)?;
-            self.emit(obs, || format!("blk.{bi}.attn_kv_a_norm.out"), &lat)?;
-        }
+        // The cache rows in place: latent normalised, the shared key part roped; a step of one
+        // sequence appends them to its cache in the same op (batches per sequence below).
+        let single = segs.len() == 1;
         let k_rope = RopeParams {
             offset: m.kv_lora_rank,
             ..rope_p(1, m.cache_width())
         };
-        be.rope(&mut kv_rows, positions, &k_rope)?;
+        let kv_rows = be.mla_kv_rows(
+            kv_a,
+            &w.kv_a_norm,
+            m.kv_lora_rank,
+            m.lora_norm_eps,
+            positions,
+            &k_rope,
+            single.then(|| &mut caches[0].layers[li].kv),
+        )?;
+        if obs.is_some() {
+            // RoPE leaves the latent columns as normalised.
+            let lat = be.slice_cols(&kv_rows, 0, m.kv_lora_rank)?;
+            self.emit(obs, || format!("blk.{bi}.attn_kv_a_norm.out"), &lat)?;
+        }
 
         // Lightning indexer: keys always (they are cached), queries only when some query sees
         // more than top_k keys (otherwise every causal key is selected: dense attention).
         let mut ix_q = None;
         let mut ix_keys = None;
         if let (Some(ix), Some(iw)) = (&self.spec.indexer, &layer.indexer) {
-            let mut k = be.matmul(x, &iw.k)?;
-            k = be.layer_norm(&k, &iw.k_norm, &iw.k_norm_b, ix.norm_eps)?;
-            be.rope(&mut k, positions, &rope_p(1, ix.head_dim))?;
+            let k = be.indexer_keys(
+                be.matmul(x, &iw.k)?,
+                &iw.k_norm,
+                &iw.k_norm_b,
+                ix.norm_eps,
+                positions,
+                &rope_p(1, ix.head_dim),
+                single
+                    .then(|| caches[0].layers[li].index_keys.as_mut())
+                    .flatten(),
+            )?;
             self.emit(obs, || format!("blk.{bi}.indexer.k.out"), &k)?;
             ix_keys = Some(k);
             if segs.iter().any(|s| s.pos0 + s.n > ix.top_k) {
@@ -1299,9 +1317,11 @@ impl<B: Backend> GlmModel<B> {
         };
         for (si, s) in segs.iter().enumerate() {
             let cache = &mut caches[si].layers[li];
-            be.append_rows(&mut cache.kv, &*self.seg_rows(&kv_rows, s, segs)?)?;
-            if let (Some(keys), Some(ck)) = (&ix_keys, cache.index_keys.as_mut()) {
-                be.append_rows(ck, &*self.seg_rows(keys, s, segs)?)?;
+            if !single {
+                be.append_rows(&mut cache.kv, &*self.seg_rows(&kv_rows, s, segs)?)?;
+                if let (Some(keys), Some(ck)) = (&ix_keys, cache.index_keys.as_mut()) {
+                    be.append_rows(ck, &*self.seg_rows(keys, s, segs)?)?;
+                }
             }
             let t = s.pos0 + s.n;
             let sel = match (&self.spec.indexer, layer.spec.own_indexer) {

@@ -31,8 +31,9 @@ use kernels::{
 
 use crate::backend::{
     check_append_rows, check_attention, check_head_concat, check_head_slice, check_indexer,
-    check_moe_ffn, check_rope, check_route, check_same, check_sample, mla_queries_composed,
-    AttnParams, Backend, Gating, IndexerParams, RopeParams, RopeStyle, RouteParams, Shape,
+    check_moe_ffn, check_rope, check_route, check_same, check_sample, indexer_keys_composed,
+    mla_kv_rows_composed, mla_queries_composed, AttnParams, Backend, Gating, IndexerParams,
+    RopeParams, RopeStyle, RouteParams, Shape,
 };
 use crate::sampling::SampleRequest;
 use crate::weights::HostWeight;
@@ -96,6 +97,10 @@ pub struct Fusions {
     /// (`GGUFTOOL_FUSE_QROPE=0`: two head slices, RoPE, quantize + per-head GEMV, two concat
     /// copies).
     pub qrope: bool,
+    /// `Backend::mla_kv_rows` / `Backend::indexer_keys` of a one-sequence step as one launch
+    /// each, norm + RoPE in place and the rows written into the cache (`GGUFTOOL_FUSE_KV=0`:
+    /// the norm, RoPE and cache-append launches).
+    pub kv: bool,
 }
 
 impl Fusions {
@@ -103,11 +108,13 @@ impl Fusions {
         glu: true,
         add: true,
         qrope: true,
+        kv: true,
     };
     pub const NONE: Fusions = Fusions {
         glu: false,
         add: false,
         qrope: false,
+        kv: false,
     };
 
     /// [`Fusions::ALL`] less the ones switched off by their variable set to `0`.
@@ -117,6 +124,7 @@ impl Fusions {
             glu: on("GGUFTOOL_FUSE_GLU"),
             add: on("GGUFTOOL_FUSE_ADD"),
             qrope: on("GGUFTOOL_FUSE_QROPE"),
+            kv: on("GGUFTOOL_FUSE_KV"),
         }
     }
 }
@@ -569,6 +577,48 @@ impl CudaBackend {
         self.gpu
             .gemv_q(shape, &w.bytes, QMode::Plain, ch, q, o)
             .map_err(kerr("matmul_heads"))
+    }
+
+    /// Whether the one-launch norm + RoPE (+ append) kernels take `x` (`rows` x `cols`, rope
+    /// `p` at `positions`, optionally appended to `cache`): the rope span one group of whole
+    /// rows, past the `lead` normalised columns unless `inside` (LayerNorm rotates normalised
+    /// values), and a cache as wide as the rows.
+    fn norm_rope_fits(
+        &self,
+        x: &CudaTensor,
+        lead: usize,
+        inside: bool,
+        positions: &[u32],
+        p: &RopeParams,
+        cache: Option<&CudaTensor>,
+    ) -> bool {
+        self.fuse.kv
+            && x.rows > 0
+            && x.f32().is_some()
+            && positions.len() == x.rows
+            && (p.n_groups, p.group_dim) == (1, x.cols)
+            && p.n_rot > 0
+            && p.n_rot.is_multiple_of(2)
+            && p.offset + p.n_rot <= x.cols
+            && (inside || p.offset >= lead)
+            && cache.is_none_or(|c| c.cols == x.cols)
+    }
+
+    /// `cache`'s next `rows` rows (room made as `append_rows` does), counted as written: the
+    /// caller's launch fills them (a failed step rolls the cache back to its length before).
+    fn cache_rows<'c>(
+        &self,
+        cache: &'c mut CudaTensor,
+        rows: usize,
+    ) -> Result<kernels::CacheRows<'c>, RuntimeError> {
+        self.reserve(cache, cache.rows + rows)?;
+        cache.q8.take();
+        let (old, add) = (Self::len(cache), rows * cache.cols);
+        cache.rows += rows;
+        Ok(match &mut cache.store {
+            Store::F32(b) => kernels::CacheRows::F32(b.slice_mut(old..old + add)),
+            Store::Bf16(b) => kernels::CacheRows::Bf16(b.slice_mut(old..old + add)),
+        })
     }
 
     /// RoPE's device inputs: the positions, the inverse frequencies, the kernel's style.
@@ -1093,6 +1143,90 @@ impl Backend for CudaBackend {
 
     fn residual_into_norm(&self) -> bool {
         self.fuse.add
+    }
+
+    /// One launch (rmsnorm_rope_f32): the latent normalised in place by `rms_norm_lead`'s
+    /// code, the key part roped by `rope`'s, the rows written to the cache (f32, or bf16
+    /// rounded as `append_rows` rounds): bitwise the composition (tested).
+    fn mla_kv_rows(
+        &self,
+        mut kv_a: CudaTensor,
+        w: &CudaWeight,
+        n: usize,
+        eps: f32,
+        positions: &[u32],
+        p: &RopeParams,
+        cache: Option<&mut CudaTensor>,
+    ) -> Result<CudaTensor, RuntimeError> {
+        let fits = w.dims == [n]
+            && n > 0
+            && n <= kv_a.cols
+            && self.norm_rope_fits(&kv_a, n, false, positions, p, cache.as_deref());
+        if !fits {
+            return mla_kv_rows_composed(self, kv_a, w, n, eps, positions, p, cache);
+        }
+        let wv = self.vector(w, "rms_norm")?.slice(0..n);
+        let (dpos, inv, style) = self.rope_inputs(positions, p)?;
+        let (pos, freq) = (dpos.view(), inv.view());
+        let rope = kernels::RowRope {
+            offset: p.offset,
+            n_rot: p.n_rot,
+            pos: &pos,
+            inv_freq: &freq,
+            style,
+        };
+        let (rows, cols) = (kv_a.rows, kv_a.cols);
+        let out = cache.map(|c| self.cache_rows(c, rows)).transpose()?;
+        let l = Rows {
+            rows,
+            n,
+            x_stride: cols,
+            y_stride: cols,
+        };
+        let xb = kv_a.f32_mut().ok_or_else(|| not_f32("mla_kv_rows"))?;
+        self.gpu
+            .rms_norm_rope(xb, cols, Some(&wv), l, eps, rope, out)
+            .map_err(kerr("mla_kv_rows"))?;
+        Ok(kv_a)
+    }
+
+    /// One launch (layernorm_rope_f32): `layer_norm`'s code in place, `rope`'s on the normalised
+    /// values, the rows written to the cache: bitwise the composition (tested).
+    fn indexer_keys(
+        &self,
+        mut k: CudaTensor,
+        w: &CudaWeight,
+        b: &CudaWeight,
+        eps: f32,
+        positions: &[u32],
+        p: &RopeParams,
+        cache: Option<&mut CudaTensor>,
+    ) -> Result<CudaTensor, RuntimeError> {
+        let fits = w.dims == [k.cols]
+            && b.dims == [k.cols]
+            && self.norm_rope_fits(&k, 0, true, positions, p, cache.as_deref());
+        if !fits {
+            return indexer_keys_composed(self, k, w, b, eps, positions, p, cache);
+        }
+        let cols = k.cols;
+        let wv = self.vector(w, "layer_norm")?.slice(0..cols);
+        let bv = self.vector(b, "layer_norm")?.slice(0..cols);
+        let (dpos, inv, style) = self.rope_inputs(positions, p)?;
+        let (pos, freq) = (dpos.view(), inv.view());
+        let rope = kernels::RowRope {
+            offset: p.offset,
+            n_rot: p.n_rot,
+            pos: &pos,
+            inv_freq: &freq,
+            style,
+        };
+        let out = cache.map(|c| self.cache_rows(c, k.rows)).transpose()?;
+        let l = Rows::dense(k.rows, cols);
+        let xb = k.f32_mut().ok_or_else(|| not_f32("indexer_keys"))?;
+        self.gpu
+            .layer_norm_rope(xb, Some(&wv), Some(&bv), l, eps, rope, out)
+            .map_err(kerr("indexer_keys"))?;
+        Ok(k)
     }
 
     /// On the fast path, steps of up to `gemvq_max_rows` rows take three launches and no

@@ -259,7 +259,7 @@ fn glm5_heads_prompts_past_1023_and_4096_tokens() {
 /// - every fusion but the GLU against none: bitwise the same logits at every step (each is
 ///   bitwise the ops it replaces), and per decode step exactly the launches they remove
 ///   (`matmul_add`: 1; the residual add in the next norm: 1 per block; the MLA queries: 4 per
-///   block);
+///   block; the cache rows and indexer keys: 2 + 2 per block);
 /// - all of them: the GLU removes 2 launches per FFN (dense, shared expert); its logits stay
 ///   within the fast path's tolerance against the unfused ones (`check::logit_tolerance`; they
 ///   are bitwise equal when the GLU sums in the plain GEMVs' order, which is reported).
@@ -330,8 +330,8 @@ fn glm5_heads_decode_fusions_equal_the_launches_they_replace() {
     );
     assert_eq!(
         n_base - n_no_glu,
-        11.0,
-        "matmul_add + 2 residual adds + 2 x 4 query launches per step"
+        19.0,
+        "matmul_add + 2 residual adds + 2 x (4 query + 4 cache-row) launches per step"
     );
     assert!(worst <= tol, "GLU logits off by {worst}");
     assert_eq!(n_no_glu - n_all, 4.0, "the GLU: 2 per FFN (dense + shared)");
@@ -737,6 +737,115 @@ fn cuda_mla_queries_equal_slices_rope_heads_concat() {
         ));
         if !(same && n == 3.0 && !copies) {
             failures.push(format!("{rows} rows: {same} {l:?}"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The MLA cache rows and the indexer keys of a one-sequence step (`mla_kv_rows`,
+/// `indexer_keys` with the cache to append to) against their compositions (the latent norm /
+/// LayerNorm, RoPE, `append_rows`), bitwise: the rows returned and every cached row, over a
+/// 5-row step then a 1-row step, on the fast path's bf16 caches and the exact path's f32 ones;
+/// one launch each.
+#[test]
+fn cuda_kv_rows_and_indexer_keys_equal_their_compositions() {
+    use crate::backend::{
+        indexer_keys_composed, mla_kv_rows_composed, Backend, RopeParams, RopeStyle,
+    };
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (cuda_kv_rows_and_indexer_keys_equal_their_compositions)");
+        return;
+    }
+    let mut r = Rng(0x5eed_0000_00c4_0001);
+    let mut failures = Vec::new();
+    for (mode, opts) in [("fast", FAST), ("exact", EXACT)] {
+        let be = CudaBackend::with_options(0, opts)
+            .expect("device")
+            .with_fusions(Fusions::ALL);
+        let vector = |name: &str, n: usize, base: f32, r: &mut Rng| {
+            let v: Vec<f32> = (0..n).map(|_| base + 0.2 * r.unit() - 0.1).collect();
+            be.upload(HostWeight::from_f32(name.to_string(), vec![n], &v).expect("w"))
+                .expect("upload")
+        };
+        let kv_norm = vector("attn_kv_a_norm.weight", 512, 1.0, &mut r);
+        let (k_norm, k_bias) = (
+            vector("indexer.k_norm.weight", 128, 1.0, &mut r),
+            vector("indexer.k_norm.bias", 128, 0.0, &mut r),
+        );
+        let rope = |dim: usize, offset: usize| RopeParams {
+            n_groups: 1,
+            group_dim: dim,
+            offset,
+            n_rot: 64,
+            theta: 1e6,
+            style: RopeStyle::Interleaved,
+        };
+        let (kv_p, ix_p) = (rope(576, 512), rope(128, 0));
+        let mut caches: Vec<super::CudaTensor> = [576, 576, 128, 128]
+            .iter()
+            .map(|&c| be.empty(c).expect("cache"))
+            .collect();
+        let mut pos0 = 0u32;
+        for rows in [5usize, 1] {
+            let positions: Vec<u32> = (pos0..pos0 + rows as u32).collect();
+            pos0 += rows as u32;
+            for (what, cols) in [("mla_kv_rows", 576usize), ("indexer_keys", 128)] {
+                let xv: Vec<f32> = (0..rows * cols).map(|_| 6.0 * r.unit() - 3.0).collect();
+                let (x1, x2) = (
+                    be.new_tensor(rows, cols, &xv).expect("x"),
+                    be.new_tensor(rows, cols, &xv).expect("x"),
+                );
+                let [cf, cc, kf, kc] = &mut caches[..] else {
+                    unreachable!("four caches")
+                };
+                let ((got, l), want, (c_got, c_want)) = if cols == 576 {
+                    let got = launches(&be, || {
+                        be.mla_kv_rows(x1, &kv_norm, 512, 1e-6, &positions, &kv_p, Some(cf))
+                            .expect("fused")
+                    });
+                    let want = mla_kv_rows_composed(
+                        &be,
+                        x2,
+                        &kv_norm,
+                        512,
+                        1e-6,
+                        &positions,
+                        &kv_p,
+                        Some(cc),
+                    )
+                    .expect("composed");
+                    (got, want, (&*cf, &*cc))
+                } else {
+                    let got = launches(&be, || {
+                        be.indexer_keys(x1, &k_norm, &k_bias, 1e-6, &positions, &ix_p, Some(kf))
+                            .expect("fused")
+                    });
+                    let want = indexer_keys_composed(
+                        &be,
+                        x2,
+                        &k_norm,
+                        &k_bias,
+                        1e-6,
+                        &positions,
+                        &ix_p,
+                        Some(kc),
+                    )
+                    .expect("composed");
+                    (got, want, (&*kf, &*kc))
+                };
+                let host = |t: &super::CudaTensor| be.to_host(t).expect("download");
+                let same_rows = host(&got) == host(&want);
+                let same_cache = c_got.rows == c_want.rows && host(c_got) == host(c_want);
+                let n: f64 = l.iter().map(|k| k.1).sum();
+                say(&format!(
+                    "| {what} {mode} | {rows} rows, cache {} rows | rows bitwise {same_rows}, \
+                     cache bitwise {same_cache} | launches {l:?} |",
+                    c_got.rows
+                ));
+                if !(same_rows && same_cache && n == 1.0) {
+                    failures.push(format!("{what} {mode} {rows} rows: {l:?}"));
+                }
+            }
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");

@@ -254,6 +254,30 @@ impl<B: Backend> Backend for Ranked<B> {
     ) -> Result<Self::Tensor, RuntimeError> {
         self.inner.mla_queries(q, k_b, nope, positions, p)
     }
+    fn mla_kv_rows(
+        &self,
+        kv_a: Self::Tensor,
+        w: &Self::Weight,
+        n: usize,
+        eps: f32,
+        positions: &[u32],
+        p: &RopeParams,
+        cache: Option<&mut Self::Tensor>,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.mla_kv_rows(kv_a, w, n, eps, positions, p, cache)
+    }
+    fn indexer_keys(
+        &self,
+        k: Self::Tensor,
+        w: &Self::Weight,
+        b: &Self::Weight,
+        eps: f32,
+        positions: &[u32],
+        p: &RopeParams,
+        cache: Option<&mut Self::Tensor>,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        self.inner.indexer_keys(k, w, b, eps, positions, p, cache)
+    }
     fn residual_into_norm(&self) -> bool {
         self.inner.residual_into_norm()
     }
