@@ -114,8 +114,12 @@ impl Rng {
 fn random_blocks(ty: GgmlType, n: usize, r: &mut Rng) -> Vec<u8> {
     let (bs, ts) = (ty.block_size(), ty.type_size());
     let mut out: Vec<u8> = (0..n / bs * ts).map(|_| r.next() as u8).collect();
+    // Where each type keeps its f16 scales (random bits there would give NaN/inf weights): Q6_K
+    // stores d last, after ql, qh and the scales.
+    let q6k = [ts - 2];
     let scale_offsets: &[usize] = match ty {
         GgmlType::Q4_K => &[0, 2],
+        GgmlType::Q6_K => &q6k,
         _ => &[0],
     };
     for b in out.chunks_exact_mut(ts) {
@@ -125,6 +129,20 @@ fn random_blocks(ty: GgmlType, n: usize, r: &mut Rng) -> Vec<u8> {
         }
     }
     out
+}
+
+/// The random weights of the GPU tests decode to finite values for every type they use: a
+/// random f16 scale (Q6_K keeps d last) made whole rows NaN, and NaN never equals NaN (the
+/// bitwise accumulate test failed on the H200 for that reason). Runs without a GPU.
+#[test]
+fn random_blocks_decode_to_finite_weights() {
+    let mut r = Rng(0x5eed_0000_b10c_0001);
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
+        let n = 256 * 64;
+        let w = gguf::quant::dequantize_to_vec(ty, &random_blocks(ty, n, &mut r)).expect("dequant");
+        assert_eq!(w.len(), n);
+        assert!(w.iter().all(|v| v.is_finite()), "{ty}: non-finite weights");
+    }
 }
 
 /// GLM-5's attention shapes (64 heads, kv_lora 512, nope 192, rope 64, v_head 256; indexer
