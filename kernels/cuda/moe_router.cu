@@ -6,39 +6,6 @@
 //   ids = top_k of c (descending, ties to the lower expert id); w = s[ids];
 //   if norm: w /= (sum(w) + 1e-20); w *= scale.
 
-// Warp 0's repeated arg-max over the block's choices (see moe_router_f32): lane t holds slots
-// t + 32k, k < KS.
-template <int KS>
-DEV void router_topk(const float* s_choice, int E, int top_k, int* chosen) {
-    const int t = threadIdx.x;
-    const int nk = blockDim.x >> 5;
-    float val[KS];
-#pragma unroll
-    for (int k = 0; k < KS; ++k) {
-        const int e = t + 32 * k;
-        val[k] = (k < nk && e < E) ? s_choice[e] : NEG_INF;
-    }
-    for (int kk = 0; kk < top_k; ++kk) {
-        float v = val[0];
-        int i = t < E ? t : 0x7fffffff;
-#pragma unroll
-        for (int k = 1; k < KS; ++k) {
-            if (k < nk) {
-                const int e = t + 32 * k;
-                argmax_step(v, i, val[k], e < E ? e : 0x7fffffff);
-            }
-        }
-        warp_argmax(v, i);
-        if (i != 0x7fffffff && (i & 31) == t) {
-#pragma unroll
-            for (int k = 0; k < KS; ++k)
-                if (k == (i >> 5)) val[k] = __int_as_float(0x7fc00000);
-        }
-        if (i == 0x7fffffff) i = 0;  // fewer candidates than top_k: expert 0 (weight below)
-        if (t == 0) chosen[kk] = i;
-    }
-}
-
 extern "C" __global__ void moe_router_f32(const float* __restrict__ logits, long long stride, int E,
                                           const float* __restrict__ bias, int n_group, int topk_group,
                                           int top_k, int norm, float scale, int* __restrict__ ids,
@@ -95,19 +62,16 @@ extern "C" __global__ void moe_router_f32(const float* __restrict__ logits, long
         }
         if (t < E && !keep_group[t / gsz]) c = NEG_INF;
     }
-    // Repeated arg-max by warp 0 alone over the block's choices in shared memory (a block
-    // arg-max per pick cost two barriers: ~9 us for 8 picks at 256 experts); a chosen expert
-    // drops out by becoming NaN (never wins). Slot e < blockDim holds (c_e, e), or (-inf,
-    // INT_MAX) past the experts, the candidates the block-wide version saw: argmax_step is a
-    // total order, so any reduction tree picks the same winner.
-    if (t < E) s_choice[t] = c;
-    __syncthreads();
-    if (t < 32) {
-        // Slots per lane as registers: 8 cover GLM-5's 256 experts; wider blocks take 32.
-        if (blockDim.x <= 256) router_topk<8>(s_choice, E, top_k, chosen);
-        else router_topk<32>(s_choice, E, top_k, chosen);
+    // Repeated arg-max; a chosen expert drops out by becoming NaN (never wins).
+    for (int k = 0; k < top_k; ++k) {
+        float v = t < E ? c : NEG_INF;
+        int i = t < E ? t : 0x7fffffff;
+        block_argmax(v, i, sv, si);
+        if (i == 0x7fffffff) i = 0;  // fewer candidates than top_k: repeat expert 0 (weight below)
+        if (t == i) c = __int_as_float(0x7fc00000);
+        if (t == 0) chosen[k] = i;
+        __syncthreads();
     }
-    __syncthreads();
     if (t == 0) {
         float sum = 0.0f;
         for (int k = 0; k < top_k; ++k) sum += s_sig[chosen[k]];
