@@ -107,6 +107,51 @@ fn plan(heads: usize, tokens: usize, n_eff: usize, sm: usize) -> (usize, usize, 
     best
 }
 
+impl MlaP {
+    /// The parameters of tokens `s0..` of a call, one split plan, no partials or output yet.
+    #[allow(clippy::too_many_arguments)]
+    fn of(
+        m: &MlaShape,
+        s0: usize,
+        qp: u64,
+        kp: u64,
+        (ip, istride): (u64, usize),
+        n_eff: usize,
+        (split_len, n_split): (usize, usize),
+    ) -> Result<MlaP, KernelError> {
+        const OP: &str = "mla";
+        Ok(MlaP {
+            q: qp + (s0 * m.q_tok_stride * 4) as u64,
+            q_tok: m.q_tok_stride as i64,
+            q_head: m.q_head_stride as i64,
+            kv: kp,
+            kv_stride: m.kv_stride as i64,
+            d: to_i32(OP, "d", m.d)?,
+            dv: to_i32(OP, "d_v", m.d_v)?,
+            h: to_i32(OP, "heads", m.heads)?,
+            t: to_i32(OP, "kv_len", m.kv_len)?,
+            pos: 0,
+            pos0: to_i32(OP, "pos0", m.pos0 + s0)?,
+            idx: if ip == 0 {
+                0
+            } else {
+                ip + (s0 * istride * 4) as u64
+            },
+            idx_stride: istride as i64,
+            n_keys: to_i32(OP, "n_keys", n_eff)?,
+            split_len: to_i32(OP, "split", split_len)?,
+            scale: m.scale,
+            n_split: to_i32(OP, "splits", n_split)?,
+            heads_per_block: 0,
+            stage_q: 0,
+            part: 0,
+            o: 0,
+            o_tok: m.o_tok_stride as i64,
+            o_head: m.o_head_stride as i64,
+        })
+    }
+}
+
 /// mla.cu's decode kernel: heads per block (MLA_DEC_WARPS x MLA_DEC_HPW), keys per step
 /// (MLA_DEC_G), and the widest rows it holds in registers.
 const DEC_HEADS_PER_BLOCK: usize = 8;
@@ -274,7 +319,6 @@ impl Gpu {
                 "mla_partial_f32"
             },
         )?;
-        let f_comb = self.func(Op::Attention, "attn_combine_f32")?;
         self.allow_smem(&f_part, if stage { smem_staged } else { smem })?;
         let s = self.stream();
         let (qp, _gq) = q.device_ptr(s);
@@ -305,33 +349,10 @@ impl Gpu {
             }
             let mut part = self.alloc::<f32>(cs * m.heads * n_split * (m.d_v + 2))?;
             let p = MlaP {
-                q: qp + (s0 * m.q_tok_stride * 4) as u64,
-                q_tok: m.q_tok_stride as i64,
-                q_head: m.q_head_stride as i64,
-                kv: kp,
-                kv_stride: m.kv_stride as i64,
-                d: to_i32(OP, "d", m.d)?,
-                dv: to_i32(OP, "d_v", m.d_v)?,
-                h: to_i32(OP, "heads", m.heads)?,
-                t: to_i32(OP, "kv_len", m.kv_len)?,
-                pos: 0,
-                pos0: to_i32(OP, "pos0", m.pos0 + s0)?,
-                idx: if ip == 0 {
-                    0
-                } else {
-                    ip + (s0 * istride * 4) as u64
-                },
-                idx_stride: istride as i64,
-                n_keys: to_i32(OP, "n_keys", n_eff)?,
-                split_len: to_i32(OP, "split", split_len)?,
-                scale: m.scale,
-                n_split: to_i32(OP, "splits", n_split)?,
                 heads_per_block: hc as i32,
                 stage_q: i32::from(stage),
                 part: part.ptr(),
-                o: 0,
-                o_tok: 0,
-                o_head: 0,
+                ..MlaP::of(&m, s0, qp, kp, (ip, istride), n_eff, (split_len, n_split))?
             };
             let mut cfg = self.cfg(
                 OP,
@@ -348,21 +369,8 @@ impl Gpu {
             // SAFETY: q/kv/idx extents checked above for every token; the kernel range-checks
             // every key index; `part` holds cs * heads * n_split rows of d_v + 2.
             unsafe { self.launch(OP, b, cfg) }?;
-            let cfg2 = self.cfg_rows(OP, m.heads as u64, cs, 256)?;
-            let (pp, ns, h, dv) = (part.ptr(), p.n_split, p.h, p.dv);
-            let op_c = op + (s0 * m.o_tok_stride * 4) as u64;
-            let (ots, ohs, cs64) = (m.o_tok_stride as i64, m.o_head_stride as i64, cs as i64);
-            let mut b2 = self.args(&f_comb);
-            b2.arg(&pp)
-                .arg(&ns)
-                .arg(&h)
-                .arg(&dv)
-                .arg(&op_c)
-                .arg(&ots)
-                .arg(&ohs)
-                .arg(&cs64);
             // SAFETY: o extent checked above; part written by the launch before.
-            unsafe { self.launch(OP, b2, cfg2) }?;
+            unsafe { self.mla_combine(&p, op + (s0 * m.o_tok_stride * 4) as u64, cs) }?;
             let _ = &mut part;
             s0 += cs;
         }
@@ -407,29 +415,10 @@ impl Gpu {
         };
         let part_ptr = part.as_mut().map_or(0, |b| b.ptr());
         let p = MlaP {
-            q: qp,
-            q_tok: m.q_tok_stride as i64,
-            q_head: m.q_head_stride as i64,
-            kv: kp,
-            kv_stride: m.kv_stride as i64,
-            d: to_i32(OP, "d", m.d)?,
-            dv: to_i32(OP, "d_v", m.d_v)?,
-            h: to_i32(OP, "heads", m.heads)?,
-            t: to_i32(OP, "kv_len", m.kv_len)?,
-            pos: 0,
-            pos0: to_i32(OP, "pos0", m.pos0)?,
-            idx: ip,
-            idx_stride: istride as i64,
-            n_keys: to_i32(OP, "n_keys", n_eff)?,
-            split_len: to_i32(OP, "split", split_len)?,
-            scale: m.scale,
-            n_split: to_i32(OP, "splits", n_split)?,
             heads_per_block: DEC_HEADS_PER_BLOCK as i32,
-            stage_q: 0,
             part: part_ptr,
             o: if n_split == 1 { op } else { 0 },
-            o_tok: m.o_tok_stride as i64,
-            o_head: m.o_head_stride as i64,
+            ..MlaP::of(&m, 0, qp, kp, (ip, istride), n_eff, (split_len, n_split))?
         };
         let cfg = self.cfg(
             OP,
@@ -445,28 +434,34 @@ impl Gpu {
         // SAFETY: q/kv/o/idx extents checked by the caller for every token; the kernel
         // range-checks every key index; `part` holds tokens * heads * n_split rows of d_v + 2.
         unsafe { self.launch(OP, b, cfg) }?;
-        if let Some(part) = part.as_ref() {
-            let f_comb = self.func(Op::Attention, "attn_combine_f32")?;
-            let cfg2 = self.cfg_rows(OP, m.heads as u64, m.tokens, 256)?;
-            let (pp, ns, h, dv) = (part.ptr(), p.n_split, p.h, p.dv);
-            let (ots, ohs, cs64) = (
-                m.o_tok_stride as i64,
-                m.o_head_stride as i64,
-                m.tokens as i64,
-            );
-            let mut b2 = self.args(&f_comb);
-            b2.arg(&pp)
-                .arg(&ns)
-                .arg(&h)
-                .arg(&dv)
-                .arg(&op)
-                .arg(&ots)
-                .arg(&ohs)
-                .arg(&cs64);
+        if part.is_some() {
             // SAFETY: o extent checked by the caller; part written by the launch before.
-            unsafe { self.launch(OP, b2, cfg2) }?;
+            unsafe { self.mla_combine(&p, op, m.tokens) }?;
         }
         Ok(())
+    }
+
+    /// attn_combine_f32 over the `p.n_split` partials at `p.part` of `tokens` query tokens, into
+    /// the output at `o` (strides `p.o_tok` / `p.o_head`).
+    ///
+    /// # Safety
+    /// `p.part` holds the partials of those tokens and `o` their outputs.
+    unsafe fn mla_combine(&self, p: &MlaP, o: u64, tokens: usize) -> Result<(), KernelError> {
+        const OP: &str = "mla";
+        let f_comb = self.func(Op::Attention, "attn_combine_f32")?;
+        let cfg = self.cfg_rows(OP, u64::try_from(p.h).unwrap_or(0), tokens, 256)?;
+        let t = tokens as i64;
+        let mut b = self.args(&f_comb);
+        b.arg(&p.part)
+            .arg(&p.n_split)
+            .arg(&p.h)
+            .arg(&p.dv)
+            .arg(&o)
+            .arg(&p.o_tok)
+            .arg(&p.o_head)
+            .arg(&t);
+        // SAFETY: by the caller.
+        unsafe { self.launch(OP, b, cfg) }
     }
 }
 

@@ -263,6 +263,22 @@ type RopeInputs = (Arc<DevBuf<i32>>, Arc<DevBuf<f32>>, kernels::RopeStyle);
 /// Position lists kept on the device (the layers of a step and the indexer share them).
 const POSITION_SLOTS: usize = 4;
 
+/// Channels of an integer-dot GEMV over `rows` dense activation rows into `[rows, m]`: up to 8
+/// rows share each weight load.
+fn dense_q_channels(rows: usize, m: usize) -> QChannels<'static> {
+    let ncols = rows.min(8);
+    QChannels {
+        count: rows.div_ceil(ncols),
+        ncols,
+        ids: None,
+        xidx: None,
+        x_div: 1,
+        yidx: None,
+        y_stride: m,
+        y_rows: rows,
+    }
+}
+
 impl CudaBackend {
     /// The backend on CUDA device `ordinal`, with [`CudaOptions::default`].
     pub fn new(ordinal: usize) -> Result<Self, RuntimeError> {
@@ -463,17 +479,7 @@ impl CudaBackend {
         let gemv_ok = k.is_multiple_of(32) && k.is_multiple_of(w.ty.block_size());
         if self.fast(&shape) && x.rows <= self.gemvq_max_rows {
             let q = self.q8(x, x.rows, k)?;
-            let ncols = x.rows.min(8);
-            let ch = QChannels {
-                count: x.rows.div_ceil(ncols),
-                ncols,
-                ids: None,
-                xidx: None,
-                x_div: 1,
-                yidx: None,
-                y_stride: m,
-                y_rows: x.rows,
-            };
+            let ch = dense_q_channels(x.rows, m);
             return self
                 .gpu
                 .gemv_q(shape, &w.bytes, QMode::Plain, ch, &q, out)
@@ -1081,17 +1087,7 @@ impl Backend for CudaBackend {
         let q = self.q8(x, x.rows, k)?;
         let mut out = self.alloc(x.rows, m)?;
         // The channels of `matmul_into`'s GEMV: up to 8 tokens share each weight load.
-        let ncols = x.rows.min(8);
-        let ch = QChannels {
-            count: x.rows.div_ceil(ncols),
-            ncols,
-            ids: None,
-            xidx: None,
-            x_div: 1,
-            yidx: None,
-            y_stride: m,
-            y_rows: x.rows,
-        };
+        let ch = dense_q_channels(x.rows, m);
         let o = out.f32_mut().ok_or_else(|| not_f32("glu"))?;
         self.gpu
             .gemv_q(shape, &gate.bytes, QMode::Glu(&up.bytes), ch, &q, o)
@@ -1123,17 +1119,7 @@ impl Backend for CudaBackend {
         }
         let (k, m) = (d[0], d[1]);
         let q = self.q8(x, x.rows, k)?;
-        let ncols = x.rows.min(8);
-        let ch = QChannels {
-            count: x.rows.div_ceil(ncols),
-            ncols,
-            ids: None,
-            xidx: None,
-            x_div: 1,
-            yidx: None,
-            y_stride: m,
-            y_rows: x.rows,
-        };
+        let ch = dense_q_channels(x.rows, m);
         let o = acc.f32_mut().ok_or_else(|| not_f32("matmul_add"))?;
         self.gpu
             .gemv_q(shape, &w.bytes, QMode::Accumulate, ch, &q, o)

@@ -392,20 +392,7 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
         let kvb = g.upload(&kvb)?;
         let q = g.upload(&acts(heads * dk, 10))?;
         let mut o: CudaSlice<f32> = g.zeros(heads * dv)?;
-        let m = MlaShape {
-            tokens: 1,
-            heads,
-            d: dk,
-            d_v: dv,
-            q_tok_stride: heads * dk,
-            q_head_stride: dk,
-            kv_stride: dk,
-            kv_len: t_len,
-            o_tok_stride: heads * dv,
-            o_head_stride: dv,
-            scale: 1.0 / 16.0,
-            pos0: t_len - 1,
-        };
+        let m = mla_decode_shape(heads, dk, dv, t_len);
         for (kern, name) in [(Some(true), "decode kernel"), (Some(false), "tile kernel")] {
             kernels::force_mla_decode(kern);
             let r = b.time(|_| g.mla_attention(&q, &kvb, None, &mut o, m));
@@ -428,20 +415,7 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
         let kvb = g.upload(&kvb)?;
         let q = g.upload(&acts(heads * dk, 10))?;
         let mut o: CudaSlice<f32> = g.zeros(heads * dv)?;
-        let m = MlaShape {
-            tokens: 1,
-            heads,
-            d: dk,
-            d_v: dv,
-            q_tok_stride: heads * dk,
-            q_head_stride: dk,
-            kv_stride: dk,
-            kv_len: t_len,
-            o_tok_stride: heads * dv,
-            o_head_stride: dv,
-            scale: 1.0 / 16.0,
-            pos0: t_len - 1,
-        };
+        let m = mla_decode_shape(heads, dk, dv, t_len);
         let n_sel = 2048.min(t_len);
         let sel: Vec<i32> = (0..n_sel).map(|j| ((j * 7919) % t_len) as i32).collect();
         let dsel = g.upload(&sel)?;
@@ -570,4 +544,22 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
 /// Human-readable lines go to stderr, so `--json` leaves stdout to the JSON document.
 fn say(s: &str) {
     eprintln!("{s}");
+}
+
+/// One decode token's MLA call over `t_len` cached rows (dense q and o rows).
+fn mla_decode_shape(heads: usize, dk: usize, dv: usize, t_len: usize) -> MlaShape {
+    MlaShape {
+        tokens: 1,
+        heads,
+        d: dk,
+        d_v: dv,
+        q_tok_stride: heads * dk,
+        q_head_stride: dk,
+        kv_stride: dk,
+        kv_len: t_len,
+        o_tok_stride: heads * dv,
+        o_head_stride: dv,
+        scale: 1.0 / 16.0,
+        pos0: t_len - 1,
+    }
 }
