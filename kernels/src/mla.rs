@@ -308,8 +308,17 @@ impl Gpu {
             None => m.kv_len,
         };
         let sm = self.info().sm_count as usize;
+        let s = self.stream();
+        let (qp, _gq) = q.device_ptr(s);
+        let (kp, _gk) = kv.device_ptr(s);
+        let (op, _go) = o.device_ptr_mut(s);
+        let (ip, istride) = match keys {
+            Some(kl) => (kl.idx.device_ptr(s).0, kl.stride),
+            None => (0u64, 0usize),
+        };
         if use_decode(m.tokens, n_eff, m.d, m.d_v) {
-            return self.mla_decode::<C>(q, kv, keys, o, m, n_eff);
+            // SAFETY: the pointers' extents were checked above; their guards live until return.
+            return unsafe { self.mla_decode::<C>((qp, kp, op), (ip, istride), m, n_eff) };
         }
         let f_part = self.func(
             Op::Mla,
@@ -320,14 +329,6 @@ impl Gpu {
             },
         )?;
         self.allow_smem(&f_part, if stage { smem_staged } else { smem })?;
-        let s = self.stream();
-        let (qp, _gq) = q.device_ptr(s);
-        let (kp, _gk) = kv.device_ptr(s);
-        let (op, _go) = o.device_ptr_mut(s);
-        let (ip, istride) = match keys {
-            Some(kl) => (kl.idx.device_ptr(s).0, kl.stride),
-            None => (0u64, 0usize),
-        };
         // Token groups: partials bounded, grid.y within the device limit.
         let (_, _, splits0) = plan(m.heads, m.tokens, n_eff, sm);
         let per_token = 4 * m.heads * splits0 * (m.d_v + 2);
@@ -377,14 +378,15 @@ impl Gpu {
         Ok(())
     }
 
-    /// The decode kernel (mla.cu `mla_decode_*`): extents already checked by
-    /// [`Gpu::mla_attention`].
-    fn mla_decode<C: CacheElem>(
+    /// The decode kernel (mla.cu `mla_decode_*`) on the device pointers of q, the cache and o,
+    /// and of the key lists (0 = dense) with their stride.
+    ///
+    /// # Safety
+    /// The extents were checked by [`Gpu::mla_attention`] and the buffers outlive the call.
+    unsafe fn mla_decode<C: CacheElem>(
         &self,
-        q: &impl DevicePtr<f32>,
-        kv: &impl DevicePtr<C>,
-        keys: Option<KeyLists<'_>>,
-        o: &mut impl DevicePtrMut<f32>,
+        (qp, kp, op): (u64, u64, u64),
+        (ip, istride): (u64, usize),
         m: MlaShape,
         n_eff: usize,
     ) -> Result<(), KernelError> {
@@ -399,14 +401,6 @@ impl Gpu {
                 "mla_decode_f32"
             },
         )?;
-        let s = self.stream();
-        let (qp, _gq) = q.device_ptr(s);
-        let (kp, _gk) = kv.device_ptr(s);
-        let (op, _go) = o.device_ptr_mut(s);
-        let (ip, istride) = match keys {
-            Some(kl) => (kl.idx.device_ptr(s).0, kl.stride),
-            None => (0u64, 0usize),
-        };
         // One split: the kernel writes o itself; more: partials for the combine.
         let mut part = if n_split > 1 {
             Some(self.alloc::<f32>(m.tokens * m.heads * n_split * (m.d_v + 2))?)

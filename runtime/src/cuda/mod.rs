@@ -263,6 +263,22 @@ type RopeInputs = (Arc<DevBuf<i32>>, Arc<DevBuf<f32>>, kernels::RopeStyle);
 /// Position lists kept on the device (the layers of a step and the indexer share them).
 const POSITION_SLOTS: usize = 4;
 
+/// RoPE of the fused norm + RoPE launches: `p`'s rotated columns, the step's device inputs.
+fn row_rope<'a>(
+    pos: &'a cudarc::driver::CudaView<'a, i32>,
+    inv_freq: &'a cudarc::driver::CudaView<'a, f32>,
+    style: kernels::RopeStyle,
+    p: &RopeParams,
+) -> kernels::RowRope<'a> {
+    kernels::RowRope {
+        offset: p.offset,
+        n_rot: p.n_rot,
+        pos,
+        inv_freq,
+        style,
+    }
+}
+
 /// Channels of an integer-dot GEMV over `rows` dense activation rows into `[rows, m]`: up to 8
 /// rows share each weight load.
 fn dense_q_channels(rows: usize, m: usize) -> QChannels<'static> {
@@ -1154,13 +1170,7 @@ impl Backend for CudaBackend {
         let wv = self.vector(w, "rms_norm")?.slice(0..n);
         let (dpos, inv, style) = self.rope_inputs(positions, p)?;
         let (pos, freq) = (dpos.view(), inv.view());
-        let rope = kernels::RowRope {
-            offset: p.offset,
-            n_rot: p.n_rot,
-            pos: &pos,
-            inv_freq: &freq,
-            style,
-        };
+        let rope = row_rope(&pos, &freq, style, p);
         let (rows, cols) = (kv_a.rows, kv_a.cols);
         let out = cache.map(|c| self.cache_rows(c, rows)).transpose()?;
         let l = Rows {
@@ -1199,13 +1209,7 @@ impl Backend for CudaBackend {
         let bv = self.vector(b, "layer_norm")?.slice(0..cols);
         let (dpos, inv, style) = self.rope_inputs(positions, p)?;
         let (pos, freq) = (dpos.view(), inv.view());
-        let rope = kernels::RowRope {
-            offset: p.offset,
-            n_rot: p.n_rot,
-            pos: &pos,
-            inv_freq: &freq,
-            style,
-        };
+        let rope = row_rope(&pos, &freq, style, p);
         let out = cache.map(|c| self.cache_rows(c, k.rows)).transpose()?;
         let l = Rows::dense(k.rows, cols);
         let xb = k.f32_mut().ok_or_else(|| not_f32("indexer_keys"))?;

@@ -385,11 +385,7 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
     //    decode kernel; the tile kernel (what longer steps take) is timed beside it.
     for t_len in [16usize, 128, 2048, 32768] {
         let (heads, dk, dv) = (64usize, 576usize, 512usize);
-        let kvb: Vec<u16> = acts(t_len * dk, 9)
-            .iter()
-            .map(|&v| half::bf16::from_f32(v).to_bits())
-            .collect();
-        let kvb = g.upload(&kvb)?;
+        let kvb = g.upload(&bf16_bits(&acts(t_len * dk, 9)))?;
         let q = g.upload(&acts(heads * dk, 10))?;
         let mut o: CudaSlice<f32> = g.zeros(heads * dv)?;
         let m = mla_decode_shape(heads, dk, dv, t_len);
@@ -408,11 +404,7 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
     for t_len in [2048usize, 4096, 32768] {
         let (heads, dk, dv) = (64usize, 576usize, 512usize);
         let kv = g.upload(&acts(t_len * dk, 9))?;
-        let kvb: Vec<u16> = acts(t_len * dk, 9)
-            .iter()
-            .map(|&v| half::bf16::from_f32(v).to_bits())
-            .collect();
-        let kvb = g.upload(&kvb)?;
+        let kvb = g.upload(&bf16_bits(&acts(t_len * dk, 9)))?;
         let q = g.upload(&acts(heads * dk, 10))?;
         let mut o: CudaSlice<f32> = g.zeros(heads * dv)?;
         let m = mla_decode_shape(heads, dk, dv, t_len);
@@ -562,4 +554,11 @@ fn mla_decode_shape(heads: usize, dk: usize, dv: usize, t_len: usize) -> MlaShap
         scale: 1.0 / 16.0,
         pos0: t_len - 1,
     }
+}
+
+/// bf16 bit patterns of `v` (a bf16 cache's contents).
+fn bf16_bits(v: &[f32]) -> Vec<u16> {
+    v.iter()
+        .map(|&x| half::bf16::from_f32(x).to_bits())
+        .collect()
 }
