@@ -10,6 +10,7 @@
 
 extern "C" __global__ void argmax_f32(const float* __restrict__ x, long long stride, int n,
                                       int* __restrict__ out) {
+    pdl_entry();
     __shared__ float sv[32];
     __shared__ int si[32];
     const float* xr = x + (long long)blockIdx.x * stride;
@@ -22,6 +23,7 @@ extern "C" __global__ void argmax_f32(const float* __restrict__ x, long long str
 extern "C" __global__ void __launch_bounds__(ARGMAX_SPLIT_THREADS)
     argmax_part_f32(const float* __restrict__ x, long long stride, int n, int chunk,
                     long long rows, int4* __restrict__ part) {
+    pdl_entry();
     __shared__ float sv[32];
     __shared__ int si[32];
     const int i0 = blockIdx.x * chunk, i1 = min(n, i0 + chunk);
@@ -36,6 +38,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_SPLIT_THREADS)
 extern "C" __global__ void __launch_bounds__(ARGMAX_SPLIT_THREADS)
     argmax_final_f32(const int4* __restrict__ part, int chunks, long long rows,
                      int* __restrict__ out) {
+    pdl_entry();
     __shared__ float sv[32];
     __shared__ int si[32];
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {

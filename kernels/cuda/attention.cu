@@ -24,6 +24,7 @@ extern "C" __global__ void __launch_bounds__(256)
                     const int* __restrict__ pos, int pos0, const int* __restrict__ idx,
                     long long idx_stride, int n_keys, int T, float scale,
                     float* __restrict__ scores) {
+    pdl_entry();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int j = blockIdx.x * 8 + warp;
     const long long s = blockIdx.y;
@@ -63,6 +64,7 @@ extern "C" __global__ void __launch_bounds__(256)
                         const float* __restrict__ v, long long v_stride, int Dv,
                         const int* __restrict__ idx, long long idx_stride, int split_len,
                         float* __restrict__ part) {
+    pdl_entry();
     __shared__ float scratch[32];
     const int h = blockIdx.x, sp = blockIdx.z, n_split = gridDim.z;
     const long long s = blockIdx.y;
@@ -115,6 +117,7 @@ extern "C" __global__ void __launch_bounds__(256)
     attn_combine_f32(const float* __restrict__ part, int n_split, int H, int Dv,
                      float* __restrict__ o, long long o_tok_stride, long long o_head_stride,
                      long long tokens) {
+    pdl_entry();
     __shared__ float wsplit[COMBINE_MAX_SPLITS];
     __shared__ float scratch[32];
     const int h = blockIdx.x;

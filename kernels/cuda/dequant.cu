@@ -90,15 +90,15 @@ DEV void get_rows_impl(WMat m, long long nrows, const int* __restrict__ ids, lon
 
 #define DEQ_KERNELS(QT, name)                                                                        \
     extern "C" __global__ void dequant_##name(WMat m, long long g0, float* dst, long long n,          \
-                                              QTables t) {                                          \
+                                              QTables t) { pdl_entry();                             \
         dequant_impl<QT>(m, g0, dst, n, t);                                                         \
     }                                                                                               \
     extern "C" __global__ void dequant_bf16_##name(WMat m, long long g0, uint16_t* dst, long long n, \
-                                                   QTables t) {                                     \
+                                                   QTables t) { pdl_entry();                        \
         dequant_bf16_impl<QT>(m, g0, dst, n, t);                                                    \
     }                                                                                               \
     extern "C" __global__ void get_rows_##name(WMat m, long long nrows, const int* ids,             \
-                                               long long nids, float* dst, int K, QTables t) {      \
+                                               long long nids, float* dst, int K, QTables t) { pdl_entry(); \
         get_rows_impl<QT>(m, nrows, ids, nids, dst, K, t);                                          \
     }
 FOR_EACH_QTYPE(DEQ_KERNELS)

@@ -4,12 +4,14 @@
 
 // y = a + b (y may alias a or b).
 extern "C" __global__ void add_f32(const float* a, const float* b, float* y, long long n) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = a[i] + b[i];
 }
 
 // y = a * s.
 extern "C" __global__ void scale_f32(const float* a, float s, float* y, long long n) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = a[i] * s;
 }
@@ -18,6 +20,7 @@ extern "C" __global__ void scale_f32(const float* a, float s, float* y, long lon
 extern "C" __global__ void copy_rows_f32(const float* __restrict__ src, long long ss,
                                          float* __restrict__ dst, long long ds, int n,
                                          long long rows) {
+    pdl_entry();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     for (long long r = blockIdx.y; r < rows; r += gridDim.y) dst[r * ds + i] = src[r * ss + i];
@@ -25,12 +28,14 @@ extern "C" __global__ void copy_rows_f32(const float* __restrict__ src, long lon
 
 // f32 -> bf16 (round to nearest even), for bf16 cuBLAS operands.
 extern "C" __global__ void f32_to_bf16(const float* src, uint16_t* dst, long long n) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = f32_to_bf16(src[i]);
 }
 
 // bf16 -> f32 (exact widening), for reading bf16 caches with f32 kernels.
 extern "C" __global__ void bf16_to_f32(const uint16_t* src, float* dst, long long n) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = bf16_to_f32(src[i]);
 }
@@ -38,6 +43,7 @@ extern "C" __global__ void bf16_to_f32(const uint16_t* src, float* dst, long lon
 // y[r, i] = x[r, i] + b[i] (bias broadcast over rows). Grid (ceil(cols/256), rows).
 extern "C" __global__ void add_bias_f32(const float* x, const float* __restrict__ b, float* y,
                                         int cols, long long rows) {
+    pdl_entry();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= cols) return;
     for (long long r = blockIdx.y; r < rows; r += gridDim.y) y[r * cols + i] = x[r * cols + i] + b[i];
@@ -46,6 +52,7 @@ extern "C" __global__ void add_bias_f32(const float* x, const float* __restrict_
 // dst[r, :] = src[idx[r], :] for rows of `cols` values; the host checks every index.
 extern "C" __global__ void gather_rows_f32(const float* __restrict__ src, const int* __restrict__ idx,
                                            float* __restrict__ dst, int cols, long long rows) {
+    pdl_entry();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= cols) return;
     for (long long r = blockIdx.y; r < rows; r += gridDim.y)

@@ -38,6 +38,8 @@ DEV void gemv_impl(const GemvF& p, const QTables& t) {
     const int row0 = (blockIdx.x * 4 * groups + warp * groups + grp) * R;
     const int nq = p.K >> 5;
     const long long bpr = p.K / QTraits<QT>::QB;
+    pdl_trigger();
+    pdl_wait();
     for (long long ch = blockIdx.y; ch < p.count; ch += gridDim.y) {
         const long long e = p.ids ? (long long)p.ids[ch] : ch % p.n_slabs;
         float* yp = p.y + ch * p.y_stride;
@@ -85,10 +87,10 @@ DEV void gemv_impl(const GemvF& p, const QTables& t) {
 }
 
 #define GEMV_KERNEL(QT, name)                                                                     \
-    extern "C" __global__ void __launch_bounds__(128, 1) gemv_##name(GemvF p, QTables t) {           \
+    extern "C" __global__ void __launch_bounds__(128, 1) gemv_##name(GemvF p, QTables t) { \
         gemv_impl<QT, 1>(p, t);                                                                   \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(128, 1) gemv4_##name(GemvF p, QTables t) {          \
+    extern "C" __global__ void __launch_bounds__(128, 1) gemv4_##name(GemvF p, QTables t) { \
         gemv_impl<QT, 4>(p, t);                                                                   \
     }
 FOR_EACH_QTYPE(GEMV_KERNEL)

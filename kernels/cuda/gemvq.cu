@@ -48,6 +48,12 @@ struct GemvQ {
     const float* cw;
     int ksplit;
     int accum;  // plain mode: y += W x (the output's old value read first)
+    // A MoE layer's shared expert riding along (null: none): GLU mode, the last channel takes
+    // ws / ws2 (one slab, ws_nblk blocks) instead of an id's expert; combine mode, each channel
+    // adds one more slot after its routed ones: ws times x row count * ctopk + ch, weight 1.
+    const uint8_t* ws;
+    const uint8_t* ws2;
+    long long ws_nblk;
 };
 
 DEV int dp4a(int a, int b, int c) {
@@ -417,19 +423,27 @@ DEV float ksplit_sum(float v, float* red, int warp, int base, int wk, int ks, in
 // MODE 0 plain, 1 GLU, 2 combine. One-column launches may split a row group's tasks (combine:
 // its expert slots) over KS = p.ksplit warps of the block (1, 2 or 4, the host's choice against
 // the tail of the last wave: a launch of 1.3 waves runs its last 0.3 at a quarter of the speed).
-template <int QT, int NC, int MODE>
+// R > 1 (several columns): a lane group owns R consecutive rows and each of its lanes runs the
+// same task of all R, so the activation codes and records a task loads for its NC columns serve
+// R rows (the loads are identical and nothing is stored in between: the compiler keeps them).
+// With one row per group the NC-column kernels were bound by those loads, not by the weights
+// (8 columns: 4.6x the one-column time per weight pass, H200).
+template <int QT, int NC, int MODE, int R = 1>
 DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
+    static_assert(R == 1 || (NC > 1 && MODE != 2), "several rows per group: NC-column plain / GLU");
     __shared__ float red[2][4 * 32];
+    pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lpr = p.lpr, groups = 32 / lpr;
     const int KS = NC == 1 ? p.ksplit : 1;
     const int wk = warp % KS;
     const int gl = lane & (lpr - 1), grp = lane / lpr;
-    const int row = (blockIdx.x * (4 / KS) + warp / KS) * groups + grp;
+    const int row = ((blockIdx.x * (4 / KS) + warp / KS) * groups + grp) * R;
     const int rr = min(row, p.nrows - 1);
     const int nt = p.K / task_w<NC>();  // tasks per row (the host's lanes-per-row divides it)
     const long long bpr = p.K / QTraits<QT>::QB;
     const float nan = __int_as_float(0x7fc00000);
+    pdl_wait();
     uint32_t T[4] = {0, 0, 0, 0};
     if (QT == QT_IQ4_NL_R || QT == QT_IQ4_XS) {
         const uint4 v = *(const uint4*)tb.kvalues;
@@ -441,7 +455,21 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
     for (long long ch = blockIdx.y; ch < p.count; ch += gridDim.y) {
         if (MODE == 2) {
             float acc = 0.0f;
-            for (int k = wk; k < p.ctopk; k += KS) {
+            const int slots = p.ctopk + (p.ws ? 1 : 0);
+            for (int k = wk; k < slots; k += KS) {
+                if (k == p.ctopk) {  // the shared expert (uniform across the warp)
+                    const long long xrow = p.count * p.ctopk + ch;
+                    if (xrow >= p.x.rows) {
+                        acc = nan;
+                        continue;
+                    }
+                    XCol xc[1] = {xcol(p.x, (int)xrow, p.K)};
+                    float a[1] = {0.0f};
+                    for (int t = gl; t < nt; t += lpr)
+                        Task<QT>::template run<1>(p.ws, p.ws_nblk, (long long)rr * bpr, t, xc, 1, T, a);
+                    acc += a[0];
+                    continue;
+                }
                 const long long slot = ch * p.ctopk + k;
                 const int e = p.ids[slot];
                 if (e < 0) continue;  // empty slot (uniform across the warp)
@@ -460,9 +488,14 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
             if (wk == 0 && gl == 0 && row < p.nrows && ch < p.y_rows) p.y[ch * p.y_stride + row] = acc;
             continue;
         }
-        const long long e = p.ids ? (long long)p.ids[ch] : ch % p.n_slabs;
-        if (p.ids && e == -1) continue;  // empty channel (padding tile of a grouped launch)
+        // The shared expert's channel (GLU with ws set: the last one) reads no id.
+        const bool shared = MODE == 1 && p.ws && ch == p.count - 1;
+        const long long e = shared ? 0 : p.ids ? (long long)p.ids[ch] : ch % p.n_slabs;
+        if (p.ids && !shared && e == -1) continue;  // empty channel (padding tile of a grouped launch)
         const bool bad = e < 0 || e >= p.n_slabs;
+        const uint8_t* W1 = shared ? p.ws : p.w;
+        const uint8_t* W2 = shared ? p.ws2 : p.w2;
+        const long long nblk = shared ? p.ws_nblk : p.nblk;
         int xr[NC];
         XCol xc[NC];
         int nc = 0;
@@ -475,22 +508,32 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
             if (xr[j] >= 0 && xr[j] < p.x.rows && nc == j) nc = j + 1;
             xc[j] = xcol(p.x, xr[j] >= 0 && xr[j] < p.x.rows ? xr[j] : 0, p.K);
         }
-        float acc[NC], acc2[NC];
+        float acc[R][NC], acc2[R][NC];
 #pragma unroll
-        for (int j = 0; j < NC; ++j) acc[j] = acc2[j] = 0.0f;
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int j = 0; j < NC; ++j) acc[r][j] = acc2[r][j] = 0.0f;
         if (!bad) {
-            const long long gb = (e * p.nrows + rr) * bpr;
+            // Rows past the end repeat the last row (results discarded): no branch in the loop.
+            long long gb[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) gb[r] = (e * p.nrows + min(row + r, p.nrows - 1)) * bpr;
             const int step = lpr * KS;
 #pragma unroll 2
             for (int t = wk * lpr + gl; t < nt; t += step) {
-                Task<QT>::template run<NC>(p.w, p.nblk, gb, t, xc, nc, T, acc);
-                if (MODE == 1) Task<QT>::template run<NC>(p.w2, p.nblk, gb, t, xc, nc, T, acc2);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    Task<QT>::template run<NC>(W1, nblk, gb[r], t, xc, nc, T, acc[r]);
+                    if (MODE == 1) Task<QT>::template run<NC>(W2, nblk, gb[r], t, xc, nc, T, acc2[r]);
+                }
             }
         }
 #pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
         for (int j = 0; j < NC; ++j) {
             if (j >= nc) break;
-            float v = group_sum(acc[j], lpr), v2 = MODE == 1 ? group_sum(acc2[j], lpr) : 0.0f;
+            float v = group_sum(acc[r][j], lpr), v2 = MODE == 1 ? group_sum(acc2[r][j], lpr) : 0.0f;
             if (KS > 1) {
                 v = ksplit_sum(v, red[0], warp, warp - wk, wk, KS, grp, gl);
                 if (MODE == 1) v2 = ksplit_sum(v2, red[1], warp, warp - wk, wk, KS, grp, gl);
@@ -498,12 +541,12 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
             if (MODE == 1) v = silu(v) * v2;
             if (bad) v = nan;
             const long long yr = p.yidx ? (long long)p.yidx[ch * p.ncols + j] : ch * p.ncols + j;
-            if (wk == 0 && gl == 0 && row < p.nrows && yr >= 0 && yr < p.y_rows) {
+            if (wk == 0 && gl == 0 && row + r < p.nrows && yr >= 0 && yr < p.y_rows) {
                 // One thread owns each output: the read-modify-write needs no atomics, and the
                 // single f32 add is the add kernel's (bitwise `y + W x`). __fadd_rn: a plain `+`
                 // was contracted with the product that ends v (Q6_K's d * sum) into one fma,
                 // one rounding fewer than the separate GEMV and add (H200: not bitwise).
-                float* yp = p.y + yr * p.y_stride + row;
+                float* yp = p.y + yr * p.y_stride + row + r;
                 *yp = MODE == 0 && p.accum ? __fadd_rn(*yp, v) : v;
             }
         }
@@ -516,14 +559,20 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
 // registers, 8 = 64; tests/compile.rs checks that none spills; the GLU kernel spilled for Q6_K
 // at 7 and keeps its registers): their speed is the memory parallelism of the warps an SM holds,
 // and the 64-weight tasks' registers would otherwise cost blocks (Q6_K 73 registers: 6 per SM).
-#define GQ_KERNEL(name, NC, MODE, MINB)                                                              \
+#define GQ_KERNEL(name, NC, MODE, MINB, R)                                                           \
     extern "C" __global__ void __launch_bounds__(128, MINB) GQ_CAT(name, GQ_SUF)(GemvQ p, QTables t) { \
-        gemvq_impl<GQ_QT, NC, MODE>(p, t);                                                           \
+        gemvq_impl<GQ_QT, NC, MODE, R>(p, t);                                                        \
     }
-GQ_KERNEL(gemvq1_, 1, 0, 9)
-GQ_KERNEL(gemvq2_, 2, 0, 1)
-GQ_KERNEL(gemvq4_, 4, 0, 1)
-GQ_KERNEL(gemvq8_, 8, 0, 1)
-GQ_KERNEL(gemvq_glu1_, 1, 1, 1)
-GQ_KERNEL(gemvq_glu8_, 8, 1, 1)
-GQ_KERNEL(gemvq_comb_, 1, 2, 8)
+GQ_KERNEL(gemvq1_, 1, 0, 9, 1)
+GQ_KERNEL(gemvq2_, 2, 0, 1, 1)
+GQ_KERNEL(gemvq4_, 4, 0, 1, 1)
+GQ_KERNEL(gemvq8_, 8, 0, 1, 1)
+GQ_KERNEL(gemvq_glu1_, 1, 1, 1, 1)
+GQ_KERNEL(gemvq_glu8_, 8, 1, 1, 1)
+GQ_KERNEL(gemvq_comb_, 1, 2, 8, 1)
+// Several rows per lane group (the host's `GEMVQ_VARIANTS` rows field; `GGUFTOOL_GEMVQ_ROWS=1`
+// keeps the one-row kernels above).
+GQ_KERNEL(gemvq2r_, 2, 0, 1, 4)
+GQ_KERNEL(gemvq4r_, 4, 0, 1, 4)
+GQ_KERNEL(gemvq8r_, 8, 0, 1, 2)
+GQ_KERNEL(gemvq_glu8r_, 8, 1, 1, 2)

@@ -48,7 +48,7 @@ DEV void indexer_impl(const float* __restrict__ q, long long q_tok_stride, int H
     extern "C" __global__ void __launch_bounds__(256)                                             \
         name(const float* q, long long q_tok_stride, int H, int D, const void* k, long long k_stride, \
              const float* w, long long w_stride, const int* pos, int T, float scale, float* out,  \
-             long long out_stride, long long tokens) {                                            \
+             long long out_stride, long long tokens) { pdl_entry();                               \
         indexer_impl<BF16>(q, q_tok_stride, H, D, k, k_stride, w, w_stride, pos, T, scale, out,  \
                            out_stride, tokens);                                                   \
     }

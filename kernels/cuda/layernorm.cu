@@ -27,6 +27,7 @@ DEV float ln_out(float xi, float2 st, const float* __restrict__ w, const float* 
 extern "C" __global__ void layernorm_f32(const float* x, long long x_stride,
                                          const float* __restrict__ w, const float* __restrict__ b,
                                          float* y, long long y_stride, int n, float eps) {
+    pdl_entry();
     __shared__ float scratch[32];
     const long long r = blockIdx.x;
     const float* xr = x + r * x_stride;
@@ -54,6 +55,7 @@ extern "C" __global__ void layernorm_rope_f32(float* x, long long x_stride, int 
                                               const float* __restrict__ inv_freq, int style,
                                               float* __restrict__ cf, uint16_t* __restrict__ cb,
                                               long long c_stride) {
+    pdl_entry();
     __shared__ float scratch[32];
     const long long r = blockIdx.x;
     float* xr = x + r * x_stride;

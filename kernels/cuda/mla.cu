@@ -187,8 +187,14 @@ DEV void mla_impl(const MlaP& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) mla_partial_f32(MlaP p) { mla_impl<0>(p); }
-extern "C" __global__ void __launch_bounds__(256, 1) mla_partial_bf16(MlaP p) { mla_impl<1>(p); }
+extern "C" __global__ void __launch_bounds__(256, 1) mla_partial_f32(MlaP p) {
+    pdl_entry();
+    mla_impl<0>(p);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) mla_partial_bf16(MlaP p) {
+    pdl_entry();
+    mla_impl<1>(p);
+}
 
 // ---- Decode steps (up to a few query tokens): one warp per MLA_DEC_HPW heads, lane = dims. ----
 // The tile kernel above makes each warp walk 576-wide dot products serially with one block per
@@ -399,8 +405,10 @@ DEV void mla_dec_impl(const MlaP& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(32 * MLA_DEC_WARPS, 3) mla_decode_f32(MlaP p) {
+    pdl_entry();
     mla_dec_impl<0, MLA_DEC_HPW, MLA_DEC_G>(p);
 }
 extern "C" __global__ void __launch_bounds__(32 * MLA_DEC_WARPS, 3) mla_decode_bf16(MlaP p) {
+    pdl_entry();
     mla_dec_impl<1, MLA_DEC_HPW, MLA_DEC_G>(p);
 }

@@ -7,6 +7,7 @@ extern "C" __global__ void moe_combine_f32(const float* __restrict__ y, long lon
                                            float* __restrict__ out, long long out_stride,
                                            int accumulate, const int* __restrict__ ids,
                                            long long tokens) {
+    pdl_entry();
     const int d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= D) return;
     // Tokens grid-stride over grid.y (limited to 65535).

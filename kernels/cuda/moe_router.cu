@@ -10,6 +10,7 @@ extern "C" __global__ void moe_router_f32(const float* __restrict__ logits, long
                                           const float* __restrict__ bias, int n_group, int topk_group,
                                           int top_k, int norm, float scale, int* __restrict__ ids,
                                           float* __restrict__ weights, int gating) {
+    pdl_entry();
     __shared__ float s_sig[1024];
     __shared__ float s_choice[1024];
     __shared__ float s_group[64];
@@ -88,6 +89,7 @@ extern "C" __global__ void moe_router_f32(const float* __restrict__ logits, long
 // in place, so the rank's MoE launches skip what other ranks compute without the ids visiting
 // the host. Negative ids (empty slots) stay -1.
 extern "C" __global__ void moe_local_ids(int* ids, long long n, int first, int count) {
+    pdl_entry();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         const int e = ids[i];

@@ -14,6 +14,7 @@
 #define MOE_TILE 8
 
 extern "C" __global__ void moe_count(const int* __restrict__ ids, int n, int* __restrict__ counts) {
+    pdl_entry();
     __shared__ float scratch[32];
     const int e = blockIdx.x;
     float c = 0.0f;
@@ -27,6 +28,7 @@ extern "C" __global__ void moe_plan(const int* __restrict__ counts, int E, int m
                                     int* __restrict__ offsets, int* __restrict__ tile_base,
                                     int* __restrict__ tile_expert, int* __restrict__ tok,
                                     int* __restrict__ pos, int* __restrict__ pair) {
+    pdl_entry();
     for (int c = threadIdx.x; c < max_tiles * MOE_TILE; c += blockDim.x) {
         tok[c] = -1;
         pos[c] = -1;
@@ -52,6 +54,7 @@ extern "C" __global__ void moe_scatter(const int* __restrict__ ids, int n, int K
                                        const int* __restrict__ tile_base, int max_tiles,
                                        int* __restrict__ tok, int* __restrict__ pos,
                                        int* __restrict__ pair) {
+    pdl_entry();
     __shared__ int warp_tot[32];
     const int e = blockIdx.x;
     int seen = 0;

@@ -13,6 +13,30 @@ typedef unsigned long long uint64_t;
 
 #define DEV __device__ __forceinline__
 
+// Programmatic dependent launch (sm_90+; kernels/src/device.rs launches every kernel whose PTX
+// holds griddepcontrol.wait with the stream-serialization attribute). `pdl_trigger` lets the
+// next kernel of the stream be scheduled while this one still runs (its blocks then sit in their
+// own `pdl_wait`, so launch latency and prologues overlap this kernel's tail); `pdl_wait` blocks
+// until every earlier kernel of the stream has completed and its writes are visible. A kernel so
+// launched must touch no memory another kernel writes or reads before its `pdl_wait`
+// (tests/compile.rs checks the PTX order: parameter loads and L2 prefetches only). On
+// older architectures, or launched without the attribute, both are no-ops / return at once.
+DEV void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+DEV void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// The first statement of every kernel that does nothing before its inputs are ready.
+DEV void pdl_entry() {
+    pdl_trigger();
+    pdl_wait();
+}
+
 // Exact IEEE conversions (subnormals, inf and NaN included), matching the `half` crate.
 DEV float f16_to_f32(uint16_t h) {
     float f;

@@ -10,6 +10,7 @@
 extern "C" __global__ void quantize_q8a(const float* __restrict__ x, long long x_stride,
                                         long long rows, int K, int8_t* __restrict__ qs,
                                         float2* __restrict__ ds) {
+    pdl_entry();
     const int lane = threadIdx.x & 31;
     const long long nb = K >> 5;
     const long long total = rows * nb;

@@ -31,6 +31,7 @@ extern "C" __global__ void rmsnorm_f32(const float* x, long long x_stride,
                                        const float* __restrict__ w, float* y,
                                        long long y_stride, int n, float eps,
                                        int8_t* __restrict__ qs, float2* __restrict__ qd) {
+    pdl_entry();
     __shared__ float scratch[32];
     const long long r = blockIdx.x;
     const float* xr = x + r * x_stride;
@@ -114,6 +115,7 @@ extern "C" __global__ void rmsnorm_rope_f32(float* x, long long x_stride, int co
                                             const float* __restrict__ inv_freq, int style,
                                             float* __restrict__ cf, uint16_t* __restrict__ cb,
                                             long long c_stride) {
+    pdl_entry();
     __shared__ float scratch[32];
     const long long r = blockIdx.x;
     float* xr = x + r * x_stride;

@@ -14,6 +14,7 @@ extern "C" __global__ void rope_f32(const float* x, long long x_tok_stride, long
                                     long long y_head_stride, int y_off, int n_rot,
                                     const int* __restrict__ pos, const float* __restrict__ inv_freq,
                                     int style, long long tokens) {
+    pdl_entry();
     const int half = n_rot >> 1;
     const int j = threadIdx.x;
     const int h = blockIdx.x;

@@ -95,6 +95,7 @@ DEV int s_invcdf(const float* xr, int n, uint32_t kmin, float mx, float temp, fl
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(const float* __restrict__ logits, long long stride, int V,
                 const SampleP* __restrict__ params, int skip_greedy, int* __restrict__ out) {
+    pdl_entry();
     __shared__ float cv[SAMPLE_CAND];
     __shared__ int ci[SAMPLE_CAND];
     __shared__ int hist[256];
@@ -241,6 +242,7 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     sample_greedy_part(const float* __restrict__ logits, long long stride, int V, int chunk,
                        const SampleP* __restrict__ params, long long rows,
                        int4* __restrict__ part) {
+    pdl_entry();
     __shared__ float sv[32];
     __shared__ int si[32];
     const int i0 = blockIdx.x * chunk, i1 = min(V, i0 + chunk);
@@ -258,6 +260,7 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     sample_greedy_final(const int4* __restrict__ part, int chunks,
                         const SampleP* __restrict__ params, long long rows,
                         int* __restrict__ out) {
+    pdl_entry();
     __shared__ float sv[32];
     __shared__ int si[32];
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {

@@ -5,6 +5,7 @@ extern "C" __global__ void silu_mul_f32(const float* __restrict__ g, long long g
                                         const float* __restrict__ u, long long u_stride,
                                         float* __restrict__ out, long long o_stride, int n,
                                         long long rows) {
+    pdl_entry();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     // Rows grid-stride over grid.y (limited to 65535).

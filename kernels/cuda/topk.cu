@@ -10,6 +10,7 @@
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
     topk_f32(const float* __restrict__ x, long long x_stride, int n, int k, int* __restrict__ out,
              long long out_stride, int* __restrict__ count) {
+    pdl_entry();
     __shared__ int hist[256];
     __shared__ int warp_tot[32];
     __shared__ uint32_t sh_prefix;
@@ -87,6 +88,7 @@ DEV int tk_scan(int v, int* ws, int& total) {
 extern "C" __global__ void __launch_bounds__(TKM_THREADS)
     topk_mb_hist(const float* __restrict__ x, long long x_stride, int n, int k, int chunk,
                  int pass, int* __restrict__ zs, int* __restrict__ vc, int* __restrict__ gc) {
+    pdl_entry();
     __shared__ int h[256];
     __shared__ int ws[TKM_THREADS / 32];
     __shared__ int sh_last;
@@ -166,6 +168,7 @@ extern "C" __global__ void __launch_bounds__(TKM_THREADS)
                    const int* __restrict__ zs, const int* __restrict__ vc,
                    const int* __restrict__ gc, int* __restrict__ out, long long out_stride,
                    int* __restrict__ count) {
+    pdl_entry();
     __shared__ int ws[TKM_THREADS / 32];
     const int t = threadIdx.x, c = blockIdx.x, chunks = gridDim.x;
     const long long r = blockIdx.y;

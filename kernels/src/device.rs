@@ -68,12 +68,18 @@ pub(crate) struct Kernel {
     pub smem_limit: Arc<std::sync::atomic::AtomicUsize>,
     /// Resident blocks per SM at 128 threads and no dynamic shared memory (0: not asked yet).
     pub blocks_per_sm_128: Arc<std::sync::atomic::AtomicU32>,
+    /// The entry waits on the previous kernel (`griddepcontrol.wait` in its PTX, prelude.cuh's
+    /// `pdl_wait`), so it may be launched as a programmatic dependent of it.
+    pub pdl: bool,
 }
 
 /// Kernel arguments being collected, with their sizes for the signature check.
 pub(crate) struct Args<'a> {
     inner: LaunchArgs<'a>,
     sizes: Vec<usize>,
+    /// The same arguments as `cuLaunchKernelEx` takes them (pointers to the values, which the
+    /// `'a` borrow keeps alive until the launch).
+    params: Vec<*mut std::ffi::c_void>,
     kernel: &'a Kernel,
 }
 
@@ -81,8 +87,28 @@ impl<'a> Args<'a> {
     pub(crate) fn arg<T: DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
         self.inner.arg(v);
         self.sizes.push(std::mem::size_of::<T>());
+        self.params.push(v as *const T as *mut std::ffi::c_void);
         self
     }
+}
+
+/// A default-on switch: off only when the variable is `0`.
+fn env_on(var: &str) -> bool {
+    std::env::var(var).map_or(true, |v| v != "0")
+}
+
+/// Entries of a PTX module whose body holds `griddepcontrol.wait` (prelude.cuh's `pdl_wait`).
+pub(crate) fn ptx_pdl_entries(ptx: &str) -> std::collections::HashSet<String> {
+    let mut out = std::collections::HashSet::new();
+    for part in ptx.split(".entry ").skip(1) {
+        let Some(open) = part.find('(') else { continue };
+        // The body runs to the next symbol (device functions are inlined: DEV is forceinline).
+        let body = part.split(".visible").next().unwrap_or(part);
+        if body.contains("griddepcontrol.wait") {
+            out.insert(part[..open].trim().to_string());
+        }
+    }
+    out
 }
 
 /// Parameter byte sizes of every `.entry` in a PTX module.
@@ -132,6 +158,13 @@ pub struct Gpu {
     modules: Mutex<HashMap<Op, Arc<CudaModule>>>,
     funcs: Mutex<HashMap<String, Kernel>>,
     signatures: Mutex<HashMap<String, Arc<Vec<usize>>>>,
+    /// Entries that wait on their predecessor (see [`ptx_pdl_entries`]).
+    pdl_entries: Mutex<std::collections::HashSet<String>>,
+    /// Launch such entries as programmatic dependents (`GGUFTOOL_PDL=0` turns it off).
+    pdl: AtomicBool,
+    /// Multi-column integer GEMVs with several rows per lane group (`GGUFTOOL_GEMVQ_ROWS=1`
+    /// turns it off).
+    gemvq_multirow: AtomicBool,
     resources: Mutex<Vec<KernelResources>>,
     tables: OnceLock<DeviceTables>,
     blas: OnceLock<cudarc::cublas::CudaBlas>,
@@ -279,6 +312,12 @@ impl Gpu {
             modules: Mutex::new(HashMap::new()),
             funcs: Mutex::new(HashMap::new()),
             signatures: Mutex::new(HashMap::new()),
+            pdl_entries: Mutex::new(std::collections::HashSet::new()),
+            // Programmatic dependent launch needs compute capability 9.0.
+            pdl: AtomicBool::new(major >= 9 && env_on("GGUFTOOL_PDL")),
+            gemvq_multirow: AtomicBool::new(
+                std::env::var("GGUFTOOL_GEMVQ_ROWS").map_or(true, |v| v != "1"),
+            ),
             resources: Mutex::new(Vec::new()),
             tables: OnceLock::new(),
             blas: OnceLock::new(),
@@ -324,6 +363,26 @@ impl Gpu {
         };
         self.gemvq_ksplit.store(v, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Launch kernels that wait on their predecessor as programmatic dependents (default on
+    /// compute capability >= 9.0 unless `GGUFTOOL_PDL=0`); off, every launch waits for the
+    /// previous kernel to finish before it starts. For A/B runs and tests.
+    pub fn set_pdl(&self, on: bool) {
+        let (major, _) = self.info.compute_capability;
+        self.pdl.store(on && major >= 9, Ordering::Relaxed);
+    }
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(Ordering::Relaxed)
+    }
+
+    /// Multi-column integer GEMVs with several rows per lane group (default) or one (`false`,
+    /// also `GGUFTOOL_GEMVQ_ROWS=1`): same products, summed in the same order per output.
+    pub fn set_gemvq_multirow(&self, on: bool) {
+        self.gemvq_multirow.store(on, Ordering::Relaxed);
+    }
+    pub(crate) fn gemvq_multirow(&self) -> bool {
+        self.gemvq_multirow.load(Ordering::Relaxed)
     }
 
     pub(crate) fn gemvq_ksplit(&self) -> Option<usize> {
@@ -384,6 +443,10 @@ impl Gpu {
             for (name, sizes) in ptx_signatures(&compiled.ptx) {
                 sigs.insert(name, Arc::new(sizes));
             }
+            self.pdl_entries
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(ptx_pdl_entries(&compiled.ptx));
         }
         let m = self
             .ctx
@@ -427,10 +490,16 @@ impl Gpu {
                 registers,
                 local_bytes,
             });
+        let pdl = self
+            .pdl_entries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(name);
         let k = Kernel {
             f,
             name: name.into(),
             params,
+            pdl,
             smem_limit: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             blocks_per_sm_128: Arc::new(std::sync::atomic::AtomicU32::new(0)),
         };
@@ -477,6 +546,7 @@ impl Gpu {
         Args {
             inner: self.stream.launch_builder(&k.f),
             sizes: Vec::with_capacity(k.params.len()),
+            params: Vec::with_capacity(k.params.len()),
             kernel: k,
         }
     }
@@ -502,10 +572,58 @@ impl Gpu {
             });
         }
         let t0 = self.prof_start()?;
-        // SAFETY: the caller's contract; the signature matches.
-        let r = unsafe { a.inner.launch(cfg) };
+        let r = if a.kernel.pdl && self.pdl() {
+            // SAFETY: the caller's contract; the signature matches and `a.params` points at the
+            // argument values, borrowed for the call.
+            unsafe { self.launch_pdl(&a.kernel.f, &mut a.params, cfg) }
+        } else {
+            // SAFETY: the caller's contract; the signature matches.
+            unsafe { a.inner.launch(cfg) }.map(|_| ())
+        };
         self.prof_stop(op, t0)?;
         self.launched(op, r)
+    }
+
+    /// `cuLaunchKernelEx` with programmatic stream serialization: the kernel may start while the
+    /// stream's previous kernel still runs (once all of that one's blocks called `pdl_trigger`
+    /// or exited) and meets its results in `pdl_wait`.
+    ///
+    /// # Safety
+    /// `params` must point at live values matching the kernel's signature; the kernel must not
+    /// touch memory other kernels use before its `pdl_wait`.
+    unsafe fn launch_pdl(
+        &self,
+        f: &cudarc::driver::CudaFunction,
+        params: &mut [*mut std::ffi::c_void],
+        cfg: LaunchConfig,
+    ) -> Result<(), cudarc::driver::DriverError> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: a zeroed attribute is a valid value of the plain C union.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let lc = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: the caller's contract; `lc` and `attr` outlive the call.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &lc,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
     }
 
     /// Start attributing device time to kernel kinds: every launch is bracketed by events.
@@ -911,7 +1029,16 @@ pub(crate) fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32, Kern
 
 #[cfg(test)]
 mod tests {
-    use super::ptx_signatures;
+    use super::{ptx_pdl_entries, ptx_signatures};
+
+    #[test]
+    fn pdl_entries_are_the_ones_that_wait() {
+        let ptx = ".visible .entry a(\n.param .u64 a_p\n)\n{\ngriddepcontrol.wait;\n}\n.visible .entry b(\n.param .u64 b_p\n)\n{\nret;\n}\n";
+        let s = ptx_pdl_entries(ptx);
+        assert!(s.contains("a"));
+        assert!(!s.contains("b"));
+        assert_eq!(s.len(), 1);
+    }
 
     #[test]
     fn ptx_signature_sizes() {

@@ -186,6 +186,9 @@ struct GemvQParams {
     cw: u64,
     ksplit: i32,
     accum: i32,
+    ws: u64,
+    ws2: u64,
+    ws_nblk: i64,
 }
 
 // SAFETY: plain structs laid out exactly as `struct Q8A` / `struct GemvQ` in gemvq.cu.
@@ -302,8 +305,60 @@ impl Gpu {
         x: &Q8Act,
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), KernelError> {
+        self.gemv_q_shared(shape, w, mode, ch, x, y, None)
+    }
+
+    /// [`Gpu::gemv_q`] with a MoE layer's shared expert in the same launch: one matrix of
+    /// `shape.rows x shape.k` (one slab) of `shape`'s type and layout. GLU mode (`shared` =
+    /// (gate, Some(up))): the last channel computes it instead of an id's expert (ids are read
+    /// for the others only; its input row is the channels' one, x_div = count). Combine mode
+    /// (`shared` = (down, None)): every channel t adds `W_s x_{count * topk + t}` after its routed
+    /// slots, with weight 1 (the shared expert's activations follow the routed ones).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_q_shared<W: DevicePtr<u8>>(
+        &self,
+        shape: MatShape,
+        w: &W,
+        mode: QMode<'_, W>,
+        ch: QChannels<'_>,
+        x: &Q8Act,
+        y: &mut impl DevicePtrMut<f32>,
+        shared: Option<(&W, Option<&W>)>,
+    ) -> Result<(), KernelError> {
         const OP: &str = "gemvq";
         shape.check(OP, dlen(w))?;
+        let one = MatShape { slabs: 1, ..shape };
+        let (wsp, ws2p) = match (shared, &mode) {
+            (None, _) => (0, 0),
+            (Some((ws, Some(ws2))), QMode::Glu(_)) => {
+                one.check(OP, dlen(ws))?;
+                one.check(OP, dlen(ws2))?;
+                if ch.ids.is_none() || ch.count < 2 {
+                    return Err(shape_err(
+                        OP,
+                        "a shared GLU channel needs routed channels by id",
+                    ));
+                }
+                (
+                    ws.device_ptr(self.stream()).0,
+                    ws2.device_ptr(self.stream()).0,
+                )
+            }
+            (Some((ws, None)), QMode::Combine { topk, .. }) => {
+                one.check(OP, dlen(ws))?;
+                need_len(OP, "x rows", x.rows, ch.count * (topk + 1))?;
+                (ws.device_ptr(self.stream()).0, 0)
+            }
+            _ => {
+                return Err(shape_err(
+                    OP,
+                    "a shared expert rides a GLU (gate and up) or a combine (down) launch",
+                ))
+            }
+        };
+        if wsp != 0 {
+            check_aligned(OP, "shared w", wsp, 16)?;
+        }
         let Some(qt) = QType::of(shape.ty).filter(|_| gemvq_supported(&shape)) else {
             return Err(KernelError::UnsupportedType {
                 op: OP,
@@ -319,27 +374,30 @@ impl Gpu {
         if ch.count == 0 || ch.ncols == 0 || ch.ncols > 8 || ch.x_div == 0 {
             return Err(shape_err(OP, format!("channels {ch:?}")));
         }
+        // The variant of `cols` columns and `mode`: several rows per lane group for several
+        // columns unless turned off (one-column kernels have one row per group only).
+        let multirow = self.gemvq_multirow();
+        let variant = |cols: usize, mode: u8| {
+            GEMVQ_VARIANTS
+                .iter()
+                .filter(|v| v.1 == cols && v.2 == mode)
+                .find(|v| v.3 > 1 || !multirow)
+                .or_else(|| {
+                    GEMVQ_VARIANTS
+                        .iter()
+                        .find(|v| v.1 == cols && v.2 == mode && v.3 == 1)
+                })
+                .map(|v| (v.0, v.3))
+        };
         let (prefix, ncols, ctopk, w2p, cwp) = match mode {
             QMode::Plain | QMode::Accumulate => {
                 let nc = ch.ncols.next_power_of_two();
-                (
-                    GEMVQ_VARIANTS
-                        .iter()
-                        .find(|v| v.2 == 0 && v.1 == nc)
-                        .map(|v| v.0),
-                    ch.ncols,
-                    0,
-                    0,
-                    0,
-                )
+                (variant(nc, 0), ch.ncols, 0, 0, 0)
             }
             QMode::Glu(w2) => {
                 need_len(OP, "w2", dlen(w2), dlen(w))?;
                 let nc = if ch.ncols == 1 { 1 } else { 8 };
-                let p = GEMVQ_VARIANTS
-                    .iter()
-                    .find(|v| v.2 == 1 && v.1 == nc)
-                    .map(|v| v.0);
+                let p = variant(nc, 1);
                 (p, ch.ncols, 0, w2.device_ptr(self.stream()).0, 0)
             }
             QMode::Combine { weights, topk } => {
@@ -348,12 +406,14 @@ impl Gpu {
                 }
                 need_len(OP, "weights", weights.len(), ch.count * topk)?;
                 need_len(OP, "x rows", x.rows, ch.count * topk)?;
-                let p = GEMVQ_VARIANTS.iter().find(|v| v.2 == 2).map(|v| v.0);
+                let p = variant(1, 2);
                 (p, 1, topk, 0, weights.device_ptr(self.stream()).0)
             }
         };
-        let prefix = prefix.ok_or_else(|| shape_err(OP, "no kernel variant"))?;
+        let (prefix, rows_per_group) = prefix.ok_or_else(|| shape_err(OP, "no kernel variant"))?;
         match (ch.ids, ctopk) {
+            // The shared GLU channel (the last) reads no id.
+            (Some(ids), 0) if wsp != 0 => need_len(OP, "ids", ids.len(), ch.count - 1)?,
             (Some(ids), 0) => need_len(OP, "ids", ids.len(), ch.count)?,
             (Some(ids), t) => need_len(OP, "ids", ids.len(), ch.count * t)?,
             (None, 0) => {}
@@ -414,7 +474,7 @@ impl Gpu {
                         ch.count.min(65_535),
                         tasks,
                         lpr,
-                        ctopk,
+                        ctopk + usize::from(wsp != 0),
                         slots,
                     )
                 }
@@ -422,7 +482,7 @@ impl Gpu {
         } else {
             1
         };
-        let rows_per_block = (4 / ks) * (32 / lpr);
+        let rows_per_block = (4 / ks) * (32 / lpr) * rows_per_group;
         let cfg = self.cfg_rows(
             OP,
             shape.rows.div_ceil(rows_per_block) as u64,
@@ -454,6 +514,9 @@ impl Gpu {
             cw: cwp,
             ksplit: ks as i32,
             accum: i32::from(matches!(mode, QMode::Accumulate)),
+            ws: wsp,
+            ws2: ws2p,
+            ws_nblk: one.blocks() as i64,
         };
         let mut b = self.args(&f);
         b.arg(&p).arg(&tables);

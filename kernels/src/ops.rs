@@ -108,15 +108,21 @@ impl QType {
 const Q4K_TASK_WEIGHTS: usize = 64;
 const Q6K_TASK_WEIGHTS: usize = 64;
 
-/// The gemvq kernel variants: `(prefix, columns, mode)`.
-pub(crate) const GEMVQ_VARIANTS: [(&str, usize, u8); 7] = [
-    ("gemvq1_", 1, 0),
-    ("gemvq2_", 2, 0),
-    ("gemvq4_", 4, 0),
-    ("gemvq8_", 8, 0),
-    ("gemvq_glu1_", 1, 1),
-    ("gemvq_glu8_", 8, 1),
-    ("gemvq_comb_", 1, 2),
+/// The gemvq kernel variants: `(prefix, columns, mode, rows per lane group)`. The several-row
+/// variants of the multi-column kernels are the default (`GGUFTOOL_GEMVQ_ROWS=1` or
+/// [`crate::Gpu::set_gemvq_multirow`] selects the one-row ones).
+pub(crate) const GEMVQ_VARIANTS: [(&str, usize, u8, usize); 11] = [
+    ("gemvq1_", 1, 0, 1),
+    ("gemvq2_", 2, 0, 1),
+    ("gemvq4_", 4, 0, 1),
+    ("gemvq8_", 8, 0, 1),
+    ("gemvq_glu1_", 1, 1, 1),
+    ("gemvq_glu8_", 8, 1, 1),
+    ("gemvq_comb_", 1, 2, 1),
+    ("gemvq2r_", 2, 0, 4),
+    ("gemvq4r_", 4, 0, 4),
+    ("gemvq8r_", 8, 0, 2),
+    ("gemvq_glu8r_", 8, 1, 2),
 ];
 
 /// One compiled module = one op file (gemvq: one module per weight type). Compiled lazily, once
@@ -297,7 +303,7 @@ impl Op {
             Op::GemvQ(q) => {
                 return GEMVQ_VARIANTS
                     .iter()
-                    .map(|(p, _, _)| format!("{p}{}", q.suffix()))
+                    .map(|(p, _, _, _)| format!("{p}{}", q.suffix()))
                     .collect()
             }
             Op::Quantize => &["quantize_q8a"],

@@ -32,6 +32,82 @@ fn spills(log: &str) -> Vec<(String, u64)> {
     out
 }
 
+/// Kernels launched without programmatic dependent launch: the one-shot all-reduce spins on
+/// other ranks' flags, and a rank's blocks parked early could hold the SMs another rank's
+/// stream needs on a shared GPU.
+const NOT_PDL: &[&str] = &["allreduce_oneshot_f32"];
+
+/// Problems of one PTX module's entries with programmatic dependent launch (prelude.cuh): every
+/// entry but [`NOT_PDL`] waits (`griddepcontrol.wait`), and before that wait it executes no
+/// memory instruction but parameter loads and L2 prefetches: such a kernel runs alongside its
+/// predecessor until then, so an earlier load could read a value not yet written, an earlier
+/// store could overwrite one still being read (pool buffers are reused in stream order).
+fn pdl_problems(ptx: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for part in ptx.split(".entry ").skip(1) {
+        let name = part.split('(').next().unwrap_or("").trim().to_string();
+        // The body of this entry only (the next `.visible` starts another symbol).
+        let body = part.split(".visible").next().unwrap_or(part);
+        let Some(at) = body.find("griddepcontrol.wait") else {
+            if !NOT_PDL.contains(&name.as_str()) {
+                out.push(format!(
+                    "{name}: no griddepcontrol.wait (pdl_entry / pdl_wait)"
+                ));
+            }
+            continue;
+        };
+        if NOT_PDL.contains(&name.as_str()) {
+            out.push(format!(
+                "{name}: waits, but is listed as launched without PDL"
+            ));
+        }
+        for line in body[..at].lines() {
+            let t = line.trim_start();
+            // Strip a predicate guard (`@%p1 ld.global...`).
+            let t = match t.strip_prefix('@') {
+                Some(r) => r.split_once(' ').map_or("", |(_, i)| i.trim_start()),
+                None => t,
+            };
+            let op = t.split(|c: char| c.is_whitespace()).next().unwrap_or("");
+            let memory = [
+                "ld.",
+                "ldu.",
+                "st.",
+                "atom.",
+                "red.",
+                "cp.",
+                "tex.",
+                "suld.",
+                "sust.",
+                "multimem.",
+            ]
+            .iter()
+            .any(|p| op.starts_with(p));
+            if memory && !op.starts_with("ld.param") {
+                out.push(format!(
+                    "{name}: `{}` before griddepcontrol.wait",
+                    t.trim_end()
+                ));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn pdl_check_flags_early_memory_and_missing_waits() {
+    let ok = ".visible .entry a(\n.param .u64 a_p\n)\n{\nld.param.u64 %rd1, [a_p];\nprefetch.global.L2 [%rd1];\ngriddepcontrol.launch_dependents;\ngriddepcontrol.wait;\nld.global.f32 %f1, [%rd1];\n}\n";
+    assert!(pdl_problems(ok).is_empty(), "{:?}", pdl_problems(ok));
+    let early = ".visible .entry b(\n.param .u64 b_p\n)\n{\n@%p1 ld.global.nc.f32 %f1, [%rd1];\ngriddepcontrol.wait;\n}\n";
+    assert_eq!(pdl_problems(early).len(), 1);
+    let store = ".visible .entry c(\n)\n{\nst.global.u32 [%rd1], %r1;\ngriddepcontrol.wait;\n}\n";
+    assert_eq!(pdl_problems(store).len(), 1);
+    let none = ".visible .entry d(\n)\n{\nret;\n}\n";
+    assert_eq!(pdl_problems(none).len(), 1);
+    let exempt = ".visible .entry allreduce_oneshot_f32(\n)\n{\nret;\n}\n";
+    assert!(pdl_problems(exempt).is_empty());
+}
+
 #[test]
 fn every_kernel_compiles_for_sm90_and_sm120() {
     if !nvrtc::available() {
@@ -56,6 +132,11 @@ fn every_kernel_compiles_for_sm90_and_sm120() {
                             failures.push(format!("{arch} {}: no kernel `{name}`", op.name()));
                         }
                     }
+                    failures.extend(
+                        pdl_problems(&c.ptx)
+                            .into_iter()
+                            .map(|p| format!("{arch} {}: {p}", op.name())),
+                    );
                     // The decode GEMV of the main weight types must not spill to local memory.
                     for (func, n) in spills(&c.log) {
                         let hot = [

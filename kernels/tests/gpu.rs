@@ -1976,7 +1976,31 @@ fn check_gemvq(
     )
     .unwrap();
     let y = g.download(&dy).unwrap();
+    // Several columns run the several-rows-per-group kernel by default; the one-row kernel sums
+    // the same products in the same order per output: bitwise equal.
     let mut ok = true;
+    if ncols > 1 {
+        g.set_gemvq_multirow(false);
+        let mut d1 = nan_buf(g, ncols * rows);
+        let r1 = g.gemv_q(
+            shape,
+            &dw,
+            QMode::Plain,
+            QChannels::dense(ncols, rows),
+            &q,
+            &mut d1,
+        );
+        g.set_gemvq_multirow(true);
+        r1.unwrap();
+        let y1 = g.download(&d1).unwrap();
+        let same = y.iter().zip(&y1).all(|(a, b)| a.to_bits() == b.to_bits());
+        if !same {
+            say(&format!(
+                "gemvq {ty} {rows}x{k} x{ncols}: rows-per-group kernels differ"
+            ));
+        }
+        ok &= same;
+    }
     let mut worst = 0f64;
     for c in 0..ncols {
         let xq: Vec<f64> = (0..k)
@@ -2255,6 +2279,28 @@ fn gemvq_glu_combine_and_grouped_experts() {
     g.gemv_q(gs, &dg, QMode::Glu(&du), ch, &q, &mut act)
         .unwrap();
     let act_h = g.download(&act).unwrap();
+    // The one-row-per-group GLU kernel: the same sums per output, bitwise.
+    g.set_gemvq_multirow(false);
+    let mut act1 = nan_buf(&g, n * kk * ff);
+    let r1 = g.gemv_q(gs, &dg, QMode::Glu(&du), ch, &q, &mut act1);
+    g.set_gemvq_multirow(true);
+    r1.unwrap();
+    let act1_h = g.download(&act1).unwrap();
+    let same = act_h
+        .iter()
+        .zip(&act1_h)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    row(
+        "gemvq glu rows per group 2 vs 1",
+        &format!("{n} tokens x {kk}"),
+        0.0,
+        0.0,
+        same,
+    );
+    assert!(
+        same,
+        "the grouped GLU differs between rows-per-group kernels"
+    );
     let mut ok = true;
     let mut worst = 0f64;
     let gamma = (d as f64 / 32.0 + 16.0) * 4.0 * U32;

@@ -267,6 +267,24 @@ pub trait Backend: Clone + Send + Sync + 'static {
         self.add(&acc, &y)
     }
 
+    /// A MoE layer with a shared expert: the routed sum ([`Backend::moe_ffn`]) plus the shared
+    /// expert `down_s(silu(gate_s x) * up_s x)` (2-D weights of the routed experts' `{k, m}`).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_ffn_shared(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        down: &Self::Weight,
+        weights: &Self::Tensor,
+        experts: &Self::Index,
+        shared: (&Self::Weight, &Self::Weight, &Self::Weight),
+    ) -> Result<Self::Tensor, RuntimeError> {
+        let y = self.moe_ffn(x, gate, up, down, weights, experts)?;
+        let (sg, su, sd) = shared;
+        self.matmul_add(&self.glu(x, sg, su)?, sd, y)
+    }
+
     /// The absorbed MLA queries: `q` is `[rows, n_head * (nope + rope)]`, each head's `nope`
     /// position-free columns then its rope columns; per head, the position-free part times
     /// slab h of `k_b` (`{nope, kv_lora, n_head}`) followed by the rope part rotated by `p`

@@ -1563,11 +1563,12 @@ impl<B: Backend> GlmModel<B> {
                 } else {
                     ids
                 };
-                let y = be.moe_ffn(x, gate, up, down, &wts, &ids)?;
                 match shared {
                     // The shared expert's down projection adds onto the routed sum.
-                    Some(m) => be.matmul_add(&be.glu(x, &m.gate, &m.up)?, &m.down, y),
-                    None => Ok(y),
+                    Some(m) => {
+                        be.moe_ffn_shared(x, gate, up, down, &wts, &ids, (&m.gate, &m.up, &m.down))
+                    }
+                    None => be.moe_ffn(x, gate, up, down, &wts, &ids),
                 }
             }
         }

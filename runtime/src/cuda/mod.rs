@@ -101,6 +101,12 @@ pub struct Fusions {
     /// each, norm + RoPE in place and the rows written into the cache (`GGUFTOOL_FUSE_KV=0`:
     /// the norm, RoPE and cache-append launches).
     pub kv: bool,
+    /// `Backend::moe_ffn_shared` of a one-token step: the shared expert rides the routed
+    /// experts' launches (its gate + up as the GLU launch's last channel, its down as one more
+    /// slot of the down + weighted-sum launch, its activations quantized with theirs): 3 launches
+    /// fewer per MoE layer (`GGUFTOOL_FUSE_SHARED=0`: the shared expert's own GLU, quantize and
+    /// accumulating down GEMV). Needs the shared expert in the routed experts' type and shapes.
+    pub shared: bool,
 }
 
 impl Fusions {
@@ -109,12 +115,14 @@ impl Fusions {
         add: true,
         qrope: true,
         kv: true,
+        shared: true,
     };
     pub const NONE: Fusions = Fusions {
         glu: false,
         add: false,
         qrope: false,
         kv: false,
+        shared: false,
     };
 
     /// [`Fusions::ALL`] less the ones switched off by their variable set to `0`.
@@ -125,6 +133,7 @@ impl Fusions {
             add: on("GGUFTOOL_FUSE_ADD"),
             qrope: on("GGUFTOOL_FUSE_QROPE"),
             kv: on("GGUFTOOL_FUSE_KV"),
+            shared: on("GGUFTOOL_FUSE_SHARED"),
         }
     }
 }
@@ -1686,6 +1695,59 @@ impl Backend for CudaBackend {
         Ok((w, ids))
     }
 
+    /// One token on the fast path with the shared expert in the routed experts' type and
+    /// shapes: 3 launches (GLU over the routed and the shared expert, one quantize, down +
+    /// weighted sum + shared down); otherwise the routed MoE then the shared expert.
+    fn moe_ffn_shared(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        down: &CudaWeight,
+        weights: &CudaTensor,
+        experts: &CudaIndex,
+        shared: (&CudaWeight, &CudaWeight, &CudaWeight),
+    ) -> Result<CudaTensor, RuntimeError> {
+        let (sg, su, sd) = shared;
+        let same = |s: &CudaWeight, r: &CudaWeight| {
+            s.ty == r.ty && s.packed == r.packed && s.dims.len() == 2 && s.dims[..] == r.dims[..2]
+        };
+        let (d, ff, n_exp) = (x.cols, gate.dims.get(1).copied(), gate.dims.get(2).copied());
+        let fused = self.fusions().shared
+            && x.rows == 1
+            && experts.rows == 1
+            && experts.cols > 0
+            && gate.dims.len() == 3
+            && gate.ty == up.ty
+            && gate.packed == up.packed
+            && same(sg, gate)
+            && same(su, up)
+            && same(sd, down);
+        if let (true, Some(ff), Some(n_exp)) = (fused, ff, n_exp) {
+            let g_shape = Self::shape_of(gate, ff, d, n_exp);
+            let d_shape = Self::shape_of(down, d, ff, n_exp);
+            if self.fast(&g_shape) && self.fast(&d_shape) {
+                check_moe_ffn(
+                    x.shape(),
+                    &gate.dims,
+                    &up.dims,
+                    &down.dims,
+                    weights.shape(),
+                    (experts.rows, experts.cols),
+                )?;
+                return self.moe_shared_one_token(
+                    x,
+                    (gate, up, down),
+                    (sg, su, sd),
+                    weights,
+                    experts,
+                );
+            }
+        }
+        let y = self.moe_ffn(x, gate, up, down, weights, experts)?;
+        self.matmul_add(&self.glu(x, sg, su)?, sd, y)
+    }
+
     fn moe_ffn(
         &self,
         x: &CudaTensor,
@@ -1767,6 +1829,84 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
+    /// [`Backend::moe_ffn_shared`]'s fused path (one token, shared expert of the routed
+    /// experts' type and shapes; checked by the caller).
+    fn moe_shared_one_token(
+        &self,
+        x: &CudaTensor,
+        (gate, up, down): (&CudaWeight, &CudaWeight, &CudaWeight),
+        (sg, su, sd): (&CudaWeight, &CudaWeight, &CudaWeight),
+        weights: &CudaTensor,
+        experts: &CudaIndex,
+    ) -> Result<CudaTensor, RuntimeError> {
+        let (d, ff, n_exp) = (x.cols, gate.dims[1], gate.dims[2]);
+        let kk = experts.cols;
+        let g_shape = Self::shape_of(gate, ff, d, n_exp);
+        let d_shape = Self::shape_of(down, d, ff, n_exp);
+        let mut out = self.alloc(1, d)?;
+        let q = self.q8(x, 1, d)?;
+        let wb = weights.f32().ok_or_else(|| not_f32("moe_ffn"))?;
+        let wv = wb.slice(0..kk);
+        let ids = experts.buf.slice(0..kk);
+        // Rows 0..kk: the routed experts' activations in slot order, row kk: the shared one's.
+        let mut act = self
+            .gpu
+            .alloc::<f32>((kk + 1) * ff)
+            .map_err(kerr("moe_ffn"))?;
+        let ch = QChannels {
+            count: kk + 1,
+            ncols: 1,
+            ids: Some(&ids),
+            xidx: None,
+            x_div: kk + 1,
+            yidx: None,
+            y_stride: ff,
+            y_rows: kk + 1,
+        };
+        self.gpu
+            .gemv_q_shared(
+                g_shape,
+                &gate.bytes,
+                QMode::Glu(&up.bytes),
+                ch,
+                &q,
+                &mut act,
+                Some((&sg.bytes, Some(&su.bytes))),
+            )
+            .map_err(kerr("moe_ffn gate+up"))?;
+        let qa = self
+            .gpu
+            .quantize_q8(&act, kk + 1, ff, ff)
+            .map_err(kerr("moe_ffn"))?;
+        let ch = QChannels {
+            count: 1,
+            ncols: 1,
+            ids: Some(&ids),
+            xidx: None,
+            x_div: 1,
+            yidx: None,
+            y_stride: d,
+            y_rows: 1,
+        };
+        let mode = QMode::Combine {
+            weights: &wv,
+            topk: kk,
+        };
+        let o = out.f32_mut().ok_or_else(|| not_f32("moe_ffn"))?;
+        self.gpu
+            .gemv_q_shared(
+                d_shape,
+                &down.bytes,
+                mode,
+                ch,
+                &qa,
+                o,
+                Some((&sd.bytes, None)),
+            )
+            .map_err(kerr("moe_ffn down"))?;
+        Ok(out)
+    }
+
     /// The fast MoE: one token: fused gate+up+SiLU over its selected experts, then down +
     /// weighted sum in one launch. Several tokens: (token, slot) pairs grouped by expert on
     /// the device, grouped GLU and down launches (each expert's weights read once per 8 of its

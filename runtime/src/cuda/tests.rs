@@ -274,15 +274,20 @@ fn glm5_heads_prompts_past_1023_and_4096_tokens() {
 /// The fused launches of a decode step against the launches they replace, end to end on the
 /// GLM-5-shaped model (layer 0 dense, layer 1 MoE with a shared expert): a 20-token prefill,
 /// then decode steps. With the GEMVs' row split forced (1 warp) for every configuration:
-/// - every fusion but the GLU against none: bitwise the same logits at every step (each is
-///   bitwise the ops it replaces), and per decode step exactly the launches they remove
-///   (`matmul_add`: 1; the residual add in the next norm: 1 per block; the MLA queries: 4 per
-///   block; the cache rows and indexer keys: 2 + 2 per block);
-/// - all of them: the GLU removes 2 launches per FFN (dense, shared expert); its logits stay
-///   within the fast path's tolerance against the unfused ones (`check::logit_tolerance`; they
-///   are bitwise equal when the GLU sums in the plain GEMVs' order, which is reported).
+/// - every fusion but the GLU and the shared expert's against none: bitwise the same logits at
+///   every step (each is bitwise the ops it replaces), and per decode step exactly the launches
+///   they remove (`matmul_add`: 1; the residual add in the next norm: 1 per block; the MLA
+///   queries: 4 per block; the cache rows and indexer keys: 2 + 2 per block);
+/// - with the GLU: it removes 2 launches per FFN (dense, shared expert); its logits stay within
+///   the fast path's tolerance against the unfused ones (`check::logit_tolerance`; they are
+///   bitwise equal when the GLU sums in the plain GEMVs' order, which is reported);
+/// - all of them: the shared expert riding the routed experts' launches removes its own GLU,
+///   quantize and down launches (3 for the MoE layer); it sums its down projection into the
+///   routed slots' per-lane sums before the lanes' reduction (a different f32 order), so again
+///   within the tolerance, not bitwise.
 #[test]
 fn glm5_heads_decode_fusions_equal_the_launches_they_replace() {
+    let _gpu = exclusive();
     use crate::lm::{LanguageModel, SeqStep};
     if kernels::device_count() == 0 {
         say("skipped: no CUDA device (glm5_heads_decode_fusions_equal_the_launches_they_replace)");
@@ -322,23 +327,31 @@ fn glm5_heads_decode_fusions_equal_the_launches_they_replace() {
     let (base, n_base) = run(Fusions::NONE);
     let (no_glu, n_no_glu) = run(Fusions {
         glu: false,
+        shared: false,
+        ..Fusions::ALL
+    });
+    let (no_shared, n_no_shared) = run(Fusions {
+        shared: false,
         ..Fusions::ALL
     });
     let (all, n_all) = run(Fusions::ALL);
     let tol = logit_tolerance(FAST, 2);
-    let worst = base
-        .iter()
-        .zip(&all)
-        .map(|(a, b)| {
-            let max = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-            a.iter()
-                .zip(b)
-                .fold(0f32, |m, (x, y)| m.max((x - y).abs() / max))
-        })
-        .fold(0f32, f32::max);
+    let off = |other: &[Vec<f32>]| {
+        base.iter()
+            .zip(other)
+            .map(|(a, b)| {
+                let max = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+                a.iter()
+                    .zip(b)
+                    .fold(0f32, |m, (x, y)| m.max((x - y).abs() / max))
+            })
+            .fold(0f32, f32::max)
+    };
+    let (worst, worst_ns) = (off(&all), off(&no_shared));
     say(&format!(
-        "| decode fusions | launches per step {n_base} / {n_no_glu} (no GLU) / {n_all} | \
-         no GLU bitwise {} | all: bitwise {}, max rel {worst:.2e} (tol {tol:.2e}) |",
+        "| decode fusions | launches per step {n_base} / {n_no_glu} (no GLU) / {n_no_shared} \
+         (no shared) / {n_all} | no GLU bitwise {} | no shared: max rel {worst_ns:.2e} | all: \
+         bitwise {}, max rel {worst:.2e} (tol {tol:.2e}) |",
         no_glu == base,
         all == base
     ));
@@ -351,8 +364,70 @@ fn glm5_heads_decode_fusions_equal_the_launches_they_replace() {
         19.0,
         "matmul_add + 2 residual adds + 2 x (4 query + 4 cache-row) launches per step"
     );
-    assert!(worst <= tol, "GLU logits off by {worst}");
-    assert_eq!(n_no_glu - n_all, 4.0, "the GLU: 2 per FFN (dense + shared)");
+    assert!(worst_ns <= tol, "GLU logits off by {worst_ns}");
+    assert!(worst <= tol, "GLU + shared-expert logits off by {worst}");
+    assert_eq!(
+        n_no_glu - n_no_shared,
+        4.0,
+        "the GLU: 2 per FFN (dense + shared)"
+    );
+    assert_eq!(
+        n_no_shared - n_all,
+        3.0,
+        "the shared expert riding the routed launches: its GLU, quantize and down (1 MoE layer)"
+    );
+}
+
+/// Programmatic dependent launch changes when kernels start, never what they compute: a
+/// prefill of 20 tokens and 6 decode steps of the 64-head model (fast path, bf16 cache: every
+/// fused decode launch, the MLA decode kernel) give bitwise the logits of serial launches. A
+/// kernel that read its input before its `pdl_wait` would see a stale buffer and differ.
+#[test]
+fn glm5_heads_pdl_changes_no_logit() {
+    let _gpu = exclusive();
+    use crate::lm::{LanguageModel, SeqStep};
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (glm5_heads_pdl_changes_no_logit)");
+        return;
+    }
+    let (md, w) = glm5_heads_weights();
+    let get = |name: &str| Ok(w.get(name).cloned());
+    let be = CudaBackend::with_options(0, FAST).expect("CUDA backend");
+    let g = be.gpu().clone();
+    if g.info().compute_capability.0 < 9 {
+        say("skipped: programmatic dependent launch needs compute capability 9.0");
+        return;
+    }
+    let model =
+        GlmModel::from_weights(be, ModelSpec::from_metadata(&md).unwrap(), &get).expect("model");
+    let run = |pdl: bool| -> Vec<Vec<f32>> {
+        g.set_pdl(pdl);
+        let mut seq = model.new_sequence();
+        let mut toks: Vec<u32> = (0..20u32).map(|i| (i * 37 + 11) % 512).collect();
+        let mut out = Vec::new();
+        for step in 0..7u32 {
+            let l = model
+                .forward(&mut [SeqStep {
+                    seq: seq.as_mut(),
+                    tokens: &toks,
+                    all_logits: false,
+                }])
+                .expect("forward")
+                .remove(0);
+            toks = vec![(step * 101 + 7) % 512];
+            out.push(l);
+        }
+        out
+    };
+    let serial = run(false);
+    let pdl = run(true);
+    g.set_pdl(true);
+    say(&format!("| PDL | 7 steps | bitwise {} |", pdl == serial));
+    assert!(serial.iter().all(|l| l.iter().all(|v| v.is_finite())));
+    assert!(
+        pdl == serial,
+        "programmatic dependent launch changed the logits"
+    );
 }
 
 /// The synthetic model itself is valid (runs without a GPU, so CI checks the builder).
@@ -567,6 +642,15 @@ fn random_weight(
 
 /// The GEMVs' row split forced to `ks` warps (`None`: automatic) until dropped, also when a
 /// check panics, so later tests of the binary see the automatic split.
+/// Tests that compare GPU results bitwise run one at a time: the process shares one `Gpu` per
+/// device, and the launch choices they force on it (the GEMVs' warp split, programmatic
+/// dependent launch) would otherwise change a concurrently running test's summation
+/// order between its two runs.
+fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 struct ForcedSplit(Arc<kernels::Gpu>);
 
 impl ForcedSplit {
@@ -602,6 +686,7 @@ fn launches<R>(be: &CudaBackend, f: impl FnOnce() -> R) -> (R, Vec<(String, f64)
 /// unfused one at one of the three splits, bitwise.
 #[test]
 fn cuda_glu_equals_gemvs_then_silu_mul() {
+    let _gpu = exclusive();
     use crate::backend::Backend;
     if kernels::device_count() == 0 {
         say("skipped: no CUDA device (cuda_glu_equals_gemvs_then_silu_mul)");
@@ -662,6 +747,7 @@ fn cuda_glu_equals_gemvs_then_silu_mul() {
 /// shared expert's down shape (Q6_K 2,048 -> 6,144) and Q4_K, for 1 and 3 tokens.
 #[test]
 fn cuda_matmul_add_equals_matmul_then_add() {
+    let _gpu = exclusive();
     use crate::backend::Backend;
     if kernels::device_count() == 0 {
         say("skipped: no CUDA device (cuda_matmul_add_equals_matmul_then_add)");
@@ -708,6 +794,7 @@ fn cuda_matmul_add_equals_matmul_then_add() {
 /// matmul, concatenation) and takes 3 launches, no copies.
 #[test]
 fn cuda_mla_queries_equal_slices_rope_heads_concat() {
+    let _gpu = exclusive();
     use crate::backend::{mla_queries_composed, Backend, RopeParams, RopeStyle};
     if kernels::device_count() == 0 {
         say("skipped: no CUDA device (cuda_mla_queries_equal_slices_rope_heads_concat)");
@@ -767,6 +854,7 @@ fn cuda_mla_queries_equal_slices_rope_heads_concat() {
 /// one launch each.
 #[test]
 fn cuda_kv_rows_and_indexer_keys_equal_their_compositions() {
+    let _gpu = exclusive();
     use crate::backend::{
         indexer_keys_composed, mla_kv_rows_composed, Backend, RopeParams, RopeStyle,
     };
