@@ -1735,13 +1735,16 @@ impl Backend for CudaBackend {
                     weights.shape(),
                     (experts.rows, experts.cols),
                 )?;
-                return self.moe_shared_one_token(
+                let mut out = self.alloc(1, d)?;
+                self.moe_one_token(
                     x,
                     (gate, up, down),
-                    (sg, su, sd),
+                    Some((sg, su, sd)),
                     weights,
                     experts,
-                );
+                    &mut out,
+                )?;
+                return Ok(out);
             }
         }
         let y = self.moe_ffn(x, gate, up, down, weights, experts)?;
@@ -1829,39 +1832,40 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
-    /// [`Backend::moe_ffn_shared`]'s fused path (one token, shared expert of the routed
-    /// experts' type and shapes; checked by the caller).
-    fn moe_shared_one_token(
+    /// One token's MoE on the fast path, into `out`: gate + up + SiLU over its selected experts
+    /// (with `shared`, the shared expert as the launch's last channel: same type and shapes,
+    /// checked by the caller), one quantize, then down + weighted sum (+ the shared down) in
+    /// one launch.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_one_token(
         &self,
         x: &CudaTensor,
         (gate, up, down): (&CudaWeight, &CudaWeight, &CudaWeight),
-        (sg, su, sd): (&CudaWeight, &CudaWeight, &CudaWeight),
+        shared: Option<(&CudaWeight, &CudaWeight, &CudaWeight)>,
         weights: &CudaTensor,
         experts: &CudaIndex,
-    ) -> Result<CudaTensor, RuntimeError> {
+        out: &mut CudaTensor,
+    ) -> Result<(), RuntimeError> {
         let (d, ff, n_exp) = (x.cols, gate.dims[1], gate.dims[2]);
         let kk = experts.cols;
         let g_shape = Self::shape_of(gate, ff, d, n_exp);
         let d_shape = Self::shape_of(down, d, ff, n_exp);
-        let mut out = self.alloc(1, d)?;
         let q = self.q8(x, 1, d)?;
         let wb = weights.f32().ok_or_else(|| not_f32("moe_ffn"))?;
         let wv = wb.slice(0..kk);
         let ids = experts.buf.slice(0..kk);
         // Rows 0..kk: the routed experts' activations in slot order, row kk: the shared one's.
-        let mut act = self
-            .gpu
-            .alloc::<f32>((kk + 1) * ff)
-            .map_err(kerr("moe_ffn"))?;
+        let rows = kk + usize::from(shared.is_some());
+        let mut act = self.gpu.alloc::<f32>(rows * ff).map_err(kerr("moe_ffn"))?;
         let ch = QChannels {
-            count: kk + 1,
+            count: rows,
             ncols: 1,
             ids: Some(&ids),
             xidx: None,
-            x_div: kk + 1,
+            x_div: rows,
             yidx: None,
             y_stride: ff,
-            y_rows: kk + 1,
+            y_rows: rows,
         };
         self.gpu
             .gemv_q_shared(
@@ -1871,12 +1875,12 @@ impl CudaBackend {
                 ch,
                 &q,
                 &mut act,
-                Some((&sg.bytes, Some(&su.bytes))),
+                shared.map(|(sg, su, _)| (&sg.bytes, Some(&su.bytes))),
             )
             .map_err(kerr("moe_ffn gate+up"))?;
         let qa = self
             .gpu
-            .quantize_q8(&act, kk + 1, ff, ff)
+            .quantize_q8(&act, rows, ff, ff)
             .map_err(kerr("moe_ffn"))?;
         let ch = QChannels {
             count: 1,
@@ -1901,10 +1905,9 @@ impl CudaBackend {
                 ch,
                 &qa,
                 o,
-                Some((&sd.bytes, None)),
+                shared.map(|(_, _, sd)| (&sd.bytes, None)),
             )
-            .map_err(kerr("moe_ffn down"))?;
-        Ok(out)
+            .map_err(kerr("moe_ffn down"))
     }
 
     /// The fast MoE: one token: fused gate+up+SiLU over its selected experts, then down +
@@ -1924,6 +1927,9 @@ impl CudaBackend {
     ) -> Result<(), RuntimeError> {
         let (d, ff, n_exp) = (x.cols, gate.dims[1], gate.dims[2]);
         let (n, kk) = (x.rows, experts.cols);
+        if n == 1 {
+            return self.moe_one_token(x, (gate, up, down), None, weights, experts, out);
+        }
         let g_shape = Self::shape_of(gate, ff, d, n_exp);
         let d_shape = Self::shape_of(down, d, ff, n_exp);
         let q = self.q8(x, n, d)?;
@@ -1935,50 +1941,6 @@ impl CudaBackend {
             .alloc::<f32>(n * kk * ff)
             .map_err(kerr("moe_ffn"))?;
         let o = out.f32_mut().ok_or_else(|| not_f32("moe_ffn"))?;
-        if n == 1 {
-            let ch = QChannels {
-                count: kk,
-                ncols: 1,
-                ids: Some(&ids),
-                xidx: None,
-                x_div: kk,
-                yidx: None,
-                y_stride: ff,
-                y_rows: kk,
-            };
-            self.gpu
-                .gemv_q(
-                    g_shape,
-                    &gate.bytes,
-                    QMode::Glu(&up.bytes),
-                    ch,
-                    &q,
-                    &mut act,
-                )
-                .map_err(kerr("moe_ffn gate+up"))?;
-            let qa = self
-                .gpu
-                .quantize_q8(&act, kk, ff, ff)
-                .map_err(kerr("moe_ffn"))?;
-            let ch = QChannels {
-                count: 1,
-                ncols: 1,
-                ids: Some(&ids),
-                xidx: None,
-                x_div: 1,
-                yidx: None,
-                y_stride: d,
-                y_rows: 1,
-            };
-            let mode = QMode::Combine {
-                weights: &wv,
-                topk: kk,
-            };
-            return self
-                .gpu
-                .gemv_q(d_shape, &down.bytes, mode, ch, &qa, o)
-                .map_err(kerr("moe_ffn down"));
-        }
         let g = self
             .gpu
             .moe_group(&ids, n * kk, kk, n_exp)
