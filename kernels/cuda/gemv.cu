@@ -31,6 +31,7 @@ struct GemvF {
 
 template <int QT, int R>
 DEV void gemv_impl(const GemvF& p, const QTables& t) {
+    pdl_entry();
     constexpr int NC = QTraits<QT>::QB / 32;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lpr = p.lpr, groups = 32 / lpr;
@@ -38,8 +39,6 @@ DEV void gemv_impl(const GemvF& p, const QTables& t) {
     const int row0 = (blockIdx.x * 4 * groups + warp * groups + grp) * R;
     const int nq = p.K >> 5;
     const long long bpr = p.K / QTraits<QT>::QB;
-    pdl_trigger();
-    pdl_wait();
     for (long long ch = blockIdx.y; ch < p.count; ch += gridDim.y) {
         const long long e = p.ids ? (long long)p.ids[ch] : ch % p.n_slabs;
         float* yp = p.y + ch * p.y_stride;

@@ -432,7 +432,7 @@ template <int QT, int NC, int MODE, int R = 1>
 DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
     static_assert(R == 1 || (NC > 1 && MODE != 2), "several rows per group: NC-column plain / GLU");
     __shared__ float red[2][4 * 32];
-    pdl_trigger();
+    pdl_entry();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lpr = p.lpr, groups = 32 / lpr;
     const int KS = NC == 1 ? p.ksplit : 1;
@@ -443,7 +443,6 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
     const int nt = p.K / task_w<NC>();  // tasks per row (the host's lanes-per-row divides it)
     const long long bpr = p.K / QTraits<QT>::QB;
     const float nan = __int_as_float(0x7fc00000);
-    pdl_wait();
     uint32_t T[4] = {0, 0, 0, 0};
     if (QT == QT_IQ4_NL_R || QT == QT_IQ4_XS) {
         const uint4 v = *(const uint4*)tb.kvalues;

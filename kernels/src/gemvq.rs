@@ -374,19 +374,19 @@ impl Gpu {
         if ch.count == 0 || ch.ncols == 0 || ch.ncols > 8 || ch.x_div == 0 {
             return Err(shape_err(OP, format!("channels {ch:?}")));
         }
-        // The variant of `cols` columns and `mode`: several rows per lane group for several
-        // columns unless turned off (one-column kernels have one row per group only).
+        // The variant of `cols` columns and `mode`: several rows per lane group where one
+        // exists (the multi-column kernels) unless turned off, else one.
         let multirow = self.gemvq_multirow();
         let variant = |cols: usize, mode: u8| {
-            GEMVQ_VARIANTS
-                .iter()
-                .filter(|v| v.1 == cols && v.2 == mode)
-                .find(|v| v.3 > 1 || !multirow)
-                .or_else(|| {
-                    GEMVQ_VARIANTS
-                        .iter()
-                        .find(|v| v.1 == cols && v.2 == mode && v.3 == 1)
-                })
+            let pick = |multi: bool| {
+                GEMVQ_VARIANTS
+                    .iter()
+                    .find(|v| v.1 == cols && v.2 == mode && (v.3 > 1) == multi)
+            };
+            multirow
+                .then(|| pick(true))
+                .flatten()
+                .or_else(|| pick(false))
                 .map(|v| (v.0, v.3))
         };
         let (prefix, ncols, ctopk, w2p, cwp) = match mode {
