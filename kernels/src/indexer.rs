@@ -28,6 +28,70 @@ pub struct IndexerShape {
     pub scale: f32,
 }
 
+/// Threads per block of `indexer_scores_lanes_bf16` (one key each) and the widest key it
+/// holds in registers (indexer_scores.cu's IXL_THREADS / IXL_DMAX).
+pub const IXL_THREADS: u32 = 256;
+pub const IXL_DMAX: usize = 128;
+/// Blocks per SM the lane-per-key kernel's token split aims for (ptxas: 72 registers a thread
+/// for sm_90, so three 256-thread blocks are resident per SM; four cover a short tail).
+const IXL_BLOCKS_PER_SM: usize = 4;
+
+/// 0 = by default, 1 = the warp-per-key kernel, 2 = the lane-per-key kernel where it fits
+/// (`GGUFTOOL_INDEXER_LANES=0|1`, or [`force_indexer_lanes`]).
+static LANES_MODE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(u8::MAX);
+
+/// `None` when nothing was forced (the default applies: the warp-per-key kernel until the
+/// lane-per-key one has been measured on a GPU, docs/GPU.md).
+fn lanes_mode() -> Option<bool> {
+    use std::sync::atomic::Ordering;
+    let mut v = LANES_MODE.load(Ordering::Relaxed);
+    if v == u8::MAX {
+        v = match std::env::var("GGUFTOOL_INDEXER_LANES").as_deref() {
+            Ok("0") => 1,
+            Ok("1") => 2,
+            _ => 0,
+        };
+        LANES_MODE.store(v, Ordering::Relaxed);
+    }
+    match v {
+        1 => Some(false),
+        2 => Some(true),
+        _ => None,
+    }
+}
+
+/// Force the indexer scorer for this process (tests and A/B runs): `Some(true)` the
+/// lane-per-key kernel wherever [`lanes_fit`] holds, `Some(false)` the warp-per-key kernel,
+/// `None` the default.
+pub fn force_indexer_lanes(on: Option<bool>) {
+    let v = match on {
+        Some(false) => 1,
+        Some(true) => 2,
+        None => 0,
+    };
+    LANES_MODE.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the lane-per-key kernel takes a call: bf16 keys (checked by the caller), rows of
+/// whole 16-byte loads (width a multiple of 8 up to [`IXL_DMAX`], stride and base 16-byte
+/// aligned).
+pub fn lanes_fit(sh: &IndexerShape, k_ptr: u64) -> bool {
+    sh.dim.is_multiple_of(8)
+        && sh.dim <= IXL_DMAX
+        && sh.k_stride.is_multiple_of(8)
+        && k_ptr.is_multiple_of(16)
+}
+
+/// Grid of the lane-per-key kernel: one key per thread in x; query tokens grid-strided in y,
+/// as many as bring the launch to about [`IXL_BLOCKS_PER_SM`] blocks per SM (each y block
+/// re-loads its keys, so no more than that), at most the device's y limit.
+pub fn lanes_grid(sh: &IndexerShape, sm_count: usize, max_y: u32) -> (u64, u64) {
+    let gx = sh.kv_len.div_ceil(IXL_THREADS as usize).max(1);
+    let want = (IXL_BLOCKS_PER_SM * sm_count.max(1)).div_ceil(gx);
+    let gy = want.clamp(1, sh.tokens.max(1)).min(max_y.max(1) as usize);
+    (gx as u64, gy as u64)
+}
+
 impl Gpu {
     /// `out[s,t] = sum_h w[s,h] * relu(scale * q[s,h] . k[t])` for `t <= pos[s]`, -inf otherwise.
     /// Keys f32 or bf16 (`u16` bit patterns).
@@ -68,18 +132,26 @@ impl Gpu {
             dlen(out),
             span(sh.tokens, sh.out_stride, sh.kv_len),
         )?;
-        let f = self.func(
-            Op::IndexerScores,
-            if C::BF16 {
-                "indexer_scores_bf16"
-            } else {
-                "indexer_scores_f32"
-            },
-        )?;
-        let cfg = self.cfg_rows(OP, (sh.kv_len as u64).div_ceil(8), sh.tokens, 256)?;
         let s = self.stream();
-        let (qp, _g1) = q.device_ptr(s);
         let (kp, _g2) = k.device_ptr(s);
+        let lanes = C::BF16 && lanes_mode().unwrap_or(false) && lanes_fit(&sh, kp);
+        let (f, cfg) = if lanes {
+            let f = self.func(Op::IndexerScores, "indexer_scores_lanes_bf16")?;
+            let (gx, gy) = lanes_grid(&sh, self.info().sm_count as usize, self.info().max_grid.1);
+            (f, self.cfg(OP, (gx, gy, 1), IXL_THREADS)?)
+        } else {
+            let f = self.func(
+                Op::IndexerScores,
+                if C::BF16 {
+                    "indexer_scores_bf16"
+                } else {
+                    "indexer_scores_f32"
+                },
+            )?;
+            let cfg = self.cfg_rows(OP, (sh.kv_len as u64).div_ceil(8), sh.tokens, 256)?;
+            (f, cfg)
+        };
+        let (qp, _g1) = q.device_ptr(s);
         let (wp, _g3) = w.device_ptr(s);
         let (pp, _g4) = pos.device_ptr(s);
         let (op, _g5) = out.device_ptr_mut(s);

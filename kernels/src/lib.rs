@@ -40,7 +40,7 @@ pub use device::{
 pub use error::KernelError;
 pub use gemv::{Channels, MatShape};
 pub use gemvq::{gemvq_supported, Q8Act, QChannels, QMode, Q8_REL_ERR};
-pub use indexer::IndexerShape;
+pub use indexer::{force_indexer_lanes, IndexerShape};
 pub use mla::{force_mla_decode, CacheElem, MlaShape};
 pub use moe::{ExpertGroups, Gating, RouterConfig, MOE_TILE};
 pub use norm::{CacheRows, RowRope, Rows};

@@ -312,7 +312,11 @@ impl Op {
             Op::Rope => &["rope_f32"],
             Op::Attention => &["attn_scores_f32", "attn_av_partial_f32", "attn_combine_f32"],
             Op::Mla => &["mla_partial_f32", "mla_partial_bf16"],
-            Op::IndexerScores => &["indexer_scores_f32", "indexer_scores_bf16"],
+            Op::IndexerScores => &[
+                "indexer_scores_f32",
+                "indexer_scores_bf16",
+                "indexer_scores_lanes_bf16",
+            ],
             Op::TopK => &["topk_f32", "topk_mb_hist", "topk_mb_gather"],
             Op::MoeRouter => &["moe_router_f32", "moe_local_ids"],
             Op::MoeCombine => &["moe_combine_f32"],

@@ -3899,3 +3899,121 @@ fn topk_split_over_blocks_equals_one_block_and_cpu() {
         "split top-k differs from the one-block kernel or the CPU"
     );
 }
+
+/// The lane-per-key indexer scorer (bf16 keys) against the f64 oracle, and the warp-per-key
+/// kernel on the same inputs against the same oracle: every head count (one and two head
+/// groups), widths 64 / 72 / 128, decode over 33,000 keys, and a causal prefill of 600 tokens
+/// (more tokens than the grid's y extent, whole blocks past a token's position).
+#[test]
+fn indexer_lanes_kernel_matches_f64_and_the_warp_kernel() {
+    let Some(g) = gpu("indexer_lanes_kernel_matches_f64_and_the_warp_kernel") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("indexer_lanes");
+    let causal = |n: usize| (0..n as i32).collect::<Vec<i32>>();
+    let cases: Vec<(usize, usize, usize, Vec<i32>)> = vec![
+        (4, 64, 121, vec![120, 31, 10, 0]),
+        (32, 128, 5000, vec![4999, 4096, 2048, 2047, 1000, 0]),
+        (40, 128, 700, vec![699, 300]),
+        (8, 72, 300, vec![299, 5, 256]),
+        (32, 128, 33_000, vec![32_999]),
+        (32, 128, 600, causal(600)),
+    ];
+    let mut all_ok = true;
+    for (heads, dim, t_len, pos) in cases {
+        let s_len = pos.len();
+        let q = r.vec(s_len * heads * dim, 1.0);
+        // The cache holds bf16 keys; the oracle reads the same rounded values.
+        let kbits: Vec<u16> = r
+            .vec(t_len * dim, 1.0)
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let kc: Vec<f32> = kbits
+            .iter()
+            .map(|&b| half::bf16::from_bits(b).to_f32())
+            .collect();
+        let w: Vec<f32> = r
+            .vec(s_len * heads, 1.0)
+            .iter()
+            .map(|v| v / (heads as f32).sqrt())
+            .collect();
+        let scale = 1.0 / (dim as f32).sqrt();
+        let dq = g.upload(&q).unwrap();
+        let dk = g.upload(&kbits).unwrap();
+        let dw = g.upload(&w).unwrap();
+        let dpos = g.upload(&pos).unwrap();
+        let sh = IndexerShape {
+            tokens: s_len,
+            heads,
+            dim,
+            q_stride: heads * dim,
+            k_stride: dim,
+            kv_len: t_len,
+            w_stride: heads,
+            out_stride: t_len,
+            scale,
+        };
+        let want: Vec<(Vec<f64>, f64)> = (0..s_len)
+            .map(|s| {
+                let v = indexer_cpu(
+                    &q[s * heads * dim..],
+                    &kc,
+                    &w[s * heads..],
+                    heads,
+                    dim,
+                    t_len,
+                    pos[s],
+                    scale,
+                );
+                let finite: Vec<f64> = v.iter().cloned().filter(|x| x.is_finite()).collect();
+                let mag = max_abs(&finite).max(1e-30);
+                (v, mag)
+            })
+            .collect();
+        for lanes in [false, true] {
+            kernels::force_indexer_lanes(Some(lanes));
+            let mut dsc = nan_buf(&g, s_len * t_len);
+            let res = g.indexer_scores(&dq, &dk, &dw, &dpos, &mut dsc, sh);
+            kernels::force_indexer_lanes(None);
+            res.unwrap();
+            let sc = g.download(&dsc).unwrap();
+            let (mut worst, mut masks_ok) = (0f64, true);
+            for (s, (v, mag)) in want.iter().enumerate() {
+                for t in 0..t_len {
+                    let gv = sc[s * t_len + t];
+                    if v[t].is_finite() {
+                        worst = worst.max((f64::from(gv) - v[t]).abs() / mag);
+                    } else {
+                        masks_ok &= gv == f32::NEG_INFINITY;
+                    }
+                }
+            }
+            // Rounding depth per head: the warp kernel dim/32 products per lane + a 5-level
+            // tree; the lane kernel an 8-term FMA chain per 8-dim chunk + dim/8 chunk sums.
+            // Then H weighted terms in order and the scale and weight products (+3): for the
+            // warp kernel exactly the bound of `indexer_scores_and_topk`, normwise, x4 margin.
+            let depth = if lanes {
+                dim as f64 / 8.0 + 8.0
+            } else {
+                dim as f64 / 32.0 + 5.0
+            };
+            let tol = (depth + heads as f64 + 3.0) * U32 * 4.0;
+            let ok = masks_ok && worst <= tol;
+            row(
+                if lanes {
+                    "indexer_scores lanes"
+                } else {
+                    "indexer_scores warp"
+                },
+                &format!("{heads}x{dim}, T {t_len}, S {s_len}"),
+                worst,
+                tol,
+                ok,
+            );
+            all_ok &= ok;
+        }
+    }
+    assert!(all_ok, "indexer scores differ from the f64 oracle");
+}

@@ -487,10 +487,23 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
         let ms = b.time(|_| g.indexer_scores(&qi, &kc, &wi, &pos, &mut sc, ish))?;
         b.record(
             "indexer",
-            &format!("scores 32x128, T {t_len}"),
+            &format!("scores 32x128, T {t_len}, f32 keys"),
             (t_len * id * 4) as f64,
             ms,
         );
+        // The fast path's bf16 key cache, through each scorer (indexer_scores.cu).
+        let kcb = g.upload(&bf16_bits(&acts(t_len * id, 19)))?;
+        for (lanes, name) in [(false, "warp per key"), (true, "lane per key")] {
+            kernels::force_indexer_lanes(Some(lanes));
+            let r = b.time(|_| g.indexer_scores(&qi, &kcb, &wi, &pos, &mut sc, ish));
+            kernels::force_indexer_lanes(None);
+            b.record(
+                "indexer",
+                &format!("scores 32x128, T {t_len}, bf16 keys, {name}"),
+                (t_len * id * 2) as f64,
+                r?,
+            );
+        }
         let mut selo: CudaSlice<i32> = g.zeros(2048)?;
         let ms = b.time(|_| g.topk(&sc, 1, t_len, t_len, 2048, &mut selo, None))?;
         b.record(
