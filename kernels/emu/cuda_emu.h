@@ -71,6 +71,7 @@ enum EmuWarpOp {
     EMU_REDUCE_AND,
     EMU_REDUCE_OR,
     EMU_REDUCE_XOR,
+    EMU_ALLGATHER,
 };
 enum EmuBarrier { EMU_BAR_SYNC, EMU_BAR_OR, EMU_BAR_AND, EMU_BAR_COUNT };
 
@@ -79,6 +80,9 @@ enum EmuBarrier { EMU_BAR_SYNC, EMU_BAR_OR, EMU_BAR_AND, EMU_BAR_COUNT };
 extern "C" unsigned long long emu_warp_op(int op, unsigned mask, unsigned long long value,
                                           int arg, int width, int size);
 extern "C" int emu_barrier(int kind, int pred);
+// Every lane of `mask` passes `bytes` bytes at `in` and receives all of them at `out` (lane j's
+// at out + j * bytes; lanes outside the mask leave theirs untouched).
+extern "C" void emu_warp_allgather(unsigned mask, const void* in, int bytes, void* out);
 // Switches to the next runnable thread (a spin-wait that sleeps lets the others progress).
 extern "C" void emu_yield();
 
@@ -181,6 +185,71 @@ inline void __threadfence() {}
 inline void __threadfence_block() {}
 inline void __threadfence_system() {}
 inline void __nanosleep(unsigned) { emu_yield(); }
+
+// ---------------------------------------------------------------------------------------------
+// Warp-wide matrix instructions (tensor cores) for the host alternatives of their inline
+// assembly, with the operands exactly as the PTX instruction takes them. Every lane of the warp
+// must call (they are .sync.aligned). Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16
+// with integer type" / "mma.m16n8k32" and "ldmatrix": groupID g = lane >> 2, t = lane % 4.
+
+inline unsigned emu_lane() { return (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) & 31u; }
+
+// mma.sync.aligned.m16n8k{16,32}.row.col.s32.s8.s8.s32 d, a, b, c (KB = 16 or 32, no .satfinite:
+// the s32 sums wrap). A (16 x KB, row) element (r, k) is byte k % 4 of lane (r % 8) * 4 + (k % 16) / 4's
+// register (r / 8) + 2 * (k / 16); B (KB x 8, col) element (k, n) byte k % 4 of lane n * 4 + (k % 16) / 4's
+// register k / 16; C / D (16 x 8) element i of a lane is (g + 8 * (i / 2), 2 * t + i % 2).
+template <int KB>
+inline void emu_mma_s8(int (&d)[4], const unsigned* a, const unsigned* b, const int (&c)[4]) {
+    static_assert(KB == 16 || KB == 32, "m16n8k16 or m16n8k32");
+    struct Frag {
+        unsigned a[KB / 8], b[KB / 16];
+    } mine, all[32];
+    for (int i = 0; i < KB / 8; ++i) mine.a[i] = a[i];
+    for (int i = 0; i < KB / 16; ++i) mine.b[i] = b[i];
+    emu_warp_allgather(0xffffffffu, &mine, (int)sizeof(Frag), all);
+    const unsigned lane = emu_lane(), g = lane >> 2, t = lane & 3u;
+    for (int i = 0; i < 4; ++i) {
+        const unsigned r = g + 8u * (unsigned)(i / 2), n = 2u * t + (unsigned)(i % 2);
+        unsigned acc = (unsigned)c[i];
+        for (unsigned k = 0; k < (unsigned)KB; ++k) {
+            const Frag& fa = all[(r % 8) * 4 + (k % 16) / 4];
+            const Frag& fb = all[n * 4 + (k % 16) / 4];
+            const int av = (signed char)(fa.a[r / 8 + 2 * (k / 16)] >> (8 * (k % 4)));
+            const int bv = (signed char)(fb.b[k / 16] >> (8 * (k % 4)));
+            acc += (unsigned)(av * bv);
+        }
+        d[i] = (int)acc;
+    }
+}
+inline void emu_mma_m16n8k32_s8(int (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                const int (&c)[4]) {
+    emu_mma_s8<32>(d, a, b, c);
+}
+inline void emu_mma_m16n8k16_s8(int (&d)[4], const unsigned (&a)[2], unsigned b, const int (&c)[4]) {
+    emu_mma_s8<16>(d, a, &b, c);
+}
+
+// ldmatrix.sync.aligned.m8n8.x{N}{.trans}.shared.b16 r, [row]: lanes 8m .. 8m + 7 give the
+// addresses of rows 0..7 of matrix m (16 bytes each); r[m] of lane l receives row l / 4, elements
+// 2 (l % 4) and 2 (l % 4) + 1 (low half first), or with .trans the transposed matrix's. Each
+// lane reads its own row when it arrives, as the loads of any other instruction.
+template <int N>
+inline void emu_ldmatrix(unsigned (&r)[N], const void* row, bool trans = false) {
+    static_assert(N == 1 || N == 2 || N == 4, "x1, x2 or x4");
+    struct Row {
+        unsigned short e[8];
+    } mine = {}, all[32];
+    const unsigned lane = emu_lane();
+    if (lane < 8u * N) __builtin_memcpy(&mine, row, sizeof mine);
+    emu_warp_allgather(0xffffffffu, &mine, (int)sizeof(Row), all);
+    const unsigned q = lane / 4, c = 2 * (lane % 4);
+    for (int m = 0; m < N; ++m) {
+        const Row* mat = all + 8 * m;
+        const unsigned lo = trans ? mat[c].e[q] : mat[q].e[c];
+        const unsigned hi = trans ? mat[c + 1].e[q] : mat[q].e[c + 1];
+        r[m] = lo | (hi << 16);
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Atomics: no other thread runs between the read and the write.

@@ -49,6 +49,7 @@ struct Fiber {
     int op, arg, width, size;
     unsigned mask;
     unsigned long long value, result;
+    void* out;  // EMU_ALLGATHER: where this lane receives every lane's bytes
     int bar_kind, pred;
 };
 
@@ -98,6 +99,7 @@ const char* op_name(int op) {
         case EMU_REDUCE_AND: return "__reduce_and_sync";
         case EMU_REDUCE_OR: return "__reduce_or_sync";
         case EMU_REDUCE_XOR: return "__reduce_xor_sync";
+        case EMU_ALLGATHER: return "warp all-gather (mma / ldmatrix emulation)";
     }
     return "warp collective";
 }
@@ -240,10 +242,25 @@ void try_complete_warp(unsigned warp, unsigned mask, int op) {
         if (!((mask >> l) & 1u)) continue;
         const Fiber& g = L.fibers[base + l];
         if (g.state != AT_WARP) return;
-        if (g.op != op || g.mask != mask)
+        if (g.op != op || g.mask != mask || (op == EMU_ALLGATHER && g.arg != me.arg))
             fail("divergent warp collective: this lane is in %s (mask 0x%08x) while lane %u of the "
                  "mask is in %s (mask 0x%08x)",
                  op_name(me.op), me.mask, l, op_name(g.op), g.mask);
+    }
+    if (op == EMU_ALLGATHER) {
+        // Every lane's bytes to every lane now, while all of them still wait (their inputs
+        // live in their own stack frames).
+        const size_t n = (size_t)me.arg;
+        for (unsigned l = 0; l < 32; ++l) {
+            if (!((mask >> l) & 1u)) continue;
+            char* out = (char*)L.fibers[base + l].out;
+            for (unsigned j = 0; j < 32; ++j)
+                if ((mask >> j) & 1u)
+                    memcpy(out + j * n, (const void*)(size_t)L.fibers[base + j].value, n);
+        }
+        for (unsigned l = 0; l < 32; ++l)
+            if ((mask >> l) & 1u) L.fibers[base + l].state = READY;
+        return;
     }
     unsigned ballot = 0;
     for (unsigned l = 0; l < 32; ++l)
@@ -470,6 +487,22 @@ extern "C" unsigned long long emu_warp_op(int op, unsigned mask, unsigned long l
     try_complete_warp(f.lin / 32, mask, op);
     while (L.fibers[L.cur].state == AT_WARP) switch_next(true);
     return L.fibers[L.cur].result;
+}
+
+extern "C" void emu_warp_allgather(unsigned mask, const void* in, int bytes, void* out) {
+    Fiber& f = L.fibers[L.cur];
+    const unsigned lane = f.lin & 31u;
+    f.op = EMU_ALLGATHER;
+    f.mask = mask;
+    if (!((mask >> lane) & 1u))
+        fail("%s with mask 0x%08x, which does not name the calling lane", op_name(EMU_ALLGATHER),
+             mask);
+    f.value = (unsigned long long)(size_t)in;
+    f.arg = bytes;
+    f.out = out;
+    f.state = AT_WARP;
+    try_complete_warp(f.lin / 32, mask, EMU_ALLGATHER);
+    while (L.fibers[L.cur].state == AT_WARP) switch_next(true);
 }
 
 extern "C" int emu_barrier(int kind, int pred) {

@@ -801,3 +801,36 @@ fn rmsnorm_matches_f64_with_residual_and_q8_epilogue() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// every module
+
+/// Every module but the all-reduce builds for the emulator and exports every entry point its
+/// wrapper launches: a kernel edit that breaks the host build (inline assembly without a
+/// GGUFTOOL_EMU alternative, a CUDA built-in the shim lacks) fails here, not when someone
+/// needs the emulator.
+#[test]
+fn every_module_builds_and_exports_its_entries() {
+    if !compiler("every_module_builds_and_exports_its_entries") {
+        return;
+    }
+    let mut checked = 0usize;
+    for op in Op::ALL {
+        if op == Op::AllReduce {
+            assert!(matches!(
+                Module::build(op, &[]),
+                Err(kernels_emu::EmuError::Unsupported { .. })
+            ));
+            continue;
+        }
+        let m = module(op);
+        let names = op.kernel_names();
+        assert!(!names.is_empty(), "{op:?}");
+        for name in names {
+            let entry: Result<unsafe extern "C" fn(), _> = unsafe { m.entry(&name) };
+            assert!(entry.is_ok(), "{}: no entry `{name}`", m.name());
+            checked += 1;
+        }
+    }
+    say(&format!("{checked} entry points"));
+}

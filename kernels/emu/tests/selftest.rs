@@ -134,6 +134,61 @@ extern "C" __global__ void shmem(float* out, int* before, int* tout) {
     if (t == 0) before[4 * b + 3] = flag;
 }
 
+// One m16n8k32 and one m16n8k16 product, the fragments built with the PTX ISA's formulas
+// (lane -> element) from A (16 x 32, row-major), B (32 x 8, stored as 8 columns of 32) and C
+// (16 x 8); the shim's emulation inverts those formulas.
+extern "C" __global__ void mma_s8(const signed char* A, const signed char* B, const int* C,
+                                  int* D32, int* D16) {
+    const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+    unsigned a[4], b[2], a16[2], b16 = 0;
+    int c[4], d[4];
+    for (int j = 0; j < 4; ++j) {
+        unsigned v = 0;
+        for (int e = 0; e < 4; ++e) {
+            const int i = 4 * j + e;
+            const int row = (i < 4 || (i >= 8 && i < 12)) ? g : g + 8;
+            const int col = t * 4 + (i & 3) + (i >= 8 ? 16 : 0);
+            v |= (unsigned)(unsigned char)A[row * 32 + col] << (8 * e);
+        }
+        a[j] = v;
+    }
+    for (int j = 0; j < 2; ++j) {
+        unsigned v = 0, w = 0;
+        for (int e = 0; e < 4; ++e) {
+            const int i = 4 * j + e;
+            v |= (unsigned)(unsigned char)B[g * 32 + t * 4 + (i & 3) + (i >= 4 ? 16 : 0)] << (8 * e);
+            w |= (unsigned)(unsigned char)A[(i < 4 ? g : g + 8) * 32 + t * 4 + (i & 3)] << (8 * e);
+        }
+        b[j] = v;
+        a16[j] = w;
+    }
+    for (int e = 0; e < 4; ++e) b16 |= (unsigned)(unsigned char)B[g * 32 + t * 4 + e] << (8 * e);
+    for (int i = 0; i < 4; ++i) c[i] = C[(g + 8 * (i / 2)) * 8 + 2 * t + (i & 1)];
+    emu_mma_m16n8k32_s8(d, a, b, c);
+    for (int i = 0; i < 4; ++i) D32[(g + 8 * (i / 2)) * 8 + 2 * t + (i & 1)] = d[i];
+    emu_mma_m16n8k16_s8(d, a16, b16, c);
+    for (int i = 0; i < 4; ++i) D16[(g + 8 * (i / 2)) * 8 + 2 * t + (i & 1)] = d[i];
+}
+
+// ldmatrix x4 / x2 / x1 and x4.trans from four 8 x 8 matrices of 16-bit elements (M, dense),
+// staged in shared memory with 32-byte row pitch; lane l points at row l % 8 of matrix l / 8.
+extern "C" __global__ void ldmatrix(const unsigned short* M, unsigned* out) {
+    __shared__ __align__(16) unsigned short sm[4 * 8 * 16];
+    for (int i = threadIdx.x; i < 4 * 64; i += 32) sm[(i / 8) * 16 + i % 8] = M[i];
+    __syncwarp();
+    const int lane = threadIdx.x;
+    unsigned r4[4], r2[2], r1[1], t4[4];
+    emu_ldmatrix(r4, sm + lane * 16);
+    emu_ldmatrix(r2, sm + lane * 16);
+    emu_ldmatrix(r1, sm + lane * 16);
+    emu_ldmatrix(t4, sm + lane * 16, true);
+    unsigned* o = out + lane * 11;
+    for (int m = 0; m < 4; ++m) o[m] = r4[m];
+    for (int m = 0; m < 2; ++m) o[4 + m] = r2[m];
+    o[6] = r1[0];
+    for (int m = 0; m < 4; ++m) o[7 + m] = t4[m];
+}
+
 // Misuse the emulator must report.
 extern "C" __global__ void divergent(int* out) {
     const int lane = threadIdx.x & 31;
@@ -428,6 +483,81 @@ fn shared_memory_static_dynamic_template_and_poison() {
                 "template shared, block {b} thread {t}"
             );
         }
+    }
+}
+
+#[test]
+fn mma_s8_and_ldmatrix_follow_the_ptx_fragment_layouts() {
+    if !compiler("mma_s8_and_ldmatrix_follow_the_ptx_fragment_layouts") {
+        return;
+    }
+    let m = module();
+    type Mma = unsafe extern "C" fn(*const i8, *const i8, *const i32, *mut i32, *mut i32);
+    let f: Mma = unsafe { m.entry("mma_s8") }.unwrap();
+    // Deterministic values over the whole int8 range; C near the i32 limits (the sums wrap).
+    let a: Vec<i8> = (0..16 * 32)
+        .map(|i| ((i * 37 + 11) % 256) as u8 as i8)
+        .collect();
+    let b: Vec<i8> = (0..8 * 32)
+        .map(|i| ((i * 101 + 3) % 256) as u8 as i8)
+        .collect();
+    let mut c: Vec<i32> = (0..16 * 8).map(|i| i * 1000 - 64_000).collect();
+    c[0] = i32::MAX - 5;
+    c[9] = i32::MIN + 3;
+    let mut d32 = vec![0i32; 128];
+    let mut d16 = vec![0i32; 128];
+    let (ap, bp, cp, d32p, d16p) = (
+        a.as_ptr(),
+        b.as_ptr(),
+        c.as_ptr(),
+        d32.as_mut_ptr(),
+        d16.as_mut_ptr(),
+    );
+    m.launch("mma_s8", [1, 1, 1], [32, 1, 1], 0, &|| unsafe {
+        f(ap, bp, cp, d32p, d16p)
+    })
+    .unwrap();
+    for r in 0..16 {
+        for n in 0..8 {
+            let dot = |kb: usize| -> i32 {
+                (0..kb)
+                    .map(|k| i32::from(a[r * 32 + k]) * i32::from(b[n * 32 + k]))
+                    .sum()
+            };
+            let cv = c[r * 8 + n];
+            assert_eq!(d32[r * 8 + n], cv.wrapping_add(dot(32)), "k32 ({r}, {n})");
+            assert_eq!(d16[r * 8 + n], cv.wrapping_add(dot(16)), "k16 ({r}, {n})");
+        }
+    }
+
+    type Ld = unsafe extern "C" fn(*const u16, *mut u32);
+    let f: Ld = unsafe { m.entry("ldmatrix") }.unwrap();
+    let mat: Vec<u16> = (0..256).map(|i| (i * 257 + 1) as u16).collect();
+    let mut out = vec![0u32; 32 * 11];
+    let (mp, op) = (mat.as_ptr(), out.as_mut_ptr());
+    m.launch("ldmatrix", [1, 1, 1], [32, 1, 1], 0, &|| unsafe {
+        f(mp, op)
+    })
+    .unwrap();
+    let el = |m: usize, r: usize, c: usize| u32::from(mat[m * 64 + r * 8 + c]);
+    for l in 0..32 {
+        let (q, c) = (l / 4, 2 * (l % 4));
+        let fr = |m: usize| el(m, q, c) | el(m, q, c + 1) << 16;
+        let tr = |m: usize| el(m, c, q) | el(m, c + 1, q) << 16;
+        let want = [
+            fr(0),
+            fr(1),
+            fr(2),
+            fr(3),
+            fr(0),
+            fr(1),
+            fr(0),
+            tr(0),
+            tr(1),
+            tr(2),
+            tr(3),
+        ];
+        assert_eq!(&out[l * 11..l * 11 + 11], &want, "lane {l}");
     }
 }
 
