@@ -9,7 +9,7 @@
 //! shared library, cached on disk and loaded. [`Module::launch`] runs a grid: blocks one after
 //! another, the threads of a block as fibers on the calling OS thread, switched only at barriers
 //! and warp collectives, so a launch is deterministic. Undefined behaviour that the GPU would
-//! hide (divergent warp collectives, masks naming exited lanes, deadlocks) is reported as
+//! hide (divergent warp collectives, shuffles reading exited lanes, deadlocks) is reported as
 //! [`EmuError::Launch`] naming the kernel, block and thread.
 //!
 //! What it does not emulate: the GPU's speed and memory-model races (nothing runs concurrently),
