@@ -189,6 +189,12 @@ extern "C" __global__ void ldmatrix(const unsigned short* M, unsigned* out) {
     for (int m = 0; m < 4; ++m) o[7 + m] = t4[m];
 }
 
+// prelude.cuh's host f16 -> f32 conversion for every bit pattern.
+extern "C" __global__ void f16_all(float* out) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < 65536; i += gridDim.x * blockDim.x)
+        out[i] = f16_to_f32((uint16_t)i);
+}
+
 // Misuse the emulator must report.
 extern "C" __global__ void divergent(int* out) {
     const int lane = threadIdx.x & 31;
@@ -602,6 +608,25 @@ fn exited_and_missing_lanes_take_no_part() {
         // all(lane != 7) fails on lane 7; all(lane != 3) holds: lane 3 exited.
         let want = [active, 2, sum, 32 * w as u32];
         assert_eq!(o, &want, "thread {t}");
+    }
+}
+
+#[test]
+fn f16_to_f32_alternative_is_exact_for_every_half() {
+    if !compiler("f16_to_f32_alternative_is_exact_for_every_half") {
+        return;
+    }
+    let m = module();
+    type F = unsafe extern "C" fn(*mut f32);
+    let f: F = unsafe { m.entry("f16_all") }.unwrap();
+    let mut out = vec![0f32; 65536];
+    let op = out.as_mut_ptr();
+    m.launch("f16_all", [8, 1, 1], [256, 1, 1], 0, &|| unsafe { f(op) })
+        .unwrap();
+    // Subnormals, infinities and NaN (payload kept, quiet bit set) as the `half` crate has them.
+    for (h, v) in out.iter().enumerate() {
+        let want = half::f16::from_bits(h as u16).to_f32();
+        assert_eq!(v.to_bits(), want.to_bits(), "f16 bits {h:#06x}");
     }
 }
 
