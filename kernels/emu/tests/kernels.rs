@@ -548,6 +548,139 @@ fn indexer_scores_f32_and_bf16_and_topk_of_them() {
     }
 }
 
+/// The lane-per-key scorer (bf16 keys) with the wrapper's grid (`kernels::indexer::lanes_grid`
+/// for an H200's 132 SMs) and with 2 y blocks (tokens grid-strided): one and two head groups
+/// (H = 40: 32 + 8), widths 64 / 72 / 128, T not a multiple of 256, a causal prefill (whole
+/// blocks past a token's position), keys read at a row stride wider than the width.
+#[test]
+fn indexer_lanes_kernel_matches_f64() {
+    if !compiler("indexer_lanes_kernel_matches_f64") {
+        return;
+    }
+    let mut r = Rng::new("emu indexer lanes");
+    let m = module(Op::IndexerScores);
+    let entry = "indexer_scores_lanes_bf16";
+    let f: IndexerFn = unsafe { m.entry(entry) }.unwrap();
+    let causal = |n: usize| (0..n as i32).collect::<Vec<i32>>();
+    for (heads, dim, k_stride, t_len, pos) in [
+        (4usize, 64usize, 64usize, 121usize, vec![120i32, 31, 10, 0]),
+        (40, 128, 136, 700, vec![699, 300, 255, 256]),
+        (8, 72, 72, 300, vec![299, 5, 256]),
+        (32, 128, 128, 2000, vec![1999, 0]),
+        (32, 128, 128, 300, causal(300)),
+    ] {
+        let s_len = pos.len();
+        let q = r.vec(s_len * heads * dim, 1.0);
+        // Rows `k_stride` apart; the gap holds NaN, which must never be read.
+        let mut kbits = vec![half::bf16::from_f32(f32::NAN).to_bits(); t_len * k_stride];
+        let mut kc = vec![0f32; t_len * dim];
+        for t in 0..t_len {
+            for d in 0..dim {
+                let b = half::bf16::from_f32(r.sym(1.0)).to_bits();
+                kbits[t * k_stride + d] = b;
+                kc[t * dim + d] = half::bf16::from_bits(b).to_f32();
+            }
+        }
+        let w: Vec<f32> = r
+            .vec(s_len * heads, 1.0)
+            .iter()
+            .map(|v| v / (heads as f32).sqrt())
+            .collect();
+        let scale = 1.0 / (dim as f32).sqrt();
+        let out_stride = t_len + 3;
+        let sh = kernels::IndexerShape {
+            tokens: s_len,
+            heads,
+            dim,
+            q_stride: heads * dim,
+            k_stride,
+            kv_len: t_len,
+            w_stride: heads,
+            out_stride,
+            scale,
+        };
+        let kb: Buf<u16> = Buf::new(&kbits);
+        assert!(kernels::indexer::lanes_fit(&sh, kb.ptr() as u64));
+        let (qb, wb, pb) = (Buf::new(&q), Buf::new(&w), Buf::new(&pos));
+        let (gx, gy) = kernels::indexer::lanes_grid(&sh, 132, 65535);
+        for grid_y in [gy, 2.min(s_len as u64)] {
+            let mut out = Buf::filled(s_len * out_stride, f32::NAN);
+            let (qp, kp, wp, pp, op) = (
+                qb.ptr(),
+                kb.ptr() as *const u8,
+                wb.ptr(),
+                pb.ptr(),
+                out.mut_ptr(),
+            );
+            m.launch(
+                entry,
+                [gx as u32, grid_y as u32, 1],
+                [kernels::indexer::IXL_THREADS, 1, 1],
+                0,
+                &|| unsafe {
+                    f(
+                        qp,
+                        (heads * dim) as i64,
+                        heads as i32,
+                        dim as i32,
+                        kp,
+                        k_stride as i64,
+                        wp,
+                        heads as i64,
+                        pp,
+                        t_len as i32,
+                        scale,
+                        op,
+                        out_stride as i64,
+                        s_len as i64,
+                    )
+                },
+            )
+            .unwrap();
+            let sc = out.to_vec();
+            // Per head an 8-term FMA chain per 8-dim chunk and dim/8 chunk sums, then H
+            // weighted terms in order and the scale and weight products: (dim/8 + 8 + heads +
+            // 3) roundings, normwise with gpu.rs's x4 margin (its lane-kernel bound).
+            let tol = (dim as f64 / 8.0 + 8.0 + heads as f64 + 3.0) * U32 * 4.0;
+            let mut worst = 0f64;
+            let mut scored = 0usize;
+            for s in 0..s_len {
+                let want = indexer_cpu(
+                    &q[s * heads * dim..],
+                    &kc,
+                    &w[s * heads..],
+                    heads,
+                    dim,
+                    t_len,
+                    pos[s],
+                    scale,
+                );
+                let finite: Vec<f64> = want.iter().cloned().filter(|v| v.is_finite()).collect();
+                let mag = max_abs(&finite).max(1e-30);
+                for t in 0..t_len {
+                    let got = sc[s * out_stride + t];
+                    if want[t].is_finite() {
+                        worst = worst.max((f64::from(got) - want[t]).abs() / mag);
+                        scored += 1;
+                    } else {
+                        assert_eq!(got, f32::NEG_INFINITY, "s {s} t {t}: masked");
+                    }
+                }
+                let pad = &sc[s * out_stride + t_len..(s + 1) * out_stride];
+                assert!(pad.iter().all(|v| v.is_nan()), "s {s}: padding written");
+            }
+            assert!(scored > 0, "nothing scored");
+            say(&format!(
+                "{entry} {heads}x{dim} T {t_len} S {s_len} grid ({gx}, {grid_y}): worst {worst:.3e} (tol {tol:.3e})"
+            ));
+            assert!(
+                worst <= tol,
+                "{entry} {heads}x{dim} T {t_len}: {worst:e} > {tol:e}"
+            );
+        }
+    }
+}
+
 /// Rows that stress the selection: clustered scores with a -inf tail and a NaN, 7 distinct
 /// values (thousands of ties at the threshold), signed zeros / infinities / extremes, too few
 /// candidates, exactly k + 1, and one value everywhere.
