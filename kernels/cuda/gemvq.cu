@@ -56,6 +56,28 @@ struct GemvQ {
     long long ws_nblk;
 };
 
+#ifdef GGUFTOOL_EMU
+// The CPU emulator's (kernels/emu): c + the four signed byte products, wrapping as the
+// instruction does.
+DEV int dp4a(int a, int b, int c) {
+    uint32_t s = (uint32_t)c;
+    for (int i = 0; i < 4; ++i) s += (uint32_t)((int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i)));
+    return (int)s;
+}
+// prmt.b32's default mode: result byte i is byte (sel >> 4i) & 7 of the pair {b:a} (a = bytes
+// 0..3), or that byte's sign replicated (0x00 / 0xFF) when bit 3 of the nibble is set.
+DEV uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    const uint64_t ba = (uint64_t)a | ((uint64_t)b << 32);
+    uint32_t r = 0;
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t n = (sel >> (4 * i)) & 0xFu;
+        uint32_t v = (uint32_t)(ba >> (8 * (n & 7u))) & 0xFFu;
+        if (n & 8u) v = (v & 0x80u) ? 0xFFu : 0u;
+        r |= v << (8 * i);
+    }
+    return r;
+}
+#else
 DEV int dp4a(int a, int b, int c) {
     int r;
     asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
@@ -66,6 +88,7 @@ DEV uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
     return r;
 }
+#endif
 DEV int4 ldx4(const int8_t* p) { return *(const int4*)p; }
 DEV int dot16(const uint32_t (&w)[4], const int4& x) {
     int s = dp4a((int)w[0], x.x, 0);

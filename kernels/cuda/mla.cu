@@ -49,7 +49,7 @@ DEV float4 mla_load4(const void* kv, long long off) {
 
 template <int BF16>
 DEV void mla_impl(const MlaP& p) {
-    extern __shared__ float sm[];
+    DYN_SHARED(float, sm);
     const int DS = p.D + 4;  // row pitch: lanes' rows land on distinct bank groups
     float* ks = sm;
     float* ps = sm + MLA_KT * DS;

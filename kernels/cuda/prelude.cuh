@@ -13,6 +13,14 @@ typedef unsigned long long uint64_t;
 
 #define DEV __device__ __forceinline__
 
+// A kernel's dynamic shared memory (the launch's byte count) as `T* name`: the extern array on
+// the device, the emulator's per-launch buffer in a host build (kernels/emu).
+#ifdef GGUFTOOL_EMU
+#define DYN_SHARED(T, name) T* const name = (T*)emu_dynamic_shared()
+#else
+#define DYN_SHARED(T, name) extern __shared__ T name[]
+#endif
+
 // Programmatic dependent launch (sm_90+; kernels/src/device.rs launches every kernel whose PTX
 // holds griddepcontrol.wait with the stream-serialization attribute). `pdl_trigger` lets the
 // next kernel of the stream be scheduled while this one still runs (its blocks then sit in their
@@ -38,11 +46,24 @@ DEV void pdl_entry() {
 }
 
 // Exact IEEE conversions (subnormals, inf and NaN included), matching the `half` crate.
+#ifdef GGUFTOOL_EMU
+// The CPU emulator's (kernels/emu): the same values bit for bit, NaN stays NaN (quiet, payload
+// kept as the `half` crate keeps it; no caller depends on a NaN's bits).
+DEV float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0x1Fu) return __uint_as_float(sign | 0x7F800000u | (m ? 0x400000u | (m << 13) : 0u));
+    if (e != 0u) return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+    // Subnormal (or zero): m * 2^-24 is exact in f32.
+    const float v = (float)m * 5.9604644775390625e-8f;
+    return __uint_as_float(sign | __float_as_uint(v));
+}
+#else
 DEV float f16_to_f32(uint16_t h) {
     float f;
     asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
     return f;
 }
+#endif
 DEV float bf16_to_f32(uint16_t h) { return __uint_as_float(((uint32_t)h) << 16); }
 // Round to nearest even, NaN kept quiet (same rule as `half::bf16::from_f32`).
 DEV uint16_t f32_to_bf16(float f) {

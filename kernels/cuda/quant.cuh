@@ -105,9 +105,14 @@ QTRAITS(QT_F64, 32, 256)
 // (ld.global.nc.L1::evict_first, sm_70+) so the streamed weights do not push out the activation
 // vector that every row re-reads from L1, while neighbouring loads of one sector still hit L1.
 // (L1::evict_first was measured slower for the types read in 2- and 4-byte pieces: every piece
-// then went to L2; H200, 2026-11-30.) (GGUFTOOL_HOST_EMULATION: a host build of the
-// decoders for checking them against the CPU oracle without a GPU supplies plain loads.)
-#ifndef GGUFTOOL_HOST_EMULATION
+// then went to L2; H200, 2026-11-30.) The CPU emulator (kernels/emu, GGUFTOOL_EMU) reads the
+// same bytes with plain loads.
+#ifdef GGUFTOOL_EMU
+DEV uint4 ldw4(const void* p) { return *(const uint4*)p; }
+DEV uint2 ldw2(const void* p) { return *(const uint2*)p; }
+DEV uint32_t ldw32(const void* p) { return *(const uint32_t*)p; }
+DEV uint32_t ld_u16(const uint8_t* p) { return *(const uint16_t*)p; }  // 2-byte aligned callers only
+#else
 DEV uint4 ldw4(const void* p) {
     uint4 v;
     asm("ld.global.nc.L1::evict_first.v4.u32 {%0, %1, %2, %3}, [%4];"

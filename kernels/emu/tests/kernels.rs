@@ -1,0 +1,836 @@
+//! Production kernels, already validated on the GPU, run under emulation against the same CPU
+//! oracles the GPU tests use (kernels/tests/common/oracle.rs), with the launch configurations
+//! of the Rust wrappers: agreement validates the emulator, and the pattern is the one new
+//! kernels follow. Arithmetic differs from the GPU only where the GPU contracts a product into
+//! an FMA (one rounding fewer); every tolerance below is the GPU test's, derived for either.
+//! Without a C++ compiler every test prints "skipped: no C++ compiler" and passes.
+
+#[path = "../../tests/common/oracle.rs"]
+mod oracle;
+
+use std::io::Write;
+use std::marker::PhantomData;
+use std::sync::OnceLock;
+
+use gguf::GgmlType;
+use kernels::{Op, QType};
+use kernels_emu::Module;
+use oracle::*;
+
+fn say(msg: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{msg}");
+}
+
+fn compiler(test: &str) -> bool {
+    if !kernels_emu::available() {
+        say(&format!("skipped: no C++ compiler ({test})"));
+        return false;
+    }
+    true
+}
+
+/// One module per op for the whole binary (tests run in parallel; the first builds it).
+fn module(op: Op) -> &'static Module {
+    static MODS: OnceLock<std::sync::Mutex<Vec<(Op, &'static Module)>>> = OnceLock::new();
+    let mods = MODS.get_or_init(Default::default);
+    let found = mods
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .find(|(o, _)| *o == op)
+        .map(|(_, m)| *m);
+    if let Some(m) = found {
+        return m;
+    }
+    let m: &'static Module = match Module::build(op, &[]) {
+        Ok(m) => Box::leak(Box::new(m)),
+        Err(e) => panic!("{e}"),
+    };
+    mods.lock().unwrap_or_else(|p| p.into_inner()).push((op, m));
+    m
+}
+
+/// A 16-byte-aligned buffer of `T`: the kernels load int4 / uint4 / float4 vectors, which the
+/// host compiler may turn into aligned vector loads (the device wrappers check the same
+/// alignment).
+struct Buf<T> {
+    words: Vec<u128>,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+impl<T: Copy> Buf<T> {
+    fn new(v: &[T]) -> Self {
+        let bytes = std::mem::size_of_val(v);
+        let mut words = vec![0u128; bytes.div_ceil(16).max(1)];
+        // SAFETY: `words` holds at least `bytes` bytes; T is plain data.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                v.as_ptr() as *const u8,
+                words.as_mut_ptr() as *mut u8,
+                bytes,
+            )
+        };
+        Buf {
+            words,
+            len: v.len(),
+            _t: PhantomData,
+        }
+    }
+    fn filled(n: usize, v: T) -> Self {
+        Self::new(&vec![v; n])
+    }
+    fn ptr(&self) -> *const T {
+        self.words.as_ptr() as *const T
+    }
+    fn mut_ptr(&mut self) -> *mut T {
+        self.words.as_mut_ptr() as *mut T
+    }
+    fn to_vec(&self) -> Vec<T> {
+        // SAFETY: `len` values of T were written at the start of `words`.
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }.to_vec()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// quantize.cu
+
+type QuantizeFn = unsafe extern "C" fn(*const f32, i64, i64, i32, *mut i8, *mut u64);
+
+/// Runs quantize_q8a over `rows` rows of `k` (`x_stride` apart) with `grid` blocks of 256
+/// threads; returns (codes, per-block d, per-half sums).
+fn quantize(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    x_stride: usize,
+    grid: u32,
+) -> (Vec<i8>, Vec<f32>, Vec<i16>) {
+    let m = module(Op::Quantize);
+    let f: QuantizeFn = unsafe { m.entry("quantize_q8a") }.unwrap();
+    let xb = Buf::new(x);
+    let mut qs = Buf::filled(rows * k, 0x55i8);
+    let mut ds = Buf::filled(rows * k / 32, u64::MAX);
+    let (xp, qp, dp) = (xb.ptr(), qs.mut_ptr(), ds.mut_ptr());
+    m.launch("quantize_q8a", [grid, 1, 1], [256, 1, 1], 0, &|| unsafe {
+        f(xp, x_stride as i64, rows as i64, k as i32, qp, dp)
+    })
+    .unwrap();
+    let recs = ds.to_vec();
+    let d = recs.iter().map(|r| f32::from_bits(*r as u32)).collect();
+    let s = recs
+        .iter()
+        .flat_map(|r| [(*r >> 32) as u16 as i16, (*r >> 48) as u16 as i16])
+        .collect();
+    (qs.to_vec(), d, s)
+}
+
+#[test]
+fn quantize_q8a_equals_the_cpu_emulation_bit_for_bit() {
+    if !compiler("quantize_q8a_equals_the_cpu_emulation_bit_for_bit") {
+        return;
+    }
+    let mut r = Rng::new("emu quantize_q8a");
+    let (rows, k, stride) = (3usize, 2048usize, 2048 + 96);
+    let mut x = activations(&mut r, rows, k);
+    x[64 + 3] = f32::NAN; // block 2 of row 0
+    x[k + 7 * 32 + 9] = f32::INFINITY; // block 7 of row 1
+    let mut xs = vec![f32::NAN; (rows - 1) * stride + k];
+    for rr in 0..rows {
+        xs[rr * stride..rr * stride + k].copy_from_slice(&x[rr * k..(rr + 1) * k]);
+    }
+    let (cq, cd, cs) = q8_cpu(&x);
+    let bad_blocks = [2usize, k / 32 + 7];
+    let blocks = rows * k / 32;
+    // The wrapper's grid (one warp per block of 32), then a small grid that strides.
+    for grid in [blocks.div_ceil(8) as u32, 5] {
+        let (q, d, s) = quantize(&xs, rows, k, stride, grid);
+        let mut bad = 0usize;
+        for b in 0..blocks {
+            if bad_blocks.contains(&b) {
+                assert!(d[b].is_nan(), "block {b} holds a NaN or inf: d = NaN");
+                assert!(q[32 * b..32 * b + 32].iter().all(|&c| c == 0), "block {b}");
+                assert_eq!((s[2 * b], s[2 * b + 1]), (0, 0), "block {b}");
+                continue;
+            }
+            bad += usize::from(d[b].to_bits() != cd[b].to_bits());
+            bad += usize::from(s[2 * b] != cs[2 * b] || s[2 * b + 1] != cs[2 * b + 1]);
+            bad += (32 * b..32 * b + 32).filter(|&i| q[i] != cq[i]).count();
+        }
+        assert_eq!(bad, 0, "grid {grid}: codes, scales and sums differ");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// gemvq.cu
+
+/// `struct Q8A` of gemvq.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Q8AParams {
+    qs: *const i8,
+    ds: *const u64,
+    rows: i64,
+}
+
+/// `struct GemvQ` of gemvq.cu, field for field.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemvQParams {
+    w: *const u8,
+    w2: *const u8,
+    nblk: i64,
+    nrows: i32,
+    k: i32,
+    n_slabs: i32,
+    lpr: i32,
+    count: i32,
+    ncols: i32,
+    ids: *const i32,
+    xidx: *const i32,
+    x_div: i32,
+    ctopk: i32,
+    x: Q8AParams,
+    y: *mut f32,
+    yidx: *const i32,
+    y_stride: i64,
+    y_rows: i64,
+    cw: *const f32,
+    ksplit: i32,
+    accum: i32,
+    ws: *const u8,
+    ws2: *const u8,
+    ws_nblk: i64,
+}
+
+/// `struct QTables` of quant.cuh (eight table pointers; Q4_K and Q8_0 read none).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct QTables {
+    t: [*const u8; 8],
+}
+
+type GemvqFn = unsafe extern "C" fn(GemvQParams, QTables);
+
+/// kernels/src/gemv.rs's lanes per row: the largest power of two <= 32 dividing `tasks`.
+fn lanes_for_tasks(tasks: usize) -> usize {
+    let mut l = 32;
+    while l > 1 && !tasks.is_multiple_of(l) {
+        l /= 2;
+    }
+    l
+}
+
+/// One plain GEMV of `ncols` activation columns through `entry` (rows per lane group `rpg`,
+/// k-split `ks` for one column), launched as `Gpu::gemv_q` launches it.
+#[allow(clippy::too_many_arguments)]
+fn gemvq(
+    qt: QType,
+    entry: &str,
+    rpg: usize,
+    ks: usize,
+    w: &Buf<u8>,
+    nblk: usize,
+    rows: usize,
+    k: usize,
+    ncols: usize,
+    q: &(Buf<i8>, Buf<u64>),
+) -> Vec<f32> {
+    let m = module(Op::GemvQ(qt));
+    let f: GemvqFn = unsafe { m.entry(entry) }.unwrap();
+    let tw = if ncols == 1 { qt.task_weights() } else { 32 };
+    let lpr = lanes_for_tasks(k / tw);
+    let rows_per_block = (4 / ks) * (32 / lpr) * rpg;
+    let mut y = Buf::filled(ncols * rows, f32::NAN);
+    let p = GemvQParams {
+        w: w.ptr(),
+        w2: std::ptr::null(),
+        nblk: nblk as i64,
+        nrows: rows as i32,
+        k: k as i32,
+        n_slabs: 1,
+        lpr: lpr as i32,
+        count: 1,
+        ncols: ncols as i32,
+        ids: std::ptr::null(),
+        xidx: std::ptr::null(),
+        x_div: 1,
+        ctopk: 0,
+        x: Q8AParams {
+            qs: q.0.ptr(),
+            ds: q.1.ptr(),
+            rows: ncols as i64,
+        },
+        y: y.mut_ptr(),
+        yidx: std::ptr::null(),
+        y_stride: rows as i64,
+        y_rows: ncols as i64,
+        cw: std::ptr::null(),
+        ksplit: ks as i32,
+        accum: 0,
+        ws: std::ptr::null(),
+        ws2: std::ptr::null(),
+        ws_nblk: 0,
+    };
+    let t = QTables {
+        t: [std::ptr::null(); 8],
+    };
+    let grid = rows.div_ceil(rows_per_block) as u32;
+    m.launch(entry, [grid, 1, 1], [128, 1, 1], 0, &|| unsafe { f(p, t) })
+        .unwrap();
+    y.to_vec()
+}
+
+#[test]
+fn gemvq_q4_k_and_q8_0_match_f64_within_the_gpu_bound() {
+    if !compiler("gemvq_q4_k_and_q8_0_match_f64_within_the_gpu_bound") {
+        return;
+    }
+    let mut r = Rng::new("emu gemvq");
+    for (ty, qt) in [(GgmlType::Q4_K, QType::Q4K), (GgmlType::Q8_0, QType::Q8_0)] {
+        // One column (every k-split), eight and five columns (the 8-column kernels with
+        // several rows per lane group, and with one); K = 768 gives 4 or 8 lanes per row.
+        for (rows, k, ncols) in [
+            (129usize, 256usize, 1usize),
+            (40, 768, 1),
+            (64, 512, 8),
+            (33, 768, 5),
+        ] {
+            let bytes = sane_blocks(ty, rows * k, &mut r);
+            let w = dequant_cpu(ty, &bytes);
+            let dev = if kernels::repack::is_packed(ty) {
+                kernels::repack::repack(ty, &bytes).unwrap()
+            } else {
+                bytes
+            };
+            let wb = Buf::new(&dev);
+            let nblk = rows * k / ty.block_size();
+            let x = activations(&mut r, ncols, k);
+            let (qc, qd, qsum) = quantize(&x, ncols, k, k, (ncols * k / 32).div_ceil(8) as u32);
+            // Codes and records as the device holds them, from the quantize kernel's output.
+            let recs: Vec<u64> = qd
+                .iter()
+                .enumerate()
+                .map(|(b, d)| {
+                    u64::from(d.to_bits())
+                        | u64::from(qsum[2 * b] as u16) << 32
+                        | u64::from(qsum[2 * b + 1] as u16) << 48
+                })
+                .collect();
+            let q = (Buf::new(&qc), Buf::new(&recs));
+            let runs: Vec<(String, usize, usize)> = if ncols == 1 {
+                [1, 2, 4]
+                    .iter()
+                    .map(|&ks| (format!("gemvq1_{}", qt.suffix()), 1, ks))
+                    .collect()
+            } else {
+                vec![
+                    (format!("gemvq8r_{}", qt.suffix()), 2, 1),
+                    (format!("gemvq8_{}", qt.suffix()), 1, 1),
+                ]
+            };
+            let mut first: Option<Vec<f32>> = None;
+            for (entry, rpg, ks) in runs {
+                let y = gemvq(qt, &entry, rpg, ks, &wb, nblk, rows, k, ncols, &q);
+                let (ok, worst) = gemvq_verify(&w, &x, &qc, &qd, &y, rows, k, ncols);
+                say(&format!(
+                    "gemvq {ty} {rows}x{k} x{ncols} {entry} split {ks}: worst {worst:.3e} of tol"
+                ));
+                assert!(ok, "gemvq {ty} {rows}x{k} x{ncols} {entry} split {ks}");
+                // The row-per-group variants sum the same products in the same order.
+                if ncols > 1 {
+                    if let Some(f) = &first {
+                        let same = f.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{ty} {rows}x{k} x{ncols}: {entry} differs bitwise");
+                    }
+                    first = Some(y);
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// indexer_scores.cu, topk.cu
+
+type IndexerFn = unsafe extern "C" fn(
+    *const f32,
+    i64,
+    i32,
+    i32,
+    *const u8,
+    i64,
+    *const f32,
+    i64,
+    *const i32,
+    i32,
+    f32,
+    *mut f32,
+    i64,
+    i64,
+);
+
+type TopkFn = unsafe extern "C" fn(*const f32, i64, i32, i32, *mut i32, i64, *mut i32);
+
+/// topk_f32 over `rows` rows of `n` (`stride` apart): one 1024-thread block per row, as
+/// `Gpu::topk` launches it. Returns (selection, counts).
+fn topk_one_block(
+    x: &[f32],
+    rows: usize,
+    n: usize,
+    stride: usize,
+    k: usize,
+) -> (Vec<i32>, Vec<i32>) {
+    let m = module(Op::TopK);
+    let f: TopkFn = unsafe { m.entry("topk_f32") }.unwrap();
+    let xb = Buf::new(x);
+    let mut out = Buf::filled(rows * k, -7i32);
+    let mut cnt = Buf::filled(rows, -7i32);
+    let (xp, op, cp) = (xb.ptr(), out.mut_ptr(), cnt.mut_ptr());
+    m.launch(
+        "topk_f32",
+        [rows as u32, 1, 1],
+        [1024, 1, 1],
+        0,
+        &|| unsafe { f(xp, stride as i64, n as i32, k as i32, op, k as i64, cp) },
+    )
+    .unwrap();
+    (out.to_vec(), cnt.to_vec())
+}
+
+#[test]
+fn indexer_scores_f32_and_bf16_and_topk_of_them() {
+    if !compiler("indexer_scores_f32_and_bf16_and_topk_of_them") {
+        return;
+    }
+    let mut r = Rng::new("emu indexer");
+    let m = module(Op::IndexerScores);
+    // (heads, dim, T, top-k, query positions): the fixture's shape, a width that is not a
+    // multiple of 32, and T not a multiple of the 8 keys per block.
+    for (heads, dim, t_len, k, pos) in [
+        (4usize, 64usize, 121usize, 32usize, vec![120i32, 31, 10]),
+        (3, 72, 77, 20, vec![76, 40, 0]),
+        (8, 128, 300, 64, vec![299, 150, 299, 7]),
+    ] {
+        for bf16 in [false, true] {
+            let s_len = pos.len();
+            let q = r.vec(s_len * heads * dim, 1.0);
+            let kc32 = r.vec(t_len * dim, 1.0);
+            // bf16 keys: the oracle sees the widened bf16 values, exactly what the kernel reads.
+            let kbits: Vec<u16> = kc32
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let kc: Vec<f32> = if bf16 {
+                kbits
+                    .iter()
+                    .map(|&b| half::bf16::from_bits(b).to_f32())
+                    .collect()
+            } else {
+                kc32.clone()
+            };
+            let w: Vec<f32> = r
+                .vec(s_len * heads, 1.0)
+                .iter()
+                .map(|v| v / (heads as f32).sqrt())
+                .collect();
+            let scale = 1.0 / (dim as f32).sqrt();
+            let out_stride = t_len + 5;
+            let (qb, wb, pb) = (Buf::new(&q), Buf::new(&w), Buf::new(&pos));
+            let kb: Buf<u8> = if bf16 {
+                Buf::new(
+                    &kbits
+                        .iter()
+                        .flat_map(|b| b.to_le_bytes())
+                        .collect::<Vec<u8>>(),
+                )
+            } else {
+                Buf::new(
+                    &kc32
+                        .iter()
+                        .flat_map(|v| v.to_le_bytes())
+                        .collect::<Vec<u8>>(),
+                )
+            };
+            let entry = if bf16 {
+                "indexer_scores_bf16"
+            } else {
+                "indexer_scores_f32"
+            };
+            let f: IndexerFn = unsafe { m.entry(entry) }.unwrap();
+            // The wrapper's grid, then fewer y blocks than tokens (the tokens grid-stride).
+            for grid_y in [s_len, 2] {
+                let mut out = Buf::filled(s_len * out_stride, f32::NAN);
+                let (qp, kp, wp, pp, op) = (qb.ptr(), kb.ptr(), wb.ptr(), pb.ptr(), out.mut_ptr());
+                m.launch(
+                    entry,
+                    [t_len.div_ceil(8) as u32, grid_y as u32, 1],
+                    [256, 1, 1],
+                    0,
+                    &|| unsafe {
+                        f(
+                            qp,
+                            (heads * dim) as i64,
+                            heads as i32,
+                            dim as i32,
+                            kp,
+                            dim as i64,
+                            wp,
+                            heads as i64,
+                            pp,
+                            t_len as i32,
+                            scale,
+                            op,
+                            out_stride as i64,
+                            s_len as i64,
+                        )
+                    },
+                )
+                .unwrap();
+                let sc = out.to_vec();
+                // Per head: dim/32 products per lane + 5 tree adds, then H weighted terms summed
+                // in order: (dim/32 + heads + 8) roundings of the magnitude, taken normwise (x4
+                // margin for the head sum's magnitude exceeding the result's) - gpu.rs's bound.
+                let tol = (dim as f64 / 32.0 + heads as f64 + 8.0) * U32 * 4.0;
+                let mut worst = 0f64;
+                for s in 0..s_len {
+                    let want = indexer_cpu(
+                        &q[s * heads * dim..],
+                        &kc,
+                        &w[s * heads..],
+                        heads,
+                        dim,
+                        t_len,
+                        pos[s],
+                        scale,
+                    );
+                    let finite: Vec<f64> = want.iter().cloned().filter(|v| v.is_finite()).collect();
+                    assert!(!finite.is_empty());
+                    let mag = max_abs(&finite).max(1e-30);
+                    for t in 0..t_len {
+                        let got = sc[s * out_stride + t];
+                        if want[t].is_finite() {
+                            worst = worst.max((f64::from(got) - want[t]).abs() / mag);
+                        } else {
+                            assert_eq!(got, f32::NEG_INFINITY, "s {s} t {t}: masked");
+                        }
+                    }
+                    let pad = &sc[s * out_stride + t_len..(s + 1) * out_stride];
+                    assert!(pad.iter().all(|v| v.is_nan()), "s {s}: padding written");
+                }
+                say(&format!(
+                    "{entry} {heads}x{dim} T {t_len} grid.y {grid_y}: worst {worst:.3e} (tol {tol:.3e})"
+                ));
+                assert!(
+                    worst <= tol,
+                    "{entry} {heads}x{dim} T {t_len}: {worst:e} > {tol:e}"
+                );
+
+                // Top-k of the emulated scores equals the reference selection exactly.
+                let (sel, cnt) = topk_one_block(&sc, s_len, t_len, out_stride, k);
+                for s in 0..s_len {
+                    let want = topk_cpu(&sc[s * out_stride..s * out_stride + t_len], k);
+                    assert_eq!(&sel[s * k..(s + 1) * k], &want[..], "topk row {s}");
+                    assert_eq!(cnt[s] as usize, want.iter().filter(|&&v| v >= 0).count());
+                }
+            }
+        }
+    }
+}
+
+/// Rows that stress the selection: clustered scores with a -inf tail and a NaN, 7 distinct
+/// values (thousands of ties at the threshold), signed zeros / infinities / extremes, too few
+/// candidates, exactly k + 1, and one value everywhere.
+fn hard_rows(r: &mut Rng, n: usize, k: usize) -> Vec<Vec<f32>> {
+    let mut rows = Vec::new();
+    let mut a: Vec<f32> = (0..n).map(|_| r.unit() * 3.0).collect();
+    for v in &mut a[n - n / 7..] {
+        *v = f32::NEG_INFINITY;
+    }
+    a[n / 5] = f32::NAN;
+    rows.push(a);
+    rows.push(
+        (0..n)
+            .map(|i| {
+                if i % 17 == 3 {
+                    f32::NEG_INFINITY
+                } else {
+                    r.below(7) as f32 * 0.5 - 1.0
+                }
+            })
+            .collect(),
+    );
+    rows.push(
+        (0..n)
+            .map(|i| match i % 11 {
+                0 => 0.0,
+                1 => -0.0,
+                2 => f32::INFINITY,
+                3 => f32::NEG_INFINITY,
+                4 => f32::MIN_POSITIVE * r.unit(),
+                5 => -3.0e38 * r.unit(),
+                6 => 3.0e38 * r.unit(),
+                _ => r.sym(1.0),
+            })
+            .collect(),
+    );
+    for valid in [k / 3, k + 1] {
+        let mut v = vec![f32::NEG_INFINITY; n];
+        for j in 0..valid.min(n) {
+            v[j * n / valid] = r.sym(2.0);
+        }
+        rows.push(v);
+    }
+    rows.push(vec![1.5f32; n]);
+    rows
+}
+
+type TopkHistFn =
+    unsafe extern "C" fn(*const f32, i64, i32, i32, i32, i32, *mut i32, *mut i32, *mut i32);
+type TopkGatherFn = unsafe extern "C" fn(
+    *const f32,
+    i64,
+    i32,
+    i32,
+    i32,
+    *const i32,
+    *const i32,
+    *const i32,
+    *mut i32,
+    i64,
+    *mut i32,
+);
+
+/// topk.cu's zeroed ints per row, threads per block and ints per chunk of the last-pass table.
+const TKM_ZR: usize = 1056;
+const TKM_G: usize = 257;
+
+#[test]
+fn topk_one_block_and_split_over_blocks_equal_the_reference() {
+    if !compiler("topk_one_block_and_split_over_blocks_equal_the_reference") {
+        return;
+    }
+    let mut r = Rng::new("emu topk");
+    let m = module(Op::TopK);
+    let hist: TopkHistFn = unsafe { m.entry("topk_mb_hist") }.unwrap();
+    let gather: TopkGatherFn = unsafe { m.entry("topk_mb_gather") }.unwrap();
+    let (n, k, stride) = (9000usize, 1024usize, 9003usize);
+    let rows_x = hard_rows(&mut r, n, k);
+    let rows = rows_x.len();
+    let mut x = vec![f32::NAN; rows * stride];
+    for (i, v) in rows_x.iter().enumerate() {
+        x[i * stride..i * stride + n].copy_from_slice(v);
+    }
+    let want: Vec<Vec<i32>> = rows_x.iter().map(|v| topk_cpu(v, k)).collect();
+
+    let (sel, cnt) = topk_one_block(&x, rows, n, stride, k);
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(&sel[i * k..(i + 1) * k], &w[..], "topk_f32 row {i}");
+        assert_eq!(cnt[i] as usize, w.iter().filter(|&&v| v >= 0).count());
+    }
+
+    // The wrapper's split plan for an 8-SM GPU: several chunks per row, the last partial.
+    let (chunk, chunks) = kernels::sample::split_chunks(n, rows, 8);
+    assert!(chunks >= 3 && n % chunk != 0, "plan ({chunk}, {chunks})");
+    let xb = Buf::new(&x);
+    let mut zs = Buf::filled(rows * TKM_ZR, 0i32);
+    let mut vc = Buf::filled(rows * chunks, -9i32);
+    let mut gc = Buf::filled(rows * chunks * TKM_G, -9i32);
+    let mut out = Buf::filled(rows * k, -7i32);
+    let mut cnt = Buf::filled(rows, -7i32);
+    let (xp, zp, vp, gp, op, cp) = (
+        xb.ptr(),
+        zs.mut_ptr(),
+        vc.mut_ptr(),
+        gc.mut_ptr(),
+        out.mut_ptr(),
+        cnt.mut_ptr(),
+    );
+    let grid = [chunks as u32, rows as u32, 1];
+    for pass in 0..4 {
+        m.launch("topk_mb_hist", grid, [256, 1, 1], 0, &|| unsafe {
+            hist(
+                xp,
+                stride as i64,
+                n as i32,
+                k as i32,
+                chunk as i32,
+                pass,
+                zp,
+                vp,
+                gp,
+            )
+        })
+        .unwrap();
+    }
+    m.launch("topk_mb_gather", grid, [256, 1, 1], 0, &|| unsafe {
+        gather(
+            xp,
+            stride as i64,
+            n as i32,
+            k as i32,
+            chunk as i32,
+            zp,
+            vp,
+            gp,
+            op,
+            k as i64,
+            cp,
+        )
+    })
+    .unwrap();
+    let (sel, cnt) = (out.to_vec(), cnt.to_vec());
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(&sel[i * k..(i + 1) * k], &w[..], "split top-k row {i}");
+        assert_eq!(cnt[i] as usize, w.iter().filter(|&&v| v >= 0).count());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// rmsnorm.cu
+
+type RmsFn = unsafe extern "C" fn(
+    *const f32,
+    i64,
+    *const f32,
+    i64,
+    *mut f32,
+    i64,
+    *const f32,
+    *mut f32,
+    i64,
+    i32,
+    f32,
+    *mut i8,
+    *mut u64,
+);
+
+/// kernels/src/norm.rs's threads per row.
+fn block_for(n: usize) -> u32 {
+    match n {
+        4096.. => 1024,
+        2048.. => 512,
+        256.. => 256,
+        _ => 64,
+    }
+}
+
+#[test]
+fn rmsnorm_matches_f64_with_residual_and_q8_epilogue() {
+    if !compiler("rmsnorm_matches_f64_with_residual_and_q8_epilogue") {
+        return;
+    }
+    let mut r = Rng::new("emu rmsnorm");
+    let m = module(Op::RmsNorm);
+    let f: RmsFn = unsafe { m.entry("rmsnorm_f32") }.unwrap();
+    let rows = 3usize;
+    let eps = 1e-5f32;
+    // The wrapper's block sizes (register path), and a row wider than 8 values per thread
+    // (the strided path).
+    for (n, bd) in [
+        (64usize, block_for(64)),
+        (576, block_for(576)),
+        (2048, block_for(2048)),
+        (6144, block_for(6144)),
+        (4096, 256),
+    ] {
+        let x = r.vec(rows * n, 2.0);
+        let res = r.vec(rows * n, 1.0);
+        let w = r.vec(n, 1.5);
+        let (xb, rb, wb) = (Buf::new(&x), Buf::new(&res), Buf::new(&w));
+        let mut y = Buf::filled(rows * n, f32::NAN);
+        let mut xo = Buf::filled(rows * n, f32::NAN);
+        let mut qs = Buf::filled(rows * n, 0x55i8);
+        let mut qd = Buf::filled(rows * n / 32, u64::MAX);
+        let (xp, rp, wp, yp, xop, qp, dp) = (
+            xb.ptr(),
+            rb.ptr(),
+            wb.ptr(),
+            y.mut_ptr(),
+            xo.mut_ptr(),
+            qs.mut_ptr(),
+            qd.mut_ptr(),
+        );
+        m.launch(
+            "rmsnorm_f32",
+            [rows as u32, 1, 1],
+            [bd, 1, 1],
+            0,
+            &|| unsafe {
+                f(
+                    xp, n as i64, rp, n as i64, xop, n as i64, wp, yp, n as i64, n as i32, eps, qp,
+                    dp,
+                )
+            },
+        )
+        .unwrap();
+        let (y, h) = (y.to_vec(), xo.to_vec());
+        // The residual sum is one exact f32 add per element.
+        let hs: Vec<f32> = x.iter().zip(&res).map(|(a, b)| a + b).collect();
+        assert!(
+            h.iter().zip(&hs).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "n {n}: x + res"
+        );
+        // The mean of n squares in f32 (per-thread partial sums + tree): error <= (n/64 + 16)
+        // roundings relative; 1/sqrt and two products add 4; the bound is taken normwise
+        // (gpu.rs's).
+        let tol = (n as f64 / 64.0 + 24.0) * U32;
+        let mut worst = 0f64;
+        for rr in 0..rows {
+            let want = rms_norm_f64(&hs[rr * n..(rr + 1) * n], &w, eps);
+            let scale = max_abs(&want);
+            for i in 0..n {
+                worst = worst.max((f64::from(y[rr * n + i]) - want[i]).abs() / scale);
+            }
+        }
+        say(&format!(
+            "rmsnorm {rows}x{n} ({bd} threads): worst {worst:.3e} (tol {tol:.3e})"
+        ));
+        assert!(worst <= tol, "rmsnorm n {n}: {worst:e} > {tol:e}");
+        // The fused q8 epilogue quantizes y exactly as quantize.cu does.
+        let (cq, cd, cs) = q8_cpu(&y);
+        let recs = qd.to_vec();
+        assert_eq!(qs.to_vec(), cq, "n {n}: q8 codes");
+        for (b, rec) in recs.iter().enumerate() {
+            assert_eq!(*rec as u32, cd[b].to_bits(), "n {n}: block {b} scale");
+            assert_eq!(
+                ((*rec >> 32) as u16 as i16, (*rec >> 48) as u16 as i16),
+                (cs[2 * b], cs[2 * b + 1]),
+                "n {n}: block {b} sums"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// every module
+
+/// Every module but the all-reduce builds for the emulator and exports every entry point its
+/// wrapper launches: a kernel edit that breaks the host build (inline assembly without a
+/// GGUFTOOL_EMU alternative, a CUDA built-in the shim lacks) fails here, not when someone
+/// needs the emulator.
+#[test]
+fn every_module_builds_and_exports_its_entries() {
+    if !compiler("every_module_builds_and_exports_its_entries") {
+        return;
+    }
+    let mut checked = 0usize;
+    for op in Op::ALL {
+        if op == Op::AllReduce {
+            assert!(matches!(
+                Module::build(op, &[]),
+                Err(kernels_emu::EmuError::Unsupported { .. })
+            ));
+            continue;
+        }
+        let m = module(op);
+        let names = op.kernel_names();
+        assert!(!names.is_empty(), "{op:?}");
+        for name in names {
+            let entry: Result<unsafe extern "C" fn(), _> = unsafe { m.entry(&name) };
+            assert!(entry.is_ok(), "{}: no entry `{name}`", m.name());
+            checked += 1;
+        }
+    }
+    say(&format!("{checked} entry points"));
+}
