@@ -457,7 +457,8 @@ template <int QT, int NC, int MODE, int D>
 DEV void mmq_impl(const Mmq& p) {
     using T = MqType<QT>;
     constexpr bool GLU = MODE == 1;
-    extern __shared__ __align__(16) uint8_t mq_smem[];
+    DYN_SHARED(uint4, mq_smem16);  // uint4: the buffers' 16-byte loads and cp.async stay aligned
+    uint8_t* const mq_smem = (uint8_t*)mq_smem16;
     __shared__ int s_xr[NC], s_yr[NC];
     pdl_entry();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
@@ -613,8 +614,9 @@ MQ_KERNEL(mmq_glu32_, 32, 1, 1)
 MQ_KERNEL(mmq_glu64_, 64, 1, 1)
 
 // One m16n8k32 product by the instruction and by the shuffle emulation, for the GPU test that
-// pins the fragment layout (and the emulator test of the shuffle version). One warp. A: 16 x 32
-// row-major, B: column n's 32 codes at B + 32n, C / D: 16 x 8 row-major.
+// pins the fragment layout. Under the CPU emulator the "instruction" is the emulator's own model
+// of it (kernels/emu/cuda_emu.h, written from the PTX ISA independently of the shuffle version).
+// One warp. A: 16 x 32 row-major, B: column n's 32 codes at B + 32n, C / D: 16 x 8 row-major.
 extern "C" __global__ void mma_s8_selftest(const int8_t* __restrict__ A, const int8_t* __restrict__ B,
                                            const int* __restrict__ C, int* __restrict__ d_mma,
                                            int* __restrict__ d_shfl) {
@@ -629,7 +631,11 @@ extern "C" __global__ void mma_s8_selftest(const int8_t* __restrict__ A, const i
     const uint32_t b[2] = {word(B + g * 32 + 4 * t), word(B + g * 32 + 16 + 4 * t)};
     const int c[4] = {C[g * 8 + 2 * t], C[g * 8 + 2 * t + 1], C[(g + 8) * 8 + 2 * t], C[(g + 8) * 8 + 2 * t + 1]};
     int d[4];
+#ifdef GGUFTOOL_EMU
+    emu_mma_m16n8k32_s8(d, a, b, c);
+#else
     mma_s8_16832(d, a, b, c);
+#endif
     const int at[4] = {g * 8 + 2 * t, g * 8 + 2 * t + 1, (g + 8) * 8 + 2 * t, (g + 8) * 8 + 2 * t + 1};
 #pragma unroll
     for (int i = 0; i < 4; ++i) d_mma[at[i]] = d[i];

@@ -44,8 +44,8 @@ pub use gemvq::{gemvq_supported, Q8Act, QChannels, QMode, Q8_REL_ERR};
 pub use indexer::IndexerShape;
 pub use mla::{force_mla_decode, CacheElem, MlaShape};
 pub use mmq::{
-    mmq_kernel_name, mmq_plan, mmq_records_per_thread, mmq_supported, MmqParams, MmqPlan, MmqX,
-    MMQ_STEP, MMQ_WARPS,
+    mmq_kernel_name, mmq_ks_allowed, mmq_plan, mmq_plan_ks, mmq_records_per_thread, mmq_supported,
+    MmqParams, MmqPlan, MmqX, MMQ_STEP, MMQ_WARPS,
 };
 pub use moe::{ExpertGroups, Gating, RouterConfig, MOE_TILE};
 pub use norm::{CacheRows, RowRope, Rows};

@@ -94,16 +94,58 @@ fn window_bytes(ncols: usize, ks: usize) -> usize {
     ncols * (wk + 32) + ncols * (wk / 32) * 8
 }
 
+/// Whether `ks` warps may split K for one 16-row tile of `ncols` columns: `ks` in 1, 2, 4, 8,
+/// every warp has a step (`ks <= k / 128`) and a window's records fit
+/// [`mmq_records_per_thread`] (so up to 8 warps per tile at 8 and 16 columns, 4 at 32 and 64).
+pub fn mmq_ks_allowed(ks: usize, k: usize, ncols: usize) -> bool {
+    ks == 1
+        || (matches!(ks, 2 | 4 | 8)
+            && ks <= k / MMQ_STEP
+            && ncols * ks * (MMQ_STEP / 32) <= mmq_records_per_thread(ncols) * 32 * MMQ_WARPS)
+}
+
+/// The launch with a given k-split (`None` when [`mmq_ks_allowed`] refuses it): `MMQ_WARPS /
+/// ks` row tiles per block, one block row per channel up to the grid's y limit (`max_grid_y`;
+/// more channels are grid-strided), shared memory for two window buffers or, when `ks > 1`,
+/// the partial sums of every warp, whichever is larger.
+pub fn mmq_plan_ks(
+    rows: usize,
+    k: usize,
+    ncols: usize,
+    channels: usize,
+    glu: bool,
+    max_grid_y: usize,
+    ks: usize,
+) -> Option<MmqPlan> {
+    if !mmq_ks_allowed(ks, k, ncols) {
+        return None;
+    }
+    let tiles = rows.div_ceil(16).max(1);
+    let reduce = if ks > 1 {
+        MMQ_WARPS * if glu { 2 } else { 1 } * (ncols / 2) * 32 * 4
+    } else {
+        0
+    };
+    Some(MmqPlan {
+        grid: [
+            tiles.div_ceil(MMQ_WARPS / ks) as u32,
+            channels.clamp(1, max_grid_y.max(1)) as u32,
+            1,
+        ],
+        block: [(32 * MMQ_WARPS) as u32, 1, 1],
+        ks,
+        smem: (2 * window_bytes(ncols, ks)).max(reduce),
+    })
+}
+
 /// The launch of `channels` products of `rows x k` weights by `ncols` columns (8, 16, 32, 64) on
-/// `sms` SMs (`max_grid_y`: the device's grid.y limit; channels beyond it are grid-strided).
+/// `sms` SMs (`max_grid_y`: the device's grid.y limit).
 ///
 /// The k-split: a block holds `MMQ_WARPS / ks` row tiles; splitting K over more warps makes
-/// more, shorter blocks. The smallest `ks` that gives every SM [`BLOCKS_PER_SM`] blocks wins
-/// (more splitting only adds the reduction and re-reads of the activations per row tile);
-/// without one, the largest allowed. Allowed: `ks <= k / 128` (every warp has a step) and
-/// `ncols * ks <= 32 * MMQ_WARPS` (a window's records are at most 4 per thread, mmq.cu).
-/// Grouped MoE launches (hundreds of tiles) stay at 1; a 2,048-row dense matrix of <= 32
-/// columns takes 8 (128 blocks).
+/// more, shorter blocks. The smallest allowed `ks` ([`mmq_ks_allowed`]) that gives every SM
+/// [`BLOCKS_PER_SM`] blocks wins (more splitting only adds the reduction and re-reads of the
+/// activations per row tile); without one, the largest allowed. Grouped MoE launches (hundreds
+/// of tiles) stay at 1; a 2,048-row dense matrix of <= 16 columns takes 8 (128 blocks).
 pub fn mmq_plan(
     rows: usize,
     k: usize,
@@ -113,35 +155,14 @@ pub fn mmq_plan(
     sms: usize,
     max_grid_y: usize,
 ) -> MmqPlan {
-    let tiles = rows.div_ceil(16).max(1);
-    let steps = (k / MMQ_STEP).max(1);
-    let ch = channels.clamp(1, max_grid_y.max(1));
-    let blocks = |ks: usize| tiles.div_ceil(MMQ_WARPS / ks);
-    let allowed: Vec<usize> = [1usize, 2, 4, 8]
-        .into_iter()
-        .filter(|&ks| {
-            ks == 1
-                || (ks <= steps
-                    && ncols * ks * (MMQ_STEP / 32)
-                        <= mmq_records_per_thread(ncols) * 32 * MMQ_WARPS)
-        })
-        .collect();
-    let target = BLOCKS_PER_SM * sms.max(1);
-    let ks = allowed
-        .iter()
-        .copied()
-        .find(|&ks| blocks(ks) * ch >= target)
-        .unwrap_or(*allowed.last().unwrap_or(&1));
-    let reduce = if ks > 1 {
-        MMQ_WARPS * if glu { 2 } else { 1 } * (ncols / 2) * 32 * 4
-    } else {
-        0
-    };
-    MmqPlan {
-        grid: [blocks(ks) as u32, ch as u32, 1],
-        block: [(32 * MMQ_WARPS) as u32, 1, 1],
-        ks,
-        smem: (2 * window_bytes(ncols, ks)).max(reduce),
+    let plan = |ks| mmq_plan_ks(rows, k, ncols, channels, glu, max_grid_y, ks);
+    let target = (BLOCKS_PER_SM * sms.max(1)) as u64;
+    let fills = |p: &MmqPlan| u64::from(p.grid[0]) * u64::from(p.grid[1]) >= target;
+    let allowed: Vec<MmqPlan> = [1usize, 2, 4, 8].into_iter().filter_map(plan).collect();
+    match allowed.iter().find(|p| fills(p)) {
+        Some(p) => *p,
+        // ks = 1 is always allowed.
+        None => *allowed.last().expect("ks = 1 is always allowed"),
     }
 }
 
@@ -261,15 +282,32 @@ impl Gpu {
         let name = mmq_kernel_name(qt, n, glu).ok_or_else(|| shape_err(OP, "no kernel variant"))?;
         let f = self.func(Op::Mmq(qt), &name)?;
         let info = self.info();
-        let plan = mmq_plan(
-            shape.rows,
-            shape.k,
-            n,
-            ch.count,
-            glu,
-            info.sm_count as usize,
-            info.max_grid.1 as usize,
-        );
+        let plan = match self.mmq_ksplit() {
+            None => mmq_plan(
+                shape.rows,
+                shape.k,
+                n,
+                ch.count,
+                glu,
+                info.sm_count as usize,
+                info.max_grid.1 as usize,
+            ),
+            Some(ks) => mmq_plan_ks(
+                shape.rows,
+                shape.k,
+                n,
+                ch.count,
+                glu,
+                info.max_grid.1 as usize,
+                ks,
+            )
+            .ok_or_else(|| {
+                shape_err(
+                    OP,
+                    format!("forced k-split {ks} for K = {}, {n} columns", shape.k),
+                )
+            })?,
+        };
         if plan.smem > self.max_smem_optin() {
             return Err(shape_err(
                 OP,
