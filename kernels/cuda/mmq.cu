@@ -149,6 +149,15 @@ template <int NA> struct MqChunk {
 // shuffle: the whole warp calls them.
 template <int QT> struct MqType;
 
+// Byte i of w (unsigned, or signed for mq_s8f) as an exact float: one PRMT builds the float
+// 2^23 + byte (bytes {byte, 0, 0, 0x4B}; u2f_small's trick) and one FADD removes 2^23.
+DEV float mq_u8f(uint32_t w, int i) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u | i)) - 8388608.0f;
+}
+DEV float mq_s8f(uint32_t w, int i) {
+    return __uint_as_float(__byte_perm(w ^ 0x80808080u, 0x4B000000u, 0x7440u | i)) - 8388736.0f;
+}
+
 DEV uint32_t mq_row_word(uint32_t v, int q) {
     return __shfl_sync(0xffffffffu, v, (threadIdx.x & 28) | q);
 }
@@ -172,8 +181,8 @@ DEV void mq_kprep(const uint32_t (&h)[2], int hh, MqKPrep& P) {
 }
 // Sub-block 4hh + i's d * sc and dmin * m (k_scales' products, bit for bit).
 DEV void mq_kscale(const MqKPrep& P, int r, int i, float& ds, float& dm) {
-    ds = P.d[r] * u2f_small((P.sc[r] >> (8 * i)) & 0xFF);
-    dm = P.dm[r] * u2f_small((P.m[r] >> (8 * i)) & 0xFF);
+    ds = P.d[r] * mq_u8f(P.sc[r], i);
+    dm = P.dm[r] * mq_u8f(P.m[r], i);
 }
 
 // Q4_K {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}: byte l of pair p = qs[32p + l] holds
@@ -298,8 +307,8 @@ template <> struct MqType<QT_Q6_K_R> {
             c.a[1][r] = lo ? 0u : x;
             c.a[1][2 + r] = lo ? 0u : y;
             const uint32_t sw = mq_row_word(f.sc[r], i);
-            c.s[0][r] = P.d[r] * i2f_small((int)(int8_t)(sw & 0xFF), 128);
-            c.s[1][r] = P.d[r] * i2f_small((int)(int8_t)((sw >> 8) & 0xFF), 128);
+            c.s[0][r] = P.d[r] * mq_s8f(sw, 0);
+            c.s[1][r] = P.d[r] * mq_s8f(sw, 1);
             c.m[r] = 0.0f;
         }
     }

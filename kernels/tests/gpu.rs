@@ -3914,7 +3914,7 @@ fn mmq_dense_check(
 }
 
 /// Dense launches (one channel, `ncols` >= the tokens): every type, width (with partial last
-/// column groups), mode and allowed k-split on 300 x 2,048 (the last row tile partial), and
+/// column groups), mode and allowed k-split on 300 x 1,024 (the last row tile partial), and
 /// GLM-5 shapes with the plan's own split: q_a / shared-expert gate-up 2,048 x 6,144 at 16
 /// tokens (8 warps per tile, 128 blocks), the MoE down shape 6,144 x 2,048 at 40 of 64 columns.
 #[test]
@@ -3939,11 +3939,11 @@ fn mmq_dense_every_type_width_mode_and_split() {
             (64, 64),
         ] {
             for ks in [1, 2, 4, 8] {
-                if mmq_ks_allowed(ks, 2048, nc) {
-                    cases.push((300, 2048, nc, tokens, Some(ks)));
+                if mmq_ks_allowed(ks, 1024, nc) {
+                    cases.push((300, 1024, nc, tokens, Some(ks)));
                 }
             }
-            cases.push((300, 2048, nc, tokens, None));
+            cases.push((300, 1024, nc, tokens, None));
         }
         cases.push((2048, 6144, 16, 16, None));
         cases.push((6144, 2048, 64, 40, None));
