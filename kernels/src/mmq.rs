@@ -341,6 +341,9 @@ impl Gpu {
         check_aligned(OP, "w", wp, 16)?;
         let (yp, _gy) = y.device_ptr_mut(self.stream());
         let (qs, ds, rows) = x.raw();
+        // 16-byte cp.async of the codes, 8-byte record loads.
+        check_aligned(OP, "x codes", qs, 16)?;
+        check_aligned(OP, "x records", ds, 16)?;
         let p = MmqParams {
             w: wp,
             w2: w2p,
