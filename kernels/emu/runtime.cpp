@@ -7,13 +7,13 @@
 // happens, so a launch is deterministic and needs no locking inside.
 //
 // Warp collectives: an arriving lane records (op, mask, value, argument) and waits; the lane
-// that completes the set of the mask computes every lane's result into that lane's own slot
-// (a lane that resumes first cannot disturb inputs the others still need). Misuse that is
-// undefined on the GPU is reported instead of emulated: lanes of a mask meeting different
-// collectives, a mask naming an exited or missing lane, a shuffle reading a lane outside its
-// mask, different barrier kinds meeting, and deadlock (no thread can proceed). The report
-// ends the launch: emu_launch returns -1 and emu_last_error() says which kernel, block and
-// thread, and what.
+// that completes the set of the mask (or the exit of the last lane it waited for) computes
+// every lane's result into that lane's own slot (a lane that resumes first cannot disturb
+// inputs the others still need). Misuse that is undefined on the GPU is reported instead of
+// emulated: lanes of a mask meeting different collectives, a mask not naming the caller, a
+// shuffle reading a lane outside its mask or one that has exited, different barrier kinds
+// meeting, and deadlock (no thread can proceed). The report ends the launch: emu_launch
+// returns -1 and emu_last_error() says which kernel, block and thread, and what.
 
 #include <signal.h>
 #include <sys/mman.h>
@@ -225,32 +225,35 @@ unsigned long long size_mask(int size) {
     return size >= 8 ? ~0ull : (1ull << (8 * size)) - 1;
 }
 
-// Called by every arriving lane: completes the collective when every lane of the mask waits
-// in it.
-void try_complete_warp(unsigned warp, unsigned mask, int op) {
-    const unsigned base = warp * 32;
-    const Fiber& me = L.fibers[L.cur];
+// Completes the collective that lane `ref` of `warp` waits in once every lane of its mask
+// waits in it too. Lanes of the mask that have exited (or do not exist: a partial last warp)
+// take no part, as on sm_70+ ("all non-exited threads named in mask must execute the same
+// intrinsic"); reading a shuffle value from one is undefined there and reported here.
+void try_complete_warp(unsigned warp, const Fiber& ref) {
+    const unsigned base = warp * 32, mask = ref.mask;
+    const int op = ref.op;
+    unsigned active = 0;
     for (unsigned l = 0; l < 32; ++l) {
         if (!((mask >> l) & 1u)) continue;
-        if (base + l >= L.n)
-            fail("%s with mask 0x%08x names lane %u, which does not exist (blocks of %u threads)",
-                 op_name(op), mask, l, L.n);
-        if (L.fibers[base + l].state == EXITED)
-            fail("%s with mask 0x%08x names lane %u, which has exited", op_name(op), mask, l);
-    }
-    for (unsigned l = 0; l < 32; ++l) {
-        if (!((mask >> l) & 1u)) continue;
+        if (base + l >= L.n || L.fibers[base + l].state == EXITED) {
+            // mma.sync / ldmatrix are .aligned: the whole warp executes them.
+            if (op == EMU_ALLGATHER)
+                fail("%s with mask 0x%08x: lane %u %s", op_name(op), mask, l,
+                     base + l >= L.n ? "does not exist" : "has exited");
+            continue;
+        }
         const Fiber& g = L.fibers[base + l];
         if (g.state != AT_WARP) return;
-        if (g.op != op || g.mask != mask || (op == EMU_ALLGATHER && g.arg != me.arg))
-            fail("divergent warp collective: this lane is in %s (mask 0x%08x) while lane %u of the "
+        if (g.op != op || g.mask != mask || (op == EMU_ALLGATHER && g.arg != ref.arg))
+            fail("divergent warp collective: lane %u is in %s (mask 0x%08x) while lane %u of its "
                  "mask is in %s (mask 0x%08x)",
-                 op_name(me.op), me.mask, l, op_name(g.op), g.mask);
+                 ref.lin & 31u, op_name(op), mask, l, op_name(g.op), g.mask);
+        active |= 1u << l;
     }
     if (op == EMU_ALLGATHER) {
         // Every lane's bytes to every lane now, while all of them still wait (their inputs
         // live in their own stack frames).
-        const size_t n = (size_t)me.arg;
+        const size_t n = (size_t)ref.arg;
         for (unsigned l = 0; l < 32; ++l) {
             if (!((mask >> l) & 1u)) continue;
             char* out = (char*)L.fibers[base + l].out;
@@ -264,9 +267,9 @@ void try_complete_warp(unsigned warp, unsigned mask, int op) {
     }
     unsigned ballot = 0;
     for (unsigned l = 0; l < 32; ++l)
-        if (((mask >> l) & 1u) && L.fibers[base + l].value) ballot |= 1u << l;
+        if (((active >> l) & 1u) && L.fibers[base + l].value) ballot |= 1u << l;
     for (unsigned l = 0; l < 32; ++l) {
-        if (!((mask >> l) & 1u)) continue;
+        if (!((active >> l) & 1u)) continue;
         Fiber& g = L.fibers[base + l];
         unsigned long long r = 0;
         switch (op) {
@@ -275,20 +278,22 @@ void try_complete_warp(unsigned warp, unsigned mask, int op) {
             case EMU_SHFL_DOWN:
             case EMU_SHFL_XOR: {
                 const unsigned j = shfl_src(op, l, g.arg, g.width);
-                if (!((mask >> j) & 1u)) {
+                if (!((active >> j) & 1u)) {
                     enter(base + l);  // report it as the reading lane
-                    fail("%s (mask 0x%08x) reads lane %u, which is not in the mask", op_name(op),
-                         mask, j);
+                    fail("%s (mask 0x%08x) reads lane %u, which %s", op_name(op), mask, j,
+                         !((mask >> j) & 1u) ? "is not in the mask"
+                         : base + j >= L.n   ? "does not exist"
+                                             : "has exited");
                 }
                 r = L.fibers[base + j].value;
                 break;
             }
             case EMU_BALLOT: r = ballot; break;
             case EMU_ANY: r = ballot != 0; break;
-            case EMU_ALL: r = ballot == mask; break;
+            case EMU_ALL: r = ballot == active; break;
             case EMU_MATCH_ANY:
                 for (unsigned k = 0; k < 32; ++k)
-                    if (((mask >> k) & 1u) && L.fibers[base + k].value == g.value) r |= 1ull << k;
+                    if (((active >> k) & 1u) && L.fibers[base + k].value == g.value) r |= 1ull << k;
                 break;
             case EMU_SYNCWARP: break;
             default: {
@@ -297,7 +302,7 @@ void try_complete_warp(unsigned warp, unsigned mask, int op) {
                 bool first = true;
                 unsigned acc = 0;
                 for (unsigned k = 0; k < 32; ++k) {
-                    if (!((mask >> k) & 1u)) continue;
+                    if (!((active >> k) & 1u)) continue;
                     const unsigned v = (unsigned)L.fibers[base + k].value;
                     if (first) {
                         acc = v;
@@ -323,7 +328,7 @@ void try_complete_warp(unsigned warp, unsigned mask, int op) {
         g.result = r & size_mask(g.size);
     }
     for (unsigned l = 0; l < 32; ++l)
-        if ((mask >> l) & 1u) L.fibers[base + l].state = READY;
+        if ((active >> l) & 1u) L.fibers[base + l].state = READY;
 }
 
 void try_complete_barrier() {
@@ -347,16 +352,14 @@ void try_complete_barrier() {
 
 [[noreturn]] void thread_exit() {
     Fiber& f = L.fibers[L.cur];
-    const unsigned base = f.lin & ~31u, lane = f.lin & 31u;
-    for (unsigned l = 0; l < 32 && base + l < L.n; ++l) {
-        const Fiber& g = L.fibers[base + l];
-        if (g.state == AT_WARP && ((g.mask >> lane) & 1u))
-            fail("this thread exited while lane %u of its warp waits in %s (mask 0x%08x), which "
-                 "names it",
-                 l, op_name(g.op), g.mask);
-    }
+    const unsigned base = f.lin & ~31u;
     f.state = EXITED;
     --L.live;
+    // A collective of the warp that waited only for this lane now completes without it.
+    for (unsigned l = 0; l < 32 && base + l < L.n; ++l) {
+        const Fiber& g = L.fibers[base + l];
+        if (g.state == AT_WARP && ((g.mask >> (f.lin & 31u)) & 1u)) try_complete_warp(base / 32, g);
+    }
     try_complete_barrier();
     switch_next(false);
     abort();  // not reached: switch_next(false) never returns here
@@ -484,7 +487,7 @@ extern "C" unsigned long long emu_warp_op(int op, unsigned mask, unsigned long l
     f.width = width;
     f.size = size;
     f.state = AT_WARP;
-    try_complete_warp(f.lin / 32, mask, op);
+    try_complete_warp(f.lin / 32, f);
     while (L.fibers[L.cur].state == AT_WARP) switch_next(true);
     return L.fibers[L.cur].result;
 }
@@ -501,7 +504,7 @@ extern "C" void emu_warp_allgather(unsigned mask, const void* in, int bytes, voi
     f.arg = bytes;
     f.out = out;
     f.state = AT_WARP;
-    try_complete_warp(f.lin / 32, mask, EMU_ALLGATHER);
+    try_complete_warp(f.lin / 32, f);
     while (L.fibers[L.cur].state == AT_WARP) switch_next(true);
 }
 

@@ -9,7 +9,7 @@
 //! shared library, cached on disk and loaded. [`Module::launch`] runs a grid: blocks one after
 //! another, the threads of a block as fibers on the calling OS thread, switched only at barriers
 //! and warp collectives, so a launch is deterministic. Undefined behaviour that the GPU would
-//! hide (divergent warp collectives, masks naming exited lanes, deadlocks) is reported as
+//! hide (divergent warp collectives, shuffles reading exited lanes, deadlocks) is reported as
 //! [`EmuError::Launch`] naming the kernel, block and thread.
 //!
 //! What it does not emulate: the GPU's speed and memory-model races (nothing runs concurrently),
@@ -35,6 +35,11 @@ const SHIM: &str = include_str!("../cuda_emu.h");
 const RUNTIME: &str = include_str!("../runtime.cpp");
 /// Gathers the kernel object's shared variables into the section the runtime poisons.
 const LINKER_SCRIPT: &str = include_str!("../emu.ld");
+
+/// The runtime object's extra arguments (it needs system headers, not the kernel-facing shim).
+const RUNTIME_ARGS: &[&str] = &["-c", "-DGGUFTOOL_EMU_RUNTIME"];
+/// The kernel object's: each static in its own section, for emu.ld.
+const KERNEL_ARGS: &[&str] = &["-c", "-fdata-sections"];
 
 /// Flags of every compilation. -ffp-contract=off: the host never fuses a product into an FMA,
 /// on any architecture (results do not depend on the build machine). -fno-strict-aliasing: the
@@ -230,14 +235,17 @@ type LaunchFn = unsafe extern "C" fn(
 type ErrorFn = unsafe extern "C" fn() -> *const c_char;
 
 /// One loaded library. Libraries stay loaded for the life of the process (the scheduler keeps
-/// fiber stacks per library; a second `Module` of the same source shares them and the lock).
+/// fiber stacks per library; a second `Module` of the same source shares them).
 struct Loaded {
     lib: libloading::Library,
     launch: LaunchFn,
     last_error: ErrorFn,
-    /// The scheduler's state is per library: one launch at a time.
-    lock: Mutex<()>,
 }
+
+/// One launch at a time in the process: the scheduler's state is per library, and its fault
+/// report swaps the process-wide signal handlers for the launch's duration (two launches of
+/// different libraries on two threads would restore each other's).
+static LAUNCH: Mutex<()> = Mutex::new(());
 
 fn load(path: &Path, name: &str) -> Result<Arc<Loaded>, EmuError> {
     static LOADED: OnceLock<Mutex<HashMap<PathBuf, Arc<Loaded>>>> = OnceLock::new();
@@ -274,7 +282,6 @@ fn load(path: &Path, name: &str) -> Result<Arc<Loaded>, EmuError> {
         lib,
         launch,
         last_error,
-        lock: Mutex::new(()),
     });
     map.insert(path.to_path_buf(), l.clone());
     Ok(l)
@@ -299,6 +306,7 @@ fn runtime_object(dir: &Path, shim: &Path, cxx_version: &str) -> Result<PathBuf,
         SHIM.as_bytes(),
         RUNTIME.as_bytes(),
         FLAGS.join(" ").as_bytes(),
+        RUNTIME_ARGS.join(" ").as_bytes(),
         cxx_version.as_bytes(),
     ]);
     let obj = dir.join(format!("runtime-{key}.o"));
@@ -309,19 +317,9 @@ fn runtime_object(dir: &Path, shim: &Path, cxx_version: &str) -> Result<PathBuf,
     }
     let src = dir.join(format!("runtime-{key}.cpp"));
     write_once(&src, RUNTIME)?;
-    compile(
-        "runtime.cpp",
-        &[
-            "-c",
-            "-DGGUFTOOL_EMU_RUNTIME",
-            "-include",
-            path_str(shim)?,
-            "-x",
-            "c++",
-            path_str(&src)?,
-        ],
-        &obj,
-    )?;
+    let mut args = RUNTIME_ARGS.to_vec();
+    args.extend(["-include", path_str(shim)?, "-x", "c++", path_str(&src)?]);
+    compile("runtime.cpp", &args, &obj)?;
     Ok(obj)
 }
 
@@ -410,6 +408,7 @@ impl Module {
         let key = hex_hash(&[
             src.as_bytes(),
             FLAGS.join(" ").as_bytes(),
+            KERNEL_ARGS.join(" ").as_bytes(),
             SHIM.as_bytes(),
             RUNTIME.as_bytes(),
             LINKER_SCRIPT.as_bytes(),
@@ -433,28 +432,24 @@ impl Module {
             // The source stays beside the library: compiler messages point into it.
             let cu = dir.join(format!("{stem}-{key}.cu"));
             write_once(&cu, src)?;
-            // emu.ld selects the kernel's statics by this object name (`*.kernel.o`).
-            let obj = dir.join(format!("{stem}-{key}.kernel.o"));
-            compile(
-                name,
-                &[
-                    "-c",
-                    "-fdata-sections",
-                    "-include",
-                    path_str(&shim)?,
-                    "-x",
-                    "c++",
-                    path_str(&cu)?,
-                ],
-                &obj,
-            )?;
-            let script = format!("-Wl,-T,{}", path_str(&ld)?);
-            compile(
-                name,
-                &["-shared", path_str(&obj)?, path_str(&rt)?, &script],
-                &so,
-            )?;
+            // emu.ld selects the kernel's statics by this object name (`*.kernel.o`), unique to
+            // this build: another process may be building the same module.
+            let obj = PathBuf::from(format!(
+                "{}.kernel.o",
+                aside(&dir.join(format!("{stem}-{key}"))).display()
+            ));
+            let mut args = KERNEL_ARGS.to_vec();
+            args.extend(["-include", path_str(&shim)?, "-x", "c++", path_str(&cu)?]);
+            let built = compile(name, &args, &obj).and_then(|()| {
+                let script = format!("-Wl,-T,{}", path_str(&ld)?);
+                compile(
+                    name,
+                    &["-shared", path_str(&obj)?, path_str(&rt)?, &script],
+                    &so,
+                )
+            });
             let _ = std::fs::remove_file(&obj);
+            built?;
         }
         let loaded = load(&so, name)?;
         Ok(Module {
@@ -502,8 +497,9 @@ impl Module {
     /// Runs `body` once per emulated thread of a `grid` of `block`s with `dyn_smem` bytes of
     /// dynamic shared memory (`DYN_SHARED` in the kernel); `body` calls the entry with its
     /// arguments. Blocks run one after another (x fastest); every thread runs on the calling OS
-    /// thread, which is why `body` need not be `Sync` (it may capture raw pointers). A panic in
-    /// `body` is resumed here after the launch ends.
+    /// thread, which is why `body` need not be `Sync` (it may capture raw pointers). Launches
+    /// from several threads of the process run one at a time. A panic in `body` is resumed here
+    /// after the launch ends.
     pub fn launch(
         &self,
         entry: &str,
@@ -527,7 +523,7 @@ impl Module {
             panic: Cell::new(None),
         };
         let failed = {
-            let _one = self.loaded.lock.lock().unwrap_or_else(|p| p.into_inner());
+            let _one = LAUNCH.lock().unwrap_or_else(|p| p.into_inner());
             // SAFETY: emu_launch's contract: `ctx` outlives the call, `run_body` matches it.
             let rc = unsafe {
                 (self.loaded.launch)(

@@ -203,7 +203,8 @@ struct GemvQParams {
     ws_nblk: i64,
 }
 
-/// `struct QTables` of quant.cuh (eight table pointers; Q4_K and Q8_0 read none).
+/// `struct QTables` of quant.cuh (eight table pointers; the gemvq kernels read only `kvalues`,
+/// the seventh, for the IQ4 types).
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct QTables {
@@ -235,6 +236,7 @@ fn gemvq(
     k: usize,
     ncols: usize,
     q: &(Buf<i8>, Buf<u64>),
+    tables: QTables,
 ) -> Vec<f32> {
     let m = module(Op::GemvQ(qt));
     let f: GemvqFn = unsafe { m.entry(entry) }.unwrap();
@@ -272,9 +274,7 @@ fn gemvq(
         ws2: std::ptr::null(),
         ws_nblk: 0,
     };
-    let t = QTables {
-        t: [std::ptr::null(); 8],
-    };
+    let t = tables;
     let grid = rows.div_ceil(rows_per_block) as u32;
     m.launch(entry, [grid, 1, 1], [128, 1, 1], 0, &|| unsafe { f(p, t) })
         .unwrap();
@@ -282,12 +282,22 @@ fn gemvq(
 }
 
 #[test]
-fn gemvq_q4_k_and_q8_0_match_f64_within_the_gpu_bound() {
-    if !compiler("gemvq_q4_k_and_q8_0_match_f64_within_the_gpu_bound") {
+fn gemvq_q4_k_q8_0_iq4_nl_match_f64_within_the_gpu_bound() {
+    if !compiler("gemvq_q4_k_q8_0_iq4_nl_match_f64_within_the_gpu_bound") {
         return;
     }
     let mut r = Rng::new("emu gemvq");
-    for (ty, qt) in [(GgmlType::Q4_K, QType::Q4K), (GgmlType::Q8_0, QType::Q8_0)] {
+    // IQ4_NL decodes its nibbles through the 16-value table with prmt (gemvq.cu's lut4).
+    let kvalues = Buf::new(gguf::quant::lookup_tables().unwrap().kvalues_iq4nl);
+    let mut tables = QTables {
+        t: [std::ptr::null(); 8],
+    };
+    tables.t[6] = kvalues.ptr() as *const u8;
+    for (ty, qt) in [
+        (GgmlType::Q4_K, QType::Q4K),
+        (GgmlType::Q8_0, QType::Q8_0),
+        (GgmlType::IQ4_NL, QType::IQ4NL),
+    ] {
         // One column (every k-split), eight and five columns (the 8-column kernels with
         // several rows per lane group, and with one); K = 768 gives 4 or 8 lanes per row.
         for (rows, k, ncols) in [
@@ -331,7 +341,7 @@ fn gemvq_q4_k_and_q8_0_match_f64_within_the_gpu_bound() {
             };
             let mut first: Option<Vec<f32>> = None;
             for (entry, rpg, ks) in runs {
-                let y = gemvq(qt, &entry, rpg, ks, &wb, nblk, rows, k, ncols, &q);
+                let y = gemvq(qt, &entry, rpg, ks, &wb, nblk, rows, k, ncols, &q, tables);
                 let (ok, worst) = gemvq_verify(&w, &x, &qc, &qd, &y, rows, k, ncols);
                 say(&format!(
                     "gemvq {ty} {rows}x{k} x{ncols} {entry} split {ks}: worst {worst:.3e} of tol"

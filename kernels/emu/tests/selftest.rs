@@ -189,6 +189,12 @@ extern "C" __global__ void ldmatrix(const unsigned short* M, unsigned* out) {
     for (int m = 0; m < 4; ++m) o[7 + m] = t4[m];
 }
 
+// prelude.cuh's host f16 -> f32 conversion for every bit pattern.
+extern "C" __global__ void f16_all(float* out) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < 65536; i += gridDim.x * blockDim.x)
+        out[i] = f16_to_f32((uint16_t)i);
+}
+
 // Misuse the emulator must report.
 extern "C" __global__ void divergent(int* out) {
     const int lane = threadIdx.x & 31;
@@ -214,7 +220,19 @@ extern "C" __global__ void mixed_barriers(int* out) {
     else out[0] = __syncthreads_or(1);
 }
 extern "C" __global__ void missing_lane(int* out) {
-    out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1, 1);
+    out[threadIdx.x] = __shfl_sync(0xffffffffu, 1, 20);
+}
+// Legal on sm_70+: lanes that exited (and the missing lanes of a partial last warp) take no
+// part in a full-mask collective.
+extern "C" __global__ void exited_votes(unsigned* out) {
+    const int t = threadIdx.x, lane = t & 31;
+    if (lane == 3 || t == 30) return;
+    unsigned* o = out + 4 * t;
+    o[0] = __ballot_sync(0xffffffffu, 1);
+    o[1] = __all_sync(0xffffffffu, lane != 7) + 2 * __all_sync(0xffffffffu, lane != 3);
+    __syncwarp();
+    o[2] = (unsigned)__reduce_add_sync(0xffffffffu, lane);
+    o[3] = (unsigned)__shfl_sync(0xffffffffu, t, 0);
 }
 extern "C" __global__ void oob_dyn(float* out) {
     DYN_SHARED(float, d);
@@ -561,6 +579,57 @@ fn mma_s8_and_ldmatrix_follow_the_ptx_fragment_layouts() {
     }
 }
 
+#[test]
+fn exited_and_missing_lanes_take_no_part() {
+    if !compiler("exited_and_missing_lanes_take_no_part") {
+        return;
+    }
+    let m = module();
+    type F = unsafe extern "C" fn(*mut u32);
+    let f: F = unsafe { m.entry("exited_votes") }.unwrap();
+    let n = 48usize;
+    let mut out = vec![0xdead_beefu32; 4 * n];
+    let op = out.as_mut_ptr();
+    m.launch("exited_votes", [1, 1, 1], [n as u32, 1, 1], 0, &|| unsafe {
+        f(op)
+    })
+    .unwrap();
+    for t in 0..n {
+        let (w, lane) = (t / 32, t % 32);
+        let o = &out[4 * t..4 * t + 4];
+        if lane == 3 || t == 30 {
+            assert_eq!(o, &[0xdead_beef; 4], "exited thread {t} wrote");
+            continue;
+        }
+        let active: u32 = (0..32)
+            .filter(|&l| w * 32 + l < n && l != 3 && w * 32 + l != 30)
+            .fold(0, |b, l| b | 1 << l);
+        let sum: u32 = (0..32).filter(|&l| active >> l & 1 == 1).sum();
+        // all(lane != 7) fails on lane 7; all(lane != 3) holds: lane 3 exited.
+        let want = [active, 2, sum, 32 * w as u32];
+        assert_eq!(o, &want, "thread {t}");
+    }
+}
+
+#[test]
+fn f16_to_f32_alternative_is_exact_for_every_half() {
+    if !compiler("f16_to_f32_alternative_is_exact_for_every_half") {
+        return;
+    }
+    let m = module();
+    type F = unsafe extern "C" fn(*mut f32);
+    let f: F = unsafe { m.entry("f16_all") }.unwrap();
+    let mut out = vec![0f32; 65536];
+    let op = out.as_mut_ptr();
+    m.launch("f16_all", [8, 1, 1], [256, 1, 1], 0, &|| unsafe { f(op) })
+        .unwrap();
+    // Subnormals, infinities and NaN (payload kept, quiet bit set) as the `half` crate has them.
+    for (h, v) in out.iter().enumerate() {
+        let want = half::f16::from_bits(h as u16).to_f32();
+        assert_eq!(v.to_bits(), want.to_bits(), "f16 bits {h:#06x}");
+    }
+}
+
 /// A launch that must fail with a message containing every one of `needles`.
 fn expect_error(entry: &str, block: u32, needles: &[&str]) {
     let m = module();
@@ -597,7 +666,10 @@ fn misuse_is_reported_with_kernel_block_and_thread() {
     expect_error(
         "exited_lane",
         32,
-        &["__shfl_xor_sync", "lane 5", "exited", "block (0,0,0)"],
+        &[
+            "thread (4,0,0)",
+            "__shfl_xor_sync (mask 0xffffffff) reads lane 5, which has exited",
+        ],
     );
     expect_error(
         "deadlock",
@@ -630,7 +702,7 @@ fn misuse_is_reported_with_kernel_block_and_thread() {
     expect_error(
         "missing_lane",
         48,
-        &["lane 16, which does not exist (blocks of 48 threads)"],
+        &["thread (32,0,0)", "reads lane 20, which does not exist"],
     );
     // Configurations the hardware refuses.
     let m = module();
@@ -694,7 +766,11 @@ fn a_fault_names_the_kernel_and_thread() {
         return;
     }
     module();
-    let mut child = Command::new(std::env::current_exe().unwrap())
+    // Through a shell that turns core dumps off: the child dies of SIGSEGV on purpose, and a
+    // core file would land in the crate directory where core_pattern is plain `core`.
+    let mut child = Command::new("sh")
+        .args(["-c", "ulimit -c 0; exec \"$0\" \"$@\""])
+        .arg(std::env::current_exe().unwrap())
         .args([
             "--ignored",
             "--exact",
