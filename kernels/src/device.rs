@@ -171,6 +171,8 @@ pub struct Gpu {
     sync_each: AtomicBool,
     /// Warps per row group of one-column integer GEMVs: 0 = chosen per launch, else 1, 2 or 4.
     gemvq_ksplit: std::sync::atomic::AtomicUsize,
+    /// mmq's forced k-split (0: the plan's choice).
+    mmq_ksplit: std::sync::atomic::AtomicUsize,
     pool: Arc<Pool>,
     staging: Mutex<Staging>,
     /// Pinned slots of bulk uploads (weights), apart from `staging`'s step-input ring.
@@ -323,6 +325,7 @@ impl Gpu {
             blas: OnceLock::new(),
             sync_each: AtomicBool::new(sync_each),
             gemvq_ksplit: std::sync::atomic::AtomicUsize::new(gemvq_ksplit),
+            mmq_ksplit: std::sync::atomic::AtomicUsize::new(0),
             pool,
             staging,
             bulk,
@@ -363,6 +366,28 @@ impl Gpu {
         };
         self.gemvq_ksplit.store(v, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Force the number of warps that split K for one 16-row tile in [`Gpu::mmq`] (1, 2, 4 or
+    /// 8; `None`: the plan's choice, the default). For tests and measurements: every choice
+    /// computes the same block sums, added in another order; a launch whose shape does not
+    /// allow the forced split fails (`kernels::mmq::mmq_ks_allowed`).
+    pub fn force_mmq_ksplit(&self, ks: Option<usize>) -> Result<(), KernelError> {
+        let v = match ks {
+            None => 0,
+            Some(k @ (1 | 2 | 4 | 8)) => k,
+            Some(k) => {
+                return Err(KernelError::BadShape {
+                    op: "mmq",
+                    msg: format!("k-split {k} (1, 2, 4 or 8)"),
+                })
+            }
+        };
+        self.mmq_ksplit.store(v, Ordering::Relaxed);
+        Ok(())
+    }
+    pub(crate) fn mmq_ksplit(&self) -> Option<usize> {
+        Some(self.mmq_ksplit.load(Ordering::Relaxed)).filter(|&k| k > 0)
     }
 
     /// Launch kernels that wait on their predecessor as programmatic dependents (default on

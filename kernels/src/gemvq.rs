@@ -73,6 +73,12 @@ impl Q8Act {
         ))
     }
 
+    /// Device addresses of the codes and the records, and the row count.
+    pub(crate) fn raw(&self) -> (u64, u64, i64) {
+        let p = self.params();
+        (p.qs, p.ds, p.rows)
+    }
+
     fn params(&self) -> Q8AParams {
         let base = self.buf.ptr();
         Q8AParams {
@@ -245,7 +251,7 @@ pub fn gemvq_supported(shape: &MatShape) -> bool {
 }
 
 /// A static name per (mode, type), for launch errors and profiles.
-fn kind_name(mode: &str, qt: QType) -> &'static str {
+pub(crate) fn kind_name(mode: &str, qt: QType) -> &'static str {
     use std::collections::HashMap;
     use std::sync::Mutex;
     static NAMES: OnceLock<Mutex<HashMap<String, &'static str>>> = OnceLock::new();
@@ -254,7 +260,7 @@ fn kind_name(mode: &str, qt: QType) -> &'static str {
         .get_or_init(|| Mutex::new(HashMap::new()))
         .lock()
         .unwrap_or_else(|p| p.into_inner());
-    // At most 4 modes x 10 types ever: leaking them is bounded.
+    // At most 7 modes (gemvq's and mmq's) x 10 types ever: leaking them is bounded.
     m.entry(key.clone())
         .or_insert_with(|| Box::leak(key.into_boxed_str()))
 }

@@ -19,6 +19,7 @@ pub mod gemvq;
 pub mod indexer;
 mod launch;
 pub mod mla;
+pub mod mmq;
 pub mod moe;
 pub mod norm;
 pub mod nvrtc;
@@ -42,6 +43,10 @@ pub use gemv::{Channels, MatShape};
 pub use gemvq::{gemvq_supported, Q8Act, QChannels, QMode, Q8_REL_ERR};
 pub use indexer::{force_indexer_lanes, IndexerShape};
 pub use mla::{force_mla_decode, CacheElem, MlaShape};
+pub use mmq::{
+    mmq_kernel_name, mmq_ks_allowed, mmq_plan, mmq_plan_ks, mmq_records_per_thread, mmq_supported,
+    MmqParams, MmqPlan, MmqX, MMQ_STEP, MMQ_WARPS,
+};
 pub use moe::{ExpertGroups, Gating, RouterConfig, MOE_TILE};
 pub use norm::{CacheRows, RowRope, Rows};
 pub use ops::{Op, QType};

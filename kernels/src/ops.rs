@@ -81,6 +81,9 @@ impl QType {
         self.device().1
     }
 
+    /// The types with a tensor-core matrix product (mmq.cu).
+    pub const MMQ: [QType; 4] = [QType::Q8_0, QType::Q4K, QType::Q5K, QType::Q6K];
+
     /// Weights per task (one lane's unit of work) of a one-column GEMV (`GQ_TW1` in gemvq.cu;
     /// launches of several columns always use 32): 32, but Q4_K's and Q6_K's cover 64 (Q4_K: two
     /// sub-blocks sharing 32 code bytes, the header decoded once; Q6_K: two 16-element groups
@@ -132,6 +135,8 @@ pub enum Op {
     Dequant,
     Gemv,
     GemvQ(QType),
+    /// The int8 tensor-core matrix product (mmq.cu) for 8..64 columns; [`QType::MMQ`] types.
+    Mmq(QType),
     Quantize,
     RmsNorm,
     LayerNorm,
@@ -152,7 +157,7 @@ pub enum Op {
 
 impl Op {
     /// Every module, for the compile check.
-    pub const ALL: [Op; 28] = [
+    pub const ALL: [Op; 32] = [
         Op::Dequant,
         Op::Gemv,
         Op::Quantize,
@@ -180,6 +185,10 @@ impl Op {
         Op::GemvQ(QType::Q6K),
         Op::GemvQ(QType::IQ4NL),
         Op::GemvQ(QType::IQ4XS),
+        Op::Mmq(QType::Q8_0),
+        Op::Mmq(QType::Q4K),
+        Op::Mmq(QType::Q5K),
+        Op::Mmq(QType::Q6K),
         Op::AllReduce,
     ];
 
@@ -188,6 +197,7 @@ impl Op {
             Op::Dequant => "dequant",
             Op::Gemv => "gemv",
             Op::GemvQ(_) => "gemvq",
+            Op::Mmq(_) => "mmq",
             Op::Quantize => "quantize",
             Op::RmsNorm => "rmsnorm",
             Op::LayerNorm => "layernorm",
@@ -212,6 +222,7 @@ impl Op {
             Op::Dequant => "dequant.cu",
             Op::Gemv => "gemv.cu",
             Op::GemvQ(_) => "gemvq.cu",
+            Op::Mmq(_) => "mmq.cu",
             Op::Quantize => "quantize.cu",
             Op::RmsNorm => "rmsnorm.cu",
             Op::LayerNorm => "layernorm.cu",
@@ -237,6 +248,7 @@ impl Op {
             Op::Dequant => include_str!("../cuda/dequant.cu"),
             Op::Gemv => include_str!("../cuda/gemv.cu"),
             Op::GemvQ(_) => include_str!("../cuda/gemvq.cu"),
+            Op::Mmq(_) => include_str!("../cuda/mmq.cu"),
             Op::Quantize => include_str!("../cuda/quantize.cu"),
             Op::RmsNorm => include_str!("../cuda/rmsnorm.cu"),
             Op::LayerNorm => include_str!("../cuda/layernorm.cu"),
@@ -260,7 +272,7 @@ impl Op {
     /// per-module defines, the headers the op needs, the op's own file.
     pub fn sections(self) -> Vec<(&'static str, String)> {
         let mut v = vec![("prelude.cuh", PRELUDE.to_string())];
-        if matches!(self, Op::Dequant | Op::Gemv | Op::GemvQ(_)) {
+        if matches!(self, Op::Dequant | Op::Gemv | Op::GemvQ(_) | Op::Mmq(_)) {
             v.push(("quant.cuh", QUANT.to_string()));
         }
         if let Op::GemvQ(q) = self {
@@ -271,6 +283,13 @@ impl Op {
                     "#define GQ_QT {id}\n#define GQ_SUF {suf}\n#define GQ_TW1 {}\n",
                     q.task_weights()
                 ),
+            ));
+        }
+        if let Op::Mmq(q) = self {
+            let (id, suf) = q.device();
+            v.push((
+                "mmq-type.cuh",
+                format!("#define MQ_QT {id}\n#define MQ_SUF {suf}\n"),
             ));
         }
         v.push((self.file_name(), self.source().to_string()));
@@ -304,6 +323,13 @@ impl Op {
                 return GEMVQ_VARIANTS
                     .iter()
                     .map(|(p, _, _, _)| format!("{p}{}", q.suffix()))
+                    .collect()
+            }
+            Op::Mmq(q) => {
+                return crate::mmq::MMQ_VARIANTS
+                    .iter()
+                    .map(|(p, _, _)| format!("{p}{}", q.suffix()))
+                    .chain(std::iter::once("mma_s8_selftest".to_string()))
                     .collect()
             }
             Op::Quantize => &["quantize_q8a"],

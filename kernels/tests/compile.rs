@@ -160,8 +160,9 @@ fn every_kernel_compiles_for_sm90_and_sm120() {
                             "mla_decode_bf16",
                             "quantize_q8a",
                         ];
-                        // Every integer-dot GEMV variant is hot (decode and grouped MoE).
-                        let hot_q = func.starts_with("gemvq");
+                        // Every integer-dot GEMV and tensor-core matrix product variant is hot
+                        // (decode, prefill, grouped MoE).
+                        let hot_q = func.starts_with("gemvq") || func.starts_with("mmq");
                         if n > 0 && (hot.contains(&func.as_str()) || hot_q) {
                             failures.push(format!("{arch} {func}: {n} bytes spill stores"));
                         }

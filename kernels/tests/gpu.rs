@@ -3781,3 +3781,656 @@ fn indexer_lanes_kernel_matches_f64_and_the_warp_kernel() {
     }
     assert!(all_ok, "indexer scores differ from the f64 oracle");
 }
+
+// ---------------------------------------------------------------------------------------------
+// mmq: the int8 tensor-core matrix product for 8..64 columns (kernels/cuda/mmq.cu). Every output
+// buffer is checked element by element with the oracle the CPU emulator's tests use
+// (common/oracle.rs `mmq_verify`: products within gemvq's f32 bound of the f64 product with the
+// quantized activations and within the q8 rounding of the one with the f32 activations, NaN for
+// bad expert ids, every other element untouched).
+
+use kernels::{mmq_ks_allowed, mmq_supported};
+
+const MMQ_TYPES: [GgmlType; 4] = [
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::Q8_0,
+];
+
+/// `slabs` matrices of `rows x k` of `ty` on the device (repacked where the type is) and
+/// dequantized on the host.
+fn mmq_weights(
+    g: &Gpu,
+    ty: GgmlType,
+    slabs: usize,
+    rows: usize,
+    k: usize,
+    r: &mut Rng,
+) -> (kernels::CudaSlice<u8>, Vec<f32>, MatShape) {
+    let bytes = sane_blocks(ty, slabs * rows * k, r);
+    let deq = dequant_cpu(ty, &bytes);
+    let packed = repack::is_packed(ty);
+    let dev = if packed {
+        repack::repack(ty, &bytes).unwrap()
+    } else {
+        bytes
+    };
+    let shape = MatShape {
+        ty,
+        rows,
+        k,
+        slabs,
+        packed,
+    };
+    assert!(mmq_supported(&shape), "{shape:?}");
+    (g.upload(&dev).unwrap(), deq, shape)
+}
+
+/// The instruction's fragment layout, the one mmq.cu's shuffle version (the CPU emulator's
+/// mma) and the kernels assume: both equal a CPU product exactly (integer sums).
+#[test]
+fn mma_s8_selftest_matches_cpu() {
+    let Some(g) = gpu("mma_s8_selftest_matches_cpu") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("mma_s8_selftest");
+    for trial in 0..8 {
+        // Trial 0: the extremes (-128 * -128 products); then random codes.
+        let (a, b): (Vec<i8>, Vec<i8>) = if trial == 0 {
+            (
+                vec![-128; 512],
+                (0..256)
+                    .map(|i| if i % 3 == 0 { 127 } else { -128 })
+                    .collect(),
+            )
+        } else {
+            (
+                (0..512).map(|_| r.byte() as i8).collect(),
+                (0..256).map(|_| r.byte() as i8).collect(),
+            )
+        };
+        // Distinct C entries show any permutation of the outputs.
+        let c: Vec<i32> = (0..128).map(|i| i * 1000 - 7 * trial).collect();
+        let (hw, shfl) = g.mma_s8_selftest(&a, &b, &c).unwrap();
+        let want = mma_s8_cpu(&a, &b, &c);
+        let ok = hw == want && shfl == want;
+        row(
+            "mma m16n8k32 s8",
+            &format!(
+                "trial {trial}: instruction {}, shuffles {}",
+                hw == want,
+                shfl == want
+            ),
+            0.0,
+            0.0,
+            ok,
+        );
+        assert!(
+            ok,
+            "trial {trial}: the fragment layout differs from the CPU product"
+        );
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum MmqTestMode {
+    Plain,
+    Accumulate,
+    Glu,
+}
+
+/// A dense launch of `tokens` activation rows through the `nc`-column kernel (k-split `ks`
+/// forced, or the plan's), every output checked with `mmq_verify`, then:
+/// - Plain / GLU: against `gemv_q` of the same q8 activations (8-column channels). Both sum the
+///   same exact integer block sums; only the f32 scaling and the order of the sums over blocks
+///   differ, and each lies within the oracle's f32 bound (A) of the exact product, so they
+///   differ by at most twice that bound.
+/// - Plain: a second launch is bitwise the first (fixed summation order, no atomics).
+/// - Accumulate: bitwise the plain output (same plan, same sums) plus the old value in one f32
+///   addition.
+///
+/// Returns (all checks passed, worst oracle error over its bound).
+fn mmq_dense_check(
+    g: &Gpu,
+    r: &mut Rng,
+    ty: GgmlType,
+    rows: usize,
+    k: usize,
+    nc: usize,
+    tokens: usize,
+    mode: MmqTestMode,
+    ks: Option<usize>,
+) -> (bool, f64) {
+    let (dw, wq, shape) = mmq_weights(g, ty, 1, rows, k, r);
+    let (dw2, wq2, _) = mmq_weights(g, ty, 1, rows, k, r);
+    let x = activations(r, tokens, k);
+    let dx = g.upload(&x).unwrap();
+    let q = g.quantize_q8(&dx, tokens, k, k).unwrap();
+    let (qc, qd, _) = q.to_host(g).unwrap();
+    let ny = tokens * rows + 3;
+    let y0: Vec<f32> = match mode {
+        MmqTestMode::Accumulate => r.vec(ny, 2.0),
+        _ => vec![f32::NAN; ny],
+    };
+    let ch = QChannels {
+        count: 1,
+        ncols: nc,
+        ids: None,
+        xidx: None,
+        x_div: 1,
+        yidx: None,
+        y_stride: rows,
+        y_rows: tokens,
+    };
+    // QMode<CudaSlice> is not Copy: one per launch.
+    let qmode = || match mode {
+        MmqTestMode::Plain => QMode::Plain,
+        MmqTestMode::Accumulate => QMode::Accumulate,
+        MmqTestMode::Glu => QMode::Glu(&dw2),
+    };
+    g.force_mmq_ksplit(ks).unwrap();
+    let launch = |y0: &[f32]| {
+        let mut dy = g.upload(y0).unwrap();
+        g.mmq(shape, &dw, qmode(), ch, &q, &mut dy).unwrap();
+        g.download(&dy).unwrap()
+    };
+    let y = launch(&y0);
+    let case = MmqCase {
+        rows,
+        k,
+        slabs: 1,
+        count: 1,
+        ncols: nc,
+        ids: None,
+        xidx: None,
+        x_div: 1,
+        yidx: None,
+        y_stride: rows,
+        y_rows: tokens,
+    };
+    let om = match mode {
+        MmqTestMode::Plain => MmqMode::Plain,
+        MmqTestMode::Accumulate => MmqMode::Accumulate,
+        MmqTestMode::Glu => MmqMode::Glu(&wq2),
+    };
+    let c = mmq_verify(&case, &wq, &om, &x, tokens, &qc, &qd, &y0, &y);
+    let mut ok = c.ok && c.written == tokens * rows && c.untouched == 3;
+    if let Some(m) = &c.first_bad {
+        say(&format!(
+            "mmq {ty} {rows}x{k} x{tokens}/{nc} {mode:?} {ks:?}: {m}"
+        ));
+    }
+    match mode {
+        MmqTestMode::Plain | MmqTestMode::Glu => {
+            let mut dg = nan_buf(g, ny);
+            let gch = QChannels {
+                count: tokens.div_ceil(8),
+                ncols: 8,
+                ..ch
+            };
+            let gmode = if mode == MmqTestMode::Glu {
+                QMode::Glu(&dw2)
+            } else {
+                QMode::Plain
+            };
+            g.gemv_q(shape, &dw, gmode, gch, &q, &mut dg).unwrap();
+            let yg = g.download(&dg).unwrap();
+            let mut pair_ok = true;
+            for t in 0..tokens {
+                for rr in 0..rows {
+                    let (ya, _, tol_a, _) = mmq_dot(&wq, rr, k, &x, &qc, &qd, t);
+                    let tol = if mode == MmqTestMode::Glu {
+                        let (ua, _, tol_u, _) = mmq_dot(&wq2, rr, k, &x, &qc, &qd, t);
+                        mmq_glu_want(ya, tol_a, ua, tol_u).1
+                    } else {
+                        tol_a
+                    };
+                    let (a, b) = (y[t * rows + rr], yg[t * rows + rr]);
+                    pair_ok &= (f64::from(a) - f64::from(b)).abs() <= 2.0 * tol;
+                }
+            }
+            if !pair_ok {
+                say(&format!(
+                    "mmq {ty} {rows}x{k} x{tokens} {mode:?}: differs from gemv_q"
+                ));
+            }
+            ok &= pair_ok;
+            if mode == MmqTestMode::Plain {
+                let again = launch(&y0);
+                let same = again
+                    .iter()
+                    .zip(&y)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                if !same {
+                    say(&format!(
+                        "mmq {ty} {rows}x{k} x{tokens}: two launches differ"
+                    ));
+                }
+                ok &= same;
+            }
+        }
+        MmqTestMode::Accumulate => {
+            let plain = {
+                let mut dy = nan_buf(g, ny);
+                g.mmq(shape, &dw, QMode::Plain, ch, &q, &mut dy).unwrap();
+                g.download(&dy).unwrap()
+            };
+            let n = tokens * rows;
+            let same = (0..n).all(|i| y[i].to_bits() == (y0[i] + plain[i]).to_bits());
+            if !same {
+                say(&format!(
+                    "mmq {ty} {rows}x{k} x{tokens}: accumulate is not plain + add"
+                ));
+            }
+            ok &= same;
+        }
+    }
+    g.force_mmq_ksplit(None).unwrap();
+    (ok, c.worst)
+}
+
+/// Dense launches (one channel, `ncols` >= the tokens): every type, width (with partial last
+/// column groups), mode and allowed k-split on 300 x 1,024 (the last row tile partial), and
+/// GLM-5 shapes with the plan's own split: q_a / shared-expert gate-up 2,048 x 6,144 at 16
+/// tokens (8 warps per tile, 128 blocks), the MoE down shape 6,144 x 2,048 at 40 of 64 columns.
+#[test]
+fn mmq_dense_every_type_width_mode_and_split() {
+    let Some(g) = gpu("mmq_dense_every_type_width_mode_and_split") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("mmq_dense");
+    let mut bad = Vec::new();
+    let mut n = 0usize;
+    for ty in MMQ_TYPES {
+        let mut cases: Vec<(usize, usize, usize, usize, Option<usize>)> = Vec::new();
+        for (nc, tokens) in [
+            (8, 5),
+            (8, 8),
+            (16, 9),
+            (16, 16),
+            (32, 20),
+            (32, 32),
+            (64, 33),
+            (64, 64),
+        ] {
+            for ks in [1, 2, 4, 8] {
+                if mmq_ks_allowed(ks, 1024, nc) {
+                    cases.push((300, 1024, nc, tokens, Some(ks)));
+                }
+            }
+            cases.push((300, 1024, nc, tokens, None));
+        }
+        cases.push((2048, 6144, 16, 16, None));
+        cases.push((6144, 2048, 64, 40, None));
+        for (rows, k, nc, tokens, ks) in cases {
+            for mode in [
+                MmqTestMode::Plain,
+                MmqTestMode::Accumulate,
+                MmqTestMode::Glu,
+            ] {
+                let (ok, worst) = mmq_dense_check(&g, &mut r, ty, rows, k, nc, tokens, mode, ks);
+                row(
+                    &format!("mmq {ty} {mode:?}"),
+                    &format!("{rows}x{k} x{tokens} ({nc} columns) split {ks:?}"),
+                    worst,
+                    1.0,
+                    ok,
+                );
+                n += 1;
+                if !ok {
+                    bad.push(format!(
+                        "{ty} {rows}x{k} x{tokens}/{nc} {mode:?} split {ks:?}"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(n > 0);
+    assert!(bad.is_empty(), "mmq failed: {bad:?}");
+}
+
+/// The grouped MoE launches as the runtime makes them, on `moe_group`'s device maps: gate, up
+/// and SiLU from token rows into sorted rows, the down projection from sorted rows into pair rows
+/// (unused tiles id -1, unused columns -1, an empty slot); every type, the plan's split and a
+/// forced 1 and 2; against the oracle and against `gemv_q` with the same channels (twice the
+/// f32 bound, as in the dense test).
+#[test]
+fn mmq_grouped_moe_tiles_match_f64_and_gemvq() {
+    let Some(g) = gpu("mmq_grouped_moe_tiles_match_f64_and_gemvq") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("mmq_grouped");
+    let (ne, ff, d, tokens, top_k) = (8usize, 512usize, 1024usize, 24usize, 4usize);
+    // Skewed routing: expert 0 takes a slot of every token (3 tiles), expert 5 none; every
+    // seventh slot empty.
+    let ids: Vec<i32> = (0..tokens * top_k)
+        .map(|p| match (p % top_k, p % 7) {
+            (_, 6) => -1,
+            (0, _) => 0,
+            (s, _) => [1, 2, 3, 4, 6, 7][(p / top_k + s) % 6],
+        })
+        .collect();
+    let live = ids.iter().filter(|&&e| e >= 0).count();
+    let dids = g.upload(&ids).unwrap();
+    let grp = g.moe_group(&dids, tokens * top_k, top_k, ne).unwrap();
+    let te = g.download(&grp.tile_expert.view()).unwrap();
+    let (tok, pos, pair) = (
+        g.download(&grp.tok.view()).unwrap(),
+        g.download(&grp.pos.view()).unwrap(),
+        g.download(&grp.pair.view()).unwrap(),
+    );
+    assert!(te.contains(&-1), "unused tiles");
+    let (tev, tokv, posv, pairv) = (
+        grp.tile_expert.view(),
+        grp.tok.view(),
+        grp.pos.view(),
+        grp.pair.view(),
+    );
+    let mut bad = Vec::new();
+    for ty in MMQ_TYPES {
+        let (dg, gq, gs) = mmq_weights(&g, ty, ne, ff, d, &mut r);
+        let (du, uq, _) = mmq_weights(&g, ty, ne, ff, d, &mut r);
+        let (dd, dq, ds) = mmq_weights(&g, ty, ne, d, ff, &mut r);
+        let x = activations(&mut r, tokens, d);
+        let dx = g.upload(&x).unwrap();
+        let q = g.quantize_q8(&dx, tokens, d, d).unwrap();
+        let (qc, qd, _) = q.to_host(&g).unwrap();
+        for ks in [None, Some(1), Some(2)] {
+            g.force_mmq_ksplit(ks).unwrap();
+            // gate + up + SiLU.
+            let ch = QChannels {
+                count: grp.max_tiles,
+                ncols: MOE_TILE,
+                ids: Some(&tev),
+                xidx: Some(&tokv),
+                x_div: 1,
+                yidx: Some(&posv),
+                y_stride: ff,
+                y_rows: live,
+            };
+            let ny = live * ff + 3;
+            let mut act = nan_buf(&g, ny);
+            g.mmq(gs, &dg, QMode::Glu(&du), ch, &q, &mut act).unwrap();
+            let act_h = g.download(&act).unwrap();
+            let mut actg = nan_buf(&g, ny);
+            g.gemv_q(gs, &dg, QMode::Glu(&du), ch, &q, &mut actg)
+                .unwrap();
+            let actg_h = g.download(&actg).unwrap();
+            let case = MmqCase {
+                rows: ff,
+                k: d,
+                slabs: ne,
+                count: grp.max_tiles,
+                ncols: MOE_TILE,
+                ids: Some(&te),
+                xidx: Some(&tok),
+                x_div: 1,
+                yidx: Some(&pos),
+                y_stride: ff,
+                y_rows: live,
+            };
+            let nanv = vec![f32::NAN; ny];
+            let c = mmq_verify(
+                &case,
+                &gq,
+                &MmqMode::Glu(&uq),
+                &x,
+                tokens,
+                &qc,
+                &qd,
+                &nanv,
+                &act_h,
+            );
+            let mut ok = c.ok && c.written == live * ff;
+            // Against gemv_q's grouped GLU, output by output (sorted row p = pos of the pair).
+            for (i, &e) in te.iter().enumerate() {
+                for j in 0..MOE_TILE {
+                    let (t, p) = (tok[i * MOE_TILE + j], pos[i * MOE_TILE + j]);
+                    if e < 0 || t < 0 {
+                        continue;
+                    }
+                    for rr in 0..ff {
+                        let wr = e as usize * ff + rr;
+                        let (ya, _, ta, _) = mmq_dot(&gq, wr, d, &x, &qc, &qd, t as usize);
+                        let (ua, _, tu, _) = mmq_dot(&uq, wr, d, &x, &qc, &qd, t as usize);
+                        let tol = mmq_glu_want(ya, ta, ua, tu).1;
+                        let at = p as usize * ff + rr;
+                        ok &= (f64::from(act_h[at]) - f64::from(actg_h[at])).abs() <= 2.0 * tol;
+                    }
+                }
+            }
+            row(
+                &format!("mmq grouped glu {ty}"),
+                &format!("{ne} experts {ff}x{d}, {live} pairs, split {ks:?}"),
+                c.worst,
+                1.0,
+                ok,
+            );
+            if !ok {
+                bad.push(format!("glu {ty} {ks:?}: {:?}", c.first_bad));
+            }
+            // Down: sorted rows -> pair rows; the empty slots' rows stay NaN.
+            let act_q = g.quantize_q8(&act, live, ff, ff).unwrap();
+            let (aq, ad, _) = act_q.to_host(&g).unwrap();
+            let actx: Vec<f32> = act_h[..live * ff].to_vec();
+            let ch = QChannels {
+                count: grp.max_tiles,
+                ncols: MOE_TILE,
+                ids: Some(&tev),
+                xidx: Some(&posv),
+                x_div: 1,
+                yidx: Some(&pairv),
+                y_stride: d,
+                y_rows: tokens * top_k,
+            };
+            let ny = tokens * top_k * d + 3;
+            let mut yd = nan_buf(&g, ny);
+            g.mmq(ds, &dd, QMode::Plain, ch, &act_q, &mut yd).unwrap();
+            let yd_h = g.download(&yd).unwrap();
+            let mut ydg = nan_buf(&g, ny);
+            g.gemv_q(ds, &dd, QMode::Plain, ch, &act_q, &mut ydg)
+                .unwrap();
+            let ydg_h = g.download(&ydg).unwrap();
+            let case = MmqCase {
+                rows: d,
+                k: ff,
+                slabs: ne,
+                count: grp.max_tiles,
+                ncols: MOE_TILE,
+                ids: Some(&te),
+                xidx: Some(&pos),
+                x_div: 1,
+                yidx: Some(&pair),
+                y_stride: d,
+                y_rows: tokens * top_k,
+            };
+            let nanv = vec![f32::NAN; ny];
+            let c = mmq_verify(
+                &case,
+                &dq,
+                &MmqMode::Plain,
+                &actx,
+                live,
+                &aq,
+                &ad,
+                &nanv,
+                &yd_h,
+            );
+            let empty = tokens * top_k - live;
+            let mut ok = c.ok && c.written == live * d && c.untouched == empty * d + 3;
+            for (i, &e) in te.iter().enumerate() {
+                for j in 0..MOE_TILE {
+                    let (p, pr) = (pos[i * MOE_TILE + j], pair[i * MOE_TILE + j]);
+                    if e < 0 || p < 0 {
+                        continue;
+                    }
+                    for rr in 0..d {
+                        let wr = e as usize * d + rr;
+                        let tol = mmq_dot(&dq, wr, ff, &actx, &aq, &ad, p as usize).2;
+                        let at = pr as usize * d + rr;
+                        ok &= (f64::from(yd_h[at]) - f64::from(ydg_h[at])).abs() <= 2.0 * tol;
+                    }
+                }
+            }
+            row(
+                &format!("mmq grouped down {ty}"),
+                &format!("{ne} experts {d}x{ff}, {live} pairs, split {ks:?}"),
+                c.worst,
+                1.0,
+                ok,
+            );
+            if !ok {
+                bad.push(format!("down {ty} {ks:?}: {:?}", c.first_bad));
+            }
+        }
+        g.force_mmq_ksplit(None).unwrap();
+    }
+    assert!(bad.is_empty(), "grouped mmq failed: {bad:?}");
+}
+
+/// Channels without maps (slab ch % slabs, input rows (ch / x_div) * ncols + j, a partial last
+/// row group), output rows `y_stride` > rows apart (the gaps untouched), a bad expert id (NaN),
+/// an unused one (-1: nothing written), a channel whose columns all lack an output row, dead
+/// input and output rows, and the wrapper's refusals.
+#[test]
+fn mmq_channel_maps_bad_ids_and_refusals() {
+    let Some(g) = gpu("mmq_channel_maps_bad_ids_and_refusals") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("mmq_channels");
+    let mut bad = Vec::new();
+    for ty in MMQ_TYPES {
+        let (rows, k, slabs) = (40usize, 512usize, 3usize);
+        let (dw, wq, shape) = mmq_weights(&g, ty, slabs, rows, k, &mut r);
+        let (dw2, wq2, _) = mmq_weights(&g, ty, slabs, rows, k, &mut r);
+        let x = activations(&mut r, 19, k);
+        let q = g.quantize_q8(&g.upload(&x).unwrap(), 19, k, k).unwrap();
+        let (qc, qd, _) = q.to_host(&g).unwrap();
+        let (y_stride, y_rows) = (rows + 5, 38usize);
+        let ch = QChannels {
+            count: 5,
+            ncols: 8,
+            ids: None,
+            xidx: None,
+            x_div: 2,
+            yidx: None,
+            y_stride,
+            y_rows,
+        };
+        let ny = (y_rows - 1) * y_stride + rows + 3;
+        for glu in [false, true] {
+            let mut dy = nan_buf(&g, ny);
+            let mode = if glu { QMode::Glu(&dw2) } else { QMode::Plain };
+            g.mmq(shape, &dw, mode, ch, &q, &mut dy).unwrap();
+            let y = g.download(&dy).unwrap();
+            let case = MmqCase {
+                rows,
+                k,
+                slabs,
+                count: 5,
+                ncols: 8,
+                ids: None,
+                xidx: None,
+                x_div: 2,
+                yidx: None,
+                y_stride,
+                y_rows,
+            };
+            let om = if glu {
+                MmqMode::Glu(&wq2)
+            } else {
+                MmqMode::Plain
+            };
+            let c = mmq_verify(&case, &wq, &om, &x, 19, &qc, &qd, &vec![f32::NAN; ny], &y);
+            // Channels 0-3 read rows 0..16 (8 live columns each), channel 4 rows 16..19.
+            let ok = c.ok && c.written == 35 * rows && c.untouched > 0;
+            row(
+                &format!("mmq maps {ty}"),
+                &format!("no maps, glu {glu}"),
+                c.worst,
+                1.0,
+                ok,
+            );
+            if !ok {
+                bad.push(format!("{ty} no maps glu {glu}: {:?}", c.first_bad));
+            }
+        }
+        // Ids: a valid expert, a bad one (NaN), -1 (nothing), one with every y row -1.
+        let ids = vec![2, 7, -1, 1];
+        let xidx: Vec<i32> = (0..32)
+            .map(|i| if i % 8 == 6 { -1 } else { i % 11 })
+            .collect();
+        let mut yidx: Vec<i32> = (0..32).map(|i| 31 - i).collect();
+        yidx[24..32].fill(-1);
+        yidx[3] = 40; // past y_rows
+        let (di, dxi, dyi) = (
+            g.upload(&ids).unwrap(),
+            g.upload(&xidx).unwrap(),
+            g.upload(&yidx).unwrap(),
+        );
+        let (div, dxv, dyv) = (di.as_view(), dxi.as_view(), dyi.as_view());
+        let ch = QChannels {
+            count: 4,
+            ncols: 8,
+            ids: Some(&div),
+            xidx: Some(&dxv),
+            x_div: 1,
+            yidx: Some(&dyv),
+            y_stride: rows,
+            y_rows: 32,
+        };
+        let ny = 32 * rows + 3;
+        let y0 = r.vec(ny, 2.0);
+        let mut dy = g.upload(&y0).unwrap();
+        g.mmq(shape, &dw, QMode::Accumulate, ch, &q, &mut dy)
+            .unwrap();
+        let y = g.download(&dy).unwrap();
+        let case = MmqCase {
+            rows,
+            k,
+            slabs,
+            count: 4,
+            ncols: 8,
+            ids: Some(&ids),
+            xidx: Some(&xidx),
+            x_div: 1,
+            yidx: Some(&yidx),
+            y_stride: rows,
+            y_rows: 32,
+        };
+        let c = mmq_verify(&case, &wq, &MmqMode::Accumulate, &x, 19, &qc, &qd, &y0, &y);
+        let ok = c.ok && c.written == 6 * rows && c.nan == 7 * rows;
+        row(
+            &format!("mmq ids {ty}"),
+            "bad, -1, dead columns",
+            c.worst,
+            1.0,
+            ok,
+        );
+        if !ok {
+            bad.push(format!("{ty} ids: {:?}", c.first_bad));
+        }
+        // Refusals before any launch: a width without a kernel, combine, K of the wrong type.
+        let mut dy = nan_buf(&g, ny);
+        let ch5 = QChannels::dense(5, rows);
+        assert!(g.mmq(shape, &dw, QMode::Plain, ch5, &q, &mut dy).is_err());
+        let w = g.upload(&[1f32]).unwrap();
+        let wv = w.as_view();
+        let comb = QMode::Combine {
+            weights: &wv,
+            topk: 1,
+        };
+        let ch8 = QChannels::dense(8, rows);
+        assert!(g.mmq(shape, &dw, comb, ch8, &q, &mut dy).is_err());
+        let q2 = g
+            .quantize_q8(&g.upload(&x[..8 * 256]).unwrap(), 8, 256, 256)
+            .unwrap();
+        assert!(g.mmq(shape, &dw, QMode::Plain, ch8, &q2, &mut dy).is_err());
+    }
+    assert!(bad.is_empty(), "mmq channels: {bad:?}");
+}

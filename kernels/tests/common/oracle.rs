@@ -277,3 +277,226 @@ pub fn rms_norm_f64(x: &[f32], w: &[f32], eps: f32) -> Vec<f64> {
         .map(|(a, ww)| f64::from(*a) * inv * f64::from(*ww))
         .collect()
 }
+
+// ---------------------------------------------------------------------------------------------
+// mmq (kernels/cuda/mmq.cu): the tensor-core matrix product over channels
+
+/// The channels of one mmq launch as host data (kernels::QChannels with the maps on the host).
+pub struct MmqCase<'a> {
+    pub rows: usize,
+    pub k: usize,
+    pub slabs: usize,
+    pub count: usize,
+    pub ncols: usize,
+    pub ids: Option<&'a [i32]>,
+    pub xidx: Option<&'a [i32]>,
+    pub x_div: usize,
+    pub yidx: Option<&'a [i32]>,
+    pub y_stride: usize,
+    pub y_rows: usize,
+}
+
+/// What the launch computes (the dequantized second matrix for GLU).
+pub enum MmqMode<'a> {
+    Plain,
+    Accumulate,
+    Glu(&'a [f32]),
+}
+
+/// What one mmq check saw: `written` outputs within their bound (`worst` = the largest error
+/// over its tolerance), `nan` outputs of bad expert ids, `untouched` elements left as they were.
+#[derive(Debug, Default)]
+pub struct MmqCheck {
+    pub ok: bool,
+    pub worst: f64,
+    pub written: usize,
+    pub nan: usize,
+    pub untouched: usize,
+    pub first_bad: Option<String>,
+}
+
+/// One output of `w` (all slabs, `[slab][row][k]`) row `wr` against activation row `xr`:
+/// (the f64 product with the quantized activations d*q, the one with the f32 activations, the
+/// bound of the kernel's f32 rounding (A): (K/32 + 16) * 4 * 2^-24 * sum_b 3 max|w_b| |xq|, as
+/// gemvq's tests, and the activation rounding sum |w| d/2 (B)).
+pub fn mmq_dot(
+    w: &[f32],
+    wr: usize,
+    k: usize,
+    x: &[f32],
+    qc: &[i8],
+    qd: &[f32],
+    xr: usize,
+) -> (f64, f64, f64, f64) {
+    let row = &w[wr * k..(wr + 1) * k];
+    let (mut ya, mut yb, mut mag, mut qerr) = (0f64, 0f64, 0f64, 0f64);
+    for (bi, wb) in row.chunks(32).enumerate() {
+        // |d sc q| + |dmin m| <= 3 max|w| bounds the terms the kernel rounds (Q4_K/Q5_K; the
+        // other types' terms are |w| themselves).
+        let wmax = wb.iter().fold(0f64, |m, v| m.max(f64::from(v.abs())));
+        let d = f64::from(qd[(xr * k) / 32 + bi]);
+        for (j, &wv) in wb.iter().enumerate() {
+            let i = bi * 32 + j;
+            let xq = f64::from(qc[xr * k + i]) * d;
+            ya += f64::from(wv) * xq;
+            yb += f64::from(wv) * f64::from(x[xr * k + i]);
+            mag += 3.0 * wmax * xq.abs();
+            qerr += f64::from(wv.abs()) * d * (0.5 + 1e-5);
+        }
+    }
+    let tol_a = (k as f64 / 32.0 + 16.0) * 4.0 * U32 * mag + 1e-30;
+    (ya, yb, tol_a, qerr)
+}
+
+fn silu64(v: f64) -> f64 {
+    v / (1.0 + (-v).exp())
+}
+
+/// silu(g) * u for gate and up products `g`, `u` known within `tol_g`, `tol_u` (mmq_dot's (A)):
+/// (the value, its bound) with silu' <= 1.1 and 8 f32 roundings of the result (expf, the add,
+/// the division, the product).
+pub fn mmq_glu_want(g: f64, tol_g: f64, u: f64, tol_u: f64) -> (f64, f64) {
+    let want = silu64(g) * u;
+    let tol = 1.1 * tol_g * (u.abs() + tol_u) + silu64(g).abs() * tol_u + 8.0 * U32 * want.abs();
+    (want, tol + 1e-30)
+}
+
+/// Checks every element of an mmq output buffer `got` (initially `y0`) against the f64 oracle:
+/// a live column (input row in `0..x_rows`, output row in `0..y_rows`) of a channel with a valid
+/// expert gets its product within the bound of [`mmq_dot`] (Accumulate: plus one f32 rounding of
+/// the add; GLU: the bound carried through silu(g) * u, silu' <= 1.1, plus 8 roundings of the
+/// result for expf, the division and the products); a channel whose id is outside the slabs
+/// writes NaN; everything else (id -1, dead columns, rows past the output) stays bitwise as it was.
+pub fn mmq_verify(
+    c: &MmqCase<'_>,
+    w: &[f32],
+    mode: &MmqMode<'_>,
+    x: &[f32],
+    x_rows: usize,
+    qc: &[i8],
+    qd: &[f32],
+    y0: &[f32],
+    got: &[f32],
+) -> MmqCheck {
+    #[derive(Clone, Copy)]
+    enum Want {
+        Nan,
+        Val { slab: usize, xr: usize, r: usize },
+    }
+    let k = c.k;
+    let mut want: Vec<Option<Want>> = vec![None; got.len()];
+    for ch in 0..c.count {
+        let e = match c.ids {
+            Some(ids) => i64::from(ids[ch]),
+            None => (ch % c.slabs) as i64,
+        };
+        if c.ids.is_some() && e == -1 {
+            continue;
+        }
+        for j in 0..c.ncols {
+            let xr = match c.xidx {
+                Some(v) => i64::from(v[ch * c.ncols + j]),
+                None => ((ch / c.x_div) * c.ncols + j) as i64,
+            };
+            let yr = match c.yidx {
+                Some(v) => i64::from(v[ch * c.ncols + j]),
+                None => (ch * c.ncols + j) as i64,
+            };
+            if xr < 0 || xr >= x_rows as i64 || yr < 0 || yr >= c.y_rows as i64 {
+                continue;
+            }
+            for r in 0..c.rows {
+                let at = yr as usize * c.y_stride + r;
+                assert!(want[at].is_none(), "test maps two outputs to element {at}");
+                want[at] = Some(if e < 0 || e >= c.slabs as i64 {
+                    Want::Nan
+                } else {
+                    Want::Val {
+                        slab: e as usize,
+                        xr: xr as usize,
+                        r,
+                    }
+                });
+            }
+        }
+    }
+    let mut out = MmqCheck {
+        ok: true,
+        ..Default::default()
+    };
+    let fail = |out: &mut MmqCheck, msg: String| {
+        out.ok = false;
+        out.first_bad.get_or_insert(msg);
+    };
+    for (at, wnt) in want.iter().enumerate() {
+        let g = got[at];
+        match wnt {
+            None => {
+                if g.to_bits() == y0[at].to_bits() || (g.is_nan() && y0[at].is_nan()) {
+                    out.untouched += 1;
+                } else {
+                    fail(&mut out, format!("element {at} written: {g}"));
+                }
+            }
+            Some(Want::Nan) => {
+                if g.is_nan() {
+                    out.nan += 1;
+                } else {
+                    fail(
+                        &mut out,
+                        format!("element {at}: {g}, a bad expert id gives NaN"),
+                    );
+                }
+            }
+            Some(Want::Val { slab, xr, r }) => {
+                let wr = slab * c.rows + r;
+                let (ya, yb, tol_a, qerr) = mmq_dot(w, wr, k, x, qc, qd, *xr);
+                let gf = f64::from(g);
+                let (err, tol, err_b, tol_b) = match mode {
+                    MmqMode::Plain => ((gf - ya).abs(), tol_a, (gf - yb).abs(), qerr + tol_a),
+                    MmqMode::Accumulate => {
+                        let a0 = f64::from(y0[at]);
+                        let round = U32 * (a0.abs() + ya.abs() + tol_a);
+                        (
+                            (gf - (a0 + ya)).abs(),
+                            tol_a + round,
+                            (gf - (a0 + yb)).abs(),
+                            qerr + tol_a + round + U32 * qerr,
+                        )
+                    }
+                    MmqMode::Glu(w2) => {
+                        let (ua, _, tol_u, _) = mmq_dot(w2, wr, k, x, qc, qd, *xr);
+                        let (wv, tol) = mmq_glu_want(ya, tol_a, ua, tol_u);
+                        ((gf - wv).abs(), tol, 0.0, 0.0)
+                    }
+                };
+                out.worst = out.worst.max(err / tol);
+                if !(g.is_finite() && err <= tol && err_b <= tol_b) {
+                    fail(
+                        &mut out,
+                        format!(
+                            "element {at} (row {r}, x row {xr}, slab {slab}): {g}, error {err:.3e} \
+                             > {tol:.3e} or {err_b:.3e} > {tol_b:.3e}"
+                        ),
+                    );
+                }
+                out.written += 1;
+            }
+        }
+    }
+    out
+}
+
+/// `mma.m16n8k32.s8` on the CPU: D = A B + C with A 16 x 32 row-major, column n of B at
+/// `b[32 n ..]`, C and D 16 x 8 row-major (mmq.cu's `mma_s8_selftest` layout).
+pub fn mma_s8_cpu(a: &[i8], b: &[i8], c: &[i32]) -> Vec<i32> {
+    let mut d = c[..128].to_vec();
+    for m in 0..16 {
+        for n in 0..8 {
+            for k in 0..32 {
+                d[m * 8 + n] += i32::from(a[m * 32 + k]) * i32::from(b[n * 32 + k]);
+            }
+        }
+    }
+    d
+}

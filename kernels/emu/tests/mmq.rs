@@ -1,0 +1,655 @@
+//! The tensor-core matrix product (kernels/cuda/mmq.cu) under CPU emulation, before any GPU has
+//! run it: every weight type, mode, column width, k-split and channel map against the f64
+//! oracle the GPU tests use (kernels/tests/common/oracle.rs `mmq_verify`: the products within
+//! gemvq's f32 bound, NaN for bad expert ids, everything else untouched), launched with
+//! `kernels::mmq_plan` / `mmq_plan_ks` exactly as `Gpu::mmq` launches. Under the emulator the
+//! kernels' mma is the shuffle version (`mma_s8_16832_shfl`), which the first test checks
+//! against the emulator's own model of the instruction and a CPU product; the GPU test
+//! `mma_s8_selftest_matches_cpu` pins both to the hardware. Without a C++ compiler every test
+//! prints "skipped: no C++ compiler" and passes.
+
+// A launch takes the weights, the maps, the activations, the mode and the split, as Gpu::mmq.
+#![allow(clippy::too_many_arguments)]
+
+#[path = "../../tests/common/oracle.rs"]
+mod oracle;
+
+use std::io::Write;
+use std::marker::PhantomData;
+use std::sync::{Mutex, OnceLock};
+
+use gguf::GgmlType;
+use kernels::{
+    mmq_kernel_name, mmq_ks_allowed, mmq_plan, mmq_plan_ks, repack, MmqParams, MmqPlan, MmqX,
+    QType, MOE_TILE,
+};
+use kernels::{ops::Op, MatShape};
+use kernels_emu::Module;
+use oracle::*;
+
+fn say(msg: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{msg}");
+}
+
+fn compiler(test: &str) -> bool {
+    if !kernels_emu::available() {
+        say(&format!("skipped: no C++ compiler ({test})"));
+        return false;
+    }
+    true
+}
+
+/// One module per weight type for the whole binary (tests run in parallel; the first builds it).
+fn module(qt: QType) -> &'static Module {
+    static MODS: OnceLock<Mutex<Vec<(QType, &'static Module)>>> = OnceLock::new();
+    let mods = MODS.get_or_init(Default::default);
+    let mut held = mods.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, m)) = held.iter().find(|(q, _)| *q == qt) {
+        return m;
+    }
+    let m: &'static Module = match Module::build(Op::Mmq(qt), &[]) {
+        Ok(m) => Box::leak(Box::new(m)),
+        Err(e) => panic!("{e}"),
+    };
+    held.push((qt, m));
+    m
+}
+
+/// A 16-byte-aligned host buffer (the kernels' vector loads and 16-byte copies are aligned on
+/// the device; the host compiler may emit aligned vector instructions for them).
+struct Buf<T> {
+    words: Vec<u128>,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+impl<T: Copy> Buf<T> {
+    fn new(v: &[T]) -> Self {
+        let bytes = std::mem::size_of_val(v);
+        let mut words = vec![0u128; bytes.div_ceil(16).max(1)];
+        // SAFETY: `words` holds at least `bytes` bytes; T is plain data.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                v.as_ptr() as *const u8,
+                words.as_mut_ptr() as *mut u8,
+                bytes,
+            )
+        };
+        Buf {
+            words,
+            len: v.len(),
+            _t: PhantomData,
+        }
+    }
+    fn addr(&self) -> u64 {
+        self.words.as_ptr() as u64
+    }
+    fn to_vec(&self) -> Vec<T> {
+        // SAFETY: `len` values of T were written at the start of `words`.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const T, self.len) }.to_vec()
+    }
+}
+
+fn opt_addr<T: Copy>(b: &Option<Buf<T>>) -> u64 {
+    b.as_ref().map_or(0, Buf::addr)
+}
+
+/// The mmq types and their GGUF types.
+const TYPES: [(GgmlType, QType); 4] = [
+    (GgmlType::Q4_K, QType::Q4K),
+    (GgmlType::Q5_K, QType::Q5K),
+    (GgmlType::Q6_K, QType::Q6K),
+    (GgmlType::Q8_0, QType::Q8_0),
+];
+
+/// Weights of `slabs` matrices of `rows x k` in their device layout, and dequantized.
+struct Weights {
+    dev: Buf<u8>,
+    deq: Vec<f32>,
+    shape: MatShape,
+}
+
+fn weights(ty: GgmlType, slabs: usize, rows: usize, k: usize, r: &mut Rng) -> Weights {
+    let bytes = sane_blocks(ty, slabs * rows * k, r);
+    let deq = dequant_cpu(ty, &bytes);
+    let packed = repack::is_packed(ty);
+    let dev = if packed {
+        repack::repack(ty, &bytes).unwrap()
+    } else {
+        bytes
+    };
+    Weights {
+        dev: Buf::new(&dev),
+        deq,
+        shape: MatShape {
+            ty,
+            rows,
+            k,
+            slabs,
+            packed,
+        },
+    }
+}
+
+/// q8a activations as the device holds them: quantize.cu's codes and records, from its CPU
+/// emulation (bit-exact against the kernel on the GPU and under this emulator).
+struct Q8 {
+    x: Vec<f32>,
+    rows: usize,
+    qc: Vec<i8>,
+    qd: Vec<f32>,
+    codes: Buf<i8>,
+    recs: Buf<u64>,
+}
+
+fn q8(r: &mut Rng, rows: usize, k: usize) -> Q8 {
+    let x = activations(r, rows, k);
+    let (qc, qd, qs) = q8_cpu(&x);
+    let recs: Vec<u64> = qd
+        .iter()
+        .enumerate()
+        .map(|(b, d)| {
+            u64::from(d.to_bits())
+                | u64::from(qs[2 * b] as u16) << 32
+                | u64::from(qs[2 * b + 1] as u16) << 48
+        })
+        .collect();
+    Q8 {
+        codes: Buf::new(&qc),
+        recs: Buf::new(&recs),
+        x,
+        rows,
+        qc,
+        qd,
+    }
+}
+
+/// The host maps of one launch's channels (`ids`, `xidx`, `yidx`), owned.
+struct Maps {
+    count: usize,
+    ncols: usize,
+    ids: Option<Vec<i32>>,
+    xidx: Option<Vec<i32>>,
+    x_div: usize,
+    yidx: Option<Vec<i32>>,
+    y_stride: usize,
+    y_rows: usize,
+}
+
+impl Maps {
+    fn dense(ncols: usize, tokens: usize, rows: usize) -> Self {
+        Maps {
+            count: 1,
+            ncols,
+            ids: None,
+            xidx: None,
+            x_div: 1,
+            yidx: None,
+            y_stride: rows,
+            y_rows: tokens,
+        }
+    }
+    fn case(&self, w: &Weights) -> MmqCase<'_> {
+        MmqCase {
+            rows: w.shape.rows,
+            k: w.shape.k,
+            slabs: w.shape.slabs,
+            count: self.count,
+            ncols: self.ncols,
+            ids: self.ids.as_deref(),
+            xidx: self.xidx.as_deref(),
+            x_div: self.x_div,
+            yidx: self.yidx.as_deref(),
+            y_stride: self.y_stride,
+            y_rows: self.y_rows,
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Plain,
+    Accumulate,
+    Glu,
+}
+
+type MmqFn = unsafe extern "C" fn(MmqParams);
+
+/// One launch as `Gpu::mmq` makes it: the plan (`ks` forced through `mmq_plan_ks`, else
+/// `mmq_plan` for an H200's 132 SMs), the parameter block, the kernel of the width and mode.
+/// Returns the output buffer (initially `y0`) and the plan.
+fn run(
+    qt: QType,
+    w: &Weights,
+    w2: Option<&Weights>,
+    mode: Mode,
+    maps: &Maps,
+    x: &Q8,
+    y0: &[f32],
+    ks: Option<usize>,
+) -> (Vec<f32>, MmqPlan) {
+    let s = &w.shape;
+    let glu = mode == Mode::Glu;
+    let plan = match ks {
+        Some(ks) => mmq_plan_ks(s.rows, s.k, maps.ncols, maps.count, glu, 65_535, ks)
+            .expect("an allowed k-split"),
+        None => mmq_plan(s.rows, s.k, maps.ncols, maps.count, glu, 132, 65_535),
+    };
+    let name = mmq_kernel_name(qt, maps.ncols, glu).unwrap();
+    let m = module(qt);
+    // SAFETY: every mmq entry takes one `struct Mmq` by value; MmqParams is its layout.
+    let f: MmqFn = unsafe { m.entry(&name) }.unwrap();
+    let (ids, xidx, yidx) = (
+        maps.ids.as_deref().map(Buf::new),
+        maps.xidx.as_deref().map(Buf::new),
+        maps.yidx.as_deref().map(Buf::new),
+    );
+    let y = Buf::new(y0);
+    let qb = s.ty.block_size();
+    let p = MmqParams {
+        w: w.dev.addr(),
+        w2: w2.map_or(0, |w| w.dev.addr()),
+        nblk: (s.slabs * s.rows * (s.k / qb)) as i64,
+        ids: opt_addr(&ids),
+        xidx: opt_addr(&xidx),
+        x: MmqX {
+            qs: x.codes.addr(),
+            ds: x.recs.addr(),
+            rows: x.rows as i64,
+        },
+        y: y.addr(),
+        yidx: opt_addr(&yidx),
+        y_stride: maps.y_stride as i64,
+        y_rows: maps.y_rows as i64,
+        nrows: s.rows as i32,
+        k: s.k as i32,
+        n_slabs: s.slabs as i32,
+        count: maps.count as i32,
+        ncols: maps.ncols as i32,
+        x_div: maps.x_div as i32,
+        ks: plan.ks as i32,
+        accum: i32::from(mode == Mode::Accumulate),
+    };
+    m.launch(&name, plan.grid, plan.block, plan.smem, &|| unsafe { f(p) })
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    (y.to_vec(), plan)
+}
+
+/// Runs one launch and checks every output element with the shared oracle.
+fn check(
+    what: &str,
+    qt: QType,
+    w: &Weights,
+    w2: Option<&Weights>,
+    mode: Mode,
+    maps: &Maps,
+    x: &Q8,
+    ks: Option<usize>,
+    r: &mut Rng,
+) -> MmqCheck {
+    let n_y = (maps.y_rows.max(1) - 1) * maps.y_stride + w.shape.rows + 3;
+    // Accumulate reads finite old values; the other modes must leave NaN where they do not
+    // write and overwrite it where they do.
+    let y0: Vec<f32> = match mode {
+        Mode::Accumulate => r.vec(n_y, 2.0),
+        _ => vec![f32::NAN; n_y],
+    };
+    let (y, plan) = run(qt, w, w2, mode, maps, x, &y0, ks);
+    let om = match mode {
+        Mode::Plain => MmqMode::Plain,
+        Mode::Accumulate => MmqMode::Accumulate,
+        Mode::Glu => MmqMode::Glu(&w2.unwrap().deq),
+    };
+    let c = mmq_verify(
+        &maps.case(w),
+        &w.deq,
+        &om,
+        &x.x,
+        x.rows,
+        &x.qc,
+        &x.qd,
+        &y0,
+        &y,
+    );
+    say(&format!(
+        "mmq {what} {:?} {}x{} ncols {} {mode:?} ks {} grid {:?}: {} written (worst {:.3e} of \
+         tol), {} NaN, {} untouched",
+        w.shape.ty,
+        w.shape.rows,
+        w.shape.k,
+        maps.ncols,
+        plan.ks,
+        plan.grid,
+        c.written,
+        c.worst,
+        c.nan,
+        c.untouched
+    ));
+    assert!(
+        c.ok,
+        "mmq {what} {:?} ncols {} {mode:?} ks {}: {}",
+        w.shape.ty,
+        maps.ncols,
+        plan.ks,
+        c.first_bad.as_deref().unwrap_or("")
+    );
+    c
+}
+
+// ---------------------------------------------------------------------------------------------
+// the fragment layout
+
+type SelftestFn = unsafe extern "C" fn(*const i8, *const i8, *const i32, *mut i32, *mut i32);
+
+#[test]
+fn mma_shuffle_version_equals_the_instruction_model_and_cpu() {
+    if !compiler("mma_shuffle_version_equals_the_instruction_model_and_cpu") {
+        return;
+    }
+    let mut r = Rng::new("emu mma_s8_selftest");
+    let m = module(QType::Q8_0);
+    // SAFETY: the selftest's signature.
+    let f: SelftestFn = unsafe { m.entry("mma_s8_selftest") }.unwrap();
+    for trial in 0..4 {
+        // Trial 0: the extremes (-128 * -128 sums, the largest products); then random codes.
+        let (a, b): (Vec<i8>, Vec<i8>) = if trial == 0 {
+            (
+                vec![-128; 512],
+                (0..256)
+                    .map(|i| if i % 3 == 0 { 127 } else { -128 })
+                    .collect(),
+            )
+        } else {
+            (
+                (0..512).map(|_| r.byte() as i8).collect(),
+                (0..256).map(|_| r.byte() as i8).collect(),
+            )
+        };
+        // Distinct C entries show any output permutation.
+        let c: Vec<i32> = (0..128).map(|i| i * 1000 - 7 * trial).collect();
+        let (ab, bb, cb) = (Buf::new(&a), Buf::new(&b), Buf::new(&c));
+        let (d1, d2) = (Buf::new(&[0i32; 128]), Buf::new(&[0i32; 128]));
+        let (pa, pb, pc) = (
+            ab.addr() as *const i8,
+            bb.addr() as *const i8,
+            cb.addr() as *const i32,
+        );
+        let (p1, p2) = (d1.addr() as *mut i32, d2.addr() as *mut i32);
+        m.launch("mma_s8_selftest", [1, 1, 1], [32, 1, 1], 0, &|| unsafe {
+            f(pa, pb, pc, p1, p2)
+        })
+        .unwrap();
+        let want = mma_s8_cpu(&a, &b, &c);
+        assert_eq!(
+            d1.to_vec(),
+            want,
+            "trial {trial}: the emulator's instruction model"
+        );
+        assert_eq!(d2.to_vec(), want, "trial {trial}: mma.cu's shuffle version");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dense launches: every type, width, mode and k-split
+
+/// Columns of the dense cases: each width with a partial last group (tokens below the width,
+/// so whole column groups and single columns are dead), and one full width.
+const WIDTHS: [(usize, usize); 5] = [(8, 5), (8, 8), (16, 9), (32, 20), (64, 33)];
+
+/// One type: 40 rows (the last tile half past the end), K = 768 (6 steps: with ks = 4 the second
+/// window holds 2 of 4 steps), every width, mode and allowed k-split, then the plan's own choice.
+fn dense_type(ty: GgmlType, qt: QType) {
+    let mut r = Rng::new(&format!("emu mmq dense {ty}"));
+    let (rows, k) = (40usize, 768usize);
+    let w = weights(ty, 1, rows, k, &mut r);
+    let w2 = weights(ty, 1, rows, k, &mut r);
+    let mut written = 0;
+    for (nc, tokens) in WIDTHS {
+        let x = q8(&mut r, tokens, k);
+        let maps = Maps::dense(nc, tokens, rows);
+        for mode in [Mode::Plain, Mode::Accumulate, Mode::Glu] {
+            let w2o = (mode == Mode::Glu).then_some(&w2);
+            let mut splits: Vec<Option<usize>> = [1, 2, 4, 8]
+                .into_iter()
+                .filter(|&ks| mmq_ks_allowed(ks, k, nc))
+                .map(Some)
+                .collect();
+            splits.push(None);
+            for ks in splits {
+                let c = check("dense", qt, &w, w2o, mode, &maps, &x, ks, &mut r);
+                assert_eq!(c.written, tokens * rows, "every live output written");
+                assert_eq!(c.nan, 0);
+                written += c.written;
+            }
+        }
+    }
+    assert!(written > 0);
+}
+
+#[test]
+fn mmq_dense_q4_k() {
+    if compiler("mmq_dense_q4_k") {
+        dense_type(GgmlType::Q4_K, QType::Q4K);
+    }
+}
+
+#[test]
+fn mmq_dense_q5_k() {
+    if compiler("mmq_dense_q5_k") {
+        dense_type(GgmlType::Q5_K, QType::Q5K);
+    }
+}
+
+#[test]
+fn mmq_dense_q6_k() {
+    if compiler("mmq_dense_q6_k") {
+        dense_type(GgmlType::Q6_K, QType::Q6K);
+    }
+}
+
+#[test]
+fn mmq_dense_q8_0() {
+    if compiler("mmq_dense_q8_0") {
+        dense_type(GgmlType::Q8_0, QType::Q8_0);
+    }
+}
+
+/// Edge shapes: fewer rows than a tile, one step of K (Q8_0: 128), K of one superblock, 8 warps
+/// splitting a long K over a single tile, and rows a whole number of blocks.
+#[test]
+fn mmq_small_and_split_shapes() {
+    if !compiler("mmq_small_and_split_shapes") {
+        return;
+    }
+    let mut r = Rng::new("emu mmq shapes");
+    for (ty, qt) in TYPES {
+        let kmin = if ty == GgmlType::Q8_0 { 128 } else { 256 };
+        for (rows, k, nc, tokens, ks) in [
+            (7usize, kmin, 8usize, 3usize, None),
+            (16, kmin, 16, 16, None),
+            (9, 2048, 8, 8, Some(8)),
+            (128, 1024, 8, 2, Some(2)),
+            (33, 1024, 64, 64, Some(4)),
+        ] {
+            let w = weights(ty, 1, rows, k, &mut r);
+            let x = q8(&mut r, tokens, k);
+            let maps = Maps::dense(nc, tokens, rows);
+            let c = check("shape", qt, &w, None, Mode::Plain, &maps, &x, ks, &mut r);
+            assert_eq!(c.written, tokens * rows);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// channels: grouped MoE tiles, unused tiles and columns, bad ids, strides
+
+/// moe_sort.cu's grouping on the host: the pairs of each expert in pair order, in tiles of
+/// MOE_TILE columns, experts in order, then unused tiles up to `max_tiles` = ceil(n / TILE) + E.
+/// Returns (tile_expert, tok, pos, pair) as the device maps hold them (-1 = unused).
+fn group(ids: &[i32], top_k: usize, experts: usize) -> (Vec<i32>, Vec<i32>, Vec<i32>, Vec<i32>) {
+    let max_tiles = ids.len().div_ceil(MOE_TILE) + experts;
+    let mut te = vec![-1i32; max_tiles];
+    let (mut tok, mut pos, mut pair) = (
+        vec![-1i32; max_tiles * MOE_TILE],
+        vec![-1i32; max_tiles * MOE_TILE],
+        vec![-1i32; max_tiles * MOE_TILE],
+    );
+    let (mut tile, mut off) = (0usize, 0usize);
+    for e in 0..experts as i32 {
+        let mine: Vec<usize> = (0..ids.len()).filter(|&p| ids[p] == e).collect();
+        for (ri, &p) in mine.iter().enumerate() {
+            let c = (tile + ri / MOE_TILE) * MOE_TILE + ri % MOE_TILE;
+            te[tile + ri / MOE_TILE] = e;
+            tok[c] = (p / top_k) as i32;
+            pos[c] = (off + ri) as i32;
+            pair[c] = p as i32;
+        }
+        tile += mine.len().div_ceil(MOE_TILE);
+        off += mine.len();
+    }
+    (te, tok, pos, pair)
+}
+
+/// A MoE layer's grouped launches as the runtime makes them: gate + up + SiLU (GLU) from token
+/// rows into sorted rows, then the down projection from sorted rows into pair rows; experts with
+/// 0, 1, 8 (one full tile) and 9+ pairs, empty slots (-1), unused tiles at the end. Every type
+/// for both launches (the gate/up type also runs the down, with its K).
+#[test]
+fn mmq_grouped_moe_tiles() {
+    if !compiler("mmq_grouped_moe_tiles") {
+        return;
+    }
+    let mut r = Rng::new("emu mmq grouped");
+    let (ne, ff, d, tokens, top_k) = (5usize, 48usize, 256usize, 9usize, 2usize);
+    // Expert 1: 9 pairs (two tiles), 3: none, 4: one; token 2's second slot empty.
+    let ids: Vec<i32> = vec![1, 0, 1, 2, 1, -1, 1, 0, 1, 2, 1, 4, 1, 0, 1, 2, 1, 0];
+    let (te, tok, pos, pair) = group(&ids, top_k, ne);
+    let live_pairs = ids.iter().filter(|&&e| e >= 0).count();
+    assert!(te.contains(&-1) && te.iter().filter(|&&e| e == 1).count() == 2);
+    for (ty, qt) in TYPES {
+        // gate/up: ff rows x d; down: d rows x ff_k (2 steps: room for a 2-warp split).
+        let (d_in, ff_k) = (d, 256usize);
+        let gate = weights(ty, ne, ff, d_in, &mut r);
+        let up = weights(ty, ne, ff, d_in, &mut r);
+        let x = q8(&mut r, tokens, d_in);
+        let maps = Maps {
+            count: te.len(),
+            ncols: MOE_TILE,
+            ids: Some(te.clone()),
+            xidx: Some(tok.clone()),
+            x_div: 1,
+            yidx: Some(pos.clone()),
+            y_stride: ff,
+            y_rows: live_pairs,
+        };
+        for ks in [Some(1), Some(2)] {
+            let c = check(
+                "grouped glu",
+                qt,
+                &gate,
+                Some(&up),
+                Mode::Glu,
+                &maps,
+                &x,
+                ks,
+                &mut r,
+            );
+            assert_eq!(c.written, live_pairs * ff);
+        }
+        // Down: sorted rows -> pair rows (the empty slot's row stays untouched).
+        let down = weights(ty, ne, d, ff_k, &mut r);
+        let act = q8(&mut r, live_pairs, ff_k);
+        let maps = Maps {
+            count: te.len(),
+            ncols: MOE_TILE,
+            ids: Some(te.clone()),
+            xidx: Some(pos.clone()),
+            x_div: 1,
+            yidx: Some(pair.clone()),
+            y_stride: d,
+            y_rows: tokens * top_k,
+        };
+        for ks in [Some(1), Some(2)] {
+            let c = check(
+                "grouped down",
+                qt,
+                &down,
+                None,
+                Mode::Plain,
+                &maps,
+                &act,
+                ks,
+                &mut r,
+            );
+            assert_eq!(c.written, live_pairs * d);
+            assert!(c.untouched >= d, "the empty slot's row");
+        }
+    }
+}
+
+/// Channels without maps (slab ch % slabs, input rows (ch / x_div) * ncols + j), a bad expert id
+/// (NaN outputs), an unused one (-1: nothing written), a channel whose columns all lack an
+/// output row, output rows `y_stride` > rows apart (the gaps untouched), and x rows past the
+/// input (dead columns).
+#[test]
+fn mmq_channel_maps_ids_and_strides() {
+    if !compiler("mmq_channel_maps_ids_and_strides") {
+        return;
+    }
+    let mut r = Rng::new("emu mmq channels");
+    for (ty, qt) in TYPES {
+        let (rows, k, slabs) = (24usize, 256usize, 3usize);
+        let w = weights(ty, slabs, rows, k, &mut r);
+        let w2 = weights(ty, slabs, rows, k, &mut r);
+        // 5 channels of 8 columns over 2 activation row groups (x_div 2 + 1 partial): slabs
+        // 0, 1, 2, 0, 1; the last group has 3 of 8 rows.
+        let x = q8(&mut r, 19, k);
+        let maps = Maps {
+            count: 5,
+            ncols: 8,
+            ids: None,
+            xidx: None,
+            x_div: 2,
+            yidx: None,
+            y_stride: rows + 5,
+            y_rows: 38,
+        };
+        for mode in [Mode::Plain, Mode::Glu] {
+            let w2o = (mode == Mode::Glu).then_some(&w2);
+            let c = check("no maps", qt, &w, w2o, mode, &maps, &x, None, &mut r);
+            // Channels 0, 1 read rows 0..8, 2, 3 rows 8..16, 4 rows 16..19; outputs < 38.
+            assert_eq!(c.written, (8 + 8 + 8 + 8 + 3) * rows);
+            assert!(c.untouched > 0);
+        }
+        // Ids: a valid expert, a bad one (NaN), -1 (nothing), one with every y row -1.
+        let ids = vec![2, 7, -1, 1];
+        let xidx: Vec<i32> = (0..32)
+            .map(|i| [i % 11, -1][usize::from(i % 8 == 6)])
+            .collect();
+        let mut yidx: Vec<i32> = (0..32).map(|i| 31 - i).collect();
+        for v in &mut yidx[24..32] {
+            *v = -1;
+        }
+        yidx[3] = 40; // past y_rows: dead
+        let x = q8(&mut r, 11, k);
+        let maps = Maps {
+            count: 4,
+            ncols: 8,
+            ids: Some(ids),
+            xidx: Some(xidx),
+            x_div: 1,
+            yidx: Some(yidx),
+            y_stride: rows,
+            y_rows: 32,
+        };
+        for ks in [Some(1), Some(2)] {
+            let c = check("ids", qt, &w, None, Mode::Accumulate, &maps, &x, ks, &mut r);
+            assert_eq!(
+                c.written,
+                6 * rows,
+                "channel 0: 8 columns less one dead x, one dead y"
+            );
+            assert_eq!(c.nan, 7 * rows, "channel 1: bad id, 7 live columns");
+        }
+    }
+}
