@@ -251,7 +251,56 @@ pub struct CudaBackend {
     /// prefill path ([`GEMVQ_MAX_ROWS`]; `GGUFTOOL_GEMVQ_MAX_ROWS`, 8 ..= 1024, to measure
     /// where one overtakes the other).
     gemvq_max_rows: usize,
+    /// Steps whose row count lies in this range take the int8 tensor-core product
+    /// (`kernels::mmq`: quantized weights read once per step straight into `mma` fragments)
+    /// wherever its types and shapes allow: dense matmuls, GLU and accumulating matmuls, and the
+    /// grouped MoE experts (moe_sort's tiles, no routing read back). Off by default until it
+    /// has been measured on a GPU (`GGUFTOOL_MMQ=1` turns it on for [`MMQ_ROWS`],
+    /// `GGUFTOOL_MMQ_ROWS=lo-hi` picks the range); its error model is the integer GEMVs'
+    /// (q8 activations, exact integer block sums), already in `check::logit_tolerance`.
+    mmq_rows: Option<(usize, usize)>,
     fuse: Fusions,
+}
+
+/// The step sizes `GGUFTOOL_MMQ=1` gives the tensor-core product: from two rows (batched
+/// decode, where the grouped GEMV re-reads every column's activations per weight task) to the
+/// widest kernel variant (64 columns; beyond it each 64-column channel re-reads the weights).
+pub const MMQ_ROWS: (usize, usize) = (2, 64);
+
+/// `GGUFTOOL_MMQ` / `GGUFTOOL_MMQ_ROWS` (`lo-hi`, 1 <= lo <= hi <= 4096) as a row range.
+fn mmq_rows_from_env() -> Option<(usize, usize)> {
+    if std::env::var("GGUFTOOL_MMQ").map_or(true, |v| v != "1") {
+        return None;
+    }
+    let range = std::env::var("GGUFTOOL_MMQ_ROWS").ok().and_then(|v| {
+        let (a, b) = v.split_once('-')?;
+        let (a, b) = (
+            a.trim().parse::<usize>().ok()?,
+            b.trim().parse::<usize>().ok()?,
+        );
+        (1 <= a && a <= b && b <= 4096).then_some((a, b))
+    });
+    Some(range.unwrap_or(MMQ_ROWS))
+}
+
+/// Channels of the tensor-core product over `rows` dense activation rows into `[rows, m]`: the
+/// narrowest kernel width (8, 16, 32, 64 columns) holding them, several 64-column channels
+/// beyond (columns past the last row are skipped by the kernel).
+fn mmq_dense_channels(rows: usize, m: usize) -> QChannels<'static> {
+    let ncols = [8usize, 16, 32, 64]
+        .into_iter()
+        .find(|&c| c >= rows)
+        .unwrap_or(64);
+    QChannels {
+        count: rows.div_ceil(ncols),
+        ncols,
+        ids: None,
+        xidx: None,
+        x_div: 1,
+        yidx: None,
+        y_stride: m,
+        y_rows: rows,
+    }
 }
 
 fn err(msg: impl Into<String>) -> RuntimeError {
@@ -328,8 +377,16 @@ impl CudaBackend {
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
                 .map_or(GEMVQ_MAX_ROWS, |v| v.clamp(GEMV_MAX_ROWS, 1024)),
+            mmq_rows: mmq_rows_from_env(),
             fuse: Fusions::from_env(),
         }
+    }
+
+    /// Choose the tensor-core product's row range (see the `mmq_rows` field; `None`: off)
+    /// regardless of the environment.
+    pub fn with_mmq(mut self, rows: Option<(usize, usize)>) -> Self {
+        self.mmq_rows = rows;
+        self
     }
 
     /// Choose the fused launches regardless of the environment (tests compare both).
@@ -483,12 +540,50 @@ impl CudaBackend {
     fn q8_epilogue(&self, rows: usize, k: usize) -> bool {
         !self.opts.exact
             && k.is_multiple_of(32)
-            && (rows <= self.gemvq_max_rows || !self.prefill_gemm)
+            && (rows <= self.gemvq_max_rows || !self.prefill_gemm || self.mmq_range(rows))
             && self.norm_q8
     }
 
     fn fast(&self, shape: &MatShape) -> bool {
         !self.opts.exact && kernels::gemvq_supported(shape)
+    }
+
+    fn mmq_range(&self, rows: usize) -> bool {
+        self.mmq_rows
+            .is_some_and(|(lo, hi)| (lo..=hi).contains(&rows))
+    }
+
+    /// Whether a fast-path product of `rows` rows on `shape` takes the tensor-core kernel.
+    fn mmq(&self, shape: &MatShape, rows: usize) -> bool {
+        !self.opts.exact && self.mmq_range(rows) && kernels::mmq_supported(shape)
+    }
+
+    /// The integer-dot product of `x` (`rows` dense rows) with `w` in `mode` into `out`
+    /// (`[rows, m]`): the tensor-core kernel where [`Self::mmq`] says so, else the GEMV with up
+    /// to 8 rows per weight load.
+    #[allow(clippy::too_many_arguments)]
+    fn dense_q(
+        &self,
+        shape: MatShape,
+        w: &CudaWeight,
+        mode: QMode<'_, kernels::CudaSlice<u8>>,
+        q: &Q8Act,
+        rows: usize,
+        m: usize,
+        out: &mut DevBuf<f32>,
+        op: &'static str,
+    ) -> Result<(), RuntimeError> {
+        if self.mmq(&shape, rows) {
+            let ch = mmq_dense_channels(rows, m);
+            return self
+                .gpu
+                .mmq(shape, &w.bytes, mode, ch, q, out)
+                .map_err(kerr(op));
+        }
+        let ch = dense_q_channels(rows, m);
+        self.gpu
+            .gemv_q(shape, &w.bytes, mode, ch, q, out)
+            .map_err(kerr(op))
     }
 
     /// `x [rows, k]` times weight rows (ggml `{k, m}`) into `out [rows, m]`.
@@ -502,13 +597,9 @@ impl CudaBackend {
         let shape = Self::shape_of(w, m, k, 1);
         let xb = x.f32().ok_or_else(|| not_f32("matmul"))?;
         let gemv_ok = k.is_multiple_of(32) && k.is_multiple_of(w.ty.block_size());
-        if self.fast(&shape) && x.rows <= self.gemvq_max_rows {
+        if self.fast(&shape) && (x.rows <= self.gemvq_max_rows || self.mmq(&shape, x.rows)) {
             let q = self.q8(x, x.rows, k)?;
-            let ch = dense_q_channels(x.rows, m);
-            return self
-                .gpu
-                .gemv_q(shape, &w.bytes, QMode::Plain, ch, &q, out)
-                .map_err(kerr("matmul"));
+            return self.dense_q(shape, w, QMode::Plain, &q, x.rows, m, out, "matmul");
         }
         if x.rows <= GEMV_MAX_ROWS && gemv_ok {
             let ch = Channels {
@@ -1101,7 +1192,7 @@ impl Backend for CudaBackend {
             && up.dims == *d
             && (up.ty, up.packed) == (gate.ty, gate.packed)
             && self.fast(&shape)
-            && (1..=self.gemvq_max_rows).contains(&x.rows);
+            && ((1..=self.gemvq_max_rows).contains(&x.rows) || self.mmq(&shape, x.rows));
         if !fused {
             // Also every shape error, reported by the ops as on the CPU.
             let g = self.matmul(x, gate)?;
@@ -1111,12 +1202,9 @@ impl Backend for CudaBackend {
         let (k, m) = (d[0], d[1]);
         let q = self.q8(x, x.rows, k)?;
         let mut out = self.alloc(x.rows, m)?;
-        // The channels of `matmul_into`'s GEMV: up to 8 tokens share each weight load.
-        let ch = dense_q_channels(x.rows, m);
         let o = out.f32_mut().ok_or_else(|| not_f32("glu"))?;
-        self.gpu
-            .gemv_q(shape, &gate.bytes, QMode::Glu(&up.bytes), ch, &q, o)
-            .map_err(kerr("glu"))?;
+        // The launch `matmul_into` would take for gate alone, over both matrices.
+        self.dense_q(shape, gate, QMode::Glu(&up.bytes), &q, x.rows, m, o, "glu")?;
         Ok(out)
     }
 
@@ -1137,18 +1225,15 @@ impl Backend for CudaBackend {
             && acc.shape() == (x.rows, d[1])
             && acc.f32().is_some()
             && self.fast(&shape)
-            && (1..=self.gemvq_max_rows).contains(&x.rows);
+            && ((1..=self.gemvq_max_rows).contains(&x.rows) || self.mmq(&shape, x.rows));
         if !fused {
             let y = self.matmul(x, w)?;
             return self.add(&acc, &y);
         }
         let (k, m) = (d[0], d[1]);
         let q = self.q8(x, x.rows, k)?;
-        let ch = dense_q_channels(x.rows, m);
         let o = acc.f32_mut().ok_or_else(|| not_f32("matmul_add"))?;
-        self.gpu
-            .gemv_q(shape, &w.bytes, QMode::Accumulate, ch, &q, o)
-            .map_err(kerr("matmul_add"))?;
+        self.dense_q(shape, w, QMode::Accumulate, &q, x.rows, m, o, "matmul_add")?;
         Ok(acc)
     }
 
@@ -1782,10 +1867,11 @@ impl Backend for CudaBackend {
             && self.fast(&d_shape)
             && gate.ty == up.ty
             && gate.packed == up.packed;
-        if fast && self.prefill_gemm && x.rows > self.gemvq_max_rows {
+        let mmq = fast && self.mmq(&g_shape, x.rows) && self.mmq(&d_shape, x.rows);
+        if fast && !mmq && self.prefill_gemm && x.rows > self.gemvq_max_rows {
             self.moe_ffn_gemm(x, gate, up, down, weights, experts, &mut out)?;
         } else if fast {
-            self.moe_ffn_fast(x, gate, up, down, weights, experts, &mut out)?;
+            self.moe_ffn_fast(x, gate, up, down, weights, experts, &mut out, mmq)?;
         } else {
             self.moe_ffn_exact(
                 x,
@@ -1913,7 +1999,9 @@ impl CudaBackend {
     /// The fast MoE: one token: fused gate+up+SiLU over its selected experts, then down +
     /// weighted sum in one launch. Several tokens: (token, slot) pairs grouped by expert on
     /// the device, grouped GLU and down launches (each expert's weights read once per 8 of its
-    /// tokens), then the weighted sum in slot order.
+    /// tokens), then the weighted sum in slot order. With `mmq` the grouped launches take the
+    /// tensor-core product over the same tiles (one `mma` column tile each) instead of the
+    /// 8-column GEMVs.
     #[allow(clippy::too_many_arguments)]
     fn moe_ffn_fast(
         &self,
@@ -1924,6 +2012,7 @@ impl CudaBackend {
         weights: &CudaTensor,
         experts: &CudaIndex,
         out: &mut CudaTensor,
+        mmq: bool,
     ) -> Result<(), RuntimeError> {
         let (d, ff, n_exp) = (x.cols, gate.dims[1], gate.dims[2]);
         let (n, kk) = (x.rows, experts.cols);
@@ -1961,16 +2050,13 @@ impl CudaBackend {
             y_stride: ff,
             y_rows: n * kk,
         };
-        self.gpu
-            .gemv_q(
-                g_shape,
-                &gate.bytes,
-                QMode::Glu(&up.bytes),
-                ch,
-                &q,
-                &mut act,
-            )
-            .map_err(kerr("moe_ffn gate+up"))?;
+        let glu = QMode::Glu(&up.bytes);
+        if mmq {
+            self.gpu.mmq(g_shape, &gate.bytes, glu, ch, &q, &mut act)
+        } else {
+            self.gpu.gemv_q(g_shape, &gate.bytes, glu, ch, &q, &mut act)
+        }
+        .map_err(kerr("moe_ffn gate+up"))?;
         let qa = self
             .gpu
             .quantize_q8(&act, n * kk, ff, ff)
@@ -1986,9 +2072,14 @@ impl CudaBackend {
             y_stride: d,
             y_rows: n * kk,
         };
-        self.gpu
-            .gemv_q(d_shape, &down.bytes, QMode::Plain, ch, &qa, &mut y)
-            .map_err(kerr("moe_ffn down"))?;
+        if mmq {
+            self.gpu
+                .mmq(d_shape, &down.bytes, QMode::Plain, ch, &qa, &mut y)
+        } else {
+            self.gpu
+                .gemv_q(d_shape, &down.bytes, QMode::Plain, ch, &qa, &mut y)
+        }
+        .map_err(kerr("moe_ffn down"))?;
         self.gpu
             .moe_combine(&y, d, &wv, n, kk, d, o, d, false, Some(&ids))
             .map_err(kerr("moe_ffn combine"))

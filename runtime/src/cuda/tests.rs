@@ -378,6 +378,127 @@ fn glm5_heads_decode_fusions_equal_the_launches_they_replace() {
     );
 }
 
+/// The int8 tensor-core product (`CudaBackend::with_mmq`, kernels::mmq) on the 64-head model,
+/// against the CPU reference within the fast path's tolerance (`check::logit_tolerance`: its
+/// error model is the integer GEMVs'): prefills of 2-64 tokens (one channel of 8-64 columns,
+/// the MoE layer's grouped tiles, GLU and accumulating matmuls) and 65 (past the range: the
+/// old paths), each followed by teacher-forced decode steps; then four sequences decoded
+/// together (4-row steps). The launches of a 20-token prefill must include mmq's, so the check
+/// cannot pass on the fallback paths.
+#[test]
+fn glm5_heads_mmq_steps_match_the_cpu() {
+    use crate::lm::{LanguageModel, SeqStep};
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (glm5_heads_mmq_steps_match_the_cpu)");
+        return;
+    }
+    let (md, w) = glm5_heads_weights();
+    let get = |name: &str| Ok(w.get(name).cloned());
+    let spec = || ModelSpec::from_metadata(&md).unwrap();
+    let cpu = GlmModel::from_weights(crate::cpu::CpuBackend, spec(), &get).expect("CPU model");
+    let be = CudaBackend::with_options(0, FAST)
+        .expect("CUDA backend")
+        .with_mmq(Some(super::MMQ_ROWS));
+    let gpu = GlmModel::from_weights(be, spec(), &get).expect("CUDA model");
+    let tol = logit_tolerance(FAST, 2);
+    let mut failures = Vec::new();
+    for n in [2usize, 5, 8, 9, 20, 33, 64, 65] {
+        let ids: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 11) % 512).collect();
+        let r = compare_with(&cpu, &gpu, &ids, 3, tol).expect("forward");
+        report("glm5-heads mmq", "prefill", n, &r, &mut failures);
+    }
+    let ((), kinds) = launches(gpu.backend(), || {
+        let mut seq = gpu.new_sequence();
+        let toks: Vec<u32> = (0..20u32).map(|i| (i * 37 + 11) % 512).collect();
+        gpu.forward(&mut [SeqStep {
+            seq: seq.as_mut(),
+            tokens: &toks,
+            all_logits: false,
+        }])
+        .expect("forward");
+    });
+    let n_mmq: f64 = kinds.iter().filter(|k| k.0 == "mmq").map(|k| k.1).sum();
+    say(&format!(
+        "| glm5-heads mmq | 20-token prefill | {n_mmq} mmq launches |"
+    ));
+    if n_mmq == 0.0 {
+        failures.push(format!("no mmq launch in a 20-token prefill: {kinds:?}"));
+    }
+
+    // Four sequences decoded together: steps of 4 rows, each sequence's logits against the
+    // CPU model stepping the same batch (fed the CPU's greedy tokens).
+    let prompts: Vec<Vec<u32>> = [3u32, 7, 12, 20]
+        .iter()
+        .map(|&n| (0..n).map(|i| (i * 53 + n) % 512).collect())
+        .collect();
+    let mut cs: Vec<_> = prompts.iter().map(|_| cpu.new_sequence()).collect();
+    let mut gs: Vec<_> = prompts.iter().map(|_| gpu.new_sequence()).collect();
+    let mut next: Vec<Vec<u32>> = prompts.clone();
+    fn steps<'a>(
+        seqs: &'a mut [Box<dyn crate::lm::SequenceState>],
+        toks: &'a [Vec<u32>],
+    ) -> Vec<SeqStep<'a>> {
+        seqs.iter_mut()
+            .zip(toks)
+            .map(|(s, t)| SeqStep {
+                seq: s.as_mut(),
+                tokens: t,
+                all_logits: false,
+            })
+            .collect()
+    }
+    for step in 0..4 {
+        // The prompts go in one by one (prefill), the decode steps as one batch.
+        let (lc, lg): (Vec<Vec<f32>>, Vec<Vec<f32>>) = if step == 0 {
+            let mut lc = Vec::new();
+            let mut lg = Vec::new();
+            for (i, t) in next.iter().enumerate() {
+                let one = std::slice::from_ref(t);
+                lc.push(
+                    cpu.forward(&mut steps(&mut cs[i..i + 1], one))
+                        .expect("cpu")
+                        .remove(0),
+                );
+                lg.push(
+                    gpu.forward(&mut steps(&mut gs[i..i + 1], one))
+                        .expect("gpu")
+                        .remove(0),
+                );
+            }
+            (lc, lg)
+        } else {
+            (
+                cpu.forward(&mut steps(&mut cs, &next)).expect("cpu"),
+                gpu.forward(&mut steps(&mut gs, &next)).expect("gpu"),
+            )
+        };
+        for (i, (c, g)) in lc.iter().zip(&lg).enumerate() {
+            let max = c.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+            let off = c
+                .iter()
+                .zip(g)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs() / max));
+            say(&format!(
+                "| glm5-heads mmq batch | step {step} seq {i} | {off:.2e} | tol {tol:.2e} |"
+            ));
+            // f32::max skips NaN: a non-finite logit fails on its own.
+            if off > tol || !g.iter().all(|v| v.is_finite()) {
+                failures.push(format!("batched step {step} seq {i}: {off:e} (tol {tol:e})"));
+            }
+        }
+        next = lc
+            .iter()
+            .map(|c| {
+                let best = (0..c.len())
+                    .max_by(|&a, &b| c[a].total_cmp(&c[b]).then(b.cmp(&a)))
+                    .unwrap_or(0);
+                vec![best as u32]
+            })
+            .collect();
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 /// Programmatic dependent launch changes when kernels start, never what they compute: a
 /// prefill of 20 tokens and 6 decode steps of the 64-head model (fast path, bf16 cache: every
 /// fused decode launch, the MLA decode kernel) give bitwise the logits of serial launches. A
