@@ -483,7 +483,9 @@ fn glm5_heads_mmq_steps_match_the_cpu() {
             ));
             // f32::max skips NaN: a non-finite logit fails on its own.
             if off > tol || !g.iter().all(|v| v.is_finite()) {
-                failures.push(format!("batched step {step} seq {i}: {off:e} (tol {tol:e})"));
+                failures.push(format!(
+                    "batched step {step} seq {i}: {off:e} (tol {tol:e})"
+                ));
             }
         }
         next = lc

@@ -202,6 +202,61 @@ impl Bench {
     }
 }
 
+impl Bench {
+    /// The int8 tensor-core product (mmq) of one dense shape at `cols` columns, beside what a
+    /// step of that many rows takes without it: the 8-column GEMVs (`cols / 8` channels, each
+    /// reading the weights) and, from 9 rows, the bf16 dequantize + cuBLAS GEMM.
+    fn mmq_dense(
+        &mut self,
+        name: &str,
+        ty: GgmlType,
+        rows: usize,
+        k: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let g = self.g.clone();
+        let shape = MatShape {
+            ty,
+            rows,
+            k,
+            slabs: 1,
+            packed: repack::is_packed(ty),
+        };
+        if !kernels::mmq_supported(&shape) {
+            return Ok(());
+        }
+        let (w, mat, copies) = self.weights(shape, 17)?;
+        let x = g.upload(&acts(cols * k, 3))?;
+        let mut y: CudaSlice<f32> = g.zeros(cols * rows)?;
+        let q = g.quantize_q8(&x, cols, k, k)?;
+        let ch = |ncols: usize| QChannels {
+            count: cols.div_ceil(ncols),
+            ncols,
+            ids: None,
+            xidx: None,
+            x_div: 1,
+            yidx: None,
+            y_stride: rows,
+            y_rows: cols,
+        };
+        let wv = |i: usize| w.slice((i % copies) * mat..(i % copies + 1) * mat);
+        let ms = self.time(|i| g.mmq(shape, &wv(i), QMode::Plain, ch(cols), &q, &mut y))?;
+        self.record("mmq", &format!("{ty} {name} x{cols}"), mat as f64, ms);
+        let ms = self.time(|i| g.gemv_q(shape, &wv(i), QMode::Plain, ch(8), &q, &mut y))?;
+        self.record(
+            "gemv q8",
+            &format!("{ty} {name} x{cols} as {} x8 launches' channels", cols / 8),
+            mat as f64,
+            ms,
+        );
+        if cols > 8 {
+            let ms = self.time(|i| g.matmul_bf16(shape, &wv(i), &x, cols, &mut y))?;
+            self.record("gemm bf16", &format!("{ty} {name} x{cols}"), mat as f64, ms);
+        }
+        Ok(())
+    }
+}
+
 pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
     let g = Gpu::get(device).context("opening the CUDA device")?;
     let info = g.info().clone();
@@ -378,6 +433,72 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
         );
         let ms = b.time(|_| g.quantize_q8(&x, 1, d, d).map(|_| ()))?;
         b.record("quantize", "q8 activations 1x6144", (d * 4) as f64, ms);
+    }
+
+    // 3b. Steps of 8-64 rows: the int8 tensor-core product against the paths those steps take
+    //     without it (GGUFTOOL_MMQ), dense and on the grouped MoE tiles of GLM-5's 256 experts.
+    for cols in [8usize, 16, 32, 64] {
+        b.mmq_dense("attn_output 6144x16384", GgmlType::Q4_K, 6144, 16384, cols)?;
+        if !args.quick {
+            b.mmq_dense("q_a 2048x6144", GgmlType::Q4_K, 2048, 6144, cols)?;
+            b.mmq_dense("ffn_down_shexp 6144x2048", GgmlType::Q6_K, 6144, 2048, cols)?;
+        }
+    }
+    {
+        let (ne, ff, d, top) = (256usize, 2048usize, 6144usize, 8usize);
+        let gs = MatShape {
+            ty: GgmlType::Q4_K,
+            rows: ff,
+            k: d,
+            slabs: ne,
+            packed: false,
+        };
+        let gw = g.upload(&sane_weights(
+            GgmlType::Q4_K,
+            gs.bytes().context("size")?,
+            31,
+        ))?;
+        let uw = g.upload(&sane_weights(
+            GgmlType::Q4_K,
+            gs.bytes().context("size")?,
+            32,
+        ))?;
+        let slab = gs.slab_bytes().context("size")?;
+        for n in [8usize, 16, 64] {
+            // Token t's slot j picks expert (37 t + 101 j + 7) mod 256: distinct within a token
+            // (101 is odd), spread over the experts like a trained router's choices.
+            let ids: Vec<i32> = (0..n * top)
+                .map(|p| ((37 * (p / top) + 101 * (p % top) + 7) % ne) as i32)
+                .collect();
+            let touched = {
+                let mut e = ids.clone();
+                e.sort_unstable();
+                e.dedup();
+                e.len()
+            };
+            let dids = g.upload(&ids)?;
+            let x = g.upload(&acts(n * d, 33))?;
+            let q = g.quantize_q8(&x, n, d, d)?;
+            let grp = g.moe_group(&dids, n * top, top, ne)?;
+            let mut act: CudaSlice<f32> = g.zeros(n * top * ff)?;
+            let (te, tok, pos) = (grp.tile_expert.view(), grp.tok.view(), grp.pos.view());
+            let ch = QChannels {
+                count: grp.max_tiles,
+                ncols: kernels::MOE_TILE,
+                ids: Some(&te),
+                xidx: Some(&tok),
+                x_div: 1,
+                yidx: Some(&pos),
+                y_stride: ff,
+                y_rows: n * top,
+            };
+            let bytes = (2 * slab * touched) as f64;
+            let what = format!("Q4_K gate+up, {n} tokens x 8 of 256 experts ({touched} touched)");
+            let ms = b.time(|_| g.mmq(gs, &gw, QMode::Glu(&uw), ch, &q, &mut act))?;
+            b.record("moe mmq", &what, bytes, ms);
+            let ms = b.time(|_| g.gemv_q(gs, &gw, QMode::Glu(&uw), ch, &q, &mut act))?;
+            b.record("moe glu", &what, bytes, ms);
+        }
     }
 
     // 4. Attention: the MLA latent kernel (64 heads, 576/512) dense and DSA-sparse, the generic
