@@ -5,9 +5,9 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
-DEADLINE=${1:-320}
+DEADLINE=${1:-560}
 T0=$(date +%s)
 OUT=${OUT:-/tmp/speed-out}
 export OUT
@@ -53,30 +53,39 @@ step() {
 }
 
 # Ordered by what the branch needs first (each box is a maximum; the deadline cuts the tail).
-# 1. Kernel correctness (sync after every launch so a fault names its op).
-step kernel-tests 110 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 2>&1'
-# 2. The CUDA backend against the CPU reference (fixtures both paths, 64 heads past 1,023 / 4,096
-#    with and without the per-expert prefill GEMMs, device sampling, the fused norms).
-step runtime-tests 90 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda --test-threads=1 --nocapture 2>&1'
+# The seventh session (2026-12-05) wrote three things without a GPU, each checked on the CPU
+# emulator (kernels/emu) and off by default until this script has run them: the int8
+# tensor-core product (GGUFTOOL_MMQ=1), the lane-per-key indexer scorer
+# (GGUFTOOL_INDEXER_LANES=1). First their correctness, then same-call A/B runs, then the rest.
+# STAGE=new (default): steps 1-5, ~9 minutes; STAGE=regress: step 6 only (a second call).
+STAGE=${STAGE:-new}
+if [ "$STAGE" = new ]; then
+# 1. The new kernels against their oracles (sync after every launch so a fault names its op);
+#    mma_s8_selftest compares the hardware's fragment layout with the emulated one.
+step new-kernel-tests 90 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 mma mmq indexer 2>&1'
+# 2. The CUDA backend against the CPU reference with the new paths on: the 64-head model's
+#    2-65-token prefills and 4-sequence batches on mmq, the fixtures and long prompts.
+step new-runtime-tests 120 "$OUT/runtime-tests.txt" bash -c 'GGUFTOOL_MMQ=1 GGUFTOOL_INDEXER_LANES=1 ./runtime-lib cuda::tests::glm5_heads cuda::tests::cuda_matches_cpu_on_fixtures --test-threads=1 --nocapture 2>&1'
 # 3. The GLM-5-shaped bench model (bench-models.md), 4 layers, made here.
 step synth 60 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
-# 4. End to end, fast path: prefill 512, decode 128 at depth 0; 8 sequences.
-step bench-d0 70 "$W/bench.json" ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 32,512 -n 128 -r 3 --npl 1,8 --json
-# 5. The serving path: generate (device sampling), greedy and sampled, against bench's tg.
-P="The quick brown fox jumps over the lazy dog while the band plays on"
-step generate-greedy 25 "$W/generate-greedy.json" ./gguftool generate -m /tmp/glm5.gguf --device cuda -p "$P" -n 128 --temp 0 --ignore-eos --json
-step generate-sampled 25 "$W/generate-sampled.json" ./gguftool generate -m /tmp/glm5.gguf --device cuda -p "$P" -n 128 --temp 0.8 --seed 7 --ignore-eos --json
-# 6. Prefill MoE and per-head matmuls as bf16 GEMMs (off by default) against bench-d0's pp512.
-step bench-prefill-gemm 40 "$W/bench-prefill-gemm.json" env GGUFTOOL_PREFILL_GEMM=1 ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 512 -n 16 -r 2 --json
-# 7. Kernel microbenchmarks at GLM-5 shapes vs the copy bandwidth.
-step kernel-bench 70 "$OUT/kernels.json" ./gguftool bench --kernels --json
-# The baseline (the branch's starting point) on the same file, same run: before/after.
-if [ -x gguftool-main ]; then
-    step bench-main 50 "$W/bench-main.txt" ./gguftool-main bench --model /tmp/glm5.gguf --backend cuda --tokens 128
+# 4. Same-call A/B, alternating off / on: prefill 8-512 and batched decode 1/8/32 (mmq), decode
+#    at depth 32,768 (indexer scorer).
+B="./gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile --json"
+step ab-mmq-off-1 45 "$W/ab-mmq-off-1.json" env GGUFTOOL_MMQ=0 $B -p 8,16,32,64,512 -n 32 -r 2 --npl 1,8,32
+step ab-mmq-on-1 45 "$W/ab-mmq-on-1.json" env GGUFTOOL_MMQ=1 $B -p 8,16,32,64,512 -n 32 -r 2 --npl 1,8,32
+step ab-mmq-off-2 45 "$W/ab-mmq-off-2.json" env GGUFTOOL_MMQ=0 $B -p 8,16,32,64,512 -n 32 -r 2 --npl 1,8,32
+step ab-mmq-on-2 45 "$W/ab-mmq-on-2.json" env GGUFTOOL_MMQ=1 $B -p 8,16,32,64,512 -n 32 -r 2 --npl 1,8,32
+step ab-lanes-off 40 "$W/ab-lanes-off.json" env GGUFTOOL_INDEXER_LANES=0 $B -p 0 -n 32 -d 32768 -r 1
+step ab-lanes-on 40 "$W/ab-lanes-on.json" env GGUFTOOL_INDEXER_LANES=1 $B -p 0 -n 32 -d 32768 -r 1
+# 5. Kernel microbenchmarks at GLM-5 shapes vs the copy bandwidth (mmq against the 8-column
+#    GEMVs and the bf16 GEMM, the grouped MoE tiles, both indexer scorers at 2k-32k keys).
+step kernel-bench 90 "$OUT/kernels.json" ./gguftool bench --kernels --json
 fi
-# 8. The exact path and long context.
-step bench-exact 40 "$W/bench-exact.json" env GGUFTOOL_CUDA_EXACT=1 ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 512 -n 64 -r 2 --no-profile --json
-step bench-d32k 80 "$W/bench-d32k.json" ./gguftool bench -m /tmp/glm5.gguf --device cuda -p 512 -n 32 -d 32768 -r 2 --json
+# 6. Regressions: every kernel and runtime GPU test with the defaults.
+if [ "$STAGE" = regress ]; then
+step kernel-tests-all 250 "$W/kernel-tests-all.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 2>&1'
+step runtime-tests-all 200 "$W/runtime-tests-all.txt" bash -c './runtime-lib cuda --test-threads=1 2>&1'
+fi
 
 # Summary (the reply carries the end of the output).
 cat "$STEPS" >> "$LOG"
@@ -84,8 +93,8 @@ cd "$W"
 python3 - "$OUT/bench-all.json" <<'PY'
 import json, sys
 out = {}
-for f in ("bench.json", "bench-prefill-gemm.json", "generate-greedy.json", "generate-sampled.json",
-          "bench-d32k.json", "bench-exact.json", "synth.json"):
+for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-on-2.json",
+          "ab-lanes-off.json", "ab-lanes-on.json", "synth.json"):
     try:
         out[f] = json.load(open(f))
     except Exception as e:
@@ -112,7 +121,8 @@ if k:
     print("== kernels (copy %.0f GB/s)" % k["copy_gb_per_s"])
     for r in k["results"]:
         print("%-10s %-50s %8.1f us %6.0f GB/s %4.0f%%" % (r["kind"], r["what"][:50], r["us"], r["gb_per_s"], 100 * r["fraction_of_copy"]))
-for f in ("bench.json", "bench-d32k.json", "bench-exact.json"):
+for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-on-2.json",
+          "ab-lanes-off.json", "ab-lanes-on.json"):
     b = load(f)
     if not b:
         continue
@@ -122,5 +132,7 @@ for f in ("bench.json", "bench-d32k.json", "bench-exact.json"):
         top = ", ".join("%s %.0f" % (x["kind"], x["us_per_token"]) for x in ks[:5])
         print("%s%d d%d x%d: %.1f ± %.1f t/s, %.0f GB/s (%.1f%% copy) | %s" % (r["test"], r["n_prompt"] or r["n_gen"], r["n_depth"], r["n_seq"], r["avg_ts"], r["stddev_ts"], r["weight_gbs"] or 0, 100 * (r["copy_share"] or 0), top))
 PY
-[ -s bench-main.txt ] && { echo "== main (before)"; tail -4 bench-main.txt; }
+for f in kernel-tests-all.txt runtime-tests-all.txt; do
+    [ -f "$f" ] && { echo "== $f"; grep -E 'test result|FAILED|panicked' "$f" | tail -6; }
+done
 echo "== log tail"; tail -5 "$LOG"
