@@ -5,92 +5,15 @@
 //! an FMA (one rounding fewer); every tolerance below is the GPU test's, derived for either.
 //! Without a C++ compiler every test prints "skipped: no C++ compiler" and passes.
 
+mod common;
 #[path = "../../tests/common/oracle.rs"]
 mod oracle;
 
-use std::io::Write;
-use std::marker::PhantomData;
-use std::sync::OnceLock;
-
+use common::*;
 use gguf::GgmlType;
 use kernels::{Op, QType};
 use kernels_emu::Module;
 use oracle::*;
-
-fn say(msg: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "{msg}");
-}
-
-fn compiler(test: &str) -> bool {
-    if !kernels_emu::available() {
-        say(&format!("skipped: no C++ compiler ({test})"));
-        return false;
-    }
-    true
-}
-
-/// One module per op for the whole binary (tests run in parallel; the first builds it).
-fn module(op: Op) -> &'static Module {
-    static MODS: OnceLock<std::sync::Mutex<Vec<(Op, &'static Module)>>> = OnceLock::new();
-    let mods = MODS.get_or_init(Default::default);
-    let found = mods
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .iter()
-        .find(|(o, _)| *o == op)
-        .map(|(_, m)| *m);
-    if let Some(m) = found {
-        return m;
-    }
-    let m: &'static Module = match Module::build(op, &[]) {
-        Ok(m) => Box::leak(Box::new(m)),
-        Err(e) => panic!("{e}"),
-    };
-    mods.lock().unwrap_or_else(|p| p.into_inner()).push((op, m));
-    m
-}
-
-/// A 16-byte-aligned buffer of `T`: the kernels load int4 / uint4 / float4 vectors, which the
-/// host compiler may turn into aligned vector loads (the device wrappers check the same
-/// alignment).
-struct Buf<T> {
-    words: Vec<u128>,
-    len: usize,
-    _t: PhantomData<T>,
-}
-
-impl<T: Copy> Buf<T> {
-    fn new(v: &[T]) -> Self {
-        let bytes = std::mem::size_of_val(v);
-        let mut words = vec![0u128; bytes.div_ceil(16).max(1)];
-        // SAFETY: `words` holds at least `bytes` bytes; T is plain data.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                v.as_ptr() as *const u8,
-                words.as_mut_ptr() as *mut u8,
-                bytes,
-            )
-        };
-        Buf {
-            words,
-            len: v.len(),
-            _t: PhantomData,
-        }
-    }
-    fn filled(n: usize, v: T) -> Self {
-        Self::new(&vec![v; n])
-    }
-    fn ptr(&self) -> *const T {
-        self.words.as_ptr() as *const T
-    }
-    fn mut_ptr(&mut self) -> *mut T {
-        self.words.as_mut_ptr() as *mut T
-    }
-    fn to_vec(&self) -> Vec<T> {
-        // SAFETY: `len` values of T were written at the start of `words`.
-        unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }.to_vec()
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // quantize.cu
@@ -570,23 +493,7 @@ fn indexer_lanes_kernel_matches_f64() {
         (32, 128, 128, 300, causal(300)),
     ] {
         let s_len = pos.len();
-        let q = r.vec(s_len * heads * dim, 1.0);
-        // Rows `k_stride` apart; the gap holds NaN, which must never be read.
-        let mut kbits = vec![half::bf16::from_f32(f32::NAN).to_bits(); t_len * k_stride];
-        let mut kc = vec![0f32; t_len * dim];
-        for t in 0..t_len {
-            for d in 0..dim {
-                let b = half::bf16::from_f32(r.sym(1.0)).to_bits();
-                kbits[t * k_stride + d] = b;
-                kc[t * dim + d] = half::bf16::from_bits(b).to_f32();
-            }
-        }
-        let w: Vec<f32> = r
-            .vec(s_len * heads, 1.0)
-            .iter()
-            .map(|v| v / (heads as f32).sqrt())
-            .collect();
-        let scale = 1.0 / (dim as f32).sqrt();
+        let c = indexer_case(&mut r, heads, dim, k_stride, t_len, s_len);
         let out_stride = t_len + 3;
         let sh = kernels::IndexerShape {
             tokens: s_len,
@@ -597,11 +504,11 @@ fn indexer_lanes_kernel_matches_f64() {
             kv_len: t_len,
             w_stride: heads,
             out_stride,
-            scale,
+            scale: c.scale,
         };
-        let kb: Buf<u16> = Buf::new(&kbits);
-        assert!(kernels::indexer::lanes_fit(&sh, kb.ptr() as u64));
-        let (qb, wb, pb) = (Buf::new(&q), Buf::new(&w), Buf::new(&pos));
+        let kb: Buf<u16> = Buf::new(&c.kbits);
+        assert!(kernels::indexer::lanes_fit(&sh, kb.addr()));
+        let (qb, wb, pb) = (Buf::new(&c.q), Buf::new(&c.w), Buf::new(&pos));
         let (gx, gy) = kernels::indexer::lanes_grid(&sh, 132, 65535);
         for grid_y in [gy, 2.min(s_len as u64)] {
             let mut out = Buf::filled(s_len * out_stride, f32::NAN);
@@ -629,7 +536,7 @@ fn indexer_lanes_kernel_matches_f64() {
                         heads as i64,
                         pp,
                         t_len as i32,
-                        scale,
+                        c.scale,
                         op,
                         out_stride as i64,
                         s_len as i64,
@@ -637,42 +544,20 @@ fn indexer_lanes_kernel_matches_f64() {
                 },
             )
             .unwrap();
-            let sc = out.to_vec();
+            let (worst, layout_ok, scored) =
+                indexer_check(&c, &out.to_vec(), out_stride, heads, dim, t_len, &pos);
             // Per head an 8-term FMA chain per 8-dim chunk and dim/8 chunk sums, then H
             // weighted terms in order and the scale and weight products: (dim/8 + 8 + heads +
             // 3) roundings, normwise with gpu.rs's x4 margin (its lane-kernel bound).
             let tol = (dim as f64 / 8.0 + 8.0 + heads as f64 + 3.0) * U32 * 4.0;
-            let mut worst = 0f64;
-            let mut scored = 0usize;
-            for s in 0..s_len {
-                let want = indexer_cpu(
-                    &q[s * heads * dim..],
-                    &kc,
-                    &w[s * heads..],
-                    heads,
-                    dim,
-                    t_len,
-                    pos[s],
-                    scale,
-                );
-                let finite: Vec<f64> = want.iter().cloned().filter(|v| v.is_finite()).collect();
-                let mag = max_abs(&finite).max(1e-30);
-                for t in 0..t_len {
-                    let got = sc[s * out_stride + t];
-                    if want[t].is_finite() {
-                        worst = worst.max((f64::from(got) - want[t]).abs() / mag);
-                        scored += 1;
-                    } else {
-                        assert_eq!(got, f32::NEG_INFINITY, "s {s} t {t}: masked");
-                    }
-                }
-                let pad = &sc[s * out_stride + t_len..(s + 1) * out_stride];
-                assert!(pad.iter().all(|v| v.is_nan()), "s {s}: padding written");
-            }
-            assert!(scored > 0, "nothing scored");
             say(&format!(
-                "{entry} {heads}x{dim} T {t_len} S {s_len} grid ({gx}, {grid_y}): worst {worst:.3e} (tol {tol:.3e})"
+                "{entry} {heads}x{dim} T {t_len} S {s_len} grid ({gx}, {grid_y}): worst {worst:.3e} (tol {tol:.3e}), masks/padding ok {layout_ok}"
             ));
+            assert!(scored > 0, "nothing scored");
+            assert!(
+                layout_ok,
+                "{entry}: non-finite score, unmasked key or padding written"
+            );
             assert!(
                 worst <= tol,
                 "{entry} {heads}x{dim} T {t_len}: {worst:e} > {tol:e}"

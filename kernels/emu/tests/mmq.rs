@@ -11,12 +11,11 @@
 // A launch takes the weights, the maps, the activations, the mode and the split, as Gpu::mmq.
 #![allow(clippy::too_many_arguments)]
 
+mod common;
 #[path = "../../tests/common/oracle.rs"]
 mod oracle;
 
-use std::io::Write;
-use std::marker::PhantomData;
-use std::sync::{Mutex, OnceLock};
+use common::{compiler, say, Buf};
 
 use gguf::GgmlType;
 use kernels::{
@@ -27,67 +26,8 @@ use kernels::{ops::Op, MatShape};
 use kernels_emu::Module;
 use oracle::*;
 
-fn say(msg: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "{msg}");
-}
-
-fn compiler(test: &str) -> bool {
-    if !kernels_emu::available() {
-        say(&format!("skipped: no C++ compiler ({test})"));
-        return false;
-    }
-    true
-}
-
-/// One module per weight type for the whole binary (tests run in parallel; the first builds it).
 fn module(qt: QType) -> &'static Module {
-    static MODS: OnceLock<Mutex<Vec<(QType, &'static Module)>>> = OnceLock::new();
-    let mods = MODS.get_or_init(Default::default);
-    let mut held = mods.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((_, m)) = held.iter().find(|(q, _)| *q == qt) {
-        return m;
-    }
-    let m: &'static Module = match Module::build(Op::Mmq(qt), &[]) {
-        Ok(m) => Box::leak(Box::new(m)),
-        Err(e) => panic!("{e}"),
-    };
-    held.push((qt, m));
-    m
-}
-
-/// A 16-byte-aligned host buffer (the kernels' vector loads and 16-byte copies are aligned on
-/// the device; the host compiler may emit aligned vector instructions for them).
-struct Buf<T> {
-    words: Vec<u128>,
-    len: usize,
-    _t: PhantomData<T>,
-}
-
-impl<T: Copy> Buf<T> {
-    fn new(v: &[T]) -> Self {
-        let bytes = std::mem::size_of_val(v);
-        let mut words = vec![0u128; bytes.div_ceil(16).max(1)];
-        // SAFETY: `words` holds at least `bytes` bytes; T is plain data.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                v.as_ptr() as *const u8,
-                words.as_mut_ptr() as *mut u8,
-                bytes,
-            )
-        };
-        Buf {
-            words,
-            len: v.len(),
-            _t: PhantomData,
-        }
-    }
-    fn addr(&self) -> u64 {
-        self.words.as_ptr() as u64
-    }
-    fn to_vec(&self) -> Vec<T> {
-        // SAFETY: `len` values of T were written at the start of `words`.
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const T, self.len) }.to_vec()
-    }
+    common::module(Op::Mmq(qt))
 }
 
 fn opt_addr<T: Copy>(b: &Option<Buf<T>>) -> u64 {

@@ -4,24 +4,14 @@
 //! static / dynamic / template shared memory and its poisoning, and the misuse it must report.
 //! Without a C++ compiler every test prints "skipped: no C++ compiler" and passes.
 
-use std::io::Write;
+mod common;
+
+use common::{compiler, say};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use kernels_emu::{EmuError, Module};
-
-fn say(msg: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "{msg}");
-}
-
-fn compiler(test: &str) -> bool {
-    if !kernels_emu::available() {
-        say(&format!("skipped: no C++ compiler ({test})"));
-        return false;
-    }
-    true
-}
 
 /// The self-test kernels, after prelude.cuh (for DYN_SHARED, as production kernels use it).
 const SRC: &str = r#"

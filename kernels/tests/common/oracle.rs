@@ -207,6 +207,94 @@ pub fn indexer_cpu(
         .collect()
 }
 
+/// Random inputs of one indexer call over a bf16 key cache: queries `[S, H, D]`, key rows
+/// `k_stride` apart as bf16 bits (the gaps NaN, which a kernel must never read) and their
+/// widened values dense `[T, D]` for the oracle, per-head weights `[S, H]` (times H^-0.5 as
+/// the model's), and the score scale D^-0.5.
+pub struct IndexerCase {
+    pub q: Vec<f32>,
+    pub kbits: Vec<u16>,
+    pub kc: Vec<f32>,
+    pub w: Vec<f32>,
+    pub scale: f32,
+}
+
+pub fn indexer_case(
+    r: &mut Rng,
+    heads: usize,
+    dim: usize,
+    k_stride: usize,
+    t_len: usize,
+    s_len: usize,
+) -> IndexerCase {
+    let q = r.vec(s_len * heads * dim, 1.0);
+    let mut kbits = vec![half::bf16::from_f32(f32::NAN).to_bits(); t_len * k_stride];
+    let mut kc = vec![0f32; t_len * dim];
+    for t in 0..t_len {
+        for d in 0..dim {
+            let b = half::bf16::from_f32(r.sym(1.0)).to_bits();
+            kbits[t * k_stride + d] = b;
+            kc[t * dim + d] = half::bf16::from_bits(b).to_f32();
+        }
+    }
+    let w = r
+        .vec(s_len * heads, 1.0)
+        .iter()
+        .map(|v| v / (heads as f32).sqrt())
+        .collect();
+    IndexerCase {
+        q,
+        kbits,
+        kc,
+        w,
+        scale: 1.0 / (dim as f32).sqrt(),
+    }
+}
+
+/// Scores `sc` (`[S, out_stride]`) of `c` against [`indexer_cpu`]: the worst error relative to
+/// each token's largest unmasked |score|, whether every unmasked score is finite (f64::max
+/// would skip a NaN), every masked key -inf and the padding past T untouched (NaN), and how
+/// many scores were compared.
+pub fn indexer_check(
+    c: &IndexerCase,
+    sc: &[f32],
+    out_stride: usize,
+    heads: usize,
+    dim: usize,
+    t_len: usize,
+    pos: &[i32],
+) -> (f64, bool, usize) {
+    let (mut worst, mut layout_ok, mut scored) = (0f64, true, 0usize);
+    for (s, &p) in pos.iter().enumerate() {
+        let want = indexer_cpu(
+            &c.q[s * heads * dim..],
+            &c.kc,
+            &c.w[s * heads..],
+            heads,
+            dim,
+            t_len,
+            p,
+            c.scale,
+        );
+        let finite: Vec<f64> = want.iter().cloned().filter(|v| v.is_finite()).collect();
+        let mag = max_abs(&finite).max(1e-30);
+        for (t, wv) in want.iter().enumerate() {
+            let got = sc[s * out_stride + t];
+            if wv.is_finite() {
+                worst = worst.max((f64::from(got) - wv).abs() / mag);
+                layout_ok &= got.is_finite();
+                scored += 1;
+            } else {
+                layout_ok &= got == f32::NEG_INFINITY;
+            }
+        }
+        layout_ok &= sc[s * out_stride + t_len..(s + 1) * out_stride]
+            .iter()
+            .all(|v| v.is_nan());
+    }
+    (worst, layout_ok, scored)
+}
+
 /// Reference selection: the k largest (ties to the lower index), ascending index order.
 pub fn topk_cpu(x: &[f32], k: usize) -> Vec<i32> {
     let mut cand: Vec<usize> = (0..x.len())

@@ -291,16 +291,7 @@ fn mmq_dense_channels(rows: usize, m: usize) -> QChannels<'static> {
         .into_iter()
         .find(|&c| c >= rows)
         .unwrap_or(64);
-    QChannels {
-        count: rows.div_ceil(ncols),
-        ncols,
-        ids: None,
-        xidx: None,
-        x_div: 1,
-        yidx: None,
-        y_stride: m,
-        y_rows: rows,
-    }
+    dense_channels(rows, m, ncols)
 }
 
 fn err(msg: impl Into<String>) -> RuntimeError {
@@ -340,7 +331,11 @@ fn row_rope<'a>(
 /// Channels of an integer-dot GEMV over `rows` dense activation rows into `[rows, m]`: up to 8
 /// rows share each weight load.
 fn dense_q_channels(rows: usize, m: usize) -> QChannels<'static> {
-    let ncols = rows.min(8);
+    dense_channels(rows, m, rows.min(8))
+}
+
+/// `rows` dense activation rows into `[rows, m]` as channels of `ncols` columns each.
+fn dense_channels(rows: usize, m: usize, ncols: usize) -> QChannels<'static> {
     QChannels {
         count: rows.div_ceil(ncols),
         ncols,
