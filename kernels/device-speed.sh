@@ -75,6 +75,10 @@ step ab-mmq-off-1 45 "$W/ab-mmq-off-1.json" env GGUFTOOL_MMQ=0 $B -p 8,16,32,64,
 step ab-mmq-on-1 45 "$W/ab-mmq-on-1.json" env GGUFTOOL_MMQ=1 $B -p 8,16,32,64,512 -n 32 -r 2 --npl 1,8,32
 step ab-mmq-off-2 45 "$W/ab-mmq-off-2.json" env GGUFTOOL_MMQ=0 $B -p 8,16,32,64,512 -n 32 -r 2 --npl 1,8,32
 step ab-mmq-on-2 45 "$W/ab-mmq-on-2.json" env GGUFTOOL_MMQ=1 $B -p 8,16,32,64,512 -n 32 -r 2 --npl 1,8,32
+# Where the range ends: one-row decode GEMVs through mmq (1-64) against the GEMVs (tg), and
+# 512-token prefill through mmq (2-1024) against the bf16 GEMM path (pp512).
+step ab-mmq-rows-1 40 "$W/ab-mmq-rows-1.json" env GGUFTOOL_MMQ=1 GGUFTOOL_MMQ_ROWS=1-64 $B -p 0 -n 64 -r 2
+step ab-mmq-rows-1024 40 "$W/ab-mmq-rows-1024.json" env GGUFTOOL_MMQ=1 GGUFTOOL_MMQ_ROWS=2-1024 $B -p 512 -n 0 -r 2
 step ab-lanes-off 40 "$W/ab-lanes-off.json" env GGUFTOOL_INDEXER_LANES=0 $B -p 0 -n 32 -d 32768 -r 1
 step ab-lanes-on 40 "$W/ab-lanes-on.json" env GGUFTOOL_INDEXER_LANES=1 $B -p 0 -n 32 -d 32768 -r 1
 # 5. Kernel microbenchmarks at GLM-5 shapes vs the copy bandwidth (mmq against the 8-column
@@ -94,7 +98,8 @@ python3 - "$OUT/bench-all.json" <<'PY'
 import json, sys
 out = {}
 for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-on-2.json",
-          "ab-lanes-off.json", "ab-lanes-on.json", "synth.json"):
+          "ab-mmq-rows-1.json", "ab-mmq-rows-1024.json", "ab-lanes-off.json", "ab-lanes-on.json",
+          "synth.json"):
     try:
         out[f] = json.load(open(f))
     except Exception as e:
@@ -122,7 +127,7 @@ if k:
     for r in k["results"]:
         print("%-10s %-50s %8.1f us %6.0f GB/s %4.0f%%" % (r["kind"], r["what"][:50], r["us"], r["gb_per_s"], 100 * r["fraction_of_copy"]))
 for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-on-2.json",
-          "ab-lanes-off.json", "ab-lanes-on.json"):
+          "ab-mmq-rows-1.json", "ab-mmq-rows-1024.json", "ab-lanes-off.json", "ab-lanes-on.json"):
     b = load(f)
     if not b:
         continue
