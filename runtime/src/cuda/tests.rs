@@ -387,6 +387,8 @@ fn glm5_heads_decode_fusions_equal_the_launches_they_replace() {
 /// cannot pass on the fallback paths.
 #[test]
 fn glm5_heads_mmq_steps_match_the_cpu() {
+    // It counts launches on the process-wide profile: no other test may launch meanwhile.
+    let _gpu = exclusive();
     use crate::lm::{LanguageModel, SeqStep};
     if kernels::device_count() == 0 {
         say("skipped: no CUDA device (glm5_heads_mmq_steps_match_the_cpu)");
