@@ -272,14 +272,23 @@ fn mmq_rows_from_env() -> Option<(usize, usize)> {
     if std::env::var("GGUFTOOL_MMQ").map_or(true, |v| v != "1") {
         return None;
     }
-    let range = std::env::var("GGUFTOOL_MMQ_ROWS").ok().and_then(|v| {
-        let (a, b) = v.split_once('-')?;
+    let Ok(v) = std::env::var("GGUFTOOL_MMQ_ROWS") else {
+        return Some(MMQ_ROWS);
+    };
+    let range = v.split_once('-').and_then(|(a, b)| {
         let (a, b) = (
             a.trim().parse::<usize>().ok()?,
             b.trim().parse::<usize>().ok()?,
         );
         (1 <= a && a <= b && b <= 4096).then_some((a, b))
     });
+    if range.is_none() {
+        tracing::warn!(
+            "GGUFTOOL_MMQ_ROWS={v:?} is not lo-hi with 1 <= lo <= hi <= 4096; using {}-{}",
+            MMQ_ROWS.0,
+            MMQ_ROWS.1
+        );
+    }
     Some(range.unwrap_or(MMQ_ROWS))
 }
 
@@ -568,17 +577,34 @@ impl CudaBackend {
         out: &mut DevBuf<f32>,
         op: &'static str,
     ) -> Result<(), RuntimeError> {
-        if self.mmq(&shape, rows) {
-            let ch = mmq_dense_channels(rows, m);
-            return self
-                .gpu
-                .mmq(shape, &w.bytes, mode, ch, q, out)
-                .map_err(kerr(op));
-        }
-        let ch = dense_q_channels(rows, m);
-        self.gpu
-            .gemv_q(shape, &w.bytes, mode, ch, q, out)
+        let mmq = self.mmq(&shape, rows);
+        let ch = if mmq {
+            mmq_dense_channels(rows, m)
+        } else {
+            dense_q_channels(rows, m)
+        };
+        self.int_dot(mmq, shape, &w.bytes, mode, ch, q, out)
             .map_err(kerr(op))
+    }
+
+    /// One integer-dot launch over `ch`: the tensor-core product or the GEMV (same maps, modes
+    /// and error model; `ch.ncols` must suit the one chosen).
+    #[allow(clippy::too_many_arguments)]
+    fn int_dot(
+        &self,
+        mmq: bool,
+        shape: MatShape,
+        w: &kernels::CudaSlice<u8>,
+        mode: QMode<'_, kernels::CudaSlice<u8>>,
+        ch: QChannels<'_>,
+        q: &Q8Act,
+        out: &mut DevBuf<f32>,
+    ) -> Result<(), KernelError> {
+        if mmq {
+            self.gpu.mmq(shape, w, mode, ch, q, out)
+        } else {
+            self.gpu.gemv_q(shape, w, mode, ch, q, out)
+        }
     }
 
     /// `x [rows, k]` times weight rows (ggml `{k, m}`) into `out [rows, m]`.
@@ -2045,12 +2071,15 @@ impl CudaBackend {
             y_stride: ff,
             y_rows: n * kk,
         };
-        let glu = QMode::Glu(&up.bytes);
-        if mmq {
-            self.gpu.mmq(g_shape, &gate.bytes, glu, ch, &q, &mut act)
-        } else {
-            self.gpu.gemv_q(g_shape, &gate.bytes, glu, ch, &q, &mut act)
-        }
+        self.int_dot(
+            mmq,
+            g_shape,
+            &gate.bytes,
+            QMode::Glu(&up.bytes),
+            ch,
+            &q,
+            &mut act,
+        )
         .map_err(kerr("moe_ffn gate+up"))?;
         let qa = self
             .gpu
@@ -2067,14 +2096,8 @@ impl CudaBackend {
             y_stride: d,
             y_rows: n * kk,
         };
-        if mmq {
-            self.gpu
-                .mmq(d_shape, &down.bytes, QMode::Plain, ch, &qa, &mut y)
-        } else {
-            self.gpu
-                .gemv_q(d_shape, &down.bytes, QMode::Plain, ch, &qa, &mut y)
-        }
-        .map_err(kerr("moe_ffn down"))?;
+        self.int_dot(mmq, d_shape, &down.bytes, QMode::Plain, ch, &qa, &mut y)
+            .map_err(kerr("moe_ffn down"))?;
         self.gpu
             .moe_combine(&y, d, &wv, n, kk, d, o, d, false, Some(&ids))
             .map_err(kerr("moe_ffn combine"))
