@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -19,7 +19,7 @@ export NCCL_NVLS_ENABLE=0
 cd "$D" || exit 2
 # One solid archive (the binaries share most of their code, so xz compresses them together).
 [ -f payload.tar.xz ] && xz -d -c payload.tar.xz | tar xf -
-chmod +x gguftool kernels-gpu runtime-lib 2>/dev/null
+chmod +x gguftool kernels-gpu runtime-lib tp-gpu 2>/dev/null
 [ -f gguftool-main ] && chmod +x gguftool-main
 # At most 8 files come back: log.txt, kernel-tests.txt, runtime-tests.txt, kernels.json,
 # bench-all.json; everything else stays in $W.
@@ -57,8 +57,10 @@ step() {
 # emulator (kernels/emu) and off by default until this script has run them: the int8
 # tensor-core product (GGUFTOOL_MMQ=1), the lane-per-key indexer scorer
 # (GGUFTOOL_INDEXER_LANES=1). First their correctness, then same-call A/B runs, then the rest.
-# STAGE=new (default): steps 1-5, ~9 minutes; STAGE=regress: step 6 only (a second call).
+# STAGE=new (default): steps 1-5, ~9 minutes; STAGE=regress: step 6 only (a second call);
+# STAGE=final: step 7.
 STAGE=${STAGE:-new}
+export STAGE
 if [ "$STAGE" = new ]; then
 # 1. The new kernels against their oracles (sync after every launch so a fault names its op);
 #    mma_s8_selftest compares the hardware's fragment layout with the emulated one.
@@ -91,6 +93,72 @@ step kernel-tests-all 250 "$W/kernel-tests-all.txt" bash -c 'GGUFTOOL_CUDA_SYNC=
 step runtime-tests-all 200 "$W/runtime-tests-all.txt" bash -c './runtime-lib cuda --test-threads=1 2>&1'
 fi
 
+# 7. The closing figures (STAGE=final, one call): llama.cpp's llama-bench is built on the CPUs
+#    (~4 min, ../shared/bench/llamacpp-bench.sh and its tarball copied into .device-speed/) while
+#    the GPU runs the regression suites, then both tools are timed on the same file, one after
+#    the other, with nothing else running.
+LB=/tmp/llamacpp/llama.cpp/build/bin
+# llama.cpp built in the background (CPUs only) while the GPU runs other steps.
+build_llama() {
+    ( bash ./llamacpp-bench.sh /nonexistent -p 0 -n 0 > "$W/llama-build.txt" 2>&1 ) &
+    BUILD=$!
+}
+# Both tools on the same file, one after the other, once the build is done.
+closing_figures() {
+    wait "$BUILD"
+    local B="./gguftool bench -m /tmp/glm5.gguf --device cuda --json"
+    step llama-pp-tg 120 "$W/bench-llama.txt" bash -c "$LB/llama-bench -m /tmp/glm5.gguf -ngl 99 -fa 0 -p 8,16,32,64,512 -n 128 -r 3 -o md 2>&1 | grep '^|'"
+    step llama-batched 60 "$W/bench-llama-batched.txt" bash -c "$LB/llama-batched-bench -m /tmp/glm5.gguf -ngl 99 -fa 0 -npp 32 -ntg 32 -npl 8,32 2>&1 | grep '^|'"
+    step ours-pp-tg 60 "$W/final-pp-tg.json" $B -p 8,16,32,64,512 -n 128 -r 2
+    step ours-batched 40 "$W/final-batched.json" $B -p 0 -n 32 -r 1 --npl 8,32
+    step ours-depth 40 "$W/final-depth.json" $B --no-profile -p 0 -n 32 -d 32768 -r 1
+    cat "$W"/bench-llama*.txt > "$OUT/llama.txt" 2>/dev/null
+}
+if [ "$STAGE" = final ]; then
+build_llama
+step synth 90 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+step runtime-tests-all 150 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda --test-threads=1 2>&1'
+step tp-tests 60 "$W/tp-tests.txt" bash -c './tp-gpu --test-threads=1 2>&1'
+# The kernel suite fills what is left of the build's ~4 minutes (at least 30 s); the timings
+# below must not share the GPU with it.
+KB=$((250 - ($(date +%s) - T0)))
+[ "$KB" -lt 30 ] && KB=30
+step kernel-tests-all "$KB" "$OUT/kernel-tests.txt" bash -c './kernels-gpu --test-threads=1 2>&1'
+closing_figures
+fi
+
+# 8. Wide MoE tiles (STAGE=tiles, 2026-12-06): on the tensor cores the experts with more than 8
+#    tokens in a step take a second tile set up to 64 columns wide (kernels::moe_mmq_tile), the
+#    others keep 8-column tiles. Their tests, same-call A/B against 8-column tiles only
+#    (GGUFTOOL_MOE_TILE=8), then the closing figures of both tools as in STAGE=final (llama.cpp
+#    built meanwhile), the kernel benchmarks, and the TP suite with what time is left.
+if [ "$STAGE" = tiles ]; then
+build_llama
+step synth 60 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+step tile-kernel-tests 80 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 --nocapture mmq_grouped gemvq_glu_combine_and_grouped 2>&1'
+step tile-runtime-tests 120 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda::tests::glm5_heads_mmq cuda::tests::cuda_matches_cpu_on_fixtures --test-threads=1 --nocapture 2>&1'
+B="./gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile --json"
+step ab-tile8-1 30 "$W/ab-tile8-1.json" env GGUFTOOL_MOE_TILE=8 $B -p 8,16,32,64 -n 32 -r 2 --npl 1,8,32
+step ab-tile-auto-1 30 "$W/ab-tile-auto-1.json" $B -p 8,16,32,64 -n 32 -r 2 --npl 1,8,32
+step ab-tile8-2 30 "$W/ab-tile8-2.json" env GGUFTOOL_MOE_TILE=8 $B -p 8,16,32,64 -n 32 -r 2 --npl 1,8,32
+step ab-tile-auto-2 30 "$W/ab-tile-auto-2.json" $B -p 8,16,32,64 -n 32 -r 2 --npl 1,8,32
+closing_figures
+step kernel-bench 60 "$OUT/kernels.json" ./gguftool bench --kernels --json
+step tp-tests 150 "$W/tp-tests.txt" bash -c './tp-gpu --test-threads=1 2>&1'
+fi
+
+# 9. STAGE=tiles-check: the grouped mmq test to its end (no sync after each launch: the tiles
+#    call's 80-second box cut it inside the wide set), then the tile A/B with no build beside it.
+if [ "$STAGE" = tiles-check ]; then
+step tile-kernel-tests 110 "$OUT/kernel-tests.txt" bash -c './kernels-gpu --test-threads=1 --nocapture mmq_grouped 2>&1'
+step synth 60 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+B="./gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile --json"
+step ab-tile8-1 30 "$W/ab-tile8-1.json" env GGUFTOOL_MOE_TILE=8 $B -p 32,64 -n 32 -r 2 --npl 1,8,32
+step ab-tile-auto-1 30 "$W/ab-tile-auto-1.json" $B -p 32,64 -n 32 -r 2 --npl 1,8,32
+step ab-tile8-2 30 "$W/ab-tile8-2.json" env GGUFTOOL_MOE_TILE=8 $B -p 32,64 -n 32 -r 2 --npl 1,8,32
+step ab-tile-auto-2 30 "$W/ab-tile-auto-2.json" $B -p 32,64 -n 32 -r 2 --npl 1,8,32
+fi
+
 # Summary (the reply carries the end of the output).
 cat "$STEPS" >> "$LOG"
 cd "$W"
@@ -99,7 +167,10 @@ import json, sys
 out = {}
 for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-on-2.json",
           "ab-mmq-rows-1.json", "ab-mmq-rows-1024.json", "ab-lanes-off.json", "ab-lanes-on.json",
-          "synth.json"):
+          "final-pp-tg.json", "final-batched.json", "final-depth.json", "synth.json",
+          "ab-tile8-1.json", "ab-tile-auto-1.json", "ab-tile8-2.json", "ab-tile-auto-2.json",
+          "ab-moe-gemm-1.json", "ab-moe-mmq-1.json", "ab-moe-gemm-2.json", "ab-moe-mmq-2.json",
+          "depth-profile.json", "pp512-profile.json"):
     try:
         out[f] = json.load(open(f))
     except Exception as e:
@@ -113,7 +184,8 @@ PY
 echo "== steps"; cat "$STEPS"
 echo "== kernel tests"; grep -E '^test |test result|FAIL|panicked' "$OUT/kernel-tests.txt" | grep -v ' ok$' | tail -15
 grep -c '| ok |' "$OUT/kernel-tests.txt" | sed 's/^/checks ok: /'
-echo "== runtime tests"; grep -E 'test result|FAILED|panicked|^\| ' "$OUT/runtime-tests.txt" | tail -14
+echo "== runtime tests"; grep -E 'test result|FAILED|panicked' "$OUT/runtime-tests.txt" | tail -14
+echo "== kernel tests, failures"; grep -E 'FAILED|panicked|test result' "$OUT/kernel-tests.txt" | tail -8
 python3 - <<'PY'
 import json, os
 def load(p):
@@ -125,9 +197,15 @@ k = load(os.environ["OUT"] + "/kernels.json")
 if k:
     print("== kernels (copy %.0f GB/s)" % k["copy_gb_per_s"])
     for r in k["results"]:
+        if os.environ.get("STAGE") == "tiles" and not r["kind"].startswith("moe"):
+            continue
         print("%-10s %-50s %8.1f us %6.0f GB/s %4.0f%%" % (r["kind"], r["what"][:50], r["us"], r["gb_per_s"], 100 * r["fraction_of_copy"]))
 for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-on-2.json",
-          "ab-mmq-rows-1.json", "ab-mmq-rows-1024.json", "ab-lanes-off.json", "ab-lanes-on.json"):
+          "ab-mmq-rows-1.json", "ab-mmq-rows-1024.json", "ab-lanes-off.json", "ab-lanes-on.json",
+          "final-pp-tg.json", "final-batched.json", "final-depth.json",
+          "ab-tile8-1.json", "ab-tile-auto-1.json", "ab-tile8-2.json", "ab-tile-auto-2.json",
+          "ab-moe-gemm-1.json", "ab-moe-mmq-1.json", "ab-moe-gemm-2.json", "ab-moe-mmq-2.json",
+          "depth-profile.json", "pp512-profile.json"):
     b = load(f)
     if not b:
         continue
@@ -137,7 +215,9 @@ for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-
         top = ", ".join("%s %.0f" % (x["kind"], x["us_per_token"]) for x in ks[:5])
         print("%s%d d%d x%d: %.1f ± %.1f t/s, %.0f GB/s (%.1f%% copy) | %s" % (r["test"], r["n_prompt"] or r["n_gen"], r["n_depth"], r["n_seq"], r["avg_ts"], r["stddev_ts"], r["weight_gbs"] or 0, 100 * (r["copy_share"] or 0), top))
 PY
-for f in kernel-tests-all.txt runtime-tests-all.txt; do
+for f in kernel-tests-all.txt runtime-tests-all.txt tp-tests.txt; do
     [ -f "$f" ] && { echo "== $f"; grep -E 'test result|FAILED|panicked' "$f" | tail -6; }
 done
+[ -f "$OUT/llama.txt" ] && { echo "== llama.cpp"; cat "$OUT/llama.txt"; }
+[ -f "$W/llama-build.txt" ] && tail -3 "$W/llama-build.txt"
 echo "== log tail"; tail -5 "$LOG"

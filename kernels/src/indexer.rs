@@ -35,13 +35,19 @@ pub const IXL_DMAX: usize = 128;
 /// Blocks per SM the lane-per-key kernel's token split aims for (ptxas: 72 registers a thread
 /// for sm_90, so three 256-thread blocks are resident per SM; four cover a short tail).
 const IXL_BLOCKS_PER_SM: usize = 4;
+/// Keys from which the lane-per-key kernel is the default. Measured on one H100 on 2026-12-05
+/// (`bench --kernels`, one query token, 32 heads x 128, bf16 keys): warp per key 15.0 / 19.8 /
+/// 69.2 us at 2,048 / 4,096 / 32,768 keys, lane per key 35.2 / 35.1 / 45.6 us (its grid is one
+/// block per 256 keys, so short caches leave most SMs idle). Straight lines through those
+/// points cross near 15,000 keys; decode at depth 32,768 went from 521.4 to 545.5 tok/s.
+pub const IXL_MIN_KEYS: usize = 16_384;
 
 /// 0 = by default, 1 = the warp-per-key kernel, 2 = the lane-per-key kernel where it fits
 /// (`GGUFTOOL_INDEXER_LANES=0|1`, or [`force_indexer_lanes`]).
 static LANES_MODE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(u8::MAX);
 
-/// `None` when nothing was forced (the default applies: the warp-per-key kernel until the
-/// lane-per-key one has been measured on a GPU, docs/GPU.md).
+/// `None` when nothing was forced (the default applies: the lane-per-key kernel from
+/// [`IXL_MIN_KEYS`] keys on, the warp-per-key kernel below).
 fn lanes_mode() -> Option<bool> {
     use std::sync::atomic::Ordering;
     let mut v = LANES_MODE.load(Ordering::Relaxed);
@@ -134,7 +140,8 @@ impl Gpu {
         )?;
         let s = self.stream();
         let (kp, _g2) = k.device_ptr(s);
-        let lanes = C::BF16 && lanes_mode().unwrap_or(false) && lanes_fit(&sh, kp);
+        let lanes =
+            C::BF16 && lanes_mode().unwrap_or(sh.kv_len >= IXL_MIN_KEYS) && lanes_fit(&sh, kp);
         let (f, cfg) = if lanes {
             let f = self.func(Op::IndexerScores, "indexer_scores_lanes_bf16")?;
             let (gx, gy) = lanes_grid(&sh, self.info().sm_count as usize, self.info().max_grid.1);

@@ -47,7 +47,9 @@ pub use mmq::{
     mmq_kernel_name, mmq_ks_allowed, mmq_plan, mmq_plan_ks, mmq_records_per_thread, mmq_supported,
     MmqParams, MmqPlan, MmqX, MMQ_STEP, MMQ_WARPS,
 };
-pub use moe::{ExpertGroups, Gating, RouterConfig, MOE_TILE};
+pub use moe::{
+    moe_mmq_tile, ExpertGroups, Gating, RouterConfig, TileSet, MOE_TILE, MOE_TILE_WIDTHS,
+};
 pub use norm::{CacheRows, RowRope, Rows};
 pub use ops::{Op, QType};
 pub use pool::{DevBuf, DevViewMut, PoolStats};

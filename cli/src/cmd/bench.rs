@@ -201,13 +201,16 @@ pub fn run(args: Args) -> Result<ExitCode> {
                     (Some(g), false) => Some(b.profile(g, test, len, depth, npl)?),
                     _ => None,
                 };
-                let wbytes = weights.per_step(npl);
-                // Weight bytes read per second: one full read per decode step (all sequences
-                // share it); prefill reads every weight once per forward call.
-                let weight_gbs = match test {
-                    Test::Tg => wbytes * (avg / npl as f64) / 1e9,
-                    Test::Pp => weights.total_trunk as f64 * (avg / (npl * len) as f64) / 1e9,
+                // Weight bytes read per second: one read per forward call of what its tokens
+                // reach (all sequences of a decode step share it; `npl` prompts of `len` tokens
+                // reach the distinct experts of `npl * len` tokens, not every expert: counting
+                // them all put pp8 at 190% of the copy bandwidth).
+                let tokens_per_call = match test {
+                    Test::Tg => npl,
+                    Test::Pp => npl * len,
                 };
+                let wbytes = weights.per_step(tokens_per_call);
+                let weight_gbs = wbytes * (avg / tokens_per_call as f64) / 1e9;
                 let share = copy_gbs.map(|c| weight_gbs / c);
                 let name = format!(
                     "{}{len}{}{}",
@@ -480,8 +483,6 @@ fn mean_sd(v: &[f64]) -> (f64, f64) {
 struct WeightBytes {
     total: u64,
     params: u64,
-    /// Every trunk weight + head, read once (prefill reads them all).
-    total_trunk: u64,
     /// Non-expert trunk + head bytes.
     dense: u64,
     /// Routed-expert tensor bytes (all experts).
@@ -518,17 +519,16 @@ impl WeightBytes {
         WeightBytes {
             total,
             params,
-            total_trunk: dense + experts,
             dense,
             experts,
             used_fraction,
         }
     }
 
-    /// Expected bytes of one decode step of `npl` sequences: distinct experts of `npl` tokens
-    /// under uniform routing, `E * (1 - (1 - k/E)^npl)` (gpu-kernels.md §1.5).
-    fn per_step(&self, npl: usize) -> f64 {
-        let f = 1.0 - (1.0 - self.used_fraction).powi(npl as i32);
+    /// Expected bytes of one forward call over `tokens` tokens: distinct experts of `tokens`
+    /// tokens under uniform routing, `E * (1 - (1 - k/E)^tokens)` (gpu-kernels.md §1.5).
+    fn per_step(&self, tokens: usize) -> f64 {
+        let f = 1.0 - (1.0 - self.used_fraction).powf(tokens as f64);
         self.dense as f64 + self.experts as f64 * f
     }
 }

@@ -20,7 +20,7 @@ use common::{compiler, say, Buf};
 use gguf::GgmlType;
 use kernels::{
     mmq_kernel_name, mmq_ks_allowed, mmq_plan, mmq_plan_ks, repack, MmqParams, MmqPlan, MmqX,
-    QType, MOE_TILE,
+    QType, MOE_TILE, MOE_TILE_WIDTHS,
 };
 use kernels::{ops::Op, MatShape};
 use kernels_emu::Module;
@@ -423,37 +423,155 @@ fn mmq_small_and_split_shapes() {
 // ---------------------------------------------------------------------------------------------
 // channels: grouped MoE tiles, unused tiles and columns, bad ids, strides
 
-/// moe_sort.cu's grouping on the host: the pairs of each expert in pair order, in tiles of
-/// MOE_TILE columns, experts in order, then unused tiles up to `max_tiles` = ceil(n / TILE) + E.
-/// Returns (tile_expert, tok, pos, pair) as the device maps hold them (-1 = unused).
-fn group(ids: &[i32], top_k: usize, experts: usize) -> (Vec<i32>, Vec<i32>, Vec<i32>, Vec<i32>) {
-    let max_tiles = ids.len().div_ceil(MOE_TILE) + experts;
-    let mut te = vec![-1i32; max_tiles];
-    let (mut tok, mut pos, mut pair) = (
-        vec![-1i32; max_tiles * MOE_TILE],
-        vec![-1i32; max_tiles * MOE_TILE],
-        vec![-1i32; max_tiles * MOE_TILE],
-    );
-    let (mut tile, mut off) = (0usize, 0usize);
-    for e in 0..experts as i32 {
-        let mine: Vec<usize> = (0..ids.len()).filter(|&p| ids[p] == e).collect();
-        for (ri, &p) in mine.iter().enumerate() {
-            let c = (tile + ri / MOE_TILE) * MOE_TILE + ri % MOE_TILE;
-            te[tile + ri / MOE_TILE] = e;
-            tok[c] = (p / top_k) as i32;
-            pos[c] = (off + ri) as i32;
-            pair[c] = p as i32;
+/// moe_sort.cu's `MoeTiles`, passed by value as the kernels take it.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoeTiles {
+    tile_expert: *mut i32,
+    tok: *mut i32,
+    pos: *mut i32,
+    pair: *mut i32,
+    max_tiles: i32,
+    width: i32,
+}
+
+type CountFn = unsafe extern "C" fn(*const i32, i32, *mut i32);
+type PlanFn = unsafe extern "C" fn(*const i32, i32, MoeTiles, MoeTiles, *mut i32, *mut i32);
+type ScatterFn =
+    unsafe extern "C" fn(*const i32, i32, i32, *const i32, *const i32, MoeTiles, MoeTiles);
+
+/// One tile set's device buffers, every entry garbage (7) at first: moe_plan must reset the
+/// ones nobody fills.
+struct SetBufs {
+    te: Buf<i32>,
+    tok: Buf<i32>,
+    pos: Buf<i32>,
+    pair: Buf<i32>,
+    max_tiles: usize,
+    width: usize,
+}
+
+impl SetBufs {
+    fn new(width: usize, max_tiles: usize) -> Self {
+        SetBufs {
+            te: Buf::filled(max_tiles.max(1), 7),
+            tok: Buf::filled((max_tiles * width).max(1), 7),
+            pos: Buf::filled((max_tiles * width).max(1), 7),
+            pair: Buf::filled((max_tiles * width).max(1), 7),
+            max_tiles,
+            width,
         }
-        tile += mine.len().div_ceil(MOE_TILE);
-        off += mine.len();
     }
-    (te, tok, pos, pair)
+    fn arg(&mut self) -> MoeTiles {
+        MoeTiles {
+            tile_expert: self.te.mut_ptr(),
+            tok: self.tok.mut_ptr(),
+            pos: self.pos.mut_ptr(),
+            pair: self.pair.mut_ptr(),
+            max_tiles: self.max_tiles as i32,
+            width: self.width as i32,
+        }
+    }
+}
+
+/// moe_sort.cu itself (count, plan, scatter, launched as `Gpu::moe_group` launches them, its
+/// tile counts) against the host grouping of its contract (oracle.rs `group_on_host`): 8-column
+/// tiles only, and with a wide set of every width; skewed routing (one expert in every token,
+/// experts of 9-12 pairs, experts of at most 8), empty slots, an expert nobody picks.
+#[test]
+fn moe_sort_maps_every_tile_width() {
+    if !compiler("moe_sort_maps_every_tile_width") {
+        return;
+    }
+    let m = common::module(Op::MoeSort);
+    let (ne, tokens, top_k) = (7usize, 37usize, 3usize);
+    let ids: Vec<i32> = (0..tokens * top_k)
+        .map(|p| match (p % top_k, p % 11, p / top_k) {
+            (_, 10, _) => -1,
+            (0, _, _) => 2,
+            (2, _, t) if t % 3 != 0 => -1,
+            (s, _, t) => [0, 1, 3, 5, 6][(t + s) % 5],
+        })
+        .collect();
+    let n = ids.len();
+    let count: CountFn = unsafe { m.entry("moe_count") }.unwrap();
+    let plan: PlanFn = unsafe { m.entry("moe_plan") }.unwrap();
+    let scatter: ScatterFn = unsafe { m.entry("moe_scatter") }.unwrap();
+    let mut wides: Vec<Option<usize>> = vec![None];
+    wides.extend(MOE_TILE_WIDTHS.map(Some));
+    for wide in wides {
+        let want = group_on_host(&ids, top_k, ne, MOE_TILE, wide);
+        let mut sets: Vec<SetBufs> = want
+            .iter()
+            .map(|w| SetBufs::new(w.width, w.tile_expert.len()))
+            .collect();
+        let small = sets[0].arg();
+        let big = match sets.get_mut(1) {
+            Some(s) => s.arg(),
+            None => MoeTiles {
+                tile_expert: std::ptr::null_mut(),
+                tok: std::ptr::null_mut(),
+                pos: std::ptr::null_mut(),
+                pair: std::ptr::null_mut(),
+                max_tiles: 0,
+                width: 0,
+            },
+        };
+        let dids = Buf::new(&ids);
+        let mut counts = Buf::filled(ne, 0i32);
+        let mut offsets = Buf::filled(ne, 0i32);
+        let mut base = Buf::filled(ne, 0i32);
+        let (n32, e32, k32) = (n as i32, ne as i32, top_k as i32);
+        let (ip, cp, op, bp) = (
+            dids.ptr(),
+            counts.mut_ptr(),
+            offsets.mut_ptr(),
+            base.mut_ptr(),
+        );
+        m.launch("moe_count", [ne as u32, 1, 1], [256, 1, 1], 0, &|| unsafe {
+            count(ip, n32, cp)
+        })
+        .unwrap();
+        m.launch("moe_plan", [1, 1, 1], [1024, 1, 1], 0, &|| unsafe {
+            plan(cp, e32, small, big, op, bp)
+        })
+        .unwrap();
+        m.launch(
+            "moe_scatter",
+            [ne as u32, 1, 1],
+            [1024, 1, 1],
+            0,
+            &|| unsafe { scatter(ip, n32, k32, op, bp, small, big) },
+        )
+        .unwrap();
+        let mut ok = true;
+        for (s, w) in sets.iter().zip(&want) {
+            let cols = w.tok.len();
+            ok &= s.te.to_vec()[..w.tile_expert.len()] == w.tile_expert[..]
+                && s.tok.to_vec()[..cols] == w.tok[..]
+                && s.pos.to_vec()[..cols] == w.pos[..]
+                && s.pair.to_vec()[..cols] == w.pair[..];
+        }
+        say(&format!(
+            "| moe_sort | {tokens} tok x {top_k}, {ne} experts | wide {wide:?} | {ok} |"
+        ));
+        assert!(
+            ok,
+            "moe_sort maps (wide {wide:?}) differ from the host grouping"
+        );
+        // The routing puts experts in both sets, so neither comparison is of empty maps.
+        for w in &want {
+            assert!(w.tile_expert.contains(&-1) && w.tile_expert.iter().any(|&e| e >= 0));
+        }
+    }
 }
 
 /// A MoE layer's grouped launches as the runtime makes them: gate + up + SiLU (GLU) from token
 /// rows into sorted rows, then the down projection from sorted rows into pair rows; experts with
 /// 0, 1, 8 (one full tile) and 9+ pairs, empty slots (-1), unused tiles at the end. Every type
-/// for both launches (the gate/up type also runs the down, with its K).
+/// for both launches (the gate/up type also runs the down, with its K), on each tile set of
+/// 8-column tiles only and of 8-column tiles beside wide ones of 16 and 64 columns (expert 1's
+/// 9 pairs).
 #[test]
 fn mmq_grouped_moe_tiles() {
     if !compiler("mmq_grouped_moe_tiles") {
@@ -461,68 +579,74 @@ fn mmq_grouped_moe_tiles() {
     }
     let mut r = Rng::new("emu mmq grouped");
     let (ne, ff, d, tokens, top_k) = (5usize, 48usize, 256usize, 9usize, 2usize);
-    // Expert 1: 9 pairs (two tiles), 3: none, 4: one; token 2's second slot empty.
+    // Expert 1: 9 pairs (two 8-column tiles), 3: none, 4: one; token 2's second slot empty.
     let ids: Vec<i32> = vec![1, 0, 1, 2, 1, -1, 1, 0, 1, 2, 1, 4, 1, 0, 1, 2, 1, 0];
-    let (te, tok, pos, pair) = group(&ids, top_k, ne);
     let live_pairs = ids.iter().filter(|&&e| e >= 0).count();
-    assert!(te.contains(&-1) && te.iter().filter(|&&e| e == 1).count() == 2);
-    for (ty, qt) in TYPES {
-        // gate/up: ff rows x d; down: d rows x ff_k (2 steps: room for a 2-warp split).
-        let (d_in, ff_k) = (d, 256usize);
-        let gate = weights(ty, ne, ff, d_in, &mut r);
-        let up = weights(ty, ne, ff, d_in, &mut r);
-        let x = q8(&mut r, tokens, d_in);
-        let maps = Maps {
-            count: te.len(),
-            ncols: MOE_TILE,
-            ids: Some(te.clone()),
-            xidx: Some(tok.clone()),
-            x_div: 1,
-            yidx: Some(pos.clone()),
-            y_stride: ff,
-            y_rows: live_pairs,
-        };
-        for ks in [Some(1), Some(2)] {
-            let c = check(
-                "grouped glu",
-                qt,
-                &gate,
-                Some(&up),
-                Mode::Glu,
-                &maps,
-                &x,
-                ks,
-                &mut r,
-            );
-            assert_eq!(c.written, live_pairs * ff);
-        }
-        // Down: sorted rows -> pair rows (the empty slot's row stays untouched).
-        let down = weights(ty, ne, d, ff_k, &mut r);
-        let act = q8(&mut r, live_pairs, ff_k);
-        let maps = Maps {
-            count: te.len(),
-            ncols: MOE_TILE,
-            ids: Some(te.clone()),
-            xidx: Some(pos.clone()),
-            x_div: 1,
-            yidx: Some(pair.clone()),
-            y_stride: d,
-            y_rows: tokens * top_k,
-        };
-        for ks in [Some(1), Some(2)] {
-            let c = check(
-                "grouped down",
-                qt,
-                &down,
-                None,
-                Mode::Plain,
-                &maps,
-                &act,
-                ks,
-                &mut r,
-            );
-            assert_eq!(c.written, live_pairs * d);
-            assert!(c.untouched >= d, "the empty slot's row");
+    for wide in [None, Some(16), Some(64)] {
+        for set in group_on_host(&ids, top_k, ne, MOE_TILE, wide) {
+            let (te, tok, pos, pair) = (set.tile_expert, set.tok, set.pos, set.pair);
+            let tw = set.width;
+            let set_live = tok.iter().filter(|&&t| t >= 0).count();
+            assert!(te.contains(&-1) && set_live > 0);
+            for (ty, qt) in TYPES {
+                // gate/up: ff rows x d; down: d rows x ff_k (2 steps: room for a 2-warp split).
+                let (d_in, ff_k) = (d, 256usize);
+                let gate = weights(ty, ne, ff, d_in, &mut r);
+                let up = weights(ty, ne, ff, d_in, &mut r);
+                let x = q8(&mut r, tokens, d_in);
+                let maps = Maps {
+                    count: te.len(),
+                    ncols: tw,
+                    ids: Some(te.clone()),
+                    xidx: Some(tok.clone()),
+                    x_div: 1,
+                    yidx: Some(pos.clone()),
+                    y_stride: ff,
+                    y_rows: live_pairs,
+                };
+                for ks in [Some(1), Some(2)] {
+                    let c = check(
+                        "grouped glu",
+                        qt,
+                        &gate,
+                        Some(&up),
+                        Mode::Glu,
+                        &maps,
+                        &x,
+                        ks,
+                        &mut r,
+                    );
+                    assert_eq!(c.written, set_live * ff);
+                }
+                // Down: sorted rows -> pair rows (the empty slot's row stays untouched).
+                let down = weights(ty, ne, d, ff_k, &mut r);
+                let act = q8(&mut r, live_pairs, ff_k);
+                let maps = Maps {
+                    count: te.len(),
+                    ncols: tw,
+                    ids: Some(te.clone()),
+                    xidx: Some(pos.clone()),
+                    x_div: 1,
+                    yidx: Some(pair.clone()),
+                    y_stride: d,
+                    y_rows: tokens * top_k,
+                };
+                for ks in [Some(1), Some(2)] {
+                    let c = check(
+                        "grouped down",
+                        qt,
+                        &down,
+                        None,
+                        Mode::Plain,
+                        &maps,
+                        &act,
+                        ks,
+                        &mut r,
+                    );
+                    assert_eq!(c.written, set_live * d);
+                    assert!(c.untouched >= d, "the empty slot's row");
+                }
+            }
         }
     }
 }

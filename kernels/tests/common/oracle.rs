@@ -588,3 +588,63 @@ pub fn mma_s8_cpu(a: &[i8], b: &[i8], c: &[i32]) -> Vec<i32> {
     }
     d
 }
+
+/// One tile set of moe_sort.cu's grouping, as its device maps hold it (-1 = unused).
+pub struct HostTiles {
+    pub width: usize,
+    pub tile_expert: Vec<i32>,
+    pub tok: Vec<i32>,
+    pub pos: Vec<i32>,
+    pub pair: Vec<i32>,
+}
+
+/// moe_sort.cu's grouping on the host, from its contract (kernels/src/moe.rs `moe_group`): the
+/// pairs of each expert in pair order, sorted positions running over the experts in id order;
+/// without a wide width every expert in tiles of `narrow` columns (`ceil(n / narrow) + E`
+/// tiles); with one, the experts of at most `narrow` pairs in one narrow tile each (`min(E, n)`
+/// tiles) and the others in tiles of `wide` columns (`ceil(n / wide) + min(E, n / (narrow +
+/// 1))` tiles); experts in id order within each set, then unused tiles.
+pub fn group_on_host(
+    ids: &[i32],
+    top_k: usize,
+    experts: usize,
+    narrow: usize,
+    wide: Option<usize>,
+) -> Vec<HostTiles> {
+    let n = ids.len();
+    let mut sets: Vec<HostTiles> = match wide {
+        None => vec![(narrow, n.div_ceil(narrow) + experts)],
+        Some(w) => vec![
+            (narrow, experts.min(n)),
+            (w, n.div_ceil(w) + experts.min(n / (narrow + 1))),
+        ],
+    }
+    .into_iter()
+    .map(|(width, tiles)| HostTiles {
+        width,
+        tile_expert: vec![-1; tiles],
+        tok: vec![-1; tiles * width],
+        pos: vec![-1; tiles * width],
+        pair: vec![-1; tiles * width],
+    })
+    .collect();
+    let mut next_tile = vec![0usize; sets.len()];
+    let mut off = 0usize;
+    for e in 0..experts as i32 {
+        let mine: Vec<usize> = (0..n).filter(|&p| ids[p] == e).collect();
+        let si = usize::from(wide.is_some() && mine.len() > narrow);
+        let set = &mut sets[si];
+        let w = set.width;
+        for (ri, &p) in mine.iter().enumerate() {
+            let tile = next_tile[si] + ri / w;
+            let c = tile * w + ri % w;
+            set.tile_expert[tile] = e;
+            set.tok[c] = (p / top_k) as i32;
+            set.pos[c] = (off + ri) as i32;
+            set.pair[c] = p as i32;
+        }
+        next_tile[si] += mine.len().div_ceil(w);
+        off += mine.len();
+    }
+    sets
+}

@@ -254,22 +254,50 @@ pub struct CudaBackend {
     /// Steps whose row count lies in this range take the int8 tensor-core product
     /// (`kernels::mmq`: quantized weights read once per step straight into `mma` fragments)
     /// wherever its types and shapes allow: dense matmuls, GLU and accumulating matmuls, and the
-    /// grouped MoE experts (moe_sort's tiles, no routing read back). Off by default until it
-    /// has been measured on a GPU (`GGUFTOOL_MMQ=1` turns it on for [`MMQ_ROWS`],
-    /// `GGUFTOOL_MMQ_ROWS=lo-hi` picks the range); its error model is the integer GEMVs'
+    /// grouped MoE experts (moe_sort's tiles, no routing read back). On by default for
+    /// [`MMQ_ROWS`] (`GGUFTOOL_MMQ=0` turns it off, `GGUFTOOL_MMQ_ROWS=lo-hi` picks the range);
+    /// its error model is the integer GEMVs'
     /// (q8 activations, exact integer block sums), already in `check::logit_tolerance`.
     mmq_rows: Option<(usize, usize)>,
+    /// The grouped MoE experts' own upper end of that range (`GGUFTOOL_MMQ_MOE_MAX_ROWS`,
+    /// 1 ..= 4096; unset: the range's). Their wide tiles hold up to 64 of an expert's tokens
+    /// ([`kernels::moe_mmq_tile`]), so past 64 rows an expert is read once per 64 of its
+    /// tokens where a dense matmul is read once per 64 rows; unset by default all the same:
+    /// at 256-1,024 tokens the bf16 GEMMs measured faster (pp512 23,788-23,829 against
+    /// 19,715-19,720 tok/s, H100, 2026-12-06).
+    mmq_moe_hi: Option<usize>,
+    /// Width of the grouped MoE launches' wide tiles on the tensor cores (`GGUFTOOL_MOE_TILE`
+    /// = 16, 32 or 64, or 8 for none: 8-column tiles only, to measure; unset:
+    /// [`kernels::moe_mmq_tile`] of the step's rows).
+    moe_tile: Option<usize>,
     fuse: Fusions,
 }
 
-/// The step sizes `GGUFTOOL_MMQ=1` gives the tensor-core product: from two rows (batched
+/// The step sizes the tensor-core product takes by default: from two rows (batched
 /// decode, where the grouped GEMV re-reads every column's activations per weight task) to the
 /// widest kernel variant (64 columns; beyond it each 64-column channel re-reads the weights).
+/// Measured on one H100 on 2026-12-05 (`bench -p 8,16,32,64,512 -n 32 -r 2 --npl 1,8,32`,
+/// off / on alternating twice): pp8 1,766-1,783 -> 3,573-3,587 tok/s, pp32 4,790-5,048 ->
+/// 7,948-8,062, pp64 8,842-9,158 -> 9,194-9,221, 8 sequences 1,318-1,338 -> 2,524-2,540, 32
+/// sequences 2,384-2,423 -> 4,190-4,223; one-row decode through it 569 against 813 (GEMV), and
+/// 512-row prefill 11,893 against 23,496 (bf16 GEMM): hence 2..=64.
 pub const MMQ_ROWS: (usize, usize) = (2, 64);
 
-/// `GGUFTOOL_MMQ` / `GGUFTOOL_MMQ_ROWS` (`lo-hi`, 1 <= lo <= hi <= 4096) as a row range.
+/// A measuring switch holding a number: `None` when unset; a value `ok` refuses is reported
+/// and ignored, not silently replaced.
+fn env_usize(name: &str, ok: impl Fn(usize) -> bool) -> Option<usize> {
+    let v = std::env::var(name).ok()?;
+    let n = v.trim().parse::<usize>().ok().filter(|&n| ok(n));
+    if n.is_none() {
+        tracing::warn!("{name}={v:?} is not an accepted value; ignored");
+    }
+    n
+}
+
+/// `GGUFTOOL_MMQ` (`0` = off) / `GGUFTOOL_MMQ_ROWS` (`lo-hi`, 1 <= lo <= hi <= 4096) as a
+/// row range.
 fn mmq_rows_from_env() -> Option<(usize, usize)> {
-    if std::env::var("GGUFTOOL_MMQ").map_or(true, |v| v != "1") {
+    if std::env::var("GGUFTOOL_MMQ").is_ok_and(|v| v == "0") {
         return None;
     }
     let Ok(v) = std::env::var("GGUFTOOL_MMQ_ROWS") else {
@@ -382,6 +410,10 @@ impl CudaBackend {
                 .and_then(|v| v.parse::<usize>().ok())
                 .map_or(GEMVQ_MAX_ROWS, |v| v.clamp(GEMV_MAX_ROWS, 1024)),
             mmq_rows: mmq_rows_from_env(),
+            mmq_moe_hi: env_usize("GGUFTOOL_MMQ_MOE_MAX_ROWS", |v| (1..=4096).contains(&v)),
+            moe_tile: env_usize("GGUFTOOL_MOE_TILE", |w| {
+                w == kernels::MOE_TILE || kernels::MOE_TILE_WIDTHS.contains(&w)
+            }),
             fuse: Fusions::from_env(),
         }
     }
@@ -390,6 +422,13 @@ impl CudaBackend {
     /// regardless of the environment.
     pub fn with_mmq(mut self, rows: Option<(usize, usize)>) -> Self {
         self.mmq_rows = rows;
+        self
+    }
+
+    /// Choose the grouped MoE experts' upper end of the tensor-core range (see the
+    /// `mmq_moe_hi` field; `None`: the range's own) regardless of the environment.
+    pub fn with_mmq_moe_hi(mut self, hi: Option<usize>) -> Self {
+        self.mmq_moe_hi = hi;
         self
     }
 
@@ -560,6 +599,15 @@ impl CudaBackend {
     /// Whether a fast-path product of `rows` rows on `shape` takes the tensor-core kernel.
     fn mmq(&self, shape: &MatShape, rows: usize) -> bool {
         !self.opts.exact && self.mmq_range(rows) && kernels::mmq_supported(shape)
+    }
+
+    /// [`Self::mmq`] for the grouped MoE experts of a `rows`-row step (their own upper end).
+    fn mmq_moe(&self, shape: &MatShape, rows: usize) -> bool {
+        let in_range = self.mmq_rows.is_some_and(|(lo, hi)| {
+            let hi = self.mmq_moe_hi.unwrap_or(hi);
+            (lo..=hi).contains(&rows)
+        });
+        !self.opts.exact && in_range && kernels::mmq_supported(shape)
     }
 
     /// The integer-dot product of `x` (`rows` dense rows) with `w` in `mode` into `out`
@@ -1888,7 +1936,7 @@ impl Backend for CudaBackend {
             && self.fast(&d_shape)
             && gate.ty == up.ty
             && gate.packed == up.packed;
-        let mmq = fast && self.mmq(&g_shape, x.rows) && self.mmq(&d_shape, x.rows);
+        let mmq = fast && self.mmq_moe(&g_shape, x.rows) && self.mmq_moe(&d_shape, x.rows);
         if fast && !mmq && self.prefill_gemm && x.rows > self.gemvq_max_rows {
             self.moe_ffn_gemm(x, gate, up, down, weights, experts, &mut out)?;
         } else if fast {
@@ -2019,10 +2067,11 @@ impl CudaBackend {
 
     /// The fast MoE: one token: fused gate+up+SiLU over its selected experts, then down +
     /// weighted sum in one launch. Several tokens: (token, slot) pairs grouped by expert on
-    /// the device, grouped GLU and down launches (each expert's weights read once per 8 of its
-    /// tokens), then the weighted sum in slot order. With `mmq` the grouped launches take the
-    /// tensor-core product over the same tiles (one `mma` column tile each) instead of the
-    /// 8-column GEMVs.
+    /// the device, grouped GLU and down launches (each expert's weights read once per tile of
+    /// its tokens), then the weighted sum in slot order. Without `mmq` the tiles are the
+    /// 8-column GEMVs'; with it the tensor-core product takes 8-column tiles for the experts
+    /// with few tokens and tiles up to 64 columns wide for the others
+    /// ([`kernels::moe_mmq_tile`]): two launches per matrix.
     #[allow(clippy::too_many_arguments)]
     fn moe_ffn_fast(
         &self,
@@ -2051,53 +2100,63 @@ impl CudaBackend {
             .alloc::<f32>(n * kk * ff)
             .map_err(kerr("moe_ffn"))?;
         let o = out.f32_mut().ok_or_else(|| not_f32("moe_ffn"))?;
+        // The wide tile set only on the tensor cores (the GEMVs take at most 8 columns).
+        let wide = if mmq {
+            match self.moe_tile {
+                Some(w) => (w > kernels::MOE_TILE).then_some(w),
+                None => kernels::moe_mmq_tile(n),
+            }
+        } else {
+            None
+        };
         let g = self
             .gpu
-            .moe_group(&ids, n * kk, kk, n_exp)
+            .moe_group(&ids, n * kk, kk, n_exp, wide)
             .map_err(kerr("moe_ffn group"))?;
-        let (te, tok, pos, pair) = (
-            g.tile_expert.view(),
-            g.tok.view(),
-            g.pos.view(),
-            g.pair.view(),
-        );
-        let ch = QChannels {
-            count: g.max_tiles,
-            ncols: kernels::MOE_TILE,
-            ids: Some(&te),
-            xidx: Some(&tok),
-            x_div: 1,
-            yidx: Some(&pos),
-            y_stride: ff,
-            y_rows: n * kk,
-        };
-        self.int_dot(
-            mmq,
-            g_shape,
-            &gate.bytes,
-            QMode::Glu(&up.bytes),
-            ch,
-            &q,
-            &mut act,
-        )
-        .map_err(kerr("moe_ffn gate+up"))?;
+        // One launch per tile set and matrix: the sets write disjoint sorted rows.
+        for set in &g.sets {
+            let (te, tok, pos) = (set.tile_expert.view(), set.tok.view(), set.pos.view());
+            let ch = QChannels {
+                count: set.max_tiles,
+                ncols: set.width,
+                ids: Some(&te),
+                xidx: Some(&tok),
+                x_div: 1,
+                yidx: Some(&pos),
+                y_stride: ff,
+                y_rows: n * kk,
+            };
+            self.int_dot(
+                mmq,
+                g_shape,
+                &gate.bytes,
+                QMode::Glu(&up.bytes),
+                ch,
+                &q,
+                &mut act,
+            )
+            .map_err(kerr("moe_ffn gate+up"))?;
+        }
         let qa = self
             .gpu
             .quantize_q8(&act, n * kk, ff, ff)
             .map_err(kerr("moe_ffn"))?;
         let mut y = self.gpu.alloc::<f32>(n * kk * d).map_err(kerr("moe_ffn"))?;
-        let ch = QChannels {
-            count: g.max_tiles,
-            ncols: kernels::MOE_TILE,
-            ids: Some(&te),
-            xidx: Some(&pos),
-            x_div: 1,
-            yidx: Some(&pair),
-            y_stride: d,
-            y_rows: n * kk,
-        };
-        self.int_dot(mmq, d_shape, &down.bytes, QMode::Plain, ch, &qa, &mut y)
-            .map_err(kerr("moe_ffn down"))?;
+        for set in &g.sets {
+            let (te, pos, pair) = (set.tile_expert.view(), set.pos.view(), set.pair.view());
+            let ch = QChannels {
+                count: set.max_tiles,
+                ncols: set.width,
+                ids: Some(&te),
+                xidx: Some(&pos),
+                x_div: 1,
+                yidx: Some(&pair),
+                y_stride: d,
+                y_rows: n * kk,
+            };
+            self.int_dot(mmq, d_shape, &down.bytes, QMode::Plain, ch, &qa, &mut y)
+                .map_err(kerr("moe_ffn down"))?;
+        }
         self.gpu
             .moe_combine(&y, d, &wv, n, kk, d, o, d, false, Some(&ids))
             .map_err(kerr("moe_ffn combine"))

@@ -381,8 +381,9 @@ fn glm5_heads_decode_fusions_equal_the_launches_they_replace() {
 /// The int8 tensor-core product (`CudaBackend::with_mmq`, kernels::mmq) on the 64-head model,
 /// against the CPU reference within the fast path's tolerance (`check::logit_tolerance`: its
 /// error model is the integer GEMVs'): prefills of 2-64 tokens (one channel of 8-64 columns,
-/// the MoE layer's grouped tiles, GLU and accumulating matmuls) and 65 (past the range: the
-/// old paths), each followed by teacher-forced decode steps; then four sequences decoded
+/// the MoE layer's grouped tiles of 8-64 columns, GLU and accumulating matmuls), 65 and 200
+/// (past the dense range: bf16 GEMMs there, while the MoE experts stay on 64-column tiles up to
+/// `with_mmq_moe_hi`), each followed by teacher-forced decode steps; then four sequences decoded
 /// together (4-row steps). The launches of a 20-token prefill must include mmq's, so the check
 /// cannot pass on the fallback paths.
 #[test]
@@ -400,11 +401,12 @@ fn glm5_heads_mmq_steps_match_the_cpu() {
     let cpu = GlmModel::from_weights(crate::cpu::CpuBackend, spec(), &get).expect("CPU model");
     let be = CudaBackend::with_options(0, FAST)
         .expect("CUDA backend")
-        .with_mmq(Some(super::MMQ_ROWS));
+        .with_mmq(Some(super::MMQ_ROWS))
+        .with_mmq_moe_hi(Some(4096));
     let gpu = GlmModel::from_weights(be, spec(), &get).expect("CUDA model");
     let tol = logit_tolerance(FAST, 2);
     let mut failures = Vec::new();
-    for n in [2usize, 5, 8, 9, 20, 33, 64, 65] {
+    for n in [2usize, 5, 8, 9, 20, 33, 64, 65, 200] {
         let ids: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 11) % 512).collect();
         let r = compare_with(&cpu, &gpu, &ids, 3, tol).expect("forward");
         report("glm5-heads mmq", "prefill", n, &r, &mut failures);
@@ -419,7 +421,11 @@ fn glm5_heads_mmq_steps_match_the_cpu() {
         }])
         .expect("forward");
     });
-    let n_mmq: f64 = kinds.iter().filter(|k| k.0 == "mmq").map(|k| k.1).sum();
+    let n_mmq: f64 = kinds
+        .iter()
+        .filter(|k| k.0.starts_with("mmq"))
+        .map(|k| k.1)
+        .sum();
     say(&format!(
         "| glm5-heads mmq | 20-token prefill | {n_mmq} mmq launches |"
     ));
@@ -817,9 +823,12 @@ fn cuda_glu_equals_gemvs_then_silu_mul() {
         say("skipped: no CUDA device (cuda_glu_equals_gemvs_then_silu_mul)");
         return;
     }
+    // The GEMV path's fusion is under test: steps of 3 and 8 rows would take the tensor-core
+    // product by default (its GLU mode is checked against the oracle in kernels/tests/gpu.rs).
     let be = CudaBackend::with_options(0, FAST)
         .expect("device")
-        .with_fusions(Fusions::ALL);
+        .with_fusions(Fusions::ALL)
+        .with_mmq(None);
     let g = be.gpu().clone();
     let mut r = Rng(0x5eed_0000_0910_0001);
     let mut failures = Vec::new();
@@ -878,9 +887,12 @@ fn cuda_matmul_add_equals_matmul_then_add() {
         say("skipped: no CUDA device (cuda_matmul_add_equals_matmul_then_add)");
         return;
     }
+    // The GEMV path's accumulate mode is under test (3-row steps take the tensor-core product
+    // by default; its accumulate mode is checked against the oracle in kernels/tests/gpu.rs).
     let be = CudaBackend::with_options(0, FAST)
         .expect("device")
-        .with_fusions(Fusions::ALL);
+        .with_fusions(Fusions::ALL)
+        .with_mmq(None);
     let mut r = Rng(0x5eed_0000_add0_0002);
     let mut failures = Vec::new();
     for (ty, k, m) in [(GgmlType::Q6_K, 2048, 6144), (GgmlType::Q4_K, 2048, 6144)] {

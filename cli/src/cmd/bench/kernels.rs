@@ -436,7 +436,7 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
     }
 
     // 3b. Steps of 8-64 rows: the int8 tensor-core product against the paths those steps take
-    //     without it (GGUFTOOL_MMQ), dense and on the grouped MoE tiles of GLM-5's 256 experts.
+    //     with it off (GGUFTOOL_MMQ=0), dense and on the grouped MoE tiles of 256 experts.
     for cols in [8usize, 16, 32, 64] {
         b.mmq_dense("attn_output 6144x16384", GgmlType::Q4_K, 6144, 16384, cols)?;
         if !args.quick {
@@ -464,40 +464,83 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
             32,
         ))?;
         let slab = gs.slab_bytes().context("size")?;
-        for n in [8usize, 16, 64] {
-            // Token t's slot j picks expert (37 t + 101 j + 7) mod 256: distinct within a token
-            // (101 is odd), spread over the experts like a trained router's choices.
-            let ids: Vec<i32> = (0..n * top)
-                .map(|p| ((37 * (p / top) + 101 * (p % top) + 7) % ne) as i32)
-                .collect();
-            let touched = {
-                let mut e = ids.clone();
-                e.sort_unstable();
-                e.dedup();
-                e.len()
-            };
-            let dids = g.upload(&ids)?;
-            let x = g.upload(&acts(n * d, 33))?;
-            let q = g.quantize_q8(&x, n, d, d)?;
-            let grp = g.moe_group(&dids, n * top, top, ne)?;
-            let mut act: CudaSlice<f32> = g.zeros(n * top * ff)?;
-            let (te, tok, pos) = (grp.tile_expert.view(), grp.tok.view(), grp.pos.view());
-            let ch = QChannels {
-                count: grp.max_tiles,
-                ncols: kernels::MOE_TILE,
-                ids: Some(&te),
-                xidx: Some(&tok),
-                x_div: 1,
-                yidx: Some(&pos),
-                y_stride: ff,
-                y_rows: n * top,
-            };
-            let bytes = (2 * slab * touched) as f64;
-            let what = format!("Q4_K gate+up, {n} tokens x 8 of 256 experts ({touched} touched)");
-            let ms = b.time(|_| g.mmq(gs, &gw, QMode::Glu(&uw), ch, &q, &mut act))?;
-            b.record("moe mmq", &what, bytes, ms);
-            let ms = b.time(|_| g.gemv_q(gs, &gw, QMode::Glu(&uw), ch, &q, &mut act))?;
-            b.record("moe glu", &what, bytes, ms);
+        // Routing spread like a trained router's choices over many tokens, and concentrated
+        // (every token the same 8 experts: the synth bench model's prompts behave so, their
+        // pp64 costing twice pp32 per token on 8-column tiles), in 8-column tiles only and in
+        // the two tile sets the runtime makes (`moe_mmq_tile`).
+        for n in [8usize, 16, 64, 512] {
+            for spread in [true, false] {
+                if !spread && n < 64 {
+                    continue;
+                }
+                // Spread: token t's slot j picks expert (37 t + 101 j + 7) mod 256 (distinct
+                // within a token: 101 is odd). Concentrated: slot j picks expert 31 j + 3.
+                let ids: Vec<i32> = (0..n * top)
+                    .map(|p| {
+                        let (t, j) = (p / top, p % top);
+                        let e = if spread {
+                            37 * t + 101 * j + 7
+                        } else {
+                            31 * j + 3
+                        };
+                        (e % ne) as i32
+                    })
+                    .collect();
+                let touched = {
+                    let mut e = ids.clone();
+                    e.sort_unstable();
+                    e.dedup();
+                    e.len()
+                };
+                let dids = g.upload(&ids)?;
+                let x = g.upload(&acts(n * d, 33))?;
+                let q = g.quantize_q8(&x, n, d, d)?;
+                let mut act: CudaSlice<f32> = g.zeros(n * top * ff)?;
+                let bytes = (2 * slab * touched) as f64;
+                let mut wides = vec![None, kernels::moe_mmq_tile(n)];
+                wides.dedup();
+                for wide in wides {
+                    let grp = g.moe_group(&dids, n * top, top, ne, wide)?;
+                    let views: Vec<_> = grp
+                        .sets
+                        .iter()
+                        .map(|s| (s.tile_expert.view(), s.tok.view(), s.pos.view()))
+                        .collect();
+                    let chans: Vec<QChannels<'_>> = grp
+                        .sets
+                        .iter()
+                        .zip(&views)
+                        .map(|(s, (te, tok, pos))| QChannels {
+                            count: s.max_tiles,
+                            ncols: s.width,
+                            ids: Some(te),
+                            xidx: Some(tok),
+                            x_div: 1,
+                            yidx: Some(pos),
+                            y_stride: ff,
+                            y_rows: n * top,
+                        })
+                        .collect();
+                    let what = format!(
+                        "Q4_K gate+up, {n} tok x 8/256 {}, {touched} touched, tiles 8{}",
+                        if spread { "spread" } else { "same 8" },
+                        wide.map_or(String::new(), |w| format!("+{w}"))
+                    );
+                    // One launch per tile set, as the runtime runs them.
+                    let ms = b.time(|_| {
+                        chans
+                            .iter()
+                            .try_for_each(|&ch| g.mmq(gs, &gw, QMode::Glu(&uw), ch, &q, &mut act))
+                    })?;
+                    b.record("moe mmq", &what, bytes, ms);
+                    if wide.is_none() && n <= 64 {
+                        let ch = chans[0];
+                        let ms =
+                            b.time(|_| g.gemv_q(gs, &gw, QMode::Glu(&uw), ch, &q, &mut act))?;
+                        b.record("moe glu", &what, bytes, ms);
+                    }
+                }
+            }
         }
     }
 
