@@ -3,7 +3,8 @@
 //! ([`Q8Act`]) staged in shared memory once per block, the per-block f32 scaling of gemvq. The
 //! interface mirrors [`Gpu::gemv_q`] (same [`QChannels`] maps, modes plain / accumulate / GLU),
 //! so a caller switches per launch: prefill steps of 9-64 tokens (one channel, `ncols` >= the
-//! token count) and the grouped MoE tiles of [`Gpu::moe_group`] (8-64 columns, [`crate::moe_mmq_tile`]).
+//! token count) and the grouped MoE tiles of [`Gpu::moe_group`] (8 columns, and 16-64 for the
+//! wide set of [`crate::moe_mmq_tile`]).
 //!
 //! Error: the integer block sums are exact, so as for gemvq the only approximation is the
 //! activation rounding ([`crate::Q8_REL_ERR`]) plus f32 rounding of the per-block scaling and

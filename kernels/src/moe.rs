@@ -198,7 +198,7 @@ pub const MOE_TILE_WIDTHS: [usize; 3] = [16, 32, 64];
 /// [`MOE_TILE_WIDTHS`] that holds them all, at most 64, so an expert every token chose is read
 /// once per 64 tokens, not once per 8 (a prompt may route most of its tokens to the same
 /// experts: with 8-column tiles only, pp64 cost twice pp32 per token on the GLM-5-shaped bench
-/// model; with the wide set pp64 went from 9,131-9,206 to 10,027-10,159 tok/s, H100).
+/// model; with the wide set pp64 went from 9,130-9,206 to 10,027-10,159 tok/s, H100).
 pub fn moe_mmq_tile(tokens: usize) -> Option<usize> {
     (tokens > MOE_TILE).then(|| {
         MOE_TILE_WIDTHS
@@ -258,7 +258,7 @@ impl Gpu {
         })
     }
 
-    fn tiles_arg(&self, t: &mut TileSet) -> Result<MoeTiles, KernelError> {
+    fn tiles_arg(&self, t: &TileSet) -> Result<MoeTiles, KernelError> {
         const OP: &str = "moe_sort";
         // The maps' entries are ints.
         to_i32(OP, "map entries", t.max_tiles * t.width)?;
@@ -298,7 +298,7 @@ impl Gpu {
             ));
         }
         need_len(OP, "ids", dlen(ids), n_pairs)?;
-        let mut sets = match wide {
+        let sets = match wide {
             None => vec![self.tile_set(MOE_TILE, n_pairs.div_ceil(MOE_TILE) + n_experts)?],
             Some(w) => {
                 let big = n_pairs / (MOE_TILE + 1);
@@ -308,8 +308,8 @@ impl Gpu {
                 ]
             }
         };
-        let small = self.tiles_arg(&mut sets[0])?;
-        let big = match sets.get_mut(1) {
+        let small = self.tiles_arg(&sets[0])?;
+        let big = match sets.get(1) {
             Some(t) => self.tiles_arg(t)?,
             None => MoeTiles::default(),
         };
