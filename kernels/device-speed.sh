@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress|final|tiles] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|mla-tc3] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -159,6 +159,66 @@ step ab-tile8-2 30 "$W/ab-tile8-2.json" env GGUFTOOL_MOE_TILE=8 $B -p 32,64 -n 3
 step ab-tile-auto-2 30 "$W/ab-tile-auto-2.json" $B -p 32,64 -n 32 -r 2 --npl 1,8,32
 fi
 
+# 10. STAGE=mla-tc (2026-12-06): the MLA on tensor cores (mla.cu `mla_tc_bf16`, bf16 cache:
+#     prefill, long and sparse decode) on a GPU for the first time: its tests against the f64
+#     oracle and past the grid's y limit, the CUDA backend against the CPU on the fixtures and on
+#     the 64-head model's 1,100 / 4,200-token prompts (sparse past 2,048), then same-call A/B
+#     against the tile kernel (GGUFTOOL_MLA_TC=0), alternating, and the kernel benchmarks.
+if [ "$STAGE" = mla-tc ]; then
+step tc-kernel-tests 90 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 --nocapture mla_latent launches_past_the_grid_y_limit 2>&1'
+step tc-runtime-tests 170 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_prompts_past cuda::tests::glm5_heads_mmq_steps --test-threads=1 --nocapture 2>&1'
+step synth 60 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+B="./gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile --json"
+step ab-tc-off-1 35 "$W/ab-tc-off-1.json" env GGUFTOOL_MLA_TC=0 $B -p 64,512,2048 -n 32 -r 2
+step ab-tc-on-1 35 "$W/ab-tc-on-1.json" $B -p 64,512,2048 -n 32 -r 2
+step ab-tc-depth-off 30 "$W/ab-tc-depth-off.json" env GGUFTOOL_MLA_TC=0 $B -p 0 -n 32 -d 32768 -r 1
+step ab-tc-depth-on 30 "$W/ab-tc-depth-on.json" $B -p 0 -n 32 -d 32768 -r 1
+step ab-tc-off-2 35 "$W/ab-tc-off-2.json" env GGUFTOOL_MLA_TC=0 $B -p 64,512,2048 -n 32 -r 2
+step ab-tc-on-2 35 "$W/ab-tc-on-2.json" $B -p 64,512,2048 -n 32 -r 2
+step kernel-bench 60 "$OUT/kernels.json" ./gguftool bench --kernels --json
+fi
+
+# 11. STAGE=mla-tc2: the tensor-core MLA with its loads in flight together (the first call's
+#     decode-sized launches were bound by the queries' staging), its tests, the kernel
+#     benchmarks, the depth A/B, then the closing figures of both tools (llama.cpp built
+#     meanwhile) on the same file.
+if [ "$STAGE" = mla-tc2 ]; then
+build_llama
+step tc-kernel-tests 60 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 --nocapture mla_latent launches_past_the_grid_y_limit attention_dense 2>&1'
+step tc-runtime-tests 120 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_prompts_past cuda::tests::glm5_heads_pdl --test-threads=1 --nocapture 2>&1'
+step synth 60 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+step kernel-bench 60 "$OUT/kernels.json" ./gguftool bench --kernels --json
+B="./gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile --json"
+step ab-tc-depth-off 30 "$W/ab-tc-depth-off.json" env GGUFTOOL_MLA_TC=0 $B -p 0 -n 32 -d 32768 -r 1
+step ab-tc-depth-on 30 "$W/ab-tc-depth-on.json" $B -p 0 -n 32 -d 32768 -r 1
+closing_figures
+fi
+
+# 12. STAGE=mla-tc3: decode at depth 32,768 against the tensor-core kernel's split size
+#     (GGUFTOOL_MLA_TC_CHUNKS = least 32-key chunks a split holds: 1 = 64 splits of the DSA's
+#     2,048 keys, up to 8 = 8 splits) and the tile kernel, then depth 0 and 32,768 with -r 2.
+if [ "$STAGE" = mla-tc3 ]; then
+step synth 60 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+B="./gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile --json"
+for rep in 1 2; do
+    for k in 1 2 4 8; do
+        step "depth-chunks-$k-$rep" 25 "$W/depth-chunks-$k-$rep.json" env GGUFTOOL_MLA_TC_CHUNKS=$k $B -p 0 -n 32 -d 32768 -r 1
+    done
+done
+step depth-tile 25 "$W/depth-chunks-tile-1.json" env GGUFTOOL_MLA_TC=0 $B -p 0 -n 32 -d 32768 -r 1
+step depth0 25 "$W/depth0.json" $B -p 0 -n 128 -r 2
+step tc-kernel-tests 60 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 --nocapture mla_latent 2>&1'
+python3 - "$W" <<'PY' | tee -a "$LOG"
+import json, sys, glob
+for f in sorted(glob.glob(sys.argv[1] + "/depth-chunks-*.json")) + [sys.argv[1] + "/depth0.json"]:
+    try:
+        for r in json.load(open(f)):
+            print(f.split("/")[-1], "%s%d d%d: %.1f +- %.1f" % (r["test"], r["n_gen"], r["n_depth"], r["avg_ts"], r["stddev_ts"]))
+    except Exception as e:
+        print(f, "missing", e)
+PY
+fi
+
 # Summary (the reply carries the end of the output).
 cat "$STEPS" >> "$LOG"
 cd "$W"
@@ -170,7 +230,9 @@ for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-
           "final-pp-tg.json", "final-batched.json", "final-depth.json", "synth.json",
           "ab-tile8-1.json", "ab-tile-auto-1.json", "ab-tile8-2.json", "ab-tile-auto-2.json",
           "ab-moe-gemm-1.json", "ab-moe-mmq-1.json", "ab-moe-gemm-2.json", "ab-moe-mmq-2.json",
-          "depth-profile.json", "pp512-profile.json"):
+          "depth-profile.json", "pp512-profile.json",
+          "ab-tc-off-1.json", "ab-tc-on-1.json", "ab-tc-depth-off.json", "ab-tc-depth-on.json",
+          "ab-tc-off-2.json", "ab-tc-on-2.json"):
     try:
         out[f] = json.load(open(f))
     except Exception as e:
@@ -199,13 +261,17 @@ if k:
     for r in k["results"]:
         if os.environ.get("STAGE") == "tiles" and not r["kind"].startswith("moe"):
             continue
+        if os.environ.get("STAGE", "").startswith("mla-tc") and r["kind"] not in ("mla", "attention", "indexer"):
+            continue
         print("%-10s %-50s %8.1f us %6.0f GB/s %4.0f%%" % (r["kind"], r["what"][:50], r["us"], r["gb_per_s"], 100 * r["fraction_of_copy"]))
 for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-on-2.json",
           "ab-mmq-rows-1.json", "ab-mmq-rows-1024.json", "ab-lanes-off.json", "ab-lanes-on.json",
           "final-pp-tg.json", "final-batched.json", "final-depth.json",
           "ab-tile8-1.json", "ab-tile-auto-1.json", "ab-tile8-2.json", "ab-tile-auto-2.json",
           "ab-moe-gemm-1.json", "ab-moe-mmq-1.json", "ab-moe-gemm-2.json", "ab-moe-mmq-2.json",
-          "depth-profile.json", "pp512-profile.json"):
+          "depth-profile.json", "pp512-profile.json",
+          "ab-tc-off-1.json", "ab-tc-on-1.json", "ab-tc-depth-off.json", "ab-tc-depth-on.json",
+          "ab-tc-off-2.json", "ab-tc-on-2.json"):
     b = load(f)
     if not b:
         continue

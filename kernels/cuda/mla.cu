@@ -412,3 +412,246 @@ extern "C" __global__ void __launch_bounds__(32 * MLA_DEC_WARPS, 3) mla_decode_b
     pdl_entry();
     mla_dec_impl<1, MLA_DEC_HPW, MLA_DEC_G>(p);
 }
+
+// ---- Tensor-core kernel (bf16 cache): a block's heads as the M side of bf16 mma.sync. ----
+// The tile kernel above computes 64 heads x keys x 576 dot products on CUDA cores (prefill of 512
+// tokens ~2.4 ms a layer, the DSA's 2,048 selected keys ~61 us: both bound by instruction issue,
+// not by memory). Here the products run on the tensor cores, mma.m16n8k16 bf16 x bf16 -> f32:
+//   S (16 heads x 32 keys) = Q (16 x D) K^T,   O (16 heads x Dv) += P (16 x 32) V (32 x Dv).
+// Grid (n_split, S, head groups of 16 * MT); a block of 2 * MT warps: warp w takes heads
+// 16 (w >> 1) .. +15 of its group and value columns (w & 1) * Dv/2 .. +Dv/2. Both warps of a
+// head tile compute the same scores (the score product is 576 deep, the value product 32 keys:
+// recomputing costs less than exchanging them through shared memory and a barrier). The
+// block's queries are rounded to bf16 once into shared memory; per chunk of 32 keys the rows
+// (bf16, as cached) are copied to shared memory, then S, an online softmax per row (running max
+// and sum, one rescale per chunk), and P rounded to bf16 straight from the score registers
+// (the accumulator layout of S is the A-operand layout of P, no shared memory) times V read from
+// the same rows. Rounding beyond the bf16 cache: q and p to bf16 (relative 2^-8 each), f32
+// accumulation inside the mma (the tests' bounds: kernels/tests/gpu.rs `check_mla`). Same
+// partials (m, l, acc) as the other kernels, or with one split the normalised output itself.
+// Needs D % 16 == 0, D <= MLA_TC_MAX_D, Dv % 16 == 0, Dv <= 512 (checked by the host).
+#define MLA_TC_KC 32
+#define MLA_TC_MAX_D 576
+#define MLA_TC_PAD 8
+// Global loads a thread keeps in flight while staging the queries / a chunk's rows.
+#define MLA_TC_QB 12
+#define MLA_TC_KB 9
+
+// D = A B + C, mma.m16n8k16.row.col.f32.bf16.bf16.f32. A (16 x 16) register i of lane 4g + t
+// holds row g + 8 (i & 1), columns 2t + 8 (i >> 1) and +1 (low half first); B (16 x 8) register
+// i holds rows 2t + 8i and +1 of column g; C / D element i is row g + 8 (i >> 1), column
+// 2t + (i & 1). The emulator's model of the instruction under GGUFTOOL_EMU.
+DEV void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#ifdef GGUFTOOL_EMU
+    emu_mma_m16n8k16_bf16(d, a, b, d);
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+DEV uint32_t mla_pack_bf16(float lo, float hi) {
+    return (uint32_t)f32_to_bf16(lo) | ((uint32_t)f32_to_bf16(hi) << 16);
+}
+
+// NV = value n-tiles (8 columns) per warp: Dv / 16 <= 32.
+extern "C" __global__ void __launch_bounds__(256, 1) mla_tc_bf16(MlaP p) {
+    pdl_entry();
+    DYN_SHARED(float, tcsm);  // float: extern shared arrays of a module must agree in type
+    const int DP = p.D + MLA_TC_PAD;  // row pitch: lane (g, t)'s words on bank 4g + t
+    const int nwarp = blockDim.x >> 5, mt_n = nwarp >> 1;
+    uint16_t* qsm = (uint16_t*)tcsm;
+    uint16_t* ksm = qsm + 16 * mt_n * DP;
+    int* kok = (int*)(ksm + MLA_TC_KC * DP);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int mt = warp >> 1, vh = warp & 1;
+    const int split = blockIdx.x;
+    const long long s = blockIdx.y;
+    const int hb0 = blockIdx.z * 16 * mt_n;
+    const long long pos_s = p.pos ? (long long)p.pos[s] : (long long)p.pos0 + s;
+    const int n_eff = p.idx ? p.n_keys : (int)min((long long)p.T, pos_s + 1);
+    const int j0 = split * p.split_len;
+    const int j1 = min(n_eff, j0 + p.split_len);
+    // Queries to bf16 (rows past the last head: zeros, never written out). A thread's loads are
+    // issued MLA_TC_QB at a time before any is used: one at a time, the 36 loads of a 64-head
+    // block were 36 dependent L2 round trips (~25 us, more than a decode step's whole chunk).
+    {
+        const int d4 = p.D >> 2, n = 16 * mt_n * d4;
+        const float* qs = p.q + s * p.q_tok;
+        for (int i0 = threadIdx.x; i0 < n; i0 += MLA_TC_QB * blockDim.x) {
+            float4 v[MLA_TC_QB];
+#pragma unroll
+            for (int u = 0; u < MLA_TC_QB; ++u) {
+                const int i = i0 + u * blockDim.x, r = i / d4, c = i - r * d4;
+                v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (i < n && hb0 + r < p.H) v[u] = __ldg((const float4*)(qs + (hb0 + r) * p.q_head + 4 * c));
+            }
+#pragma unroll
+            for (int u = 0; u < MLA_TC_QB; ++u) {
+                const int i = i0 + u * blockDim.x, r = i / d4, c = i - r * d4;
+                if (i < n) {
+                    uint2 w;
+                    w.x = mla_pack_bf16(v[u].x, v[u].y);
+                    w.y = mla_pack_bf16(v[u].z, v[u].w);
+                    *(uint2*)(qsm + r * DP + 4 * c) = w;
+                }
+            }
+        }
+    }
+    const int nk16 = p.D >> 4;
+    const int nv = p.Dv >> 4;  // this warp's value n-tiles
+    const int v0 = vh * (p.Dv >> 1);
+    float acc[32][4];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    // Running max and this lane's share of the running sum, rows g and g + 8.
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    const uint16_t* qa = qsm + (16 * mt + g) * DP + 2 * t;
+    const int d4 = p.D >> 2;
+    for (int jt = j0; jt < j1; jt += MLA_TC_KC) {
+        if (threadIdx.x < MLA_TC_KC) {
+            const int jj = jt + threadIdx.x;
+            long long tk = -1;
+            if (jj < j1) tk = p.idx ? (long long)p.idx[s * p.idx_stride + jj] : (long long)jj;
+            kok[threadIdx.x] = (tk >= 0 && tk < p.T && tk <= pos_s) ? (int)tk + 1 : 0;
+        }
+        __syncthreads();
+        // The chunk's rows, MLA_TC_KB loads of a thread in flight together (as for q above).
+        for (int i0 = threadIdx.x; i0 < MLA_TC_KC * d4; i0 += MLA_TC_KB * blockDim.x) {
+            uint2 v[MLA_TC_KB];
+#pragma unroll
+            for (int u = 0; u < MLA_TC_KB; ++u) {
+                const int i = i0 + u * blockDim.x, kk = i / d4, c = i - kk * d4;
+                const int tt = i < MLA_TC_KC * d4 ? kok[kk] : 0;
+                v[u] = make_uint2(0u, 0u);
+                if (tt) v[u] = *(const uint2*)((const uint16_t*)p.kv + (long long)(tt - 1) * p.kv_stride + 4 * c);
+            }
+#pragma unroll
+            for (int u = 0; u < MLA_TC_KB; ++u) {
+                const int i = i0 + u * blockDim.x, kk = i / d4, c = i - kk * d4;
+                if (i < MLA_TC_KC * d4) *(uint2*)(ksm + kk * DP + 4 * c) = v[u];
+            }
+        }
+        __syncthreads();
+        // Scores of rows g, g + 8 against keys 8n + 2t, +1 (n < 4).
+        float sc[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+        const uint16_t* kb = ksm + g * DP + 2 * t;
+#pragma unroll 4
+        for (int k = 0; k < nk16; ++k) {
+            uint32_t a[4];
+            a[0] = *(const uint32_t*)(qa + 16 * k);
+            a[1] = *(const uint32_t*)(qa + 8 * DP + 16 * k);
+            a[2] = *(const uint32_t*)(qa + 16 * k + 8);
+            a[3] = *(const uint32_t*)(qa + 8 * DP + 16 * k + 8);
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                uint32_t b[2];
+                b[0] = *(const uint32_t*)(kb + 8 * n * DP + 16 * k);
+                b[1] = *(const uint32_t*)(kb + 8 * n * DP + 16 * k + 8);
+                mma_bf16_16816(sc[n], a, b);
+            }
+        }
+        // Online softmax: scale, mask, chunk max per row (the quad of lanes holding the row).
+        float c0 = NEG_INF, c1 = NEG_INF;
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const bool ok = kok[8 * n + 2 * t + (i & 1)] != 0;
+                sc[n][i] = ok ? sc[n][i] * p.scale : NEG_INF;
+            }
+            c0 = fmaxf(c0, fmaxf(sc[n][0], sc[n][1]));
+            c1 = fmaxf(c1, fmaxf(sc[n][2], sc[n][3]));
+        }
+        c0 = fmaxf(c0, __shfl_xor_sync(0xffffffffu, c0, 1));
+        c0 = fmaxf(c0, __shfl_xor_sync(0xffffffffu, c0, 2));
+        c1 = fmaxf(c1, __shfl_xor_sync(0xffffffffu, c1, 1));
+        c1 = fmaxf(c1, __shfl_xor_sync(0xffffffffu, c1, 2));
+        const float n0 = fmaxf(m0, c0), n1 = fmaxf(m1, c1);
+        const float a0 = (m0 == NEG_INF) ? 0.0f : expf(m0 - n0);
+        const float a1 = (m1 == NEG_INF) ? 0.0f : expf(m1 - n1);
+        m0 = n0;
+        m1 = n1;
+        l0 *= a0;
+        l1 *= a1;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            acc[i][0] *= a0;
+            acc[i][1] *= a0;
+            acc[i][2] *= a1;
+            acc[i][3] *= a1;
+        }
+        // P in bf16 as the A operand of the value product: k-step k16 = keys 16 k16 .. +15 are
+        // the score tiles 2 k16 (columns 2t, 2t + 1) and 2 k16 + 1 (columns 2t + 8, + 9).
+        uint32_t pa[2][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            float pv[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float mm = (i < 2) ? n0 : n1;
+                pv[i] = sc[n][i] == NEG_INF ? 0.0f : expf(sc[n][i] - mm);
+            }
+            l0 += pv[0] + pv[1];
+            l1 += pv[2] + pv[3];
+            pa[n >> 1][2 * (n & 1)] = mla_pack_bf16(pv[0], pv[1]);
+            pa[n >> 1][2 * (n & 1) + 1] = mla_pack_bf16(pv[2], pv[3]);
+        }
+        // Values: column v0 + 8 i + g of keys 16 k16 + 2t (+1, +8, +9).
+        const uint16_t* vb = ksm + 2 * t * DP + v0 + g;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            if (i < nv) {
+#pragma unroll
+                for (int k16 = 0; k16 < 2; ++k16) {
+                    const uint16_t* r = vb + 16 * k16 * DP + 8 * i;
+                    uint32_t b[2];
+                    b[0] = (uint32_t)r[0] | ((uint32_t)r[DP] << 16);
+                    b[1] = (uint32_t)r[8 * DP] | ((uint32_t)r[9 * DP] << 16);
+                    mma_bf16_16816(acc[i], pa[k16], b);
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // The row sums: each lane of the quad summed its own columns.
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int h = hb0 + 16 * mt + g + 8 * half;
+        if (h >= p.H) continue;
+        const float mh = half ? m1 : m0, lh = half ? l1 : l0;
+        if (p.n_split == 1 && p.o) {
+            const float inv = lh > 0.0f ? 1.0f / lh : 0.0f;
+            float* orow = p.o + s * p.o_tok + (long long)h * p.o_head + v0 + 2 * t;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                if (i < nv) {
+                    orow[8 * i] = acc[i][2 * half] * inv;
+                    orow[8 * i + 1] = acc[i][2 * half + 1] * inv;
+                }
+            }
+        } else {
+            float* pr = p.part + ((s * p.H + h) * (long long)p.n_split + split) * (p.Dv + 2);
+            if (vh == 0 && t == 0) {
+                pr[0] = mh;
+                pr[1] = lh;
+            }
+            float* prv = pr + 2 + v0 + 2 * t;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                if (i < nv) {
+                    prv[8 * i] = acc[i][2 * half];
+                    prv[8 * i + 1] = acc[i][2 * half + 1];
+                }
+            }
+        }
+    }
+}

@@ -229,6 +229,42 @@ inline void emu_mma_m16n8k16_s8(int (&d)[4], const unsigned (&a)[2], unsigned b,
     emu_mma_s8<16>(d, a, &b, c);
 }
 
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 d, a, b, c. A (16 x 16, row) element (r, k)
+// is half k % 2 (low first) of lane (r % 8) * 4 + (k % 8) / 2's register (r / 8) + 2 * (k / 8); B
+// (16 x 8, col) element (k, n) half k % 2 of lane n * 4 + (k % 8) / 2's register k / 8; C / D as
+// for the integer forms. Products of bf16 values are exact in f32; the hardware's order and
+// rounding of the f32 sum are not specified: here the 16 products and c are summed in f64 and
+// rounded once (the callers' tolerances cover any order with up to 17 f32 roundings). `c` may
+// alias `d`.
+inline void emu_mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                  const float (&c)[4]) {
+    struct Frag {
+        unsigned a[4], b[2];
+    } mine, all[32];
+    for (int i = 0; i < 4; ++i) mine.a[i] = a[i];
+    for (int i = 0; i < 2; ++i) mine.b[i] = b[i];
+    emu_warp_allgather(0xffffffffu, &mine, (int)sizeof(Frag), all);
+    const unsigned lane = emu_lane(), g = lane >> 2, t = lane & 3u;
+    auto bf = [](unsigned w, unsigned half) {
+        const unsigned bits = (half ? (w >> 16) : (w & 0xFFFFu)) << 16;
+        float f;
+        __builtin_memcpy(&f, &bits, 4);
+        return (double)f;
+    };
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const unsigned r = g + 8u * (unsigned)(i / 2), n = 2u * t + (unsigned)(i % 2);
+        double acc = (double)c[i];
+        for (unsigned k = 0; k < 16u; ++k) {
+            const Frag& fa = all[(r % 8) * 4 + (k % 8) / 2];
+            const Frag& fb = all[n * 4 + (k % 8) / 2];
+            acc += bf(fa.a[r / 8 + 2 * (k / 8)], k % 2) * bf(fb.b[k / 8], k % 2);
+        }
+        out[i] = (float)acc;
+    }
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
 // ldmatrix.sync.aligned.m8n8.x{N}{.trans}.shared.b16 r, [row]: lanes 8m .. 8m + 7 give the
 // addresses of rows 0..7 of matrix m (16 bytes each); r[m] of lane l receives row l / 4, elements
 // 2 (l % 4) and 2 (l % 4) + 1 (low half first), or with .trans the transposed matrix's. Each

@@ -56,37 +56,40 @@ pub struct MlaShape {
     pub pos0: usize,
 }
 
-/// The `MlaP` kernel parameter (mla.cu).
+/// The kernel parameter (`struct MlaP` in mla.cu), public for the CPU-emulation tests, which
+/// launch the kernels with it (kernels/emu/tests). Pointers are device addresses; element
+/// strides; `pos` (per-token positions, 0 = `pos0 + s`), `idx` (key lists, 0 = dense), `part`
+/// (split partials) and `o` (direct output of a one-split launch) may be 0.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct MlaP {
-    q: u64,
-    q_tok: i64,
-    q_head: i64,
-    kv: u64,
-    kv_stride: i64,
-    d: i32,
-    dv: i32,
-    h: i32,
-    t: i32,
-    pos: u64,
-    pos0: i32,
-    idx: u64,
-    idx_stride: i64,
-    n_keys: i32,
-    split_len: i32,
-    scale: f32,
-    n_split: i32,
-    heads_per_block: i32,
-    stage_q: i32,
-    part: u64,
-    o: u64,
-    o_tok: i64,
-    o_head: i64,
+pub struct MlaParams {
+    pub q: u64,
+    pub q_tok: i64,
+    pub q_head: i64,
+    pub kv: u64,
+    pub kv_stride: i64,
+    pub d: i32,
+    pub dv: i32,
+    pub h: i32,
+    pub t: i32,
+    pub pos: u64,
+    pub pos0: i32,
+    pub idx: u64,
+    pub idx_stride: i64,
+    pub n_keys: i32,
+    pub split_len: i32,
+    pub scale: f32,
+    pub n_split: i32,
+    pub heads_per_block: i32,
+    pub stage_q: i32,
+    pub part: u64,
+    pub o: u64,
+    pub o_tok: i64,
+    pub o_head: i64,
 }
 
 // SAFETY: plain struct laid out exactly as `struct MlaP` in mla.cu.
-unsafe impl DeviceRepr for MlaP {}
+unsafe impl DeviceRepr for MlaParams {}
 
 /// Heads per block, head groups and splits for `n_eff` keys: enough blocks to keep at least half
 /// the SMs busy, each latent tile shared by as many heads as possible (64 heads of a decode
@@ -107,7 +110,7 @@ fn plan(heads: usize, tokens: usize, n_eff: usize, sm: usize) -> (usize, usize, 
     best
 }
 
-impl MlaP {
+impl MlaParams {
     /// The parameters of tokens `s0..` of a call, one split plan, no partials or output yet.
     #[allow(clippy::too_many_arguments)]
     fn of(
@@ -118,9 +121,9 @@ impl MlaP {
         (ip, istride): (u64, usize),
         n_eff: usize,
         (split_len, n_split): (usize, usize),
-    ) -> Result<MlaP, KernelError> {
+    ) -> Result<MlaParams, KernelError> {
         const OP: &str = "mla";
-        Ok(MlaP {
+        Ok(MlaParams {
             q: qp + (s0 * m.q_tok_stride * 4) as u64,
             q_tok: m.q_tok_stride as i64,
             q_head: m.q_head_stride as i64,
@@ -226,6 +229,137 @@ fn dec_plan(heads: usize, tokens: usize, n_eff: usize, sm: usize) -> (usize, usi
     (len, n_eff.div_ceil(len))
 }
 
+/// mla.cu's tensor-core kernel: keys per chunk (MLA_TC_KC), widest key row (MLA_TC_MAX_D) and
+/// row padding (MLA_TC_PAD), head tiles of 16 per warp pair, at most 4 tiles (64 heads) a block.
+const TC_KC: usize = 32;
+const TC_MAX_D: usize = 576;
+const TC_PAD: usize = 8;
+const TC_MAX_TILES: usize = 4;
+
+/// One launch of the tensor-core kernel: head tiles per block (`2 * tiles` warps), head groups
+/// (grid z), keys per split and splits (grid x), dynamic shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaTcPlan {
+    pub tiles: usize,
+    pub head_groups: usize,
+    pub split_len: usize,
+    pub n_split: usize,
+    pub threads: u32,
+    pub smem: usize,
+}
+
+/// Whether the tensor-core kernel can take keys `d` wide with values `d_v` wide.
+pub fn mla_tc_fits(d: usize, d_v: usize) -> bool {
+    d.is_multiple_of(16) && d <= TC_MAX_D && d_v.is_multiple_of(16) && d_v <= 512 && d_v <= d
+}
+
+/// The launch of `tokens` query tokens of `heads` heads over `n_eff` key slots on `sm` SMs with
+/// `smem_max` bytes of shared memory a block: up to 64 heads a block (fewer where the staged
+/// queries would not fit: 99 KB on sm_120 holds 3 tiles of 16 at D = 576), and key splits
+/// (whole chunks) until about one block per SM, since a block of 8 warps fills an SM's
+/// registers (decode: 64 heads over the DSA's 2,048 keys take 64 splits of one chunk; a
+/// prefill's tokens alone fill the GPU and take one split). None if one tile does not fit.
+pub fn mla_tc_plan(
+    heads: usize,
+    tokens: usize,
+    n_eff: usize,
+    d: usize,
+    (sm, smem_max): (usize, usize),
+) -> Option<MlaTcPlan> {
+    mla_tc_plan_min(heads, tokens, n_eff, d, (sm, smem_max), tc_min_chunks())
+}
+
+/// Chunks a split holds at least: `GGUFTOOL_MLA_TC_CHUNKS` (for measuring), else 1.
+fn tc_min_chunks() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("GGUFTOOL_MLA_TC_CHUNKS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| (1..=1024).contains(&n))
+            .unwrap_or(1)
+    })
+}
+
+/// [`mla_tc_plan`] with splits of at least `min_chunks` chunks.
+pub fn mla_tc_plan_min(
+    heads: usize,
+    tokens: usize,
+    n_eff: usize,
+    d: usize,
+    (sm, smem_max): (usize, usize),
+    min_chunks: usize,
+) -> Option<MlaTcPlan> {
+    let smem = |tiles: usize| 2 * (16 * tiles + TC_KC) * (d + TC_PAD) + 4 * TC_KC;
+    let mut tiles = heads.div_ceil(16).clamp(1, TC_MAX_TILES);
+    while smem(tiles) > smem_max {
+        if tiles == 1 {
+            return None;
+        }
+        tiles -= 1;
+    }
+    let head_groups = heads.div_ceil(16 * tiles).max(1);
+    let chunks = n_eff.div_ceil(TC_KC).max(1);
+    let blocks = (tokens * head_groups).max(1);
+    let splits = sm
+        .max(1)
+        .div_ceil(blocks)
+        .clamp(1, chunks.div_ceil(min_chunks.max(1)))
+        .max(chunks.div_ceil(COMBINE_MAX_SPLITS));
+    let split_len = chunks.div_ceil(splits) * TC_KC;
+    Some(MlaTcPlan {
+        tiles,
+        head_groups,
+        split_len,
+        n_split: n_eff.max(1).div_ceil(split_len),
+        threads: 64 * tiles as u32,
+        smem: smem(tiles),
+    })
+}
+
+/// 0 = by shape, 1 = never, 2 = wherever it fits (`GGUFTOOL_MLA_TC=0|1`, or [`force_mla_tc`]).
+static TC_MODE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(u8::MAX);
+
+fn tc_mode() -> u8 {
+    use std::sync::atomic::Ordering;
+    let v = TC_MODE.load(Ordering::Relaxed);
+    if v != u8::MAX {
+        return v;
+    }
+    let v = match std::env::var("GGUFTOOL_MLA_TC").as_deref() {
+        Ok("0") => 1,
+        Ok("1") => 2,
+        _ => 0,
+    };
+    TC_MODE.store(v, Ordering::Relaxed);
+    v
+}
+
+/// Force the tensor-core kernel for this process (tests and A/B runs): `Some(false)` never,
+/// `Some(true)` for every bf16-cache call it fits, `None` by shape.
+pub fn force_mla_tc(on: Option<bool>) {
+    let v = match on {
+        Some(false) => 1,
+        Some(true) => 2,
+        None => 0,
+    };
+    TC_MODE.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether a bf16-cache call takes the tensor-core kernel: by default everything the decode
+/// kernel does not take (prefill, long and sparse decode), where the tile kernel's CUDA-core
+/// products bound the time.
+fn use_tc(tokens: usize, n_eff: usize, d: usize, d_v: usize) -> bool {
+    if !mla_tc_fits(d, d_v) {
+        return false;
+    }
+    match tc_mode() {
+        1 => false,
+        2 => true,
+        _ => !use_decode(tokens, n_eff, d, d_v),
+    }
+}
+
 impl Gpu {
     /// `o[s,h] = sum_t softmax_t(scale * q[s,h] . c[t]) * c[t, :d_v]` over the keys of query s:
     /// every `t <= pos0 + s` (dense causal), or the listed keys (sparse, still causal).
@@ -316,6 +450,13 @@ impl Gpu {
             Some(kl) => (kl.idx.device_ptr(s).0, kl.stride),
             None => (0u64, 0usize),
         };
+        if C::BF16
+            && use_tc(m.tokens, n_eff, m.d, m.d_v)
+            && mla_tc_plan(m.heads, 1, n_eff, m.d, (sm, self.max_smem_optin())).is_some()
+        {
+            // SAFETY: as for the decode kernel below.
+            return unsafe { self.mla_tc((qp, kp, op), (ip, istride), m, n_eff) };
+        }
         if use_decode(m.tokens, n_eff, m.d, m.d_v) {
             // SAFETY: the pointers' extents were checked above; their guards live until return.
             return unsafe { self.mla_decode::<C>((qp, kp, op), (ip, istride), m, n_eff) };
@@ -349,11 +490,11 @@ impl Gpu {
                 ));
             }
             let mut part = self.alloc::<f32>(cs * m.heads * n_split * (m.d_v + 2))?;
-            let p = MlaP {
+            let p = MlaParams {
                 heads_per_block: hc as i32,
                 stage_q: i32::from(stage),
                 part: part.ptr(),
-                ..MlaP::of(&m, s0, qp, kp, (ip, istride), n_eff, (split_len, n_split))?
+                ..MlaParams::of(&m, s0, qp, kp, (ip, istride), n_eff, (split_len, n_split))?
             };
             let mut cfg = self.cfg(
                 OP,
@@ -408,11 +549,11 @@ impl Gpu {
             None
         };
         let part_ptr = part.as_mut().map_or(0, |b| b.ptr());
-        let p = MlaP {
+        let p = MlaParams {
             heads_per_block: DEC_HEADS_PER_BLOCK as i32,
             part: part_ptr,
             o: if n_split == 1 { op } else { 0 },
-            ..MlaP::of(&m, 0, qp, kp, (ip, istride), n_eff, (split_len, n_split))?
+            ..MlaParams::of(&m, 0, qp, kp, (ip, istride), n_eff, (split_len, n_split))?
         };
         let cfg = self.cfg(
             OP,
@@ -435,12 +576,76 @@ impl Gpu {
         Ok(())
     }
 
+    /// The tensor-core kernel (mla.cu `mla_tc_bf16`, bf16 cache) on the device pointers of q,
+    /// the cache and o, and of the key lists (0 = dense) with their stride; token groups keep
+    /// grid.y within the device limit.
+    ///
+    /// # Safety
+    /// The extents were checked by [`Gpu::mla_attention`] and the buffers outlive the call.
+    unsafe fn mla_tc(
+        &self,
+        (qp, kp, op): (u64, u64, u64),
+        (ip, istride): (u64, usize),
+        m: MlaShape,
+        n_eff: usize,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "mla";
+        let sm = self.info().sm_count as usize;
+        let f = self.func(Op::Mla, "mla_tc_bf16")?;
+        let group = m.tokens.min(self.info().max_grid.1 as usize).max(1);
+        let mut s0 = 0usize;
+        while s0 < m.tokens {
+            let cs = group.min(m.tokens - s0);
+            let plan = mla_tc_plan(m.heads, cs, n_eff, m.d, (sm, self.max_smem_optin()))
+                .ok_or_else(|| shape_err(OP, "tensor-core plan does not fit shared memory"))?;
+            self.allow_smem(&f, plan.smem)?;
+            let direct = plan.n_split == 1;
+            let mut part = if direct {
+                None
+            } else {
+                Some(self.alloc::<f32>(cs * m.heads * plan.n_split * (m.d_v + 2))?)
+            };
+            let o_s0 = op + (s0 * m.o_tok_stride * 4) as u64;
+            let p = MlaParams {
+                heads_per_block: (16 * plan.tiles) as i32,
+                part: part.as_mut().map_or(0, |b| b.ptr()),
+                o: if direct { o_s0 } else { 0 },
+                ..MlaParams::of(
+                    &m,
+                    s0,
+                    qp,
+                    kp,
+                    (ip, istride),
+                    n_eff,
+                    (plan.split_len, plan.n_split),
+                )?
+            };
+            let mut cfg = self.cfg(
+                OP,
+                (plan.n_split as u64, cs as u64, plan.head_groups as u64),
+                plan.threads,
+            )?;
+            cfg.shared_mem_bytes = plan.smem as u32;
+            let mut b = self.args(&f);
+            b.arg(&p);
+            // SAFETY: q/kv/o/idx extents checked by the caller for every token; the kernel
+            // range-checks every key index; `part` holds cs * heads * n_split rows of d_v + 2.
+            unsafe { self.launch(OP, b, cfg) }?;
+            if !direct {
+                // SAFETY: o extent checked by the caller; part written by the launch before.
+                unsafe { self.mla_combine(&p, o_s0, cs) }?;
+            }
+            s0 += cs;
+        }
+        Ok(())
+    }
+
     /// attn_combine_f32 over the `p.n_split` partials at `p.part` of `tokens` query tokens, into
     /// the output at `o` (strides `p.o_tok` / `p.o_head`).
     ///
     /// # Safety
     /// `p.part` holds the partials of those tokens and `o` their outputs.
-    unsafe fn mla_combine(&self, p: &MlaP, o: u64, tokens: usize) -> Result<(), KernelError> {
+    unsafe fn mla_combine(&self, p: &MlaParams, o: u64, tokens: usize) -> Result<(), KernelError> {
         const OP: &str = "mla";
         let f_comb = self.func(Op::Attention, "attn_combine_f32")?;
         let cfg = self.cfg_rows(OP, u64::try_from(p.h).unwrap_or(0), tokens, 256)?;
@@ -479,6 +684,53 @@ mod tests {
         assert_eq!(dec_plan(64, 1, 2048, 132), (32, 64));
         // A short decode: one split, no combine.
         assert_eq!(dec_plan(64, 1, 20, 132), (20, 1));
+    }
+
+    #[test]
+    fn tensor_core_plans_cover_every_key_and_fit() {
+        use super::{mla_tc_plan, TC_KC};
+        for heads in [1usize, 4, 5, 16, 20, 64, 128] {
+            for tokens in [1usize, 2, 9, 512, 70_000] {
+                for n in [1usize, 31, 32, 33, 2048, 32768, 1 << 20] {
+                    for (sm, smem_max) in
+                        [(132usize, 227usize << 10), (188, 99 << 10), (1, 227 << 10)]
+                    {
+                        let p = mla_tc_plan(heads, tokens, n, 576, (sm, smem_max)).unwrap();
+                        let what = format!("{heads} heads, {tokens} tokens, {n} keys, {sm} SMs");
+                        assert!(p.split_len.is_multiple_of(TC_KC), "{what}");
+                        assert!(p.split_len * p.n_split >= n, "{what}");
+                        assert!(p.split_len * (p.n_split - 1) < n, "{what}");
+                        assert!(p.n_split <= COMBINE_MAX_SPLITS, "{what}");
+                        assert!(16 * p.tiles * p.head_groups >= heads, "{what}");
+                        assert!(
+                            p.smem <= smem_max && p.threads == 64 * p.tiles as u32,
+                            "{what}"
+                        );
+                    }
+                }
+            }
+        }
+        // Decode over the DSA's 2,048 keys on 132 SMs: 64 heads a block, 64 one-chunk splits.
+        let p = mla_tc_plan(64, 1, 2048, 576, (132, 227 << 10)).unwrap();
+        assert_eq!(
+            (p.tiles, p.head_groups, p.n_split, p.split_len),
+            (4, 1, 64, 32)
+        );
+        // A 512-token prefill fills the GPU with tokens: one split, written directly.
+        assert_eq!(
+            mla_tc_plan(64, 512, 512, 576, (132, 227 << 10))
+                .unwrap()
+                .n_split,
+            1
+        );
+        // sm_120's 99 KB: 3 tiles of 16 heads; nothing fits in 32 KB.
+        assert_eq!(
+            mla_tc_plan(64, 1, 2048, 576, (188, 99 << 10))
+                .unwrap()
+                .tiles,
+            3
+        );
+        assert!(mla_tc_plan(64, 1, 2048, 576, (132, 32 << 10)).is_none());
     }
 
     #[test]

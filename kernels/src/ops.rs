@@ -337,7 +337,13 @@ impl Op {
             Op::LayerNorm => &["layernorm_f32", "layernorm_rope_f32"],
             Op::Rope => &["rope_f32"],
             Op::Attention => &["attn_scores_f32", "attn_av_partial_f32", "attn_combine_f32"],
-            Op::Mla => &["mla_partial_f32", "mla_partial_bf16"],
+            Op::Mla => &[
+                "mla_partial_f32",
+                "mla_partial_bf16",
+                "mla_decode_f32",
+                "mla_decode_bf16",
+                "mla_tc_bf16",
+            ],
             Op::IndexerScores => &[
                 "indexer_scores_f32",
                 "indexer_scores_bf16",

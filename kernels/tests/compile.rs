@@ -158,6 +158,7 @@ fn every_kernel_compiles_for_sm90_and_sm120() {
                             "mla_partial_bf16",
                             "mla_decode_f32",
                             "mla_decode_bf16",
+                            "mla_tc_bf16",
                             "quantize_q8a",
                         ];
                         // Every integer-dot GEMV and tensor-core matrix product variant is hot

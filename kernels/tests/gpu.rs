@@ -2393,6 +2393,9 @@ fn mla_cpu(
     (o, (d as f64 + 8.0) * U32 * smag)
 }
 
+/// One MLA call against the f64 oracle; `tc`: the tensor-core kernel took it (bf16 cache), whose
+/// bound (`mla_tc_expect`) adds its bf16 rounding of q and of the softmax weights.
+#[allow(clippy::too_many_arguments)]
 fn check_mla<C: CacheElem>(
     g: &Gpu,
     r: &mut Rng,
@@ -2401,6 +2404,7 @@ fn check_mla<C: CacheElem>(
     s_n: usize,
     sparse: bool,
     bf16: bool,
+    tc: bool,
 ) -> (bool, f64) {
     let (d, dv) = (576usize, 512usize);
     let c: Vec<f32> = r.vec(t_len * d, 1.0);
@@ -2481,15 +2485,26 @@ fn check_mla<C: CacheElem>(
         };
         for h in 0..heads {
             let qh = &q[(s * heads + h) * d..(s * heads + h + 1) * d];
+            if tc {
+                let (want, tol) = mla_tc_expect(qh, &c_used, d, dv, &keys_s, 1.0 / 16.0);
+                for j in 0..dv {
+                    let gv = f64::from(got[(s * heads + h) * dv + j]);
+                    let e = (gv - want[j]).abs();
+                    ok &= gv.is_finite() && e <= tol[j];
+                    worst = worst.max(e / tol[j]);
+                }
+                continue;
+            }
             let (want, ds) = mla_cpu(qh, &c_used, d, dv, &keys_s, 1.0 / 16.0);
             // Softmax weights move by <= 2 max|ds| + exp's 4 ulps relative; the weighted sum of
             // up to T values adds T + 8 roundings of max|c|, and each rescale of the running
             // sums (one per 32-key tile, or per 64-key chunk in the decode kernel) one more.
             let n_k = keys_s.len() as f64;
             let tol = (2.0 * ds + 8.0 * U32 + (n_k + n_k / 32.0 + 9.0) * U32) * cmax + 1e-30;
-            // The bf16 cache itself, against the unrounded values: every value moves by <= 2^-9
-            // of itself, every score by <= 2^-9 * scale * sum|q c|, so the output by
-            // <= 2^-9 max|c| (1 + 2 * scale * max_t sum_i |q_i c_ti|).
+            // The bf16 cache itself, against the unrounded values: every value moves by <= 2^-8
+            // of itself (the unit roundoff of an 8-bit significand), every score by
+            // <= 2^-8 * scale * sum|q c|, so the output by
+            // <= 2^-8 max|c| (1 + 2 * scale * max_t sum_i |q_i c_ti|).
             let raw = if bf16 {
                 let (w_raw, _) = mla_cpu(qh, &c, d, dv, &keys_s, 1.0 / 16.0);
                 let smax = keys_s
@@ -2502,7 +2517,7 @@ fn check_mla<C: CacheElem>(
                             / 16.0
                     })
                     .fold(0f64, f64::max);
-                Some((w_raw, (1.0 + 2.0 * smax) * cmax_raw / 512.0 + tol))
+                Some((w_raw, (1.0 + 2.0 * smax) * cmax_raw / 256.0 + tol))
             } else {
                 None
             };
@@ -2550,21 +2565,26 @@ fn mla_latent_kernel_matches_f64() {
         (64, 5000, 1, true),
         (64, 700, 3, false),
     ] {
-        // Each case through both kernels where the decode kernel applies (<= 8 tokens).
+        // Each case through the tile kernel, the decode kernel where it applies (<= 8 tokens)
+        // and, with the bf16 cache, the tensor-core kernel.
         let kernels: &[Option<bool>] = if s_n <= 8 {
             &[Some(false), Some(true)]
         } else {
             &[None]
         };
-        for (&kern, bf16) in kernels
+        let runs = kernels
             .iter()
-            .flat_map(|k| [false, true].into_iter().map(move |b| (k, b)))
-        {
+            .flat_map(|k| [false, true].into_iter().map(move |b| (*k, b, false)))
+            .chain(std::iter::once((None, true, true)));
+        for (kern, bf16, tc) in runs {
             kernels::force_mla_decode(kern);
-            let (ok, worst) = check_mla::<f32>(&g, &mut r, heads, t_len, s_n, sparse, bf16);
+            kernels::force_mla_tc(Some(tc));
+            let (ok, worst) = check_mla::<f32>(&g, &mut r, heads, t_len, s_n, sparse, bf16, tc);
             kernels::force_mla_decode(None);
-            let kname = match kern {
-                Some(true) => "decode kernel",
+            kernels::force_mla_tc(None);
+            let kname = match (kern, tc) {
+                (_, true) => "tensor-core kernel",
+                (Some(true), _) => "decode kernel",
                 _ => "tile kernel",
             };
             row(
@@ -2916,6 +2936,41 @@ fn launches_past_the_grid_y_limit() {
         (0..h).all(|hh| (0..dv).all(|j| got[(s * h + hh) * dv + j] == cc[t * d + j]))
     });
     row("mla", &format!("{rows} query tokens"), 0.0, 0.0, ok);
+    all_ok &= ok;
+    // The same through the tensor-core kernel (bf16 cache): one key of weight exp(0) = 1 (exact
+    // in bf16), so the output is the cached bf16 row exactly.
+    let cb: Vec<u16> = cc
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect();
+    let dcb = g.upload(&cb).unwrap();
+    let mut o = nan_buf(&g, rows * h * dv);
+    kernels::force_mla_tc(Some(true));
+    let res = g.mla_attention(
+        &dq,
+        &dcb,
+        Some(kernels::KeyLists {
+            idx: &lv,
+            n_keys: 1,
+            stride: 1,
+        }),
+        &mut o,
+        m,
+    );
+    kernels::force_mla_tc(None);
+    res.unwrap();
+    let got = g.download(&o).unwrap();
+    let ok = [0usize, 65_535, 65_536, rows - 1].iter().all(|&s| {
+        let t = s % 1000;
+        (0..h).all(|hh| (0..dv).all(|j| got[(s * h + hh) * dv + j] == bf16_round(cc[t * d + j])))
+    });
+    row(
+        "mla tensor cores",
+        &format!("{rows} query tokens"),
+        0.0,
+        0.0,
+        ok,
+    );
     all_ok &= ok;
     assert!(
         all_ok,

@@ -160,6 +160,29 @@ extern "C" __global__ void mma_s8(const signed char* A, const signed char* B, co
     for (int i = 0; i < 4; ++i) D16[(g + 8 * (i / 2)) * 8 + 2 * t + (i & 1)] = d[i];
 }
 
+// One m16n8k16 bf16 product (f32 accumulate), fragments from the PTX ISA's formulas for
+// .bf16: a_i (i < 8, two per register, low half first) is row g for i in {0,1,4,5} else g + 8,
+// column 2t + (i & 1) + 8 (i >= 4); b_i (i < 4) row 2t + (i & 1) + 8 (i >= 2), column g.
+// A is 16 x 16 row-major, B 16 x 8 stored as 8 columns of 16, both bf16 bit patterns.
+extern "C" __global__ void mma_bf16(const unsigned short* A, const unsigned short* B,
+                                    const float* C, float* D) {
+    const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+    unsigned a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
+    for (int i = 0; i < 8; ++i) {
+        const int row = (i == 0 || i == 1 || i == 4 || i == 5) ? g : g + 8;
+        const int col = 2 * t + (i & 1) + (i >= 4 ? 8 : 0);
+        a[i / 2] |= (unsigned)A[row * 16 + col] << (16 * (i & 1));
+    }
+    for (int i = 0; i < 4; ++i) {
+        const int row = 2 * t + (i & 1) + (i >= 2 ? 8 : 0);
+        b[i / 2] |= (unsigned)B[g * 16 + row] << (16 * (i & 1));
+    }
+    float c[4], d[4];
+    for (int i = 0; i < 4; ++i) c[i] = C[(g + 8 * (i / 2)) * 8 + 2 * t + (i & 1)];
+    emu_mma_m16n8k16_bf16(d, a, b, c);
+    for (int i = 0; i < 4; ++i) D[(g + 8 * (i / 2)) * 8 + 2 * t + (i & 1)] = d[i];
+}
+
 // ldmatrix x4 / x2 / x1 and x4.trans from four 8 x 8 matrices of 16-bit elements (M, dense),
 // staged in shared memory with 32-byte row pitch; lane l points at row l % 8 of matrix l / 8.
 extern "C" __global__ void ldmatrix(const unsigned short* M, unsigned* out) {
@@ -566,6 +589,36 @@ fn mma_s8_and_ldmatrix_follow_the_ptx_fragment_layouts() {
             tr(3),
         ];
         assert_eq!(&out[l * 11..l * 11 + 11], &want, "lane {l}");
+    }
+}
+
+#[test]
+fn mma_bf16_follows_the_ptx_fragment_layout() {
+    if !compiler("mma_bf16_follows_the_ptx_fragment_layout") {
+        return;
+    }
+    let m = module();
+    type Mma = unsafe extern "C" fn(*const u16, *const u16, *const f32, *mut f32);
+    let f: Mma = unsafe { m.entry("mma_bf16") }.unwrap();
+    // Small integers times powers of two: every product and sum is exact in f32, so the
+    // emulation must equal the CPU product exactly whatever its summation order.
+    let val = |i: usize, m: usize| ((i * m + 7) % 15) as f32 - 7.0;
+    let a: Vec<f32> = (0..256).map(|i| val(i, 37) * 0.5).collect();
+    let b: Vec<f32> = (0..128).map(|i| val(i, 101) * 0.25).collect();
+    let c: Vec<f32> = (0..128).map(|i| i as f32 - 60.0).collect();
+    let bits = |v: &[f32]| -> Vec<u16> { v.iter().map(|x| (x.to_bits() >> 16) as u16).collect() };
+    let (ab, bb) = (bits(&a), bits(&b));
+    let mut d = vec![f32::NAN; 128];
+    let (ap, bp, cp, dp) = (ab.as_ptr(), bb.as_ptr(), c.as_ptr(), d.as_mut_ptr());
+    m.launch("mma_bf16", [1, 1, 1], [32, 1, 1], 0, &|| unsafe {
+        f(ap, bp, cp, dp)
+    })
+    .unwrap();
+    for r in 0..16 {
+        for n in 0..8 {
+            let dot: f32 = (0..16).map(|k| a[r * 16 + k] * b[n * 16 + k]).sum();
+            assert_eq!(d[r * 8 + n], c[r * 8 + n] + dot, "({r}, {n})");
+        }
     }
 }
 

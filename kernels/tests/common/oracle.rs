@@ -648,3 +648,77 @@ pub fn group_on_host(
     }
     sets
 }
+
+/// bf16 of an f32 by round-to-nearest-even (the kernels' `f32_to_bf16`), back as f32.
+pub fn bf16_round(v: f32) -> f32 {
+    half::bf16::from_f32(v).to_f32()
+}
+
+/// What the tensor-core MLA kernel (mla.cu `mla_tc_bf16`) must give for one query head over the
+/// key rows `keys` of the cache `c` (row width `d`, values its first `dv` columns, the values as
+/// cached): the f64 attention of the query rounded to bf16 as the kernel rounds it, and a bound
+/// per output column. Each bound term follows from one rounding of the kernel:
+/// - scores: the products of bf16 values are exact in f32; their f32 sums inside and across the
+///   mma (16 products a step, d/16 steps, then the scale) take at most d + 16 roundings of the
+///   magnitude sum, so every score moves by at most ds = (d + 16) 2^-24 max_t scale sum|q c|,
+///   and every softmax weight w_t by a factor within e^(+-2 ds);
+/// - P: each unnormalised weight is rounded to bf16 for the value product (relative 2^-8, the
+///   unit roundoff of an 8-bit significand) while the normaliser sums the f32 weights: the
+///   output moves by at most 2^-8 sum_t w_t |v_t| (times e^(2 ds) for the moved weights);
+/// - the f32 value sums, one rescale per 32-key chunk and the split combine: n + n/32 + 25
+///   roundings of max |v|.
+pub fn mla_tc_expect(
+    q: &[f32],
+    c: &[f32],
+    d: usize,
+    dv: usize,
+    keys: &[usize],
+    scale: f32,
+) -> (Vec<f64>, Vec<f64>) {
+    let qb: Vec<f64> = q.iter().map(|&v| f64::from(bf16_round(v))).collect();
+    let row = |t: usize| &c[t * d..t * d + d];
+    let s: Vec<f64> = keys
+        .iter()
+        .map(|&t| {
+            qb.iter()
+                .zip(row(t))
+                .map(|(a, b)| a * f64::from(*b))
+                .sum::<f64>()
+                * f64::from(scale)
+        })
+        .collect();
+    let smag = keys
+        .iter()
+        .map(|&t| {
+            qb.iter()
+                .zip(row(t))
+                .map(|(a, b)| (a * f64::from(*b)).abs())
+                .sum::<f64>()
+                * f64::from(scale)
+        })
+        .fold(0f64, f64::max);
+    let ds = (d as f64 + 16.0) * U32 * smag;
+    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let p: Vec<f64> = s.iter().map(|v| (v - mx).exp()).collect();
+    let z: f64 = p.iter().sum();
+    let vmax = keys
+        .iter()
+        .flat_map(|&t| row(t)[..dv].iter())
+        .fold(0f64, |a, v| a.max(f64::from(v.abs())));
+    let n = keys.len() as f64;
+    let grow = (2.0 * ds).exp();
+    let mut o = vec![0f64; dv];
+    let mut tol = vec![0f64; dv];
+    for (pi, &t) in p.iter().zip(keys) {
+        let w = pi / z;
+        for j in 0..dv {
+            let v = f64::from(c[t * d + j]);
+            o[j] += w * v;
+            tol[j] += w * v.abs();
+        }
+    }
+    for tj in tol.iter_mut() {
+        *tj = (grow - 1.0) * *tj + grow * *tj / 256.0 + (n + n / 32.0 + 25.0) * U32 * vmax + 1e-30;
+    }
+    (o, tol)
+}

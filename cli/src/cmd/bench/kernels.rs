@@ -545,22 +545,53 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
     }
 
     // 4. Attention: the MLA latent kernel (64 heads, 576/512) dense and DSA-sparse, the generic
-    //    kernel for comparison, and the DSA indexer + top-2048. A decode step takes mla.cu's
-    //    decode kernel; the tile kernel (what longer steps take) is timed beside it.
+    //    kernel for comparison, and the DSA indexer + top-2048. A short decode step takes
+    //    mla.cu's decode kernel, longer ones and prefill (bf16 cache) the tensor-core kernel; the
+    //    tile kernel (f32 cache, or GGUFTOOL_MLA_TC=0) is timed beside them.
+    let mla_kernels = [
+        (Some(true), Some(false), "decode kernel"),
+        (Some(false), Some(false), "tile kernel"),
+        (None, Some(true), "tensor-core kernel"),
+    ];
     for t_len in [16usize, 128, 2048, 32768] {
         let (heads, dk, dv) = (64usize, 576usize, 512usize);
         let kvb = g.upload(&bf16_bits(&acts(t_len * dk, 9)))?;
         let q = g.upload(&acts(heads * dk, 10))?;
         let mut o: CudaSlice<f32> = g.zeros(heads * dv)?;
         let m = mla_decode_shape(heads, dk, dv, t_len);
-        for (kern, name) in [(Some(true), "decode kernel"), (Some(false), "tile kernel")] {
+        for (kern, tc, name) in mla_kernels {
             kernels::force_mla_decode(kern);
+            kernels::force_mla_tc(tc);
             let r = b.time(|_| g.mla_attention(&q, &kvb, None, &mut o, m));
             kernels::force_mla_decode(None);
+            kernels::force_mla_tc(None);
             b.record(
                 "mla",
                 &format!("dense, 64 heads, T {t_len}, bf16 cache, {name}"),
                 (t_len * dk * 2) as f64,
+                r?,
+            );
+        }
+    }
+    // A 512-token prefill's causal attention (each token over the keys up to its own).
+    {
+        let (heads, dk, dv, tokens) = (64usize, 576usize, 512usize, 512usize);
+        let kvb = g.upload(&bf16_bits(&acts(tokens * dk, 9)))?;
+        let q = g.upload(&acts(tokens * heads * dk, 10))?;
+        let mut o: CudaSlice<f32> = g.zeros(tokens * heads * dv)?;
+        let m = MlaShape {
+            tokens,
+            pos0: 0,
+            ..mla_decode_shape(heads, dk, dv, tokens)
+        };
+        for (tc, name) in [(Some(false), "tile kernel"), (Some(true), "tensor cores")] {
+            kernels::force_mla_tc(tc);
+            let r = b.time(|_| g.mla_attention(&q, &kvb, None, &mut o, m));
+            kernels::force_mla_tc(None);
+            b.record(
+                "mla",
+                &format!("prefill {tokens} tokens causal, 64 heads, bf16 cache, {name}"),
+                (tokens * dk * 2) as f64,
                 r?,
             );
         }
@@ -599,13 +630,17 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
                 stride: n_sel,
             })
         };
-        let ms = b.time(|_| g.mla_attention(&q, &kvb, keys(), &mut o, m))?;
-        b.record(
-            "mla",
-            &format!("sparse {n_sel} of T {t_len}, bf16 cache"),
-            (n_sel * dk * 2) as f64,
-            ms,
-        );
+        for (tc, name) in [(Some(false), "tile kernel"), (Some(true), "tensor cores")] {
+            kernels::force_mla_tc(tc);
+            let r = b.time(|_| g.mla_attention(&q, &kvb, keys(), &mut o, m));
+            kernels::force_mla_tc(None);
+            b.record(
+                "mla",
+                &format!("sparse {n_sel} of T {t_len}, bf16 cache, {name}"),
+                (n_sel * dk * 2) as f64,
+                r?,
+            );
+        }
         if t_len == 2048 {
             let shape = AttnShape {
                 tokens: 1,
