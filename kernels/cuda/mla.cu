@@ -511,12 +511,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_tc_bf16(MlaP p) {
     const uint16_t* qa = qsm + (16 * mt + g) * DP + 2 * t;
     const int d4 = p.D >> 2;
     for (int jt = j0; jt < j1; jt += MLA_TC_KC) {
-        if (threadIdx.x < MLA_TC_KC) {
-            const int jj = jt + threadIdx.x;
-            long long tk = -1;
-            if (jj < j1) tk = p.idx ? (long long)p.idx[s * p.idx_stride + jj] : (long long)jj;
-            kok[threadIdx.x] = (tk >= 0 && tk < p.T && tk <= pos_s) ? (int)tk + 1 : 0;
-        }
+        if (threadIdx.x < MLA_TC_KC) kok[threadIdx.x] = (int)mla_dec_key(p, s, jt + threadIdx.x, j1, pos_s) + 1;
         __syncthreads();
         // The chunk's rows, MLA_TC_KB loads of a thread in flight together (as for q above).
         for (int i0 = threadIdx.x; i0 < MLA_TC_KC * d4; i0 += MLA_TC_KB * blockDim.x) {

@@ -168,34 +168,53 @@ const DEC_BLOCKS_PER_SM: usize = 4;
 const DEC_MIN_SPLIT: usize = 16;
 const DEC_DIRECT_KEYS: usize = 32;
 
-/// 0 = choose by shape, 1 = always the tile kernel, 2 = the decode kernel wherever it applies
-/// (`GGUFTOOL_MLA_DECODE=0|1`, or [`force_mla_decode`]).
-static DEC_MODE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(u8::MAX);
-
-fn dec_mode() -> u8 {
-    use std::sync::atomic::Ordering;
-    let v = DEC_MODE.load(Ordering::Relaxed);
-    if v != u8::MAX {
-        return v;
-    }
-    let v = match std::env::var("GGUFTOOL_MLA_DECODE").as_deref() {
-        Ok("0") => 1,
-        Ok("1") => 2,
-        _ => 0,
-    };
-    DEC_MODE.store(v, Ordering::Relaxed);
-    v
+/// A kernel choice: by shape (0), never (1) or wherever the kernel applies (2); its environment
+/// variable (`0` / `1`) sets it on first use, tests and A/B runs force it.
+struct KernelSwitch {
+    mode: std::sync::atomic::AtomicU8,
+    env: &'static str,
 }
+
+impl KernelSwitch {
+    const fn new(env: &'static str) -> Self {
+        KernelSwitch {
+            mode: std::sync::atomic::AtomicU8::new(u8::MAX),
+            env,
+        }
+    }
+
+    fn get(&self) -> u8 {
+        use std::sync::atomic::Ordering;
+        let v = self.mode.load(Ordering::Relaxed);
+        if v != u8::MAX {
+            return v;
+        }
+        let v = match std::env::var(self.env).as_deref() {
+            Ok("0") => 1,
+            Ok("1") => 2,
+            _ => 0,
+        };
+        self.mode.store(v, Ordering::Relaxed);
+        v
+    }
+
+    fn force(&self, on: Option<bool>) {
+        let v = match on {
+            Some(false) => 1,
+            Some(true) => 2,
+            None => 0,
+        };
+        self.mode.store(v, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The decode kernel against the tile kernel (`GGUFTOOL_MLA_DECODE=0|1`).
+static DEC_SWITCH: KernelSwitch = KernelSwitch::new("GGUFTOOL_MLA_DECODE");
 
 /// Force the MLA kernel choice for this process (tests and A/B runs): `Some(false)` the tile
 /// kernel everywhere, `Some(true)` the decode kernel wherever its limits allow, `None` by shape.
 pub fn force_mla_decode(on: Option<bool>) {
-    let v = match on {
-        Some(false) => 1,
-        Some(true) => 2,
-        None => 0,
-    };
-    DEC_MODE.store(v, std::sync::atomic::Ordering::Relaxed);
+    DEC_SWITCH.force(on);
 }
 
 /// Whether a call takes the decode kernel: steps of up to 8 tokens that see few keys, where the
@@ -207,7 +226,7 @@ fn use_decode(tokens: usize, n_eff: usize, d: usize, d_v: usize) -> bool {
     if d > DEC_MAX_D || d_v > DEC_MAX_DV || tokens > STAGE_Q_MAX_TOKENS {
         return false;
     }
-    match dec_mode() {
+    match DEC_SWITCH.get() {
         1 => false,
         2 => true,
         _ => n_eff <= if tokens == 1 { 1024 } else { 512 },
@@ -317,33 +336,13 @@ pub fn mla_tc_plan_min(
     })
 }
 
-/// 0 = by shape, 1 = never, 2 = wherever it fits (`GGUFTOOL_MLA_TC=0|1`, or [`force_mla_tc`]).
-static TC_MODE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(u8::MAX);
-
-fn tc_mode() -> u8 {
-    use std::sync::atomic::Ordering;
-    let v = TC_MODE.load(Ordering::Relaxed);
-    if v != u8::MAX {
-        return v;
-    }
-    let v = match std::env::var("GGUFTOOL_MLA_TC").as_deref() {
-        Ok("0") => 1,
-        Ok("1") => 2,
-        _ => 0,
-    };
-    TC_MODE.store(v, Ordering::Relaxed);
-    v
-}
+/// The tensor-core kernel for bf16-cache calls (`GGUFTOOL_MLA_TC=0|1`).
+static TC_SWITCH: KernelSwitch = KernelSwitch::new("GGUFTOOL_MLA_TC");
 
 /// Force the tensor-core kernel for this process (tests and A/B runs): `Some(false)` never,
 /// `Some(true)` for every bf16-cache call it fits, `None` by shape.
 pub fn force_mla_tc(on: Option<bool>) {
-    let v = match on {
-        Some(false) => 1,
-        Some(true) => 2,
-        None => 0,
-    };
-    TC_MODE.store(v, std::sync::atomic::Ordering::Relaxed);
+    TC_SWITCH.force(on);
 }
 
 /// Whether a bf16-cache call takes the tensor-core kernel: by default everything the decode
@@ -353,7 +352,7 @@ fn use_tc(tokens: usize, n_eff: usize, d: usize, d_v: usize) -> bool {
     if !mla_tc_fits(d, d_v) {
         return false;
     }
-    match tc_mode() {
+    match TC_SWITCH.get() {
         1 => false,
         2 => true,
         _ => !use_decode(tokens, n_eff, d, d_v),

@@ -2360,27 +2360,8 @@ fn mla_cpu(
     keys: &[usize],
     scale: f32,
 ) -> (Vec<f64>, f64) {
-    let s: Vec<f64> = keys
-        .iter()
-        .map(|&t| {
-            q.iter()
-                .zip(&c[t * d..t * d + d])
-                .map(|(a, b)| f64::from(*a) * f64::from(*b))
-                .sum::<f64>()
-                * f64::from(scale)
-        })
-        .collect();
     // Bound of the f32 score error: (d + 8) roundings of the magnitude sum.
-    let smag = keys
-        .iter()
-        .map(|&t| {
-            q.iter()
-                .zip(&c[t * d..t * d + d])
-                .map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs())
-                .sum::<f64>()
-                * f64::from(scale)
-        })
-        .fold(0f64, f64::max);
+    let (s, smag) = mla_scores(q, c, d, keys, scale);
     let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let p: Vec<f64> = s.iter().map(|v| (v - mx).exp()).collect();
     let z: f64 = p.iter().sum();
@@ -2419,17 +2400,7 @@ fn check_mla<C: CacheElem>(
     let q = r.vec(s_n * heads * d, 1.0);
     let pos0 = t_len - s_n;
     let n_keys = 300.min(t_len + 2);
-    let lists: Vec<Vec<i32>> = (0..s_n)
-        .map(|s| {
-            (0..n_keys)
-                .map(|j| match j % 37 {
-                    5 => -1,
-                    9 => (pos0 + s + 1) as i32, // past the query's position: masked
-                    _ => r.below(pos0 + s + 1) as i32,
-                })
-                .collect()
-        })
-        .collect();
+    let lists = mla_key_lists(r, s_n, n_keys, pos0);
     let dq = g.upload(&q).unwrap();
     let mut o = nan_buf(g, s_n * heads * dv);
     let m = MlaShape {
@@ -2472,17 +2443,7 @@ fn check_mla<C: CacheElem>(
     let mut ok = true;
     let mut worst = 0f64;
     for s in 0..s_n {
-        let keys_s: Vec<usize> = if sparse {
-            let mut k: Vec<usize> = lists[s]
-                .iter()
-                .filter(|&&t| t >= 0 && (t as usize) <= pos0 + s)
-                .map(|&t| t as usize)
-                .collect();
-            k.sort_unstable();
-            k
-        } else {
-            (0..=pos0 + s).collect()
-        };
+        let keys_s = mla_keys_of(sparse.then_some(&lists[..]), s, pos0);
         for h in 0..heads {
             let qh = &q[(s * heads + h) * d..(s * heads + h + 1) * d];
             if tc {

@@ -50,17 +50,7 @@ fn run(case: &Case, r: &mut Rng) -> (usize, f64) {
     let q = r.vec(tokens * heads * D, 1.0);
     let pos0 = t_len - tokens;
     let n_keys = 70.min(t_len + 2);
-    let lists: Vec<Vec<i32>> = (0..tokens)
-        .map(|s| {
-            (0..n_keys)
-                .map(|j| match j % 37 {
-                    5 => -1,
-                    9 => (pos0 + s + 1) as i32, // past the query's position: masked
-                    _ => r.below(pos0 + s + 1) as i32,
-                })
-                .collect()
-        })
-        .collect();
+    let lists = mla_key_lists(r, tokens, n_keys, pos0);
     let flat: Vec<i32> = lists.iter().flatten().copied().collect();
     let n_eff = if sparse { n_keys } else { t_len };
     let plan = mla_tc_plan(heads, tokens, n_eff, D, (sm, 227 << 10)).expect("plan");
@@ -133,17 +123,7 @@ fn run(case: &Case, r: &mut Rng) -> (usize, f64) {
     let mut worst = 0f64;
     let mut bad = Vec::new();
     for s in 0..tokens {
-        let keys: Vec<usize> = if sparse {
-            let mut k: Vec<usize> = lists[s]
-                .iter()
-                .filter(|&&t| t >= 0 && (t as usize) <= pos0 + s)
-                .map(|&t| t as usize)
-                .collect();
-            k.sort_unstable();
-            k
-        } else {
-            (0..=pos0 + s).collect()
-        };
+        let keys = mla_keys_of(sparse.then_some(&lists[..]), s, pos0);
         for h in 0..heads {
             let qh = &q[(s * heads + h) * D..(s * heads + h + 1) * D];
             let (want, tol) = mla_tc_expect(qh, &c, D, DV, &keys, scale);

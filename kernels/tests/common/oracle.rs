@@ -654,6 +654,28 @@ pub fn bf16_round(v: f32) -> f32 {
     half::bf16::from_f32(v).to_f32()
 }
 
+/// f64 scores `scale * q . c[t]` of one query over the key rows `keys` of the cache `c` (row
+/// width `d`), and the largest `scale * sum_i |q_i c_ti|` (the magnitude rounding bounds scale).
+pub fn mla_scores(q: &[f32], c: &[f32], d: usize, keys: &[usize], scale: f32) -> (Vec<f64>, f64) {
+    let dot = |t: usize, abs: bool| {
+        q.iter()
+            .zip(&c[t * d..t * d + d])
+            .map(|(a, b)| {
+                let p = f64::from(*a) * f64::from(*b);
+                if abs {
+                    p.abs()
+                } else {
+                    p
+                }
+            })
+            .sum::<f64>()
+            * f64::from(scale)
+    };
+    let s = keys.iter().map(|&t| dot(t, false)).collect();
+    let smag = keys.iter().map(|&t| dot(t, true)).fold(0f64, f64::max);
+    (s, smag)
+}
+
 /// What the tensor-core MLA kernel (mla.cu `mla_tc_bf16`) must give for one query head over the
 /// key rows `keys` of the cache `c` (row width `d`, values its first `dv` columns, the values as
 /// cached): the f64 attention of the query rounded to bf16 as the kernel rounds it, and a bound
@@ -675,28 +697,9 @@ pub fn mla_tc_expect(
     keys: &[usize],
     scale: f32,
 ) -> (Vec<f64>, Vec<f64>) {
-    let qb: Vec<f64> = q.iter().map(|&v| f64::from(bf16_round(v))).collect();
+    let qb: Vec<f32> = q.iter().map(|&v| bf16_round(v)).collect();
     let row = |t: usize| &c[t * d..t * d + d];
-    let s: Vec<f64> = keys
-        .iter()
-        .map(|&t| {
-            qb.iter()
-                .zip(row(t))
-                .map(|(a, b)| a * f64::from(*b))
-                .sum::<f64>()
-                * f64::from(scale)
-        })
-        .collect();
-    let smag = keys
-        .iter()
-        .map(|&t| {
-            qb.iter()
-                .zip(row(t))
-                .map(|(a, b)| (a * f64::from(*b)).abs())
-                .sum::<f64>()
-                * f64::from(scale)
-        })
-        .fold(0f64, f64::max);
+    let (s, smag) = mla_scores(&qb, c, d, keys, scale);
     let ds = (d as f64 + 16.0) * U32 * smag;
     let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let p: Vec<f64> = s.iter().map(|v| (v - mx).exp()).collect();
@@ -721,4 +724,38 @@ pub fn mla_tc_expect(
         *tj = (grow - 1.0) * *tj + grow * *tj / 256.0 + (n + n / 32.0 + 25.0) * U32 * vmax + 1e-30;
     }
     (o, tol)
+}
+
+/// DSA-style key lists of `tokens` query tokens at positions `pos0..`, `n_keys` slots each:
+/// random keys at or before the query's position, with empty (-1) slots and slots past the
+/// position (which the kernels must mask) mixed in.
+pub fn mla_key_lists(r: &mut Rng, tokens: usize, n_keys: usize, pos0: usize) -> Vec<Vec<i32>> {
+    (0..tokens)
+        .map(|s| {
+            (0..n_keys)
+                .map(|j| match j % 37 {
+                    5 => -1,
+                    9 => (pos0 + s + 1) as i32, // past the query's position: masked
+                    _ => r.below(pos0 + s + 1) as i32,
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The keys query token `s` (at `pos0 + s`) attends to: its list's valid entries, ascending,
+/// or every key up to its position (dense causal).
+pub fn mla_keys_of(lists: Option<&[Vec<i32>]>, s: usize, pos0: usize) -> Vec<usize> {
+    match lists {
+        Some(l) => {
+            let mut k: Vec<usize> = l[s]
+                .iter()
+                .filter(|&&t| t >= 0 && (t as usize) <= pos0 + s)
+                .map(|&t| t as usize)
+                .collect();
+            k.sort_unstable();
+            k
+        }
+        None => (0..=pos0 + s).collect(),
+    }
 }
