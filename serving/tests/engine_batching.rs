@@ -425,3 +425,30 @@ fn min_tokens_bans_the_stop_tokens_until_reached() {
     assert!(text.starts_with('z') && text.len() >= 3, "{text}");
     assert!(end.is_some());
 }
+
+/// Dropping an engine right after a submit must stop its scheduler thread: the stop flag and its
+/// notify once fell between the scheduler's check and its wait, and the drop joined forever
+/// (a lost wake-up, seen in CI in `limits_are_checked_at_submit`). The window is microseconds
+/// wide, so this is a stress test, not a deterministic one: many short-lived engines, dropped
+/// at staggered delays after a submit (0-250 us, across the scheduler's run to its wait), give
+/// it many chances; a watchdog turns a hang into a failure.
+#[test]
+fn dropping_an_engine_never_hangs() {
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for i in 0..300u64 {
+            let model = MockModel::new(64);
+            let (e, _m) = engine(&model, |_| {});
+            let _ = e.submit(req("abc", 2));
+            std::thread::sleep(std::time::Duration::from_micros(5 * (i % 50)));
+            drop(e);
+        }
+        let _ = done_tx.send(());
+    });
+    assert!(
+        done_rx
+            .recv_timeout(std::time::Duration::from_secs(120))
+            .is_ok(),
+        "an engine's drop did not return within 120 s"
+    );
+}

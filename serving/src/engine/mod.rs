@@ -255,7 +255,14 @@ struct EngineInner {
 
 impl Drop for EngineInner {
     fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::SeqCst);
+        // Set under the queue lock: the scheduler checks `stop` holding it and releases it only
+        // inside `wake.wait`, so it either sees the flag or is already waiting for this notify.
+        // Set without the lock, the store and notify could fall between its check and its wait
+        // and the join below would wait forever (seen once in CI, engine_batching).
+        {
+            let _q = lock(&self.shared.queue);
+            self.shared.stop.store(true, Ordering::SeqCst);
+        }
         self.shared.wake.notify_all();
         let handle = self
             .thread
