@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|mla-tc3] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -192,31 +192,6 @@ B="./gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile --json"
 step ab-tc-depth-off 30 "$W/ab-tc-depth-off.json" env GGUFTOOL_MLA_TC=0 $B -p 0 -n 32 -d 32768 -r 1
 step ab-tc-depth-on 30 "$W/ab-tc-depth-on.json" $B -p 0 -n 32 -d 32768 -r 1
 closing_figures
-fi
-
-# 12. STAGE=mla-tc3: decode at depth 32,768 against the tensor-core kernel's split size
-#     (GGUFTOOL_MLA_TC_CHUNKS = least 32-key chunks a split holds: 1 = 64 splits of the DSA's
-#     2,048 keys, up to 8 = 8 splits) and the tile kernel, then depth 0 and 32,768 with -r 2.
-if [ "$STAGE" = mla-tc3 ]; then
-step synth 60 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
-B="./gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile --json"
-for rep in 1 2; do
-    for k in 1 2 4 8; do
-        step "depth-chunks-$k-$rep" 25 "$W/depth-chunks-$k-$rep.json" env GGUFTOOL_MLA_TC_CHUNKS=$k $B -p 0 -n 32 -d 32768 -r 1
-    done
-done
-step depth-tile 25 "$W/depth-chunks-tile-1.json" env GGUFTOOL_MLA_TC=0 $B -p 0 -n 32 -d 32768 -r 1
-step depth0 25 "$W/depth0.json" $B -p 0 -n 128 -r 2
-step tc-kernel-tests 60 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 --nocapture mla_latent 2>&1'
-python3 - "$W" <<'PY' | tee -a "$LOG"
-import json, sys, glob
-for f in sorted(glob.glob(sys.argv[1] + "/depth-chunks-*.json")) + [sys.argv[1] + "/depth0.json"]:
-    try:
-        for r in json.load(open(f)):
-            print(f.split("/")[-1], "%s%d d%d: %.1f +- %.1f" % (r["test"], r["n_gen"], r["n_depth"], r["avg_ts"], r["stddev_ts"]))
-    except Exception as e:
-        print(f, "missing", e)
-PY
 fi
 
 # Summary (the reply carries the end of the output).

@@ -248,8 +248,9 @@ fn dec_plan(heads: usize, tokens: usize, n_eff: usize, sm: usize) -> (usize, usi
     (len, n_eff.div_ceil(len))
 }
 
-/// mla.cu's tensor-core kernel: keys per chunk (MLA_TC_KC), widest key row (MLA_TC_MAX_D) and
-/// row padding (MLA_TC_PAD), head tiles of 16 per warp pair, at most 4 tiles (64 heads) a block.
+/// mla.cu's tensor-core kernel: keys per chunk (MLA_TC_KC) and row padding (MLA_TC_PAD); the
+/// widest key row its shared-memory plan is made for; head tiles of 16 per warp pair, at most 4
+/// tiles (64 heads) a block.
 const TC_KC: usize = 32;
 const TC_MAX_D: usize = 576;
 const TC_PAD: usize = 8;
@@ -268,7 +269,7 @@ pub struct MlaTcPlan {
 }
 
 /// Whether the tensor-core kernel can take keys `d` wide with values `d_v` wide.
-pub fn mla_tc_fits(d: usize, d_v: usize) -> bool {
+fn mla_tc_fits(d: usize, d_v: usize) -> bool {
     d.is_multiple_of(16) && d <= TC_MAX_D && d_v.is_multiple_of(16) && d_v <= 512 && d_v <= d
 }
 
@@ -285,30 +286,6 @@ pub fn mla_tc_plan(
     d: usize,
     (sm, smem_max): (usize, usize),
 ) -> Option<MlaTcPlan> {
-    mla_tc_plan_min(heads, tokens, n_eff, d, (sm, smem_max), tc_min_chunks())
-}
-
-/// Chunks a split holds at least: `GGUFTOOL_MLA_TC_CHUNKS` (for measuring), else 1.
-fn tc_min_chunks() -> usize {
-    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        std::env::var("GGUFTOOL_MLA_TC_CHUNKS")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .filter(|&n| (1..=1024).contains(&n))
-            .unwrap_or(1)
-    })
-}
-
-/// [`mla_tc_plan`] with splits of at least `min_chunks` chunks.
-pub fn mla_tc_plan_min(
-    heads: usize,
-    tokens: usize,
-    n_eff: usize,
-    d: usize,
-    (sm, smem_max): (usize, usize),
-    min_chunks: usize,
-) -> Option<MlaTcPlan> {
     let smem = |tiles: usize| 2 * (16 * tiles + TC_KC) * (d + TC_PAD) + 4 * TC_KC;
     let mut tiles = heads.div_ceil(16).clamp(1, TC_MAX_TILES);
     while smem(tiles) > smem_max {
@@ -323,7 +300,7 @@ pub fn mla_tc_plan_min(
     let splits = sm
         .max(1)
         .div_ceil(blocks)
-        .clamp(1, chunks.div_ceil(min_chunks.max(1)))
+        .clamp(1, chunks)
         .max(chunks.div_ceil(COMBINE_MAX_SPLITS));
     let split_len = chunks.div_ceil(splits) * TC_KC;
     Some(MlaTcPlan {
