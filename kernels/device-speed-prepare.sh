@@ -3,7 +3,7 @@
 # the folder the device tool sends (default /work/main/.device-speed, git-ignored there): the
 # release gguftool, the kernels GPU test binary, the runtime library test binary (CUDA vs CPU),
 # the run script, optionally a baseline gguftool (MAIN_BIN=path) for before/after figures and
-# llama.cpp's bench script and source (LLAMA=1, for STAGE=final).
+# llama.cpp's bench script and source (LLAMA=1, for STAGE=final), a measuring build (PROF_BIN=path).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${DEST:-/work/main/.device-speed}
@@ -20,6 +20,8 @@ cp "$kt" "$DEST/kernels-gpu"
 cp "$rt" "$DEST/runtime-lib"
 cp "$tp" "$DEST/tp-gpu"
 [ -n "${MAIN_BIN:-}" ] && cp "$MAIN_BIN" "$DEST/gguftool-main"
+# A measuring build (e.g. an instrumented kernel for STAGE=seqs) travels as gguftool-prof.
+[ -n "${PROF_BIN:-}" ] && cp "$PROF_BIN" "$DEST/gguftool-prof"
 strip "$DEST"/gguftool* "$DEST/kernels-gpu" "$DEST/runtime-lib" "$DEST/tp-gpu" 2>/dev/null || true
 # One solid archive: the binaries share most of their code, so xz finds it once.
 (cd "$DEST" && tar cf - gguftool* kernels-gpu runtime-lib tp-gpu | xz -9e -T1 > payload.tar.xz &&

@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -21,6 +21,7 @@ cd "$D" || exit 2
 [ -f payload.tar.xz ] && xz -d -c payload.tar.xz | tar xf -
 chmod +x gguftool kernels-gpu runtime-lib tp-gpu 2>/dev/null
 [ -f gguftool-main ] && chmod +x gguftool-main
+[ -f gguftool-prof ] && chmod +x gguftool-prof
 # At most 8 files come back: log.txt, kernel-tests.txt, runtime-tests.txt, kernels.json,
 # bench-all.json; everything else stays in $W.
 W=/tmp/speed-work
@@ -185,12 +186,74 @@ fi
 if [ "$STAGE" = mla-tc2 ]; then
 build_llama
 step tc-kernel-tests 60 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 --nocapture mla_latent launches_past_the_grid_y_limit attention_dense 2>&1'
-step tc-runtime-tests 120 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_prompts_past cuda::tests::glm5_heads_pdl --test-threads=1 --nocapture 2>&1'
+step tc-runtime-tests 120 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_pdl --test-threads=1 --nocapture 2>&1'
 step synth 60 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
 step kernel-bench 60 "$OUT/kernels.json" ./gguftool bench --kernels --json
 B="./gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile --json"
 step ab-tc-depth-off 30 "$W/ab-tc-depth-off.json" env GGUFTOOL_MLA_TC=0 $B -p 0 -n 32 -d 32768 -r 1
 step ab-tc-depth-on 30 "$W/ab-tc-depth-on.json" $B -p 0 -n 32 -d 32768 -r 1
+closing_figures
+fi
+
+# 12. STAGE=seqs (2026-12-06, tenth session): a batched step's cache appends and MLA attention
+#     as one launch each over all sequences (GGUFTOOL_FUSE_SEQS), its tests (kernels against
+#     f64, the backend against its per-sequence composition, 4 sequences against the CPU), a
+#     same-call A/B of 8 and 32 sequences, alternating; then the tensor-core MLA's phases timed
+#     inside the kernel (gguftool-prof: an instrumented build of mla_tc_bf16 that prints clock64
+#     deltas per phase from two blocks of each launch; never committed), the depth profile, and
+#     the closing figures of both tools (llama.cpp built meanwhile).
+if [ "$STAGE" = seqs ]; then
+build_llama
+ls /usr/local/cuda*/bin 2>/dev/null | grep -iE 'ncu|nsys|nvdisasm|cuobjdump' >> "$LOG"
+step seqs-kernel-tests 90 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 --nocapture mla_batched scatter_rows mla_latent 2>&1'
+step seqs-runtime-tests 120 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda::tests::cuda_batched cuda::tests::glm5_heads_mmq_steps cuda::tests::cuda_matches_cpu_on_fixtures --test-threads=1 --nocapture 2>&1'
+step synth 60 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+B="./gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile --json"
+step ab-seqs-off-1 30 "$W/ab-seqs-off-1.json" env GGUFTOOL_FUSE_SEQS=0 $B -p 0 -n 32 -r 1 --npl 8,32
+step ab-seqs-on-1 30 "$W/ab-seqs-on-1.json" $B -p 0 -n 32 -r 1 --npl 8,32
+step ab-seqs-off-2 30 "$W/ab-seqs-off-2.json" env GGUFTOOL_FUSE_SEQS=0 $B -p 0 -n 32 -r 1 --npl 8,32
+step ab-seqs-on-2 30 "$W/ab-seqs-on-2.json" $B -p 0 -n 32 -r 1 --npl 8,32
+if [ -f ./gguftool-prof ]; then
+    step tc-prof 70 "$W/tc-prof.txt" bash -c './gguftool-prof bench --kernels --json 2>&1 | grep TCPROF'
+    python3 - "$W/tc-prof.txt" > "$OUT/tc-prof.txt" <<'PY'
+import re, sys, statistics as st
+rows = {}
+for line in open(sys.argv[1]):
+    m = re.search(r"H (\d+) n_eff (\d+) grid (\S+) blk (\d+) sm \d+ chunks (\d+) \| (.*)", line)
+    if not m:
+        continue
+    key = (m.group(1), m.group(2), m.group(3), m.group(4), m.group(5))
+    vals = [int(v) for v in re.findall(r"(-?\d+)", m.group(6))]
+    rows.setdefault(key, []).append(vals)
+names = "pdl q k s smx pv bar loop out total_cyc ns".split()
+print("H n_eff grid blk chunks n | " + " ".join(names) + " (medians; cycles, last: globaltimer ns)")
+for k, v in sorted(rows.items(), key=lambda kv: -len(kv[1]))[:30]:
+    med = [int(st.median(c)) for c in zip(*v)]
+    print(" ".join(k), len(v), "|", " ".join(str(x) for x in med))
+PY
+fi
+step depth-profile 45 "$W/depth-profile.json" ./gguftool bench -m /tmp/glm5.gguf --device cuda --json -p 0 -n 32 -d 32768 -r 1
+closing_figures
+fi
+
+# 13. STAGE=depth (tenth session, second call): the DSA indexer's scores on the tensor cores
+#     (indexer_scores.cu `indexer_scores_tc_bf16`, the fast path's default wherever it fits),
+#     the tensor-core MLA's accumulators written through shared memory, and the batched step's
+#     sparse fix: their tests, the kernel benchmarks, a same-call A/B at depth 32,768
+#     (GGUFTOOL_INDEXER_TC=0 against the default, alternating), the depth profile, then the
+#     closing figures of both tools (llama.cpp built meanwhile).
+if [ "$STAGE" = depth ]; then
+build_llama
+step depth-kernel-tests 100 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 --nocapture mla_latent mla_batched scatter_rows indexer_lanes indexer_scores_and_topk launches_past_the_grid_y_limit 2>&1'
+step depth-runtime-tests 130 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda::tests::cuda_batched cuda::tests::glm5_heads_mmq_steps cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_pdl --test-threads=1 --nocapture 2>&1'
+step synth 60 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+step kernel-bench 70 "$OUT/kernels.json" ./gguftool bench --kernels --json
+B="./gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile --json"
+step ab-ixtc-off-1 30 "$W/ab-ixtc-off-1.json" env GGUFTOOL_INDEXER_TC=0 $B -p 0 -n 32 -d 32768 -r 1
+step ab-ixtc-on-1 30 "$W/ab-ixtc-on-1.json" $B -p 0 -n 32 -d 32768 -r 1
+step ab-ixtc-off-2 30 "$W/ab-ixtc-off-2.json" env GGUFTOOL_INDEXER_TC=0 $B -p 0 -n 32 -d 32768 -r 1
+step ab-ixtc-on-2 30 "$W/ab-ixtc-on-2.json" $B -p 0 -n 32 -d 32768 -r 1
+step depth-profile 45 "$W/depth-profile.json" ./gguftool bench -m /tmp/glm5.gguf --device cuda --json -p 0 -n 32 -d 32768 -r 1
 closing_figures
 fi
 
@@ -207,7 +270,9 @@ for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-
           "ab-moe-gemm-1.json", "ab-moe-mmq-1.json", "ab-moe-gemm-2.json", "ab-moe-mmq-2.json",
           "depth-profile.json", "pp512-profile.json",
           "ab-tc-off-1.json", "ab-tc-on-1.json", "ab-tc-depth-off.json", "ab-tc-depth-on.json",
-          "ab-tc-off-2.json", "ab-tc-on-2.json"):
+          "ab-tc-off-2.json", "ab-tc-on-2.json",
+          "ab-seqs-off-1.json", "ab-seqs-on-1.json", "ab-seqs-off-2.json", "ab-seqs-on-2.json",
+          "ab-ixtc-off-1.json", "ab-ixtc-on-1.json", "ab-ixtc-off-2.json", "ab-ixtc-on-2.json"):
     try:
         out[f] = json.load(open(f))
     except Exception as e:
@@ -236,7 +301,7 @@ if k:
     for r in k["results"]:
         if os.environ.get("STAGE") == "tiles" and not r["kind"].startswith("moe"):
             continue
-        if os.environ.get("STAGE", "").startswith("mla-tc") and r["kind"] not in ("mla", "attention", "indexer"):
+        if (os.environ.get("STAGE", "").startswith("mla-tc") or os.environ.get("STAGE") == "depth") and r["kind"] not in ("mla", "attention", "indexer", "topk"):
             continue
         print("%-10s %-50s %8.1f us %6.0f GB/s %4.0f%%" % (r["kind"], r["what"][:50], r["us"], r["gb_per_s"], 100 * r["fraction_of_copy"]))
 for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-on-2.json",
@@ -246,7 +311,9 @@ for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-
           "ab-moe-gemm-1.json", "ab-moe-mmq-1.json", "ab-moe-gemm-2.json", "ab-moe-mmq-2.json",
           "depth-profile.json", "pp512-profile.json",
           "ab-tc-off-1.json", "ab-tc-on-1.json", "ab-tc-depth-off.json", "ab-tc-depth-on.json",
-          "ab-tc-off-2.json", "ab-tc-on-2.json"):
+          "ab-tc-off-2.json", "ab-tc-on-2.json",
+          "ab-seqs-off-1.json", "ab-seqs-on-1.json", "ab-seqs-off-2.json", "ab-seqs-on-2.json",
+          "ab-ixtc-off-1.json", "ab-ixtc-on-1.json", "ab-ixtc-off-2.json", "ab-ixtc-on-2.json"):
     b = load(f)
     if not b:
         continue
@@ -260,5 +327,6 @@ for f in kernel-tests-all.txt runtime-tests-all.txt tp-tests.txt; do
     [ -f "$f" ] && { echo "== $f"; grep -E 'test result|FAILED|panicked' "$f" | tail -6; }
 done
 [ -f "$OUT/llama.txt" ] && { echo "== llama.cpp"; cat "$OUT/llama.txt"; }
+[ -f "$OUT/tc-prof.txt" ] && { echo "== tensor-core MLA phases"; cat "$OUT/tc-prof.txt"; }
 [ -f "$W/llama-build.txt" ] && tail -3 "$W/llama-build.txt"
 echo "== log tail"; tail -5 "$LOG"

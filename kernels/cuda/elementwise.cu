@@ -58,3 +58,28 @@ extern "C" __global__ void gather_rows_f32(const float* __restrict__ src, const 
     for (long long r = blockIdx.y; r < rows; r += gridDim.y)
         dst[r * cols + i] = src[(long long)idx[r] * cols + i];
 }
+
+// Row r of src to the row at device address dst[r]: a batched step's rows appended to each
+// sequence's own cache in one launch, as f32 or rounded to bf16 as f32_to_bf16 rounds. The host
+// checks that every address holds a row of `cols`.
+template <int BF16>
+DEV void scatter_rows_impl(const float* __restrict__ src, const unsigned long long* __restrict__ dst,
+                           int cols, long long rows) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= cols) return;
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        const float v = src[r * cols + i];
+        if (BF16) ((uint16_t*)dst[r])[i] = f32_to_bf16(v);
+        else ((float*)dst[r])[i] = v;
+    }
+}
+extern "C" __global__ void scatter_rows_f32(const float* src, const unsigned long long* dst, int cols,
+                                            long long rows) {
+    pdl_entry();
+    scatter_rows_impl<0>(src, dst, cols, rows);
+}
+extern "C" __global__ void scatter_rows_bf16(const float* src, const unsigned long long* dst, int cols,
+                                             long long rows) {
+    pdl_entry();
+    scatter_rows_impl<1>(src, dst, cols, rows);
+}

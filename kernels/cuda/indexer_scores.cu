@@ -142,3 +142,125 @@ extern "C" __global__ void __launch_bounds__(IXL_THREADS, 2)
         if (live) o[t] = t > ps ? NEG_INF : total;
     }
 }
+
+// Tensor cores: the same scores for bf16 keys of width D <= 128 (D % 32 == 0) and H <= 32 heads,
+// as mma.m16n8k16 bf16 x bf16 -> f32 products with the heads as M (two tiles of 16) and 8 keys
+// as N. The lane-per-key kernel above is bound by its shared-memory reads of the queries (two
+// 16-byte reads per 8 multiply-adds: 38 us a layer at 32,768 keys on the H100 against ~3 us of
+// key bytes). A block stages one token's queries (f32, rows past H zero) in shared memory and
+// each warp splits them into two bf16 terms held as A fragments (q = hi + lo + r with
+// hi = bf16(q), lo = bf16(q - hi), |r| <= 2^-16 |q|; the keys are exact in bf16, so every
+// product is exact and both terms accumulate in f32 inside the mma). The dot products' dimension
+// order is permuted within each 32 dimensions so that lane t's B fragments of two k-steps are
+// one 16-byte load of its key row (dimensions 32j + 8t .. +7: k-step 2j + s takes +4s .. +3);
+// the A fragments follow the same permutation (a sum is order-free up to rounding). Per warp
+// IXT_TILES tiles of 8 keys, their rows loaded before any product; then per key the weighted
+// relu of its heads: each lane its 4 heads, then a 3-level xor tree over the lanes of a key.
+// Rounding: the tests' bound (kernels/tests/common/oracle.rs `indexer_tc_tol`).
+#define IXT_WARPS 4
+#define IXT_TILES 4
+#define IXT_KEYS (IXT_WARPS * IXT_TILES * 8)
+
+extern "C" __global__ void __launch_bounds__(32 * IXT_WARPS, 2)
+    indexer_scores_tc_bf16(const float* __restrict__ q, long long q_tok_stride, int H, int D,
+                           const void* __restrict__ k, long long k_stride,
+                           const float* __restrict__ w, long long w_stride,
+                           const int* __restrict__ pos, int T, float scale,
+                           float* __restrict__ out, long long out_stride, long long tokens) {
+    pdl_entry();
+    __shared__ __align__(16) float qs[32 * 128];
+    __shared__ float wsh[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const long long kb0 = (long long)blockIdx.x * IXT_KEYS;
+    const int nks = D >> 4;  // k-steps
+    const int mtiles = H > 16 ? 2 : 1;
+    for (long long s = blockIdx.y; s < tokens; s += gridDim.y) {
+        const int ps = pos[s];
+        float* o = out + s * out_stride;
+        // Every key of this block lies after the token's position: all masked (block-uniform).
+        if (kb0 > ps) {
+            for (int i = threadIdx.x; i < IXT_KEYS; i += blockDim.x)
+                if (kb0 + i < T) o[kb0 + i] = NEG_INF;
+            continue;
+        }
+        __syncthreads();  // the previous token's readers are done with qs
+        const float* qt = q + s * q_tok_stride;
+        for (int i = threadIdx.x; i < 32 * D; i += blockDim.x) {
+            const int hh = i / D;
+            qs[i] = hh < H ? qt[i] : 0.0f;
+        }
+        if (threadIdx.x < 32) wsh[threadIdx.x] = threadIdx.x < H ? w[s * w_stride + threadIdx.x] : 0.0f;
+        __syncthreads();
+        uint32_t ahi[2][8][4], alo[2][8][4];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int row = 16 * m + g + 8 * (i & 1);
+                    const int d0 = 32 * (kk >> 1) + 8 * t + 4 * (kk & 1) + 2 * (i >> 1);
+                    float x0 = 0.0f, x1 = 0.0f;
+                    if (kk < nks) {
+                        x0 = qs[row * D + d0];
+                        x1 = qs[row * D + d0 + 1];
+                    }
+                    const float h0 = bf16_to_f32(f32_to_bf16(x0)), h1 = bf16_to_f32(f32_to_bf16(x1));
+                    ahi[m][kk][i] = pack_bf16x2(h0, h1);
+                    alo[m][kk][i] = pack_bf16x2(x0 - h0, x1 - h1);
+                }
+        // This warp's key tiles: rows loaded first (past T: row 0, never written out).
+        const long long kw0 = kb0 + warp * IXT_TILES * 8;
+        uint4 kr[IXT_TILES][4];
+#pragma unroll
+        for (int n = 0; n < IXT_TILES; ++n) {
+            const long long key = kw0 + 8 * n + g;
+            const uint4* row = (const uint4*)((const uint16_t*)k + (key < T ? key : 0) * k_stride + 8 * t);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) kr[n][j] = 2 * j < nks ? row[4 * j] : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int n = 0; n < IXT_TILES; ++n) {
+            const long long kt = kw0 + 8 * n;
+            if (kt >= T) break;  // warp-uniform
+            float c[2][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m) c[m][0] = c[m][1] = c[m][2] = c[m][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                if (kk < nks) {
+                    const uint4 v = kr[n][kk >> 1];
+                    const uint32_t b[2] = {(kk & 1) ? v.z : v.x, (kk & 1) ? v.w : v.y};
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) {
+                        if (m < mtiles) {
+                            mma_bf16_16816(c[m], ahi[m][kk], b);
+                            mma_bf16_16816(c[m], alo[m][kk], b);
+                        }
+                    }
+                }
+            }
+            // c[m][i]: head 16m + g + 8 (i >> 1), key kt + 2t + (i & 1).
+            float tot[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float wh = wsh[16 * m + g + 8 * (i >> 1)];
+                    tot[i & 1] += wh * fmaxf(c[m][i] * scale, 0.0f);
+                }
+#pragma unroll
+            for (int x = 4; x < 32; x <<= 1) {
+                tot[0] += __shfl_xor_sync(0xffffffffu, tot[0], x);
+                tot[1] += __shfl_xor_sync(0xffffffffu, tot[1], x);
+            }
+            if (g == 0) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const long long key = kt + 2 * t + e;
+                    if (key < T) o[key] = key > ps ? NEG_INF : tot[e];
+                }
+            }
+        }
+    }
+}

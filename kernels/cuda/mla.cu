@@ -3,7 +3,8 @@
 //   score(s,h,t) = scale * q[s,h,:D] . c[t,:D],   o[s,h,:Dv] = sum_t softmax_t(score) c[t,:Dv]
 // (c = the cache row: normalised latent then roped key part, D = 576; values are its first
 // Dv = 512 columns). Keys of query s: every t < T with t <= pos(s) (dense causal), or the DSA
-// top-k list idx[s, 0..n_keys) (-1 = empty; listed keys stay causally masked).
+// top-k list idx[s, 0..n_keys) (-1 = empty; listed keys stay causally masked). A batched step of
+// several sequences gives each query token its own cache, list, length and position (MlaRow).
 //
 // Grid (n_split, S, head groups); a block of W <= 8 warps, each owning 4 heads (up to 32 heads
 // per block; more heads are further blocks along z, reading the same latent tiles from L2). Per tile of 32 keys the block loads the 32 latent rows into shared memory once
@@ -16,6 +17,15 @@
 // identical results.
 
 #define MLA_KT 32
+
+// A batched step of several sequences: query token s attends to its own sequence's cache, key
+// list (null = dense causal), cache length and position.
+struct MlaRow {
+    const void* kv;
+    const int* idx;
+    int T;
+    int pos;
+};
 
 struct MlaP {
     const float* q;
@@ -35,7 +45,44 @@ struct MlaP {
     // Decode kernel with one split: the output itself (else null).
     float* o;
     long long o_tok, o_head;
+    // Per-token sources of a batched step (null: every token reads kv / T, idx rows, pos or
+    // pos0 + s above).
+    const MlaRow* rows;
 };
+
+// What query token s reads: its cache, key list, length, position and key slots.
+struct MlaTok {
+    const void* kv;
+    const int* idx;
+    int T;
+    long long pos;
+    int n_eff;
+};
+
+DEV MlaTok mla_tok(const MlaP& p, long long s) {
+    MlaTok k;
+    if (p.rows) {
+        const MlaRow r = p.rows[s];
+        k.kv = r.kv;
+        k.idx = r.idx;
+        k.T = r.T;
+        k.pos = r.pos;
+    } else {
+        k.kv = p.kv;
+        k.idx = p.idx ? p.idx + s * p.idx_stride : nullptr;
+        k.T = p.T;
+        k.pos = p.pos ? (long long)p.pos[s] : (long long)p.pos0 + s;
+    }
+    k.n_eff = k.idx ? p.n_keys : (int)min((long long)k.T, k.pos + 1);
+    return k;
+}
+
+// Key row index of slot jj of a token, or -1 when the slot is empty or masked.
+DEV long long mla_dec_key(const MlaTok& k, int jj, int c1) {
+    if (jj >= c1) return -1;
+    const long long t = k.idx ? (long long)k.idx[jj] : (long long)jj;
+    return (t >= 0 && t < k.T && t <= k.pos) ? t : -1;
+}
 
 template <int BF16>
 DEV float4 mla_load4(const void* kv, long long off) {
@@ -62,10 +109,9 @@ DEV void mla_impl(const MlaP& p) {
     const int split = blockIdx.x;
     const long long s = blockIdx.y;
     const int h0 = blockIdx.z * p.heads_per_block + 4 * warp;
-    const long long pos_s = p.pos ? (long long)p.pos[s] : (long long)p.pos0 + s;
-    const int n_eff = p.idx ? p.n_keys : (int)min((long long)p.T, pos_s + 1);
+    const MlaTok tk = mla_tok(p, s);
     const int j0 = split * p.split_len;
-    const int j1 = min(n_eff, j0 + p.split_len);
+    const int j1 = min(tk.n_eff, j0 + p.split_len);
     const float* qs = p.q + s * p.q_tok;
     int hh4[4];
 #pragma unroll
@@ -95,12 +141,7 @@ DEV void mla_impl(const MlaP& p) {
     }
     const int d4 = p.D >> 2;
     for (int jt = j0; jt < j1; jt += MLA_KT) {
-        if (threadIdx.x < MLA_KT) {
-            const int jj = jt + threadIdx.x;
-            long long t = -1;
-            if (jj < j1) t = p.idx ? (long long)p.idx[s * p.idx_stride + jj] : (long long)jj;
-            kok[threadIdx.x] = (t >= 0 && t < p.T && t <= pos_s) ? (int)t + 1 : 0;
-        }
+        if (threadIdx.x < MLA_KT) kok[threadIdx.x] = (int)mla_dec_key(tk, jt + threadIdx.x, j1) + 1;
         __syncthreads();
         // Unrolled so that several rows' loads are in flight at once (latency, not bandwidth,
         // bounds a decode step's few tiles).
@@ -109,7 +150,7 @@ DEV void mla_impl(const MlaP& p) {
             const int kk = i / d4, c4 = i - kk * d4;
             const int tt = kok[kk];
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (tt) v = mla_load4<BF16>(p.kv, (long long)(tt - 1) * p.kv_stride + 4 * c4);
+            if (tt) v = mla_load4<BF16>(tk.kv, (long long)(tt - 1) * p.kv_stride + 4 * c4);
             *(float4*)(ks + kk * DS + 4 * c4) = v;
         }
         __syncthreads();
@@ -215,13 +256,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_partial_bf16(MlaP p) {
 #define MLA_DEC_G 2
 #define MLA_DEC_KC 64
 
-// Key row index of slot jj of query s, or -1 when the slot is empty or masked.
-DEV long long mla_dec_key(const MlaP& p, long long s, int jj, int c1, long long pos_s) {
-    if (jj >= c1) return -1;
-    const long long t = p.idx ? (long long)p.idx[s * p.idx_stride + jj] : (long long)jj;
-    return (t >= 0 && t < p.T && t <= pos_s) ? t : -1;
-}
-
 template <int BF16, int HPW, int G>
 DEV void mla_dec_impl(const MlaP& p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -229,10 +263,9 @@ DEV void mla_dec_impl(const MlaP& p) {
     const long long s = blockIdx.y;
     const int h0 = (blockIdx.z * (blockDim.x >> 5) + warp) * HPW;
     if (h0 >= p.H) return;
-    const long long pos_s = p.pos ? (long long)p.pos[s] : (long long)p.pos0 + s;
-    const int n_eff = p.idx ? p.n_keys : (int)min((long long)p.T, pos_s + 1);
+    const MlaTok tok = mla_tok(p, s);
     const int j0 = split * p.split_len;
-    const int j1 = min(n_eff, j0 + p.split_len);
+    const int j1 = min(tok.n_eff, j0 + p.split_len);
     const int nc = p.D >> 2, nvc = p.Dv >> 2;
     float4 q[HPW][5];
 #pragma unroll
@@ -266,7 +299,7 @@ DEV void mla_dec_impl(const MlaP& p) {
             long long tk[G];
             float sc[HPW][G];
 #pragma unroll
-            for (int g = 0; g < G; ++g) tk[g] = mla_dec_key(p, s, jt + g, c1, pos_s);
+            for (int g = 0; g < G; ++g) tk[g] = mla_dec_key(tok, jt + g, c1);
 #pragma unroll
             for (int g = 0; g < G; ++g) {
                 float4 kr[5];
@@ -275,7 +308,7 @@ DEV void mla_dec_impl(const MlaP& p) {
                     const int c = lane + 32 * j;
                     kr[j] = make_float4(0.f, 0.f, 0.f, 0.f);
                     if (tk[g] >= 0 && c < nc) {
-                        kr[j] = mla_load4<BF16>(p.kv, tk[g] * p.kv_stride + 4 * c);
+                        kr[j] = mla_load4<BF16>(tok.kv, tk[g] * p.kv_stride + 4 * c);
                     }
                 }
 #pragma unroll
@@ -330,7 +363,7 @@ DEV void mla_dec_impl(const MlaP& p) {
         for (int jt = c0; jt < c1; jt += G) {
             long long tk[G];
 #pragma unroll
-            for (int g = 0; g < G; ++g) tk[g] = mla_dec_key(p, s, jt + g, c1, pos_s);
+            for (int g = 0; g < G; ++g) tk[g] = mla_dec_key(tok, jt + g, c1);
             float pw[HPW][G];
 #pragma unroll
             for (int g = 0; g < G; ++g) {
@@ -349,7 +382,7 @@ DEV void mla_dec_impl(const MlaP& p) {
                     const int c = lane + 32 * j;
                     vr[j] = make_float4(0.f, 0.f, 0.f, 0.f);
                     if (tk[g] >= 0 && c < nvc) {
-                        vr[j] = mla_load4<BF16>(p.kv, tk[g] * p.kv_stride + 4 * c);
+                        vr[j] = mla_load4<BF16>(tok.kv, tk[g] * p.kv_stride + 4 * c);
                     }
                 }
 #pragma unroll
@@ -437,25 +470,6 @@ extern "C" __global__ void __launch_bounds__(32 * MLA_DEC_WARPS, 3) mla_decode_b
 #define MLA_TC_QB 12
 #define MLA_TC_KB 9
 
-// D = A B + C, mma.m16n8k16.row.col.f32.bf16.bf16.f32. A (16 x 16) register i of lane 4g + t
-// holds row g + 8 (i & 1), columns 2t + 8 (i >> 1) and +1 (low half first); B (16 x 8) register
-// i holds rows 2t + 8i and +1 of column g; C / D element i is row g + 8 (i >> 1), column
-// 2t + (i & 1). The emulator's model of the instruction under GGUFTOOL_EMU.
-DEV void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-#ifdef GGUFTOOL_EMU
-    emu_mma_m16n8k16_bf16(d, a, b, d);
-#else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#endif
-}
-
-DEV uint32_t mla_pack_bf16(float lo, float hi) {
-    return (uint32_t)f32_to_bf16(lo) | ((uint32_t)f32_to_bf16(hi) << 16);
-}
-
 // A warp's value n-tiles (8 columns each): Dv / 16 <= 32, held in acc[32][4].
 extern "C" __global__ void __launch_bounds__(256, 1) mla_tc_bf16(MlaP p) {
     pdl_entry();
@@ -470,10 +484,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_tc_bf16(MlaP p) {
     const int split = blockIdx.x;
     const long long s = blockIdx.y;
     const int hb0 = blockIdx.z * 16 * mt_n;
-    const long long pos_s = p.pos ? (long long)p.pos[s] : (long long)p.pos0 + s;
-    const int n_eff = p.idx ? p.n_keys : (int)min((long long)p.T, pos_s + 1);
+    const MlaTok tok = mla_tok(p, s);
     const int j0 = split * p.split_len;
-    const int j1 = min(n_eff, j0 + p.split_len);
+    const int j1 = min(tok.n_eff, j0 + p.split_len);
     // Queries to bf16 (rows past the last head: zeros, never written out). A thread's loads are
     // issued MLA_TC_QB at a time before any is used: one at a time, the 36 loads of a 64-head
     // block were 36 dependent round trips (a one-block launch, 64 heads over 16 keys, H100:
@@ -494,8 +507,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_tc_bf16(MlaP p) {
                 const int i = i0 + u * blockDim.x, r = i / d4, c = i - r * d4;
                 if (i < n) {
                     uint2 w;
-                    w.x = mla_pack_bf16(v[u].x, v[u].y);
-                    w.y = mla_pack_bf16(v[u].z, v[u].w);
+                    w.x = pack_bf16x2(v[u].x, v[u].y);
+                    w.y = pack_bf16x2(v[u].z, v[u].w);
                     *(uint2*)(qsm + r * DP + 4 * c) = w;
                 }
             }
@@ -512,7 +525,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_tc_bf16(MlaP p) {
     const uint16_t* qa = qsm + (16 * mt + g) * DP + 2 * t;
     const int d4 = p.D >> 2;
     for (int jt = j0; jt < j1; jt += MLA_TC_KC) {
-        if (threadIdx.x < MLA_TC_KC) kok[threadIdx.x] = (int)mla_dec_key(p, s, jt + threadIdx.x, j1, pos_s) + 1;
+        if (threadIdx.x < MLA_TC_KC) kok[threadIdx.x] = (int)mla_dec_key(tok, jt + threadIdx.x, j1) + 1;
         __syncthreads();
         // The chunk's rows, MLA_TC_KB loads of a thread in flight together (as for q above).
         for (int i0 = threadIdx.x; i0 < MLA_TC_KC * d4; i0 += MLA_TC_KB * blockDim.x) {
@@ -522,7 +535,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_tc_bf16(MlaP p) {
                 const int i = i0 + u * blockDim.x, kk = i / d4, c = i - kk * d4;
                 const int tt = i < MLA_TC_KC * d4 ? kok[kk] : 0;
                 v[u] = make_uint2(0u, 0u);
-                if (tt) v[u] = *(const uint2*)((const uint16_t*)p.kv + (long long)(tt - 1) * p.kv_stride + 4 * c);
+                if (tt) v[u] = *(const uint2*)((const uint16_t*)tok.kv + (long long)(tt - 1) * p.kv_stride + 4 * c);
             }
 #pragma unroll
             for (int u = 0; u < MLA_TC_KB; ++u) {
@@ -594,8 +607,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_tc_bf16(MlaP p) {
             }
             l0 += pv[0] + pv[1];
             l1 += pv[2] + pv[3];
-            pa[n >> 1][2 * (n & 1)] = mla_pack_bf16(pv[0], pv[1]);
-            pa[n >> 1][2 * (n & 1) + 1] = mla_pack_bf16(pv[2], pv[3]);
+            pa[n >> 1][2 * (n & 1)] = pack_bf16x2(pv[0], pv[1]);
+            pa[n >> 1][2 * (n & 1) + 1] = pack_bf16x2(pv[2], pv[3]);
         }
         // Values: column v0 + 8 i + g of keys 16 k16 + 2t (+1, +8, +9).
         const uint16_t* vb = ksm + 2 * t * DP + v0 + g;
@@ -619,35 +632,45 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_tc_bf16(MlaP p) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    // The accumulators leave through shared memory, a warp's 8 rows of a half at a time: stored
+    // straight from the fragments, each warp store would touch 8 rows (heads) x 4 lanes' 8 bytes,
+    // scattered (the one-chunk blocks of a decode launch spent as long on those stores as on the
+    // whole chunk: in-kernel clock64 timing, H100, docs/BENCHMARKS.md tenth session); from
+    // shared memory each store writes 256 contiguous bytes of one row. Every warp first passes
+    // the barrier below: a split without chunks passed none, and the queries' staging writes
+    // the same shared memory.
+    __syncthreads();
+    const int ep_pitch = (p.Dv >> 1) + 4;  // float2 stores of lanes (g, t): banks 4g + 2t
+    float* ep = (float*)tcsm + warp * 8 * ep_pitch;
+    const bool direct = p.n_split == 1 && p.o;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int h = hb0 + 16 * mt + g + 8 * half;
-        if (h >= p.H) continue;
         const float mh = half ? m1 : m0, lh = half ? l1 : l0;
-        if (p.n_split == 1 && p.o) {
-            const float inv = lh > 0.0f ? 1.0f / lh : 0.0f;
-            float* orow = p.o + s * p.o_tok + (long long)h * p.o_head + v0 + 2 * t;
+        // One split: the normalised output (what attn_combine_f32 writes for one split).
+        const float f = direct ? (lh > 0.0f ? 1.0f / lh : 0.0f) : 1.0f;
 #pragma unroll
-            for (int i = 0; i < 32; ++i) {
-                if (i < nv) {
-                    orow[8 * i] = acc[i][2 * half] * inv;
-                    orow[8 * i + 1] = acc[i][2 * half + 1] * inv;
-                }
-            }
-        } else {
-            float* pr = p.part + ((s * p.H + h) * (long long)p.n_split + split) * (p.Dv + 2);
-            if (vh == 0 && t == 0) {
-                pr[0] = mh;
-                pr[1] = lh;
-            }
-            float* prv = pr + 2 + v0 + 2 * t;
-#pragma unroll
-            for (int i = 0; i < 32; ++i) {
-                if (i < nv) {
-                    prv[8 * i] = acc[i][2 * half];
-                    prv[8 * i + 1] = acc[i][2 * half + 1];
-                }
+        for (int i = 0; i < 32; ++i) {
+            if (i < nv) {
+                *(float2*)(ep + g * ep_pitch + 8 * i + 2 * t) =
+                    make_float2(acc[i][2 * half] * f, acc[i][2 * half + 1] * f);
             }
         }
+        const int hg = hb0 + 16 * mt + g + 8 * half;
+        if (!direct && hg < p.H && vh == 0 && t == 0) {
+            float* pr = p.part + ((s * p.H + hg) * (long long)p.n_split + split) * (p.Dv + 2);
+            pr[0] = mh;
+            pr[1] = lh;
+        }
+        __syncwarp();
+        for (int r = 0; r < 8; ++r) {
+            const int h = hb0 + 16 * mt + r + 8 * half;
+            if (h >= p.H) break;  // warp-uniform: the rows ascend
+            float* dst = direct
+                ? p.o + s * p.o_tok + (long long)h * p.o_head + v0
+                : p.part + ((s * p.H + h) * (long long)p.n_split + split) * (p.Dv + 2) + 2 + v0;
+            for (int c = 2 * lane; c < (p.Dv >> 1); c += 64)
+                *(float2*)(dst + c) = *(const float2*)(ep + r * ep_pitch + c);
+        }
+        __syncwarp();
     }
 }

@@ -73,6 +73,27 @@ DEV uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+// D = A B + C, mma.m16n8k16.row.col.f32.bf16.bf16.f32. A (16 x 16) register i of lane 4g + t
+// holds row g + 8 (i & 1), columns 2t + 8 (i >> 1) and +1 (low half first); B (16 x 8) register
+// i holds rows 2t + 8i and +1 of column g; C / D element i is row g + 8 (i >> 1), column
+// 2t + (i & 1). The emulator's model of the instruction under GGUFTOOL_EMU. Needs sm_80+ (mla.cu's
+// tensor-core kernel, indexer_scores.cu's tensor-core scorer).
+DEV void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#ifdef GGUFTOOL_EMU
+    emu_mma_m16n8k16_bf16(d, a, b, d);
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// Two floats rounded to bf16 (f32_to_bf16) in one 32-bit word, the first in the low half.
+DEV uint32_t pack_bf16x2(float lo, float hi) {
+    return (uint32_t)f32_to_bf16(lo) | ((uint32_t)f32_to_bf16(hi) << 16);
+}
+
 DEV float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

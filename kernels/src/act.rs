@@ -269,6 +269,58 @@ impl Gpu {
         unsafe { self.launch(OP, bl, cfg) }
     }
 
+    /// Rows of `src` (`cols` values each) to several destinations in one launch: the first
+    /// `dsts[0].1` rows to the start of `dsts[0].0`, the next ones to `dsts[1].0`, and so on (a
+    /// batched step's rows appended to each sequence's cache). A `u16` destination takes the
+    /// rows rounded to bf16 (round to nearest even, as [`Gpu::to_bf16`]).
+    pub fn scatter_rows<C: crate::mla::CacheElem>(
+        &self,
+        src: &impl DevicePtr<f32>,
+        cols: usize,
+        dsts: &mut [(impl DevicePtrMut<C>, usize)],
+    ) -> Result<(), KernelError> {
+        const OP: &str = "scatter_rows";
+        let rows: usize = dsts.iter().map(|d| d.1).sum();
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        need_len(OP, "src", dlen(src), rows * cols)?;
+        let s = self.stream();
+        let mut addrs = Vec::with_capacity(rows);
+        let mut guards = Vec::with_capacity(dsts.len());
+        for (d, n) in dsts.iter_mut() {
+            if *n == 0 {
+                continue;
+            }
+            need_len(OP, "dst", dlen(d), *n * cols)?;
+            let (p, g) = d.device_ptr_mut(s);
+            guards.push(g);
+            let row = (cols * std::mem::size_of::<C>()) as u64;
+            addrs.extend((0..*n as u64).map(|r| p + r * row));
+        }
+        let d_addrs = self.upload_async(&addrs)?;
+        let f = self.func(
+            Op::Elementwise,
+            if C::BF16 {
+                "scatter_rows_bf16"
+            } else {
+                "scatter_rows_f32"
+            },
+        )?;
+        let cfg = self.cfg_rows(OP, elem_x(cols), rows, BLOCK)?;
+        let (sp, _g1) = src.device_ptr(s);
+        let (ap, _g2) = d_addrs.device_ptr(s);
+        let c32 = to_i32(OP, "cols", cols)?;
+        let r64 = rows as i64;
+        let mut bl = self.args(&f);
+        bl.arg(&sp).arg(&ap).arg(&c32).arg(&r64);
+        // SAFETY: src holds `rows` rows; every address starts a destination row of `cols`
+        // elements inside its checked view.
+        let r = unsafe { self.launch(OP, bl, cfg) };
+        drop(guards);
+        r
+    }
+
     /// f32 -> bf16 bit patterns (round to nearest even), for bf16 cuBLAS operands.
     pub fn to_bf16(
         &self,

@@ -98,6 +98,57 @@ pub fn lanes_grid(sh: &IndexerShape, sm_count: usize, max_y: u32) -> (u64, u64) 
     (gx as u64, gy as u64)
 }
 
+/// Keys per block and threads per block of the tensor-core scorer `indexer_scores_tc_bf16`
+/// (indexer_scores.cu's IXT_KEYS, 32 * IXT_WARPS), and its widest head count and key.
+pub const IXT_KEYS: usize = 128;
+pub const IXT_THREADS: u32 = 128;
+pub const IXT_MAX_HEADS: usize = 32;
+pub const IXT_DMAX: usize = 128;
+/// Blocks per SM its token split aims for (2 resident: launch bounds; 4 cover a short tail).
+const IXT_BLOCKS_PER_SM: usize = 4;
+
+/// 0 = by default (the tensor-core scorer wherever it fits), 1 = never
+/// (`GGUFTOOL_INDEXER_TC=0`, or [`force_indexer_tc`]).
+static TC_MODE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(u8::MAX);
+
+fn tc_on() -> bool {
+    use std::sync::atomic::Ordering;
+    let mut v = TC_MODE.load(Ordering::Relaxed);
+    if v == u8::MAX {
+        v = u8::from(std::env::var("GGUFTOOL_INDEXER_TC").as_deref() == Ok("0"));
+        TC_MODE.store(v, Ordering::Relaxed);
+    }
+    v == 0
+}
+
+/// Force the tensor-core scorer off (`Some(false)`) or back to the default (`None` /
+/// `Some(true)`: wherever [`tc_fit`] holds) for this process (tests and A/B runs).
+pub fn force_indexer_tc(on: Option<bool>) {
+    let v = u8::from(on == Some(false));
+    TC_MODE.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the tensor-core scorer takes a call: bf16 keys (checked by the caller) of a width
+/// that is a multiple of 32 up to [`IXT_DMAX`], rows of whole 16-byte loads (stride and base
+/// 16-byte aligned), at most [`IXT_MAX_HEADS`] heads.
+pub fn tc_fit(sh: &IndexerShape, k_ptr: u64) -> bool {
+    sh.dim.is_multiple_of(32)
+        && sh.dim <= IXT_DMAX
+        && sh.heads <= IXT_MAX_HEADS
+        && sh.k_stride.is_multiple_of(8)
+        && k_ptr.is_multiple_of(16)
+}
+
+/// Grid of the tensor-core scorer: [`IXT_KEYS`] keys per block in x; query tokens
+/// grid-strided in y (each block's key rows stay in L1 for its next token), as many as bring
+/// the launch to about [`IXT_BLOCKS_PER_SM`] blocks per SM, at most the device's y limit.
+pub fn tc_grid(sh: &IndexerShape, sm_count: usize, max_y: u32) -> (u64, u64) {
+    let gx = sh.kv_len.div_ceil(IXT_KEYS).max(1);
+    let want = (IXT_BLOCKS_PER_SM * sm_count.max(1)).div_ceil(gx);
+    let gy = want.clamp(1, sh.tokens.max(1)).min(max_y.max(1) as usize);
+    (gx as u64, gy as u64)
+}
+
 impl Gpu {
     /// `out[s,t] = sum_h w[s,h] * relu(scale * q[s,h] . k[t])` for `t <= pos[s]`, -inf otherwise.
     /// Keys f32 or bf16 (`u16` bit patterns).
@@ -140,9 +191,14 @@ impl Gpu {
         )?;
         let s = self.stream();
         let (kp, _g2) = k.device_ptr(s);
+        let tc = C::BF16 && tc_on() && lanes_mode().is_none() && tc_fit(&sh, kp);
         let lanes =
             C::BF16 && lanes_mode().unwrap_or(sh.kv_len >= IXL_MIN_KEYS) && lanes_fit(&sh, kp);
-        let (f, cfg) = if lanes {
+        let (f, cfg) = if tc {
+            let f = self.func(Op::IndexerScores, "indexer_scores_tc_bf16")?;
+            let (gx, gy) = tc_grid(&sh, self.info().sm_count as usize, self.info().max_grid.1);
+            (f, self.cfg(OP, (gx, gy, 1), IXT_THREADS)?)
+        } else if lanes {
             let f = self.func(Op::IndexerScores, "indexer_scores_lanes_bf16")?;
             let (gx, gy) = lanes_grid(&sh, self.info().sm_count as usize, self.info().max_grid.1);
             (f, self.cfg(OP, (gx, gy, 1), IXL_THREADS)?)

@@ -41,9 +41,10 @@ pub use device::{
 pub use error::KernelError;
 pub use gemv::{Channels, MatShape};
 pub use gemvq::{gemvq_supported, Q8Act, QChannels, QMode, Q8_REL_ERR};
-pub use indexer::{force_indexer_lanes, IndexerShape};
+pub use indexer::{force_indexer_lanes, force_indexer_tc, IndexerShape};
 pub use mla::{
-    force_mla_decode, force_mla_tc, mla_tc_plan, CacheElem, MlaParams, MlaShape, MlaTcPlan,
+    force_mla_decode, force_mla_tc, mla_tc_plan, CacheElem, MlaParams, MlaRow, MlaSeq, MlaShape,
+    MlaTcPlan,
 };
 pub use mmq::{
     mmq_kernel_name, mmq_ks_allowed, mmq_plan, mmq_plan_ks, mmq_records_per_thread, mmq_supported,

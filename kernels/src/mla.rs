@@ -86,10 +86,48 @@ pub struct MlaParams {
     pub o: u64,
     pub o_tok: i64,
     pub o_head: i64,
+    /// Per-token [`MlaRow`]s of a batched step (0: every token reads `kv`, `t`, `idx`, `pos`).
+    pub rows: u64,
 }
 
 // SAFETY: plain struct laid out exactly as `struct MlaP` in mla.cu.
 unsafe impl DeviceRepr for MlaParams {}
+
+/// What one query token of a batched step reads (`struct MlaRow` in mla.cu): its sequence's
+/// cache (device address), key list (0 = dense causal), cache length and position.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MlaRow {
+    pub kv: u64,
+    pub idx: u64,
+    pub t: i32,
+    pub pos: i32,
+}
+
+// SAFETY: plain struct laid out exactly as `struct MlaRow` in mla.cu.
+unsafe impl DeviceRepr for MlaRow {}
+
+/// One sequence of a batched MLA call ([`Gpu::mla_attention_seqs`]): its next `tokens` query
+/// rows (consecutive in q and o, sequences in order) at positions `pos0 ..`, its cache of
+/// `kv_len` rows, its key lists (one row per query token) or dense causal keys.
+pub struct MlaSeq<'a, C> {
+    pub kv: cudarc::driver::CudaView<'a, C>,
+    pub kv_len: usize,
+    pub tokens: usize,
+    pub pos0: usize,
+    pub keys: Option<KeyLists<'a>>,
+}
+
+/// Where a launch's tokens read keys: one cache and list block, or the per-token rows (whose
+/// key lists are `n_keys` long; a launch's `n_eff` is then the longest token's key count).
+#[derive(Debug, Clone, Copy)]
+struct Src {
+    kv: u64,
+    idx: u64,
+    istride: usize,
+    rows: u64,
+    n_keys: usize,
+}
 
 /// Heads per block, head groups and splits for `n_eff` keys: enough blocks to keep at least half
 /// the SMs busy, each latent tile shared by as many heads as possible (64 heads of a decode
@@ -117,17 +155,17 @@ impl MlaParams {
         m: &MlaShape,
         s0: usize,
         qp: u64,
-        kp: u64,
-        (ip, istride): (u64, usize),
+        src: Src,
         n_eff: usize,
         (split_len, n_split): (usize, usize),
     ) -> Result<MlaParams, KernelError> {
         const OP: &str = "mla";
+        let (ip, istride) = (src.idx, src.istride);
         Ok(MlaParams {
             q: qp + (s0 * m.q_tok_stride * 4) as u64,
             q_tok: m.q_tok_stride as i64,
             q_head: m.q_head_stride as i64,
-            kv: kp,
+            kv: src.kv,
             kv_stride: m.kv_stride as i64,
             d: to_i32(OP, "d", m.d)?,
             dv: to_i32(OP, "d_v", m.d_v)?,
@@ -141,7 +179,7 @@ impl MlaParams {
                 ip + (s0 * istride * 4) as u64
             },
             idx_stride: istride as i64,
-            n_keys: to_i32(OP, "n_keys", n_eff)?,
+            n_keys: to_i32(OP, "n_keys", if src.rows == 0 { n_eff } else { src.n_keys })?,
             split_len: to_i32(OP, "split", split_len)?,
             scale: m.scale,
             n_split: to_i32(OP, "splits", n_split)?,
@@ -151,6 +189,11 @@ impl MlaParams {
             o: 0,
             o_tok: m.o_tok_stride as i64,
             o_head: m.o_head_stride as i64,
+            rows: if src.rows == 0 {
+                0
+            } else {
+                src.rows + (s0 * std::mem::size_of::<MlaRow>()) as u64
+            },
         })
     }
 }
@@ -348,7 +391,169 @@ impl Gpu {
         m: MlaShape,
     ) -> Result<(), KernelError> {
         const OP: &str = "mla";
-        if m.tokens == 0 || m.heads == 0 || m.kv_len == 0 {
+        self.mla_check(q, o, &m)?;
+        if m.kv_len == 0 {
+            return Err(shape_err(OP, format!("empty shape {m:?}")));
+        }
+        if m.pos0 + m.tokens > m.kv_len {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "queries at {}..{} but only {} cached keys",
+                    m.pos0,
+                    m.pos0 + m.tokens,
+                    m.kv_len
+                ),
+            ));
+        }
+        need_len(OP, "kv", dlen(kv), (m.kv_len - 1) * m.kv_stride + m.d)?;
+        let n_eff = match keys {
+            Some(kl) => {
+                if kl.n_keys == 0 {
+                    return Err(shape_err(OP, "empty key lists"));
+                }
+                need_len(
+                    OP,
+                    "idx",
+                    kl.idx.len(),
+                    (m.tokens - 1) * kl.stride + kl.n_keys,
+                )?;
+                kl.n_keys
+            }
+            None => m.kv_len,
+        };
+        let s = self.stream();
+        let (qp, _gq) = q.device_ptr(s);
+        let (kp, _gk) = kv.device_ptr(s);
+        let (op, _go) = o.device_ptr_mut(s);
+        let (ip, istride) = match keys {
+            Some(kl) => (kl.idx.device_ptr(s).0, kl.stride),
+            None => (0u64, 0usize),
+        };
+        let src = Src {
+            kv: kp,
+            idx: ip,
+            istride,
+            rows: 0,
+            n_keys: 0,
+        };
+        // SAFETY: q, kv, o and the key lists were checked above for every token; the guards
+        // live until return.
+        unsafe { self.mla_dispatch::<C>(qp, op, src, m, n_eff, m.tokens) }
+    }
+
+    /// [`Gpu::mla_attention`] for a batched step of several sequences in one launch: the query
+    /// rows of `seqs[i]` follow those of `seqs[i - 1]` in q and o (`m.tokens` rows in all) and
+    /// attend to that sequence's own cache at its own positions. `m.kv_len` and `m.pos0` are
+    /// not read (each sequence has its own); sparse sequences' lists must be equally long.
+    /// Each token reads what the single-sequence call would give it: same masking, same
+    /// arithmetic; the split plan is made for the longest sequence.
+    pub fn mla_attention_seqs<C: CacheElem>(
+        &self,
+        q: &impl DevicePtr<f32>,
+        seqs: &[MlaSeq<'_, C>],
+        o: &mut impl DevicePtrMut<f32>,
+        m: MlaShape,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "mla";
+        self.mla_check(q, o, &m)?;
+        let total: usize = seqs.iter().map(|q| q.tokens).sum();
+        if total != m.tokens {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "{total} query rows in the sequences, {} in the call",
+                    m.tokens
+                ),
+            ));
+        }
+        let n_keys = seqs.iter().filter_map(|q| q.keys.map(|k| k.n_keys)).max();
+        let s = self.stream();
+        let mut rows = Vec::with_capacity(m.tokens);
+        let mut guards = Vec::with_capacity(2 * seqs.len());
+        let mut n_eff = 1usize;
+        for (i, sq) in seqs.iter().enumerate() {
+            if sq.tokens == 0 {
+                continue;
+            }
+            if sq.kv_len == 0 || sq.pos0 + sq.tokens > sq.kv_len {
+                return Err(shape_err(
+                    OP,
+                    format!(
+                        "sequence {i}: queries at {}..{} but {} cached keys",
+                        sq.pos0,
+                        sq.pos0 + sq.tokens,
+                        sq.kv_len
+                    ),
+                ));
+            }
+            need_len(OP, "kv", sq.kv.len(), (sq.kv_len - 1) * m.kv_stride + m.d)?;
+            let t = to_i32(OP, "kv_len", sq.kv_len)?;
+            to_i32(OP, "position", sq.pos0 + sq.tokens)?;
+            let (kp, gk) = sq.kv.device_ptr(s);
+            guards.push(gk);
+            let list = match sq.keys {
+                Some(kl) => {
+                    if Some(kl.n_keys) != n_keys || kl.n_keys == 0 {
+                        return Err(shape_err(
+                            OP,
+                            format!("sequence {i}: {} listed keys, others {n_keys:?}", kl.n_keys),
+                        ));
+                    }
+                    need_len(
+                        OP,
+                        "idx",
+                        kl.idx.len(),
+                        (sq.tokens - 1) * kl.stride + kl.n_keys,
+                    )?;
+                    let (ip, gi) = kl.idx.device_ptr(s);
+                    guards.push(gi);
+                    Some((ip, kl.stride))
+                }
+                None => None,
+            };
+            for j in 0..sq.tokens {
+                let pos = sq.pos0 + j;
+                n_eff = n_eff.max(match list {
+                    Some(_) => n_keys.unwrap_or(0),
+                    None => pos + 1,
+                });
+                rows.push(MlaRow {
+                    kv: kp,
+                    idx: list.map_or(0, |(ip, st)| ip + (j * st * 4) as u64),
+                    t,
+                    pos: pos as i32,
+                });
+            }
+        }
+        let d_rows = self.upload_async(&rows)?;
+        let (qp, _gq) = q.device_ptr(s);
+        let (op, _go) = o.device_ptr_mut(s);
+        let (rp, _gr) = d_rows.device_ptr(s);
+        let src = Src {
+            kv: 0,
+            idx: 0,
+            istride: 0,
+            rows: rp,
+            n_keys: n_keys.unwrap_or(0),
+        };
+        // Each token's work is that of a one-token call (its own keys): the kernel choice of one.
+        // SAFETY: q and o were checked above, every row's cache and key list too; the guards
+        // and the uploaded rows live until return.
+        let r = unsafe { self.mla_dispatch::<C>(qp, op, src, m, n_eff, 1) };
+        drop(guards);
+        r
+    }
+
+    /// The checks every MLA call shares: shape, widths, strides, q and o extents.
+    fn mla_check(
+        &self,
+        q: &impl DevicePtr<f32>,
+        o: &impl DevicePtrMut<f32>,
+        m: &MlaShape,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "mla";
+        if m.tokens == 0 || m.heads == 0 {
             return Err(shape_err(OP, format!("empty shape {m:?}")));
         }
         if m.d == 0 || !m.d.is_multiple_of(4) || m.d_v == 0 || m.d_v > 512 || m.d_v > m.d {
@@ -367,16 +572,9 @@ impl Gpu {
         {
             return Err(shape_err(OP, format!("strides not multiples of 4: {m:?}")));
         }
-        if m.pos0 + m.tokens > m.kv_len {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "queries at {}..{} but only {} cached keys",
-                    m.pos0,
-                    m.pos0 + m.tokens,
-                    m.kv_len
-                ),
-            ));
+        // The tensor-core kernel writes o in 8-byte pairs.
+        if !m.o_tok_stride.is_multiple_of(2) || !m.o_head_stride.is_multiple_of(2) {
+            return Err(shape_err(OP, format!("output strides not even: {m:?}")));
         }
         let smem = 4 * (KT * (m.d + 4) + 32 * KT + KT);
         if smem > self.max_smem_optin() {
@@ -385,58 +583,53 @@ impl Gpu {
                 format!("key width {} needs {smem} B of shared memory", m.d),
             ));
         }
-        // Decode-sized steps stage each block's queries (up to 32 heads) in shared memory; the
-        // larger footprint would halve a long prefill's blocks per SM, so those read q from L1.
-        let smem_staged = smem + 4 * 32 * m.d;
-        let stage = m.tokens <= STAGE_Q_MAX_TOKENS && smem_staged <= self.max_smem_optin();
         need_len(
             OP,
             "q",
             dlen(q),
             (m.tokens - 1) * m.q_tok_stride + (m.heads - 1) * m.q_head_stride + m.d,
         )?;
-        need_len(OP, "kv", dlen(kv), (m.kv_len - 1) * m.kv_stride + m.d)?;
         need_len(
             OP,
             "o",
             dlen(o),
             (m.tokens - 1) * m.o_tok_stride + (m.heads - 1) * m.o_head_stride + m.d_v,
-        )?;
-        let n_eff = match keys {
-            Some(kl) => {
-                if kl.n_keys == 0 {
-                    return Err(shape_err(OP, "empty key lists"));
-                }
-                need_len(
-                    OP,
-                    "idx",
-                    kl.idx.len(),
-                    (m.tokens - 1) * kl.stride + kl.n_keys,
-                )?;
-                kl.n_keys
-            }
-            None => m.kv_len,
-        };
+        )
+    }
+
+    /// The launches of a checked call: the tensor-core, decode or tile kernel by shape
+    /// (`choice_tokens`: the query tokens that share keys, 1 for a batch of sequences).
+    ///
+    /// # Safety
+    /// q, o and what `src` points at hold every token's rows (checked by the callers) and
+    /// outlive the call.
+    unsafe fn mla_dispatch<C: CacheElem>(
+        &self,
+        qp: u64,
+        op: u64,
+        src: Src,
+        m: MlaShape,
+        n_eff: usize,
+        choice_tokens: usize,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "mla";
         let sm = self.info().sm_count as usize;
-        let s = self.stream();
-        let (qp, _gq) = q.device_ptr(s);
-        let (kp, _gk) = kv.device_ptr(s);
-        let (op, _go) = o.device_ptr_mut(s);
-        let (ip, istride) = match keys {
-            Some(kl) => (kl.idx.device_ptr(s).0, kl.stride),
-            None => (0u64, 0usize),
-        };
         if C::BF16
-            && use_tc(m.tokens, n_eff, m.d, m.d_v)
+            && use_tc(choice_tokens, n_eff, m.d, m.d_v)
             && mla_tc_plan(m.heads, 1, n_eff, m.d, (sm, self.max_smem_optin())).is_some()
         {
-            // SAFETY: as for the decode kernel below.
-            return unsafe { self.mla_tc((qp, kp, op), (ip, istride), m, n_eff) };
+            // SAFETY: by the caller.
+            return unsafe { self.mla_tc(qp, op, src, m, n_eff) };
         }
-        if use_decode(m.tokens, n_eff, m.d, m.d_v) {
-            // SAFETY: the pointers' extents were checked above; their guards live until return.
-            return unsafe { self.mla_decode::<C>((qp, kp, op), (ip, istride), m, n_eff) };
+        if use_decode(choice_tokens, n_eff, m.d, m.d_v) {
+            // SAFETY: by the caller.
+            return unsafe { self.mla_decode::<C>(qp, op, src, m, n_eff) };
         }
+        let smem = 4 * (KT * (m.d + 4) + 32 * KT + KT);
+        // Decode-sized steps stage each block's queries (up to 32 heads) in shared memory; the
+        // larger footprint would halve a long prefill's blocks per SM, so those read q from L1.
+        let smem_staged = smem + 4 * 32 * m.d;
+        let stage = m.tokens <= STAGE_Q_MAX_TOKENS && smem_staged <= self.max_smem_optin();
         let f_part = self.func(
             Op::Mla,
             if C::BF16 {
@@ -470,7 +663,7 @@ impl Gpu {
                 heads_per_block: hc as i32,
                 stage_q: i32::from(stage),
                 part: part.ptr(),
-                ..MlaParams::of(&m, s0, qp, kp, (ip, istride), n_eff, (split_len, n_split))?
+                ..MlaParams::of(&m, s0, qp, src, n_eff, (split_len, n_split))?
             };
             let mut cfg = self.cfg(
                 OP,
@@ -495,15 +688,16 @@ impl Gpu {
         Ok(())
     }
 
-    /// The decode kernel (mla.cu `mla_decode_*`) on the device pointers of q, the cache and o,
-    /// and of the key lists (0 = dense) with their stride.
+    /// The decode kernel (mla.cu `mla_decode_*`) on the device pointers of q and o and the
+    /// tokens' key source.
     ///
     /// # Safety
-    /// The extents were checked by [`Gpu::mla_attention`] and the buffers outlive the call.
+    /// The extents were checked by the public calls and the buffers outlive the call.
     unsafe fn mla_decode<C: CacheElem>(
         &self,
-        (qp, kp, op): (u64, u64, u64),
-        (ip, istride): (u64, usize),
+        qp: u64,
+        op: u64,
+        src: Src,
         m: MlaShape,
         n_eff: usize,
     ) -> Result<(), KernelError> {
@@ -529,7 +723,7 @@ impl Gpu {
             heads_per_block: DEC_HEADS_PER_BLOCK as i32,
             part: part_ptr,
             o: if n_split == 1 { op } else { 0 },
-            ..MlaParams::of(&m, 0, qp, kp, (ip, istride), n_eff, (split_len, n_split))?
+            ..MlaParams::of(&m, 0, qp, src, n_eff, (split_len, n_split))?
         };
         let cfg = self.cfg(
             OP,
@@ -552,16 +746,16 @@ impl Gpu {
         Ok(())
     }
 
-    /// The tensor-core kernel (mla.cu `mla_tc_bf16`, bf16 cache) on the device pointers of q,
-    /// the cache and o, and of the key lists (0 = dense) with their stride; token groups keep
-    /// grid.y within the device limit.
+    /// The tensor-core kernel (mla.cu `mla_tc_bf16`, bf16 cache) on the device pointers of q
+    /// and o and the tokens' key source; token groups keep grid.y within the device limit.
     ///
     /// # Safety
-    /// The extents were checked by [`Gpu::mla_attention`] and the buffers outlive the call.
+    /// The extents were checked by the public calls and the buffers outlive the call.
     unsafe fn mla_tc(
         &self,
-        (qp, kp, op): (u64, u64, u64),
-        (ip, istride): (u64, usize),
+        qp: u64,
+        op: u64,
+        src: Src,
         m: MlaShape,
         n_eff: usize,
     ) -> Result<(), KernelError> {
@@ -586,15 +780,7 @@ impl Gpu {
                 heads_per_block: (16 * plan.tiles) as i32,
                 part: part.as_mut().map_or(0, |b| b.ptr()),
                 o: if direct { o_s0 } else { 0 },
-                ..MlaParams::of(
-                    &m,
-                    s0,
-                    qp,
-                    kp,
-                    (ip, istride),
-                    n_eff,
-                    (plan.split_len, plan.n_split),
-                )?
+                ..MlaParams::of(&m, s0, qp, src, n_eff, (plan.split_len, plan.n_split))?
             };
             let mut cfg = self.cfg(
                 OP,

@@ -2351,29 +2351,6 @@ fn gemvq_glu_and_combine_split_over_warps() {
     );
 }
 
-/// f64 attention of one query over the latent rows `keys`, values = first `dv` columns.
-fn mla_cpu(
-    q: &[f32],
-    c: &[f32],
-    d: usize,
-    dv: usize,
-    keys: &[usize],
-    scale: f32,
-) -> (Vec<f64>, f64) {
-    // Bound of the f32 score error: (d + 8) roundings of the magnitude sum.
-    let (s, smag) = mla_scores(q, c, d, keys, scale);
-    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    let p: Vec<f64> = s.iter().map(|v| (v - mx).exp()).collect();
-    let z: f64 = p.iter().sum();
-    let mut o = vec![0f64; dv];
-    for (pi, &t) in p.iter().zip(keys) {
-        for (j, ov) in o.iter_mut().enumerate() {
-            *ov += pi / z * f64::from(c[t * d + j]);
-        }
-    }
-    (o, (d as f64 + 8.0) * U32 * smag)
-}
-
 /// One MLA call against the f64 oracle; `tc`: the tensor-core kernel took it (bf16 cache), whose
 /// bound (`mla_tc_expect`) adds its bf16 rounding of q and of the softmax weights.
 #[allow(clippy::too_many_arguments)]
@@ -2456,12 +2433,7 @@ fn check_mla<C: CacheElem>(
                 }
                 continue;
             }
-            let (want, ds) = mla_cpu(qh, &c_used, d, dv, &keys_s, 1.0 / 16.0);
-            // Softmax weights move by <= 2 max|ds| + exp's 4 ulps relative; the weighted sum of
-            // up to T values adds T + 8 roundings of max|c|, and each rescale of the running
-            // sums (one per 32-key tile, or per 64-key chunk in the decode kernel) one more.
-            let n_k = keys_s.len() as f64;
-            let tol = (2.0 * ds + 8.0 * U32 + (n_k + n_k / 32.0 + 9.0) * U32) * cmax + 1e-30;
+            let (want, tol) = mla_f32_expect(qh, &c_used, d, dv, &keys_s, 1.0 / 16.0, cmax);
             // The bf16 cache itself, against the unrounded values: every value moves by <= 2^-8
             // of itself (the unit roundoff of an 8-bit significand), every score by
             // <= 2^-8 * scale * sum|q c|, so the output by
@@ -2569,6 +2541,239 @@ fn mla_latent_kernel_matches_f64() {
         }
     }
     assert!(bad.is_empty(), "mla failed: {bad:?}");
+}
+
+/// A batched step of several sequences in one launch (`Gpu::mla_attention_seqs`): each query
+/// token against the f64 attention over its own sequence's keys, through the tile, decode and
+/// (bf16 cache) tensor-core kernels; sequences of different lengths, dense and DSA-listed, one
+/// and several query tokens, with the plan made for the longest (2,100 keys: split partials,
+/// empty splits for the short ones merged by the combine).
+#[test]
+fn mla_batched_sequences_match_f64() {
+    let Some(g) = gpu("mla_batched_sequences_match_f64") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("mla_seqs");
+    let (d, dv, heads, scale) = (576usize, 512usize, 64usize, 1.0f32 / 16.0);
+    let n_keys = 300usize;
+    let mut bad = Vec::new();
+    for seqs in [
+        // decode-sized: 20 sequences of 1 token, up to 900 keys
+        (0..20)
+            .map(|i| (5 + 47 * i, 1usize, i % 3 == 2))
+            .collect::<Vec<(usize, usize, bool)>>(),
+        // long and short, several tokens each
+        vec![
+            (2100, 2, true),
+            (700, 1, false),
+            (20, 3, false),
+            (301, 1, true),
+        ],
+    ] {
+        let caches: Vec<Vec<f32>> = seqs.iter().map(|&(t, _, _)| r.vec(t * d, 1.0)).collect();
+        let lists: Vec<Vec<Vec<i32>>> = seqs
+            .iter()
+            .map(|&(t, n, _)| mla_key_lists(&mut r, n, n_keys, t - n))
+            .collect();
+        let tokens: usize = seqs.iter().map(|s| s.1).sum();
+        let q = r.vec(tokens * heads * d, 1.0);
+        let dq = g.upload(&q).unwrap();
+        let didx: Vec<_> = lists
+            .iter()
+            .map(|l| {
+                g.upload(&l.iter().flatten().copied().collect::<Vec<i32>>())
+                    .unwrap()
+            })
+            .collect();
+        let iviews: Vec<_> = didx.iter().map(|b| b.as_view()).collect();
+        let m = MlaShape {
+            tokens,
+            heads,
+            d,
+            d_v: dv,
+            q_tok_stride: heads * d,
+            q_head_stride: d,
+            kv_stride: d,
+            kv_len: 0,
+            o_tok_stride: heads * dv,
+            o_head_stride: dv,
+            scale,
+            pos0: 0,
+        };
+        for (bf16, kern, tc) in [
+            (false, Some(false), false),
+            (false, Some(true), false),
+            (true, Some(true), false),
+            (true, None, true),
+        ] {
+            let used: Vec<Vec<f32>> = caches
+                .iter()
+                .map(|c| {
+                    if bf16 {
+                        c.iter().map(|&v| bf16_round(v)).collect()
+                    } else {
+                        c.clone()
+                    }
+                })
+                .collect();
+            kernels::force_mla_decode(kern);
+            kernels::force_mla_tc(Some(tc));
+            let mut o = nan_buf(&g, tokens * heads * dv);
+            let keys = |i: usize| {
+                seqs[i].2.then_some(kernels::KeyLists {
+                    idx: &iviews[i],
+                    n_keys,
+                    stride: n_keys,
+                })
+            };
+            if bf16 {
+                let bufs: Vec<_> = caches
+                    .iter()
+                    .map(|c| {
+                        let b: Vec<u16> = c
+                            .iter()
+                            .map(|&v| half::bf16::from_f32(v).to_bits())
+                            .collect();
+                        g.upload(&b).unwrap()
+                    })
+                    .collect();
+                let ms: Vec<kernels::MlaSeq<'_, u16>> = seqs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(t, n, _))| kernels::MlaSeq {
+                        kv: bufs[i].as_view(),
+                        kv_len: t,
+                        tokens: n,
+                        pos0: t - n,
+                        keys: keys(i),
+                    })
+                    .collect();
+                g.mla_attention_seqs(&dq, &ms, &mut o, m).unwrap();
+            } else {
+                let bufs: Vec<_> = caches.iter().map(|c| g.upload(c).unwrap()).collect();
+                let ms: Vec<kernels::MlaSeq<'_, f32>> = seqs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(t, n, _))| kernels::MlaSeq {
+                        kv: bufs[i].as_view(),
+                        kv_len: t,
+                        tokens: n,
+                        pos0: t - n,
+                        keys: keys(i),
+                    })
+                    .collect();
+                g.mla_attention_seqs(&dq, &ms, &mut o, m).unwrap();
+            }
+            kernels::force_mla_decode(None);
+            kernels::force_mla_tc(None);
+            let got = g.download(&o).unwrap();
+            let (mut ok, mut worst, mut at) = (true, 0f64, 0usize);
+            for (i, &(t, n, sparse)) in seqs.iter().enumerate() {
+                let c = &used[i];
+                let cmax = c.iter().fold(0f64, |a, v| a.max(f64::from(v.abs())));
+                for j in 0..n {
+                    let keys_s = mla_keys_of(sparse.then_some(&lists[i][..]), j, t - n);
+                    for h in 0..heads {
+                        let qh = &q[(at * heads + h) * d..(at * heads + h + 1) * d];
+                        let (want, tol) = if tc {
+                            mla_tc_expect(qh, c, d, dv, &keys_s, scale)
+                        } else {
+                            let (w, t1) = mla_f32_expect(qh, c, d, dv, &keys_s, scale, cmax);
+                            (w, vec![t1; dv])
+                        };
+                        for jj in 0..dv {
+                            let gv = f64::from(got[(at * heads + h) * dv + jj]);
+                            let e = (gv - want[jj]).abs();
+                            ok &= gv.is_finite() && e <= tol[jj];
+                            worst = worst.max(e / tol[jj]);
+                        }
+                    }
+                    at += 1;
+                }
+            }
+            let kname = match (kern, tc) {
+                (_, true) => "tensor-core kernel",
+                (Some(true), _) => "decode kernel",
+                _ => "tile kernel",
+            };
+            let what = format!(
+                "{} sequences, {tokens} tokens, {}",
+                seqs.len(),
+                if bf16 { "bf16 cache" } else { "f32 cache" }
+            );
+            row(&format!("mla batched, {kname}"), &what, worst, 1.0, ok);
+            if !ok {
+                bad.push(format!("{what}, {kname}"));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "batched mla failed: {bad:?}");
+}
+
+/// `Gpu::scatter_rows`: each sequence's rows land at the end of its own buffer, bitwise the
+/// rows (f32) or their bf16 rounding (`Gpu::to_bf16`'s), the rest of every buffer untouched.
+#[test]
+fn scatter_rows_writes_each_destination() {
+    let Some(g) = gpu("scatter_rows_writes_each_destination") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("scatter_rows");
+    let cols = 576usize;
+    let counts = [1usize, 3, 0, 2];
+    let rows: usize = counts.iter().sum();
+    let x = r.vec(rows * cols, 4.0);
+    let dx = g.upload(&x).unwrap();
+    // Each destination: 5 rows already there, room for 4 more.
+    let old = 5usize;
+    let mut f32_bufs: Vec<_> = counts
+        .iter()
+        .map(|_| g.upload(&vec![7.0f32; (old + 4) * cols]).unwrap())
+        .collect();
+    let mut bf_bufs: Vec<_> = counts
+        .iter()
+        .map(|_| g.upload(&vec![0x3f80u16; (old + 4) * cols]).unwrap())
+        .collect();
+    {
+        let mut v: Vec<_> = f32_bufs
+            .iter_mut()
+            .zip(counts)
+            .map(|(b, n)| (b.slice_mut(old * cols..(old + n) * cols), n))
+            .collect();
+        g.scatter_rows(&dx, cols, &mut v).unwrap();
+        let mut v: Vec<_> = bf_bufs
+            .iter_mut()
+            .zip(counts)
+            .map(|(b, n)| (b.slice_mut(old * cols..(old + n) * cols), n))
+            .collect();
+        g.scatter_rows(&dx, cols, &mut v).unwrap();
+    }
+    let mut ok = true;
+    let mut r0 = 0;
+    for (i, &n) in counts.iter().enumerate() {
+        let f = g.download(&f32_bufs[i]).unwrap();
+        let b = g.download(&bf_bufs[i]).unwrap();
+        for k in 0..(old + 4) * cols {
+            let row = k / cols;
+            let (wf, wb) = if row >= old && row < old + n {
+                let v = x[(r0 + row - old) * cols + k % cols];
+                (v, half::bf16::from_f32(v).to_bits())
+            } else {
+                (7.0, 0x3f80)
+            };
+            ok &= f[k].to_bits() == wf.to_bits() && b[k] == wb;
+        }
+        r0 += n;
+    }
+    row(
+        "scatter_rows",
+        "4 destinations, 6 rows of 576",
+        0.0,
+        0.0,
+        ok,
+    );
+    assert!(ok, "scatter_rows wrote the wrong rows");
 }
 
 #[test]
@@ -3672,10 +3877,11 @@ fn topk_split_over_blocks_equals_one_block_and_cpu() {
     );
 }
 
-/// The lane-per-key indexer scorer (bf16 keys) against the f64 oracle, and the warp-per-key
-/// kernel on the same inputs against the same oracle: every head count (one and two head
-/// groups), widths 64 / 72 / 128, decode over 33,000 keys, and a causal prefill of 600 tokens
-/// (more tokens than the grid's y extent, whole blocks past a token's position).
+/// The lane-per-key indexer scorer (bf16 keys) against the f64 oracle, the warp-per-key kernel
+/// and, where it fits (<= 32 heads, width a multiple of 32), the tensor-core scorer on the same
+/// inputs against the same oracle: every head count (one and two head groups), widths 64 / 72 /
+/// 128, decode over 33,000 keys, and a causal prefill of 600 tokens (more tokens than the
+/// grid's y extent, whole blocks past a token's position).
 #[test]
 fn indexer_lanes_kernel_matches_f64_and_the_warp_kernel() {
     let Some(g) = gpu("indexer_lanes_kernel_matches_f64_and_the_warp_kernel") else {
@@ -3700,20 +3906,15 @@ fn indexer_lanes_kernel_matches_f64_and_the_warp_kernel() {
         let dk = g.upload(&c.kbits).unwrap();
         let dw = g.upload(&c.w).unwrap();
         let dpos = g.upload(&pos).unwrap();
-        let out_stride = t_len + 3;
-        let sh = IndexerShape {
-            tokens: s_len,
-            heads,
-            dim,
-            q_stride: heads * dim,
-            k_stride: dim,
-            kv_len: t_len,
-            w_stride: heads,
-            out_stride,
-            scale: c.scale,
-        };
-        for lanes in [false, true] {
-            kernels::force_indexer_lanes(Some(lanes));
+        let sh = indexer_shape(&c, heads, dim, dim, t_len, s_len);
+        let out_stride = sh.out_stride;
+        // The tensor-core scorer where it fits (the default then: nothing forced).
+        let tc_fits = kernels::indexer::tc_fit(&sh, 0);
+        for kern in [Some(false), Some(true), None] {
+            if kern.is_none() && !tc_fits {
+                continue;
+            }
+            kernels::force_indexer_lanes(kern);
             let mut dsc = nan_buf(&g, s_len * out_stride);
             let res = g.indexer_scores(&dq, &dk, &dw, &dpos, &mut dsc, sh);
             kernels::force_indexer_lanes(None);
@@ -3721,6 +3922,21 @@ fn indexer_lanes_kernel_matches_f64_and_the_warp_kernel() {
             let sc = g.download(&dsc).unwrap();
             let (worst, layout_ok, scored) =
                 indexer_check(&c, &sc, out_stride, heads, dim, t_len, &pos);
+            if kern.is_none() {
+                // Each score within the bound of its own roundings (`indexer_tc_worst`).
+                let w = indexer_tc_worst(&c, &sc, out_stride, heads, dim, t_len, &pos);
+                let ok = layout_ok && scored > 0 && w <= 1.0;
+                row(
+                    "indexer_scores tensor cores",
+                    &format!("{heads}x{dim}, T {t_len}, S {s_len}"),
+                    w,
+                    1.0,
+                    ok,
+                );
+                all_ok &= ok;
+                continue;
+            }
+            let lanes = kern == Some(true);
             // Rounding depth per head: the warp kernel dim/32 products per lane + a 5-level
             // tree; the lane kernel an 8-term FMA chain per 8-dim chunk + dim/8 chunk sums.
             // Then H weighted terms in order and the scale and weight products (+3): for the

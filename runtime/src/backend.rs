@@ -46,6 +46,18 @@ pub struct AttnParams {
     pub pos0: usize,
 }
 
+/// One sequence of [`Backend::attention_seqs`].
+pub struct SeqAttn<'a, B: Backend> {
+    /// Its query rows in the batch and the position of the first.
+    pub rows: usize,
+    pub pos0: usize,
+    /// Its cached keys and values (the same tensor for absorbed MLA).
+    pub k: &'a B::Tensor,
+    pub v: &'a B::Tensor,
+    /// Its DSA key selection, one row per query (`None`: dense causal).
+    pub selected: Option<&'a B::Index>,
+}
+
 /// The DSA lightning indexer's selection for one sequence: queries `[n, n_head * head_dim]`,
 /// per-head weights `[n, n_head]` (all scaling folded in), keys `[t, head_dim]`.
 /// `score[i, t] = sum_h w[i, h] * relu(scale * q[i, h] . k[t])` over causal keys, then the
@@ -110,6 +122,17 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// A `[0, cols]` tensor to grow with [`Backend::append_rows`] (KV caches).
     fn empty(&self, cols: usize) -> Result<Self::Tensor, RuntimeError>;
     fn append_rows(&self, dst: &mut Self::Tensor, src: &Self::Tensor) -> Result<(), RuntimeError>;
+    /// Rows of `src` appended to several tensors, in order: the first `counts[0]` rows to
+    /// `dsts[0]`, the next `counts[1]` to `dsts[1]`, ... (a batched step's cache rows, one
+    /// sequence each). The default appends slice by slice.
+    fn append_rows_seqs(
+        &self,
+        dsts: &mut [&mut Self::Tensor],
+        src: &Self::Tensor,
+        counts: &[usize],
+    ) -> Result<(), RuntimeError> {
+        append_rows_seqs_composed(self, dsts, src, counts)
+    }
     /// Make room for `rows` rows in a tensor grown by [`Backend::append_rows`], so appends up to
     /// it neither reallocate nor copy (a KV cache sized up front). The default grows as it goes.
     fn reserve_rows(&self, _t: &mut Self::Tensor, _rows: usize) -> Result<(), RuntimeError> {
@@ -210,6 +233,19 @@ pub trait Backend: Clone + Send + Sync + 'static {
         p: &AttnParams,
         selected: Option<&Self::Index>,
     ) -> Result<Self::Tensor, RuntimeError>;
+    /// The attention of a batched step: sequence `i`'s query rows (`seqs[i].rows` rows after
+    /// those of the sequences before it) against its own keys, values and selection from its
+    /// own position `seqs[i].pos0` (`p.pos0` is not read); output rows in the same order. Each
+    /// sequence's rows equal what [`Backend::attention`] gives them up to summation order. The
+    /// default runs one attention per sequence.
+    fn attention_seqs(
+        &self,
+        q: &Self::Tensor,
+        seqs: &[SeqAttn<'_, Self>],
+        p: &AttnParams,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        attention_seqs_composed(self, q, seqs, p)
+    }
     /// Lightning-indexer top-k key selection, `[n, top_k]` ascending positions, `-1` padded.
     fn indexer_topk(
         &self,
@@ -440,6 +476,67 @@ pub(crate) fn mla_queries_composed<B: Backend>(
     be.rope(&mut q_rot, positions, p)?;
     let qa = be.matmul_heads(&q_nope, k_b)?;
     be.head_concat(&qa, &q_rot, heads, false)
+}
+
+/// [`Backend::append_rows_seqs`] by the ops: one slice and append per tensor.
+pub(crate) fn append_rows_seqs_composed<B: Backend>(
+    be: &B,
+    dsts: &mut [&mut B::Tensor],
+    src: &B::Tensor,
+    counts: &[usize],
+) -> Result<(), RuntimeError> {
+    check_seq_rows("append_rows_seqs", be.shape(src).0, counts, dsts.len())?;
+    if let [d] = dsts {
+        return be.append_rows(d, src);
+    }
+    let mut r0 = 0;
+    for (d, &n) in dsts.iter_mut().zip(counts) {
+        be.append_rows(d, &be.slice_rows(src, r0, n)?)?;
+        r0 += n;
+    }
+    Ok(())
+}
+
+/// [`Backend::attention_seqs`] by the ops: one attention per sequence, the rows stacked.
+pub(crate) fn attention_seqs_composed<B: Backend>(
+    be: &B,
+    q: &B::Tensor,
+    seqs: &[SeqAttn<'_, B>],
+    p: &AttnParams,
+) -> Result<B::Tensor, RuntimeError> {
+    let counts: Vec<usize> = seqs.iter().map(|s| s.rows).collect();
+    check_seq_rows("attention_seqs", be.shape(q).0, &counts, seqs.len())?;
+    let one = |s: &SeqAttn<'_, B>, q: &B::Tensor| {
+        let ps = AttnParams { pos0: s.pos0, ..*p };
+        be.attention(q, s.k, s.v, &ps, s.selected)
+    };
+    if let [s] = seqs {
+        return one(s, q);
+    }
+    let mut outs = Vec::with_capacity(seqs.len());
+    let mut r0 = 0;
+    for s in seqs {
+        outs.push(one(s, &be.slice_rows(q, r0, s.rows)?)?);
+        r0 += s.rows;
+    }
+    be.concat_rows(&outs.iter().collect::<Vec<_>>())
+}
+
+/// A batched op's per-sequence row counts cover the batch's rows, one count per sequence.
+pub(crate) fn check_seq_rows(
+    op: &str,
+    rows: usize,
+    counts: &[usize],
+    seqs: usize,
+) -> Result<(), RuntimeError> {
+    let total: usize = counts.iter().sum();
+    if counts.len() != seqs || seqs == 0 || total != rows {
+        return Err(shape_err(format!(
+            "{op}: {seqs} sequences with {total} rows ({} counts) for {rows} rows",
+            counts.len()
+        )));
+    }
+    Ok(())
 }
 
 /// [`Backend::mla_kv_rows`] by the ops: the latent norm in place, RoPE, the append.

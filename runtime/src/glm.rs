@@ -15,7 +15,7 @@
 //! where the vocabulary-split head's logits are gathered. With one rank every collective is the
 //! identity and every share is the whole tensor.
 
-use crate::backend::{AttnParams, Backend, IndexerParams, RopeParams, RouteParams};
+use crate::backend::{AttnParams, Backend, IndexerParams, RopeParams, RouteParams, SeqAttn};
 use crate::cache::KvCache;
 use crate::lm::{check_requests, LanguageModel, SeqStep, SequenceState};
 use crate::sampling::{finish_rows, SampleRequest, Sampled};
@@ -1315,14 +1315,29 @@ impl<B: Backend> GlmModel<B> {
             top_k: ix.top_k,
             pos0,
         };
-        for (si, s) in segs.iter().enumerate() {
-            let cache = &mut caches[si].layers[li];
-            if !single {
-                be.append_rows(&mut cache.kv, &*self.seg_rows(&kv_rows, s, segs)?)?;
-                if let (Some(keys), Some(ck)) = (&ix_keys, cache.index_keys.as_mut()) {
-                    be.append_rows(ck, &*self.seg_rows(keys, s, segs)?)?;
+        if !single {
+            // A batched step appends every sequence's rows in one op per cache kind.
+            let counts: Vec<usize> = segs.iter().map(|s| s.n).collect();
+            let mut kvs: Vec<&mut B::Tensor> =
+                caches.iter_mut().map(|c| &mut c.layers[li].kv).collect();
+            be.append_rows_seqs(&mut kvs, &kv_rows, &counts)?;
+            if let Some(keys) = &ix_keys {
+                let mut iks: Vec<&mut B::Tensor> = caches
+                    .iter_mut()
+                    .filter_map(|c| c.layers[li].index_keys.as_mut())
+                    .collect();
+                // Every sequence of a model caches them, or (a cache made without) none.
+                if !iks.is_empty() {
+                    if iks.len() != segs.len() {
+                        return Err(model_err("indexer keys cached for some sequences only"));
+                    }
+                    be.append_rows_seqs(&mut iks, keys, &counts)?;
                 }
             }
+        }
+        let mut sels: Vec<Option<B::Index>> = Vec::with_capacity(segs.len());
+        for (si, s) in segs.iter().enumerate() {
+            let cache = &mut caches[si].layers[li];
             let t = s.pos0 + s.n;
             let sel = match (&self.spec.indexer, layer.spec.own_indexer) {
                 (Some(ix), true) => match (&ix_q, &cache.index_keys) {
@@ -1360,6 +1375,11 @@ impl<B: Backend> GlmModel<B> {
                     }
                 }
             }
+            if self.mode == AttnMode::Absorbed {
+                // Absorbed attention runs once for the batch, below.
+                sels.push(sel);
+                continue;
+            }
             let p = AttnParams {
                 n_head: h_n,
                 n_kv_head: 1,
@@ -1368,12 +1388,8 @@ impl<B: Backend> GlmModel<B> {
                 scale: m.scale,
                 pos0: s.pos0,
             };
-            let o = match (self.mode, &q_abs, &q_full) {
-                (AttnMode::Absorbed, Some(qa), _) => {
-                    let qs = self.seg_rows(qa, s, segs)?;
-                    be.attention(&*qs, &cache.kv, &cache.kv, &p, sel.as_ref())?
-                }
-                (AttnMode::Naive, _, Some(qf)) => {
+            let o = match (self.mode, &q_full) {
+                (AttnMode::Naive, Some(qf)) => {
                     let kv_b = w
                         .kv_b
                         .as_ref()
@@ -1397,6 +1413,33 @@ impl<B: Backend> GlmModel<B> {
             };
             outs.push(o);
             prev_sel[si] = sel;
+        }
+        if let (AttnMode::Absorbed, Some(qa)) = (self.mode, &q_abs) {
+            let p = AttnParams {
+                n_head: h_n,
+                n_kv_head: 1,
+                k_dim: m.cache_width(),
+                v_dim: m.kv_lora_rank,
+                scale: m.scale,
+                pos0: 0,
+            };
+            let seqs: Vec<SeqAttn<'_, B>> = segs
+                .iter()
+                .zip(caches.iter())
+                .zip(&sels)
+                .map(|((s, c), sel)| SeqAttn {
+                    rows: s.n,
+                    pos0: s.pos0,
+                    k: &c.layers[li].kv,
+                    v: &c.layers[li].kv,
+                    selected: sel.as_ref(),
+                })
+                .collect();
+            outs.push(be.attention_seqs(qa, &seqs, &p)?);
+            drop(seqs);
+            for (ps, sel) in prev_sel.iter_mut().zip(sels) {
+                *ps = sel;
+            }
         }
         if let Some(o) = obs.as_mut() {
             if !observed_scores.is_empty() {

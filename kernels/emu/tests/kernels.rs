@@ -471,6 +471,56 @@ fn indexer_scores_f32_and_bf16_and_topk_of_them() {
     }
 }
 
+/// One launch of a bf16-key scorer `entry` (grid `[x, y]`, `threads` a block) over `c`'s inputs
+/// as `sh` lays them out: the `[S, out_stride]` scores, NaN where nothing was written.
+fn run_indexer(
+    entry: &str,
+    c: &IndexerCase,
+    sh: &kernels::IndexerShape,
+    pos: &[i32],
+    [gx, gy]: [u64; 2],
+    threads: u32,
+) -> Vec<f32> {
+    let m = module(Op::IndexerScores);
+    let f: IndexerFn = unsafe { m.entry(entry) }.unwrap();
+    let kb: Buf<u16> = Buf::new(&c.kbits);
+    let (qb, wb, pb) = (Buf::new(&c.q), Buf::new(&c.w), Buf::new(pos));
+    let mut out = Buf::filled(sh.tokens * sh.out_stride, f32::NAN);
+    let (qp, kp, wp, pp, op) = (
+        qb.ptr(),
+        kb.ptr() as *const u8,
+        wb.ptr(),
+        pb.ptr(),
+        out.mut_ptr(),
+    );
+    m.launch(
+        entry,
+        [gx as u32, gy as u32, 1],
+        [threads, 1, 1],
+        0,
+        &|| unsafe {
+            f(
+                qp,
+                sh.q_stride as i64,
+                sh.heads as i32,
+                sh.dim as i32,
+                kp,
+                sh.k_stride as i64,
+                wp,
+                sh.w_stride as i64,
+                pp,
+                sh.kv_len as i32,
+                sh.scale,
+                op,
+                sh.out_stride as i64,
+                sh.tokens as i64,
+            )
+        },
+    )
+    .unwrap();
+    out.to_vec()
+}
+
 /// The lane-per-key scorer (bf16 keys) with the wrapper's grid (`kernels::indexer::lanes_grid`
 /// for an H200's 132 SMs) and with 2 y blocks (tokens grid-strided): one and two head groups
 /// (H = 40: 32 + 8), widths 64 / 72 / 128, T not a multiple of 256, a causal prefill (whole
@@ -481,9 +531,7 @@ fn indexer_lanes_kernel_matches_f64() {
         return;
     }
     let mut r = Rng::new("emu indexer lanes");
-    let m = module(Op::IndexerScores);
     let entry = "indexer_scores_lanes_bf16";
-    let f: IndexerFn = unsafe { m.entry(entry) }.unwrap();
     let causal = |n: usize| (0..n as i32).collect::<Vec<i32>>();
     for (heads, dim, k_stride, t_len, pos) in [
         (4usize, 64usize, 64usize, 121usize, vec![120i32, 31, 10, 0]),
@@ -494,58 +542,21 @@ fn indexer_lanes_kernel_matches_f64() {
     ] {
         let s_len = pos.len();
         let c = indexer_case(&mut r, heads, dim, k_stride, t_len, s_len);
-        let out_stride = t_len + 3;
-        let sh = kernels::IndexerShape {
-            tokens: s_len,
-            heads,
-            dim,
-            q_stride: heads * dim,
-            k_stride,
-            kv_len: t_len,
-            w_stride: heads,
-            out_stride,
-            scale: c.scale,
-        };
-        let kb: Buf<u16> = Buf::new(&c.kbits);
-        assert!(kernels::indexer::lanes_fit(&sh, kb.addr()));
-        let (qb, wb, pb) = (Buf::new(&c.q), Buf::new(&c.w), Buf::new(&pos));
+        let sh = indexer_shape(&c, heads, dim, k_stride, t_len, s_len);
+        let out_stride = sh.out_stride;
+        assert!(kernels::indexer::lanes_fit(&sh, Buf::new(&c.kbits).addr()));
         let (gx, gy) = kernels::indexer::lanes_grid(&sh, 132, 65535);
         for grid_y in [gy, 2.min(s_len as u64)] {
-            let mut out = Buf::filled(s_len * out_stride, f32::NAN);
-            let (qp, kp, wp, pp, op) = (
-                qb.ptr(),
-                kb.ptr() as *const u8,
-                wb.ptr(),
-                pb.ptr(),
-                out.mut_ptr(),
-            );
-            m.launch(
+            let out = run_indexer(
                 entry,
-                [gx as u32, grid_y as u32, 1],
-                [kernels::indexer::IXL_THREADS, 1, 1],
-                0,
-                &|| unsafe {
-                    f(
-                        qp,
-                        (heads * dim) as i64,
-                        heads as i32,
-                        dim as i32,
-                        kp,
-                        k_stride as i64,
-                        wp,
-                        heads as i64,
-                        pp,
-                        t_len as i32,
-                        c.scale,
-                        op,
-                        out_stride as i64,
-                        s_len as i64,
-                    )
-                },
-            )
-            .unwrap();
+                &c,
+                &sh,
+                &pos,
+                [gx, grid_y],
+                kernels::indexer::IXL_THREADS,
+            );
             let (worst, layout_ok, scored) =
-                indexer_check(&c, &out.to_vec(), out_stride, heads, dim, t_len, &pos);
+                indexer_check(&c, &out, out_stride, heads, dim, t_len, &pos);
             // Per head an 8-term FMA chain per 8-dim chunk and dim/8 chunk sums, then H
             // weighted terms in order and the scale and weight products: (dim/8 + 8 + heads +
             // 3) roundings, normwise with gpu.rs's x4 margin (its lane-kernel bound).
@@ -561,6 +572,63 @@ fn indexer_lanes_kernel_matches_f64() {
             assert!(
                 worst <= tol,
                 "{entry} {heads}x{dim} T {t_len}: {worst:e} > {tol:e}"
+            );
+        }
+    }
+}
+
+/// The tensor-core scorer (bf16 keys, `indexer_scores_tc_bf16`) with the wrapper's grid
+/// (`kernels::indexer::tc_grid` for 132 SMs) and with 2 y blocks (tokens grid-strided): one
+/// and two head tiles (H = 4, 20, 32: the second tile partly empty), widths 64 / 96 / 128 (2, 3,
+/// 4 loads of 16 bytes a key), T not a multiple of a block's 128 keys or a tile's 8, a causal
+/// prefill (whole blocks past a token's position), keys read at a row stride wider than the
+/// width; each score against the f64 oracle within the bound of its roundings
+/// (`indexer_tc_worst`). The
+/// instruction is the emulator's model (`emu_mma_m16n8k16_bf16`); the fragment permutation,
+/// masking and head sums are the kernel's.
+#[test]
+fn indexer_tc_kernel_matches_f64() {
+    if !compiler("indexer_tc_kernel_matches_f64") {
+        return;
+    }
+    let mut r = Rng::new("emu indexer tc");
+    let entry = "indexer_scores_tc_bf16";
+    let causal = |n: usize| (0..n as i32).collect::<Vec<i32>>();
+    for (heads, dim, k_stride, t_len, pos) in [
+        (4usize, 64usize, 64usize, 121usize, vec![120i32, 31, 10, 0]),
+        (20, 96, 104, 300, vec![299, 5, 256]),
+        (32, 128, 136, 700, vec![699, 300, 255, 256]),
+        (32, 128, 128, 100, causal(100)),
+    ] {
+        let s_len = pos.len();
+        let c = indexer_case(&mut r, heads, dim, k_stride, t_len, s_len);
+        let sh = indexer_shape(&c, heads, dim, k_stride, t_len, s_len);
+        let out_stride = sh.out_stride;
+        assert!(kernels::indexer::tc_fit(&sh, Buf::new(&c.kbits).addr()));
+        let (gx, gy) = kernels::indexer::tc_grid(&sh, 132, 65535);
+        for grid_y in [gy, 2.min(s_len as u64)] {
+            let out = run_indexer(
+                entry,
+                &c,
+                &sh,
+                &pos,
+                [gx, grid_y],
+                kernels::indexer::IXT_THREADS,
+            );
+            let (_, layout_ok, scored) =
+                indexer_check(&c, &out, out_stride, heads, dim, t_len, &pos);
+            let worst = indexer_tc_worst(&c, &out, out_stride, heads, dim, t_len, &pos);
+            say(&format!(
+                "{entry} {heads}x{dim} T {t_len} S {s_len} grid ({gx}, {grid_y}): worst {worst:.3} of the bound, masks/padding ok {layout_ok}"
+            ));
+            assert!(scored > 0, "nothing scored");
+            assert!(
+                layout_ok,
+                "{entry}: non-finite score, unmasked key or padding written"
+            );
+            assert!(
+                worst <= 1.0,
+                "{entry} {heads}x{dim} T {t_len}: {worst:.3} of the bound"
             );
         }
     }

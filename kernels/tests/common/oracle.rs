@@ -251,6 +251,50 @@ pub fn indexer_case(
     }
 }
 
+/// The layout the scorer tests give a case: dense queries and weights, key rows `k_stride`
+/// apart, score rows 3 wider than T (their padding must stay untouched).
+pub fn indexer_shape(
+    c: &IndexerCase,
+    heads: usize,
+    dim: usize,
+    k_stride: usize,
+    t_len: usize,
+    s_len: usize,
+) -> kernels::IndexerShape {
+    kernels::IndexerShape {
+        tokens: s_len,
+        heads,
+        dim,
+        q_stride: heads * dim,
+        k_stride,
+        kv_len: t_len,
+        w_stride: heads,
+        out_stride: t_len + 3,
+        scale: c.scale,
+    }
+}
+
+/// [`indexer_cpu`] of token `s` of `c` (at position `p`).
+fn indexer_want(
+    c: &IndexerCase,
+    s: usize,
+    heads: usize,
+    dim: usize,
+    t_len: usize,
+    p: i32,
+) -> Vec<f64> {
+    indexer_cpu(
+        &c.q[s * heads * dim..],
+        &c.kc,
+        &c.w[s * heads..],
+        heads,
+        dim,
+        t_len,
+        p,
+        c.scale,
+    )
+}
+
 /// Scores `sc` (`[S, out_stride]`) of `c` against [`indexer_cpu`]: the worst error relative to
 /// each token's largest unmasked |score|, whether every unmasked score is finite (f64::max
 /// would skip a NaN), every masked key -inf and the padding past T untouched (NaN), and how
@@ -266,16 +310,7 @@ pub fn indexer_check(
 ) -> (f64, bool, usize) {
     let (mut worst, mut layout_ok, mut scored) = (0f64, true, 0usize);
     for (s, &p) in pos.iter().enumerate() {
-        let want = indexer_cpu(
-            &c.q[s * heads * dim..],
-            &c.kc,
-            &c.w[s * heads..],
-            heads,
-            dim,
-            t_len,
-            p,
-            c.scale,
-        );
+        let want = indexer_want(c, s, heads, dim, t_len, p);
         let finite: Vec<f64> = want.iter().cloned().filter(|v| v.is_finite()).collect();
         let mag = max_abs(&finite).max(1e-30);
         for (t, wv) in want.iter().enumerate() {
@@ -293,6 +328,52 @@ pub fn indexer_check(
             .all(|v| v.is_nan());
     }
     (worst, layout_ok, scored)
+}
+
+/// The tensor-core scorer's (indexer_scores.cu `indexer_scores_tc_bf16`) scores `sc` against
+/// [`indexer_cpu`], each unmasked score against its own bound: the worst |error| / bound
+/// (`<= 1` passes; the masks and padding are [`indexer_check`]'s). Per key, with
+/// A = sum_h |w_h| scale sum_i |q_hi k_ti| (>= sum_h |w_h relu(scale q_h . k_t)|):
+/// - the queries as two bf16 terms: |q - hi - lo| <= 2^-16 |q| (hi and lo each round to 8
+///   significant bits, relative 2^-8), so every dot product moves by <= 2^-16 sum_i |q_i k_i|;
+/// - the products are exact (bf16 x bf16), their f32 sums inside and across the two passes' mma
+///   steps take at most 2D + 16 roundings of the magnitude sum (one pass: D + 16, as for the MLA
+///   kernel's `mla_tc_expect`);
+/// - the scale and weight products (2) and the heads' sum (4 terms a lane, a 3-level tree: 7).
+pub fn indexer_tc_worst(
+    c: &IndexerCase,
+    sc: &[f32],
+    out_stride: usize,
+    heads: usize,
+    dim: usize,
+    t_len: usize,
+    pos: &[i32],
+) -> f64 {
+    let mut worst = 0f64;
+    let rel = 2f64.powi(-16) + (2.0 * dim as f64 + 16.0 + 9.0) * U32;
+    for (s, &p) in pos.iter().enumerate() {
+        let want = indexer_want(c, s, heads, dim, t_len, p);
+        for (t, wv) in want.iter().enumerate() {
+            if !wv.is_finite() {
+                continue;
+            }
+            let a: f64 = (0..heads)
+                .map(|h| {
+                    let qh = &c.q[(s * heads + h) * dim..(s * heads + h + 1) * dim];
+                    let m: f64 = qh
+                        .iter()
+                        .zip(&c.kc[t * dim..(t + 1) * dim])
+                        .map(|(x, y)| (f64::from(*x) * f64::from(*y)).abs())
+                        .sum();
+                    f64::from(c.w[s * heads + h].abs()) * f64::from(c.scale) * m
+                })
+                .sum();
+            let got = f64::from(sc[s * out_stride + t]);
+            let e = (got - wv).abs() / (rel * a + 1e-30);
+            worst = worst.max(if got.is_finite() { e } else { f64::INFINITY });
+        }
+    }
+    worst
 }
 
 /// Reference selection: the k largest (ties to the lower index), ascending index order.
@@ -674,6 +755,49 @@ pub fn mla_scores(q: &[f32], c: &[f32], d: usize, keys: &[usize], scale: f32) ->
     let s = keys.iter().map(|&t| dot(t, false)).collect();
     let smag = keys.iter().map(|&t| dot(t, true)).fold(0f64, f64::max);
     (s, smag)
+}
+
+/// f64 attention of one query over the latent rows `keys`, values = first `dv` columns, and the
+/// bound of the f32 score error: (d + 8) roundings of the magnitude sum.
+pub fn mla_cpu(
+    q: &[f32],
+    c: &[f32],
+    d: usize,
+    dv: usize,
+    keys: &[usize],
+    scale: f32,
+) -> (Vec<f64>, f64) {
+    let (s, smag) = mla_scores(q, c, d, keys, scale);
+    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let p: Vec<f64> = s.iter().map(|v| (v - mx).exp()).collect();
+    let z: f64 = p.iter().sum();
+    let mut o = vec![0f64; dv];
+    for (pi, &t) in p.iter().zip(keys) {
+        for (j, ov) in o.iter_mut().enumerate() {
+            *ov += pi / z * f64::from(c[t * d + j]);
+        }
+    }
+    (o, (d as f64 + 8.0) * U32 * smag)
+}
+
+/// What the f32 MLA kernels (mla.cu's tile and decode kernels) must give for one query head: the
+/// f64 attention ([`mla_cpu`]) and one bound for every column, `cmax` bounding |c|. Softmax
+/// weights move by <= 2 max|ds| + exp's 4 ulps relative; the weighted sum of up to T values
+/// adds T + 8 roundings of max|c|, and each rescale of the running sums (one per 32-key tile,
+/// or per 64-key chunk in the decode kernel) one more.
+pub fn mla_f32_expect(
+    q: &[f32],
+    c: &[f32],
+    d: usize,
+    dv: usize,
+    keys: &[usize],
+    scale: f32,
+    cmax: f64,
+) -> (Vec<f64>, f64) {
+    let (want, ds) = mla_cpu(q, c, d, dv, keys, scale);
+    let n_k = keys.len() as f64;
+    let tol = (2.0 * ds + 8.0 * U32 + (n_k + n_k / 32.0 + 9.0) * U32) * cmax + 1e-30;
+    (want, tol)
 }
 
 /// What the tensor-core MLA kernel (mla.cu `mla_tc_bf16`) must give for one query head over the

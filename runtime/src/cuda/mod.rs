@@ -25,15 +25,16 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use gguf::GgmlType;
 use kernels::{
-    AttnShape, Channels, DevBuf, DeviceSlice, Gpu, IndexerShape, KernelError, KeyLists, MatShape,
-    MlaShape, Q8Act, QChannels, QMode, RopeLayout, RouterConfig, Rows, Rows3,
+    AttnShape, CacheElem, Channels, DevBuf, DeviceSlice, Gpu, IndexerShape, KernelError, KeyLists,
+    MatShape, MlaSeq, MlaShape, Q8Act, QChannels, QMode, RopeLayout, RouterConfig, Rows, Rows3,
 };
 
 use crate::backend::{
-    check_append_rows, check_attention, check_head_concat, check_head_slice, check_indexer,
-    check_moe_ffn, check_rope, check_route, check_same, check_sample, indexer_keys_composed,
-    mla_kv_rows_composed, mla_queries_composed, AttnParams, Backend, Gating, IndexerParams,
-    RopeParams, RopeStyle, RouteParams, Shape,
+    append_rows_seqs_composed, attention_seqs_composed, check_append_rows, check_attention,
+    check_head_concat, check_head_slice, check_indexer, check_moe_ffn, check_rope, check_route,
+    check_same, check_sample, check_seq_rows, indexer_keys_composed, mla_kv_rows_composed,
+    mla_queries_composed, AttnParams, Backend, Gating, IndexerParams, RopeParams, RopeStyle,
+    RouteParams, SeqAttn, Shape,
 };
 use crate::sampling::SampleRequest;
 use crate::weights::HostWeight;
@@ -107,6 +108,11 @@ pub struct Fusions {
     /// fewer per MoE layer (`GGUFTOOL_FUSE_SHARED=0`: the shared expert's own GLU, quantize and
     /// accumulating down GEMV). Needs the shared expert in the routed experts' type and shapes.
     pub shared: bool,
+    /// A batched step of several sequences appends their cache rows and runs their absorbed
+    /// MLA attention as one launch each over all sequences (`Backend::append_rows_seqs`,
+    /// `Backend::attention_seqs`; `GGUFTOOL_FUSE_SEQS=0`: per sequence a row slice, an append,
+    /// a query slice and an attention launch, then the stacking copies).
+    pub seqs: bool,
 }
 
 impl Fusions {
@@ -116,6 +122,7 @@ impl Fusions {
         qrope: true,
         kv: true,
         shared: true,
+        seqs: true,
     };
     pub const NONE: Fusions = Fusions {
         glu: false,
@@ -123,6 +130,7 @@ impl Fusions {
         qrope: false,
         kv: false,
         shared: false,
+        seqs: false,
     };
 
     /// [`Fusions::ALL`] less the ones switched off by their variable set to `0`.
@@ -134,6 +142,7 @@ impl Fusions {
             qrope: on("GGUFTOOL_FUSE_QROPE"),
             kv: on("GGUFTOOL_FUSE_KV"),
             shared: on("GGUFTOOL_FUSE_SHARED"),
+            seqs: on("GGUFTOOL_FUSE_SEQS"),
         }
     }
 }
@@ -1011,6 +1020,61 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn append_rows_seqs(
+        &self,
+        dsts: &mut [&mut CudaTensor],
+        src: &CudaTensor,
+        counts: &[usize],
+    ) -> Result<(), RuntimeError> {
+        check_seq_rows("append_rows_seqs", src.rows, counts, dsts.len())?;
+        let bf16 = dsts.iter().all(|d| matches!(d.store, Store::Bf16(_)));
+        let f32 = dsts.iter().all(|d| matches!(d.store, Store::F32(_)));
+        if dsts.len() == 1 || !(bf16 || f32) || !self.fusions().seqs {
+            return append_rows_seqs_composed(self, dsts, src, counts);
+        }
+        for (d, &n) in dsts.iter_mut().zip(counts) {
+            check_append_rows(d.cols, src.cols)?;
+            self.reserve(d, d.rows + n)?;
+            d.q8.take();
+        }
+        // One launch writes every sequence's rows (a slice and an append each cost a copy and
+        // a conversion launch per sequence and layer).
+        let sb = src.f32().ok_or_else(|| not_f32("append_rows_seqs"))?;
+        let cols = src.cols;
+        fn views<'a, C: CacheElem>(
+            dsts: &'a mut [&mut CudaTensor],
+            counts: &[usize],
+            cols: usize,
+            pick: impl Fn(&mut Store) -> Option<&mut DevBuf<C>>,
+        ) -> Vec<(kernels::DevViewMut<'a, C>, usize)> {
+            dsts.iter_mut()
+                .zip(counts)
+                .filter_map(|(d, &n)| {
+                    let old = d.rows * d.cols;
+                    pick(&mut d.store).map(|b| (b.slice_mut(old..old + n * cols), n))
+                })
+                .collect()
+        }
+        if bf16 {
+            let mut v = views(dsts, counts, cols, |s| match s {
+                Store::Bf16(b) => Some(b),
+                Store::F32(_) => None,
+            });
+            self.gpu.scatter_rows(sb, cols, &mut v)
+        } else {
+            let mut v = views(dsts, counts, cols, |s| match s {
+                Store::F32(b) => Some(b),
+                Store::Bf16(_) => None,
+            });
+            self.gpu.scatter_rows(sb, cols, &mut v)
+        }
+        .map_err(kerr("append_rows_seqs"))?;
+        for (d, &n) in dsts.iter_mut().zip(counts) {
+            d.rows += n;
+        }
+        Ok(())
+    }
+
     fn reserve_rows(&self, t: &mut CudaTensor, rows: usize) -> Result<(), RuntimeError> {
         self.reserve(t, rows)
     }
@@ -1764,6 +1828,111 @@ impl Backend for CudaBackend {
                     .map_err(kerr("attention"))
             })
         })?;
+        Ok(out)
+    }
+
+    fn attention_seqs(
+        &self,
+        q: &CudaTensor,
+        seqs: &[SeqAttn<'_, Self>],
+        p: &AttnParams,
+    ) -> Result<CudaTensor, RuntimeError> {
+        let counts: Vec<usize> = seqs.iter().map(|s| s.rows).collect();
+        check_seq_rows("attention_seqs", q.rows, &counts, seqs.len())?;
+        let first = seqs[0].k;
+        let bf16 = seqs.iter().all(|s| matches!(s.k.store, Store::Bf16(_)));
+        let f32 = seqs.iter().all(|s| matches!(s.k.store, Store::F32(_)));
+        let widths: Vec<usize> = seqs
+            .iter()
+            .filter_map(|s| s.selected.filter(|x| x.cols > 0).map(|x| x.cols))
+            .collect();
+        // Absorbed MLA (one latent head whose values are its first v_dim columns), every cache
+        // of one width and element type, key lists of one length: one launch for the batch.
+        let mla = seqs.len() > 1
+            && self.fusions().seqs
+            && p.n_kv_head == 1
+            && p.v_dim <= 512
+            && p.v_dim <= p.k_dim
+            && (bf16 || f32)
+            && widths.windows(2).all(|w| w[0] == w[1])
+            && seqs
+                .iter()
+                .all(|s| std::ptr::eq(s.k, s.v) && s.k.cols == first.cols && s.rows > 0);
+        if !mla {
+            return attention_seqs_composed(self, q, seqs, p);
+        }
+        for s in seqs {
+            let ps = AttnParams { pos0: s.pos0, ..*p };
+            check_attention(
+                (s.rows, q.cols),
+                s.k.shape(),
+                s.v.shape(),
+                &ps,
+                s.selected.map(|x| x.rows),
+            )?;
+        }
+        let n = q.rows;
+        let mut out = self.alloc(n, p.n_head * p.v_dim)?;
+        let m = MlaShape {
+            tokens: n,
+            heads: p.n_head,
+            d: p.k_dim,
+            d_v: p.v_dim,
+            q_tok_stride: q.cols,
+            q_head_stride: p.k_dim,
+            kv_stride: first.cols,
+            kv_len: 0,
+            o_tok_stride: p.n_head * p.v_dim,
+            o_head_stride: p.v_dim,
+            scale: p.scale,
+            pos0: 0,
+        };
+        let lists: Vec<Option<(kernels::CudaView<'_, i32>, usize)>> = seqs
+            .iter()
+            .map(|s| {
+                s.selected
+                    .filter(|x| x.cols > 0)
+                    .map(|x| (x.buf.slice(0..x.rows * x.cols), x.cols))
+            })
+            .collect();
+        fn mla_seqs<'a, C: CacheElem>(
+            seqs: &'a [SeqAttn<'_, CudaBackend>],
+            lists: &'a [Option<(kernels::CudaView<'_, i32>, usize)>],
+            pick: impl Fn(&'a Store) -> Option<&'a DevBuf<C>>,
+        ) -> Vec<MlaSeq<'a, C>> {
+            seqs.iter()
+                .zip(lists)
+                .filter_map(|(s, l)| {
+                    pick(&s.k.store).map(|b| MlaSeq {
+                        kv: b.slice(0..CudaBackend::len(s.k)),
+                        kv_len: s.k.rows,
+                        tokens: s.rows,
+                        pos0: s.pos0,
+                        keys: l.as_ref().map(|(v, w)| KeyLists {
+                            idx: v,
+                            n_keys: *w,
+                            stride: *w,
+                        }),
+                    })
+                })
+                .collect()
+        }
+        let qb = q.f32().ok_or_else(|| not_f32("attention_seqs"))?;
+        let o = out.f32_mut().ok_or_else(|| not_f32("attention_seqs"))?;
+        if bf16 {
+            let ms = mla_seqs(seqs, &lists, |s| match s {
+                Store::Bf16(b) => Some(b),
+                Store::F32(_) => None,
+            });
+            self.gpu.mla_attention_seqs(qb, &ms, o, m)
+        } else {
+            let ms = mla_seqs(seqs, &lists, |s| match s {
+                Store::F32(b) => Some(b),
+                Store::Bf16(_) => None,
+            });
+            self.gpu.mla_attention_seqs(qb, &ms, o, m)
+        }
+        .map_err(kerr("attention_seqs"))?;
         Ok(out)
     }
 

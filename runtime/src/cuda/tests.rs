@@ -1094,6 +1094,161 @@ fn cuda_kv_rows_and_indexer_keys_equal_their_compositions() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// A batched step's appends and attention in one launch each (`append_rows_seqs`,
+/// `attention_seqs`) against their per-sequence compositions on the same caches: the caches
+/// bitwise, the attention bitwise where every sequence sees at most 32 keys (then both take the
+/// decode kernel's one-split plan: same arithmetic per token), and within the f32 kernels'
+/// bound of each other past that (plans of different splits: summation order only). bf16 and
+/// f32 caches; sequences of 1 and 3 rows; one sequence with a DSA key list.
+#[test]
+fn cuda_batched_appends_and_attention_equal_their_compositions() {
+    let _gpu = exclusive();
+    use crate::backend::{
+        append_rows_seqs_composed, attention_seqs_composed, AttnParams, Backend, SeqAttn,
+    };
+    if kernels::device_count() == 0 {
+        say(
+            "skipped: no CUDA device (cuda_batched_appends_and_attention_equal_their_compositions)",
+        );
+        return;
+    }
+    let mut r = Rng(0x5eed_0000_00c4_00b7);
+    let (heads, d, dv) = (64usize, 576usize, 512usize);
+    let p = AttnParams {
+        n_head: heads,
+        n_kv_head: 1,
+        k_dim: d,
+        v_dim: dv,
+        scale: 1.0 / 24.0,
+        pos0: 0,
+    };
+    let mut failures = Vec::new();
+    for (mode, opts) in [("fast", FAST), ("exact", EXACT)] {
+        let be = CudaBackend::with_options(0, opts).expect("device");
+        // Cached rows before the step, rows of the step.
+        for (label, shape) in [
+            (
+                "<= 32 keys",
+                vec![(4usize, 1usize), (20, 3), (9, 1), (30, 1)],
+            ),
+            // Up to 1,024 keys: the decode kernel either way (beyond, a bf16 cache takes the
+            // tensor-core kernel, checked against f64 by kernels-gpu).
+            ("past 32 keys", vec![(40, 1), (300, 3), (9, 1), (1000, 1)]),
+        ] {
+            let mut cache = |rows: usize| {
+                let mut c = be.empty(d).expect("cache");
+                // Room for the step: the batched append is then one launch, no regrowth copy.
+                be.reserve_rows(&mut c, rows + 8).expect("reserve");
+                if rows > 0 {
+                    let v: Vec<f32> = (0..rows * d).map(|_| 2.0 * r.unit() - 1.0).collect();
+                    be.append_rows(&mut c, &be.new_tensor(rows, d, &v).expect("rows"))
+                        .expect("append");
+                }
+                c
+            };
+            let mut a: Vec<_> = shape.iter().map(|&(t, _)| cache(t)).collect();
+            // The same caches again (bitwise copies) for the composition.
+            let mut b: Vec<_> = a
+                .iter()
+                .map(|c| {
+                    let mut n = be.empty(d).expect("cache");
+                    be.reserve_rows(&mut n, c.rows + 8).expect("reserve");
+                    let host = be.to_host(c).expect("download");
+                    be.append_rows(&mut n, &be.new_tensor(c.rows, d, &host).expect("rows"))
+                        .expect("append");
+                    n
+                })
+                .collect();
+            let counts: Vec<usize> = shape.iter().map(|s| s.1).collect();
+            let n: usize = counts.iter().sum();
+            let rows: Vec<f32> = (0..n * d).map(|_| 2.0 * r.unit() - 1.0).collect();
+            let src = be.new_tensor(n, d, &rows).expect("rows");
+            let ((), l) = launches(&be, || {
+                let mut dst: Vec<&mut super::CudaTensor> = a.iter_mut().collect();
+                be.append_rows_seqs(&mut dst, &src, &counts)
+                    .expect("batched append")
+            });
+            {
+                let mut dst: Vec<&mut super::CudaTensor> = b.iter_mut().collect();
+                append_rows_seqs_composed(&be, &mut dst, &src, &counts).expect("composed append");
+            }
+            let same_caches = a.iter().zip(&b).all(|(x, y)| {
+                x.rows == y.rows && be.to_host(x).expect("x") == be.to_host(y).expect("y")
+            });
+            let n_append: f64 = l.iter().map(|k| k.1).sum();
+            // A key list for the second sequence: every other key up to its positions.
+            let (t1, n1) = (a[1].rows, counts[1]);
+            let width = t1.div_ceil(2);
+            let list: Vec<i32> = (0..n1)
+                .flat_map(|j| (0..width).map(move |k| (2 * k).min(t1 - n1 + j) as i32))
+                .collect();
+            let sel = super::CudaIndex {
+                rows: n1,
+                cols: width,
+                buf: be.gpu.upload_async(&list).expect("list"),
+            };
+            let qv: Vec<f32> = (0..n * heads * d).map(|_| 2.0 * r.unit() - 1.0).collect();
+            let q = be.new_tensor(n, heads * d, &qv).expect("q");
+            fn seqs<'a>(
+                cs: &'a [super::CudaTensor],
+                counts: &[usize],
+                sel: Option<&'a super::CudaIndex>,
+            ) -> Vec<SeqAttn<'a, CudaBackend>> {
+                cs.iter()
+                    .zip(counts)
+                    .enumerate()
+                    .map(|(i, (c, &k))| SeqAttn {
+                        rows: k,
+                        pos0: c.rows - k,
+                        k: c,
+                        v: c,
+                        selected: sel.filter(|_| i == 1),
+                    })
+                    .collect()
+            }
+            for sparse in [false, true] {
+                let s = sparse.then_some(&sel);
+                let (got, l) = launches(&be, || {
+                    be.attention_seqs(&q, &seqs(&a, &counts, s), &p)
+                        .expect("batched")
+                });
+                let want =
+                    attention_seqs_composed(&be, &q, &seqs(&b, &counts, s), &p).expect("composed");
+                let (g, w) = (be.to_host(&got).expect("g"), be.to_host(&want).expect("w"));
+                let n_mla: f64 = l.iter().filter(|k| k.0 == "mla").map(|k| k.1).sum();
+                // Values within [-1, 1]: each result is within the decode kernel's bound of
+                // the exact attention (kernels' `mla_f32_expect`: score moves of
+                // 2 (d + 8) 2^-24 scale sum|q c| with sum|q c| <= d, 8 + T + T/32 + 9
+                // roundings of max|v| = 1), so the two within twice that.
+                let t_max = shape.iter().map(|s| s.0 + s.1).max().unwrap_or(0) as f64;
+                let u = f64::from(f32::EPSILON) / 2.0;
+                let tol = if label == "<= 32 keys" {
+                    0.0
+                } else {
+                    2.0 * ((8.0 + t_max + t_max / 32.0 + 9.0) * u
+                        + 2.0 * (d as f64 + 8.0) * u * f64::from(p.scale) * d as f64)
+                };
+                let worst = g
+                    .iter()
+                    .zip(&w)
+                    .fold(0f64, |m, (x, y)| m.max(f64::from((x - y).abs())));
+                let ok = g.iter().all(|v| v.is_finite()) && worst <= tol && same_caches;
+                say(&format!(
+                    "| batched mla {mode} {label}{} | {} sequences | worst {worst:.3e} (tol \
+                     {tol:.1e}), caches bitwise {same_caches} | {n_append} append and {n_mla} \
+                     mla launches |",
+                    if sparse { ", one sparse" } else { "" },
+                    counts.len()
+                ));
+                if !ok || n_append != 1.0 {
+                    failures.push(format!("{mode} {label} sparse {sparse}: {worst:e} > {tol:e}, caches {same_caches}, {l:?}"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 /// A cache reserved up front keeps its buffer (same device address, same capacity) while rows
 /// are appended up to the reservation, and keeps every appended row (bf16 and f32 caches).
 #[test]

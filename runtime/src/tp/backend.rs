@@ -2,7 +2,7 @@
 //! the rank's group and the turns its uploads take with the other ranks of its device. The
 //! forward pass sees an ordinary [`Backend`].
 
-use crate::backend::{AttnParams, Backend, IndexerParams, RopeParams, RouteParams};
+use crate::backend::{AttnParams, Backend, IndexerParams, RopeParams, RouteParams, SeqAttn};
 use crate::weights::HostWeight;
 use crate::RuntimeError;
 use std::sync::{Arc, Condvar, Mutex};
@@ -144,6 +144,14 @@ impl<B: Backend> Backend for Ranked<B> {
     }
     fn append_rows(&self, dst: &mut Self::Tensor, src: &Self::Tensor) -> Result<(), RuntimeError> {
         self.inner.append_rows(dst, src)
+    }
+    fn append_rows_seqs(
+        &self,
+        dsts: &mut [&mut Self::Tensor],
+        src: &Self::Tensor,
+        counts: &[usize],
+    ) -> Result<(), RuntimeError> {
+        self.inner.append_rows_seqs(dsts, src, counts)
     }
     fn truncate_rows(&self, t: &mut Self::Tensor, rows: usize) -> Result<(), RuntimeError> {
         self.inner.truncate_rows(t, rows)
@@ -336,6 +344,25 @@ impl<B: Backend> Backend for Ranked<B> {
         selected: Option<&Self::Index>,
     ) -> Result<Self::Tensor, RuntimeError> {
         self.inner.attention(q, k, v, p, selected)
+    }
+    fn attention_seqs(
+        &self,
+        q: &Self::Tensor,
+        seqs: &[SeqAttn<'_, Self>],
+        p: &AttnParams,
+    ) -> Result<Self::Tensor, RuntimeError> {
+        // The same sequences as the inner backend sees them (the tensors are its own).
+        let inner: Vec<SeqAttn<'_, B>> = seqs
+            .iter()
+            .map(|s| SeqAttn {
+                rows: s.rows,
+                pos0: s.pos0,
+                k: s.k,
+                v: s.v,
+                selected: s.selected,
+            })
+            .collect();
+        self.inner.attention_seqs(q, &inner, p)
     }
     fn indexer_topk(
         &self,

@@ -690,10 +690,15 @@ pub fn run(args: &super::Args, device: usize) -> Result<ExitCode> {
             (t_len * id * 4) as f64,
             ms,
         );
-        // The fast path's bf16 key cache, through each scorer (indexer_scores.cu).
+        // The fast path's bf16 key cache, through each scorer (indexer_scores.cu; nothing
+        // forced: the tensor-core scorer, the default where it fits).
         let kcb = g.upload(&bf16_bits(&acts(t_len * id, 19)))?;
-        for (lanes, name) in [(false, "warp per key"), (true, "lane per key")] {
-            kernels::force_indexer_lanes(Some(lanes));
+        for (lanes, name) in [
+            (Some(false), "warp per key"),
+            (Some(true), "lane per key"),
+            (None, "tensor cores"),
+        ] {
+            kernels::force_indexer_lanes(lanes);
             let r = b.time(|_| g.indexer_scores(&qi, &kcb, &wi, &pos, &mut sc, ish));
             kernels::force_indexer_lanes(None);
             b.record(
