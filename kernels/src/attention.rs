@@ -50,6 +50,31 @@ pub struct KeyLists<'a> {
     pub stride: usize,
 }
 
+impl KeyLists<'_> {
+    /// The key slots of `tokens` queries: the lists' length (non-empty, every token's row
+    /// inside `idx`), or `dense` without lists.
+    pub(crate) fn slots(
+        keys: Option<Self>,
+        op: &'static str,
+        tokens: usize,
+        dense: usize,
+    ) -> Result<usize, KernelError> {
+        let Some(kl) = keys else {
+            return Ok(dense);
+        };
+        if kl.n_keys == 0 {
+            return Err(shape_err(op, "empty key lists"));
+        }
+        need_len(
+            op,
+            "idx",
+            kl.idx.len(),
+            (tokens - 1) * kl.stride + kl.n_keys,
+        )?;
+        Ok(kl.n_keys)
+    }
+}
+
 impl Gpu {
     /// `o[s,h] = sum_t softmax_t(scale * q[s,h] . k[t,g]) * v[t,g]` over the keys of query s:
     /// all `t <= pos0 + s` (dense causal), or the listed keys (sparse, still causal).
@@ -105,21 +130,7 @@ impl Gpu {
         )?;
         let o_need = (m.tokens - 1) * m.o_tok_stride + (m.heads - 1) * m.o_head_stride + m.d_v;
         need_len(OP, "o", dlen(o), o_need)?;
-        let n_keys = match keys {
-            Some(kl) => {
-                if kl.n_keys == 0 {
-                    return Err(shape_err(OP, "empty key lists"));
-                }
-                need_len(
-                    OP,
-                    "idx",
-                    kl.idx.len(),
-                    (m.tokens - 1) * kl.stride + kl.n_keys,
-                )?;
-                kl.n_keys
-            }
-            None => m.kv_len,
-        };
+        let n_keys = KeyLists::slots(keys, OP, m.tokens, m.kv_len)?;
         let split_len = n_keys.div_ceil(MAX_SPLITS).max(MIN_SPLIT);
         let n_split = n_keys.div_ceil(split_len);
         let f_scores = self.func(Op::Attention, "attn_scores_f32")?;

@@ -108,7 +108,8 @@ pub const IXT_DMAX: usize = 128;
 const IXT_BLOCKS_PER_SM: usize = 4;
 
 /// 0 = by default (the tensor-core scorer wherever it fits), 1 = never
-/// (`GGUFTOOL_INDEXER_TC=0`, or [`force_indexer_tc`]).
+/// (`GGUFTOOL_INDEXER_TC=0`; forcing a lane or warp scorer, [`force_indexer_lanes`], also
+/// keeps it out).
 static TC_MODE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(u8::MAX);
 
 fn tc_on() -> bool {
@@ -119,13 +120,6 @@ fn tc_on() -> bool {
         TC_MODE.store(v, Ordering::Relaxed);
     }
     v == 0
-}
-
-/// Force the tensor-core scorer off (`Some(false)`) or back to the default (`None` /
-/// `Some(true)`: wherever [`tc_fit`] holds) for this process (tests and A/B runs).
-pub fn force_indexer_tc(on: Option<bool>) {
-    let v = u8::from(on == Some(false));
-    TC_MODE.store(v, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Whether the tensor-core scorer takes a call: bf16 keys (checked by the caller) of a width

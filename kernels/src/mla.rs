@@ -407,21 +407,7 @@ impl Gpu {
             ));
         }
         need_len(OP, "kv", dlen(kv), (m.kv_len - 1) * m.kv_stride + m.d)?;
-        let n_eff = match keys {
-            Some(kl) => {
-                if kl.n_keys == 0 {
-                    return Err(shape_err(OP, "empty key lists"));
-                }
-                need_len(
-                    OP,
-                    "idx",
-                    kl.idx.len(),
-                    (m.tokens - 1) * kl.stride + kl.n_keys,
-                )?;
-                kl.n_keys
-            }
-            None => m.kv_len,
-        };
+        let n_eff = KeyLists::slots(keys, OP, m.tokens, m.kv_len)?;
         let s = self.stream();
         let (qp, _gq) = q.device_ptr(s);
         let (kp, _gk) = kv.device_ptr(s);
@@ -494,18 +480,13 @@ impl Gpu {
             guards.push(gk);
             let list = match sq.keys {
                 Some(kl) => {
-                    if Some(kl.n_keys) != n_keys || kl.n_keys == 0 {
+                    if Some(kl.n_keys) != n_keys {
                         return Err(shape_err(
                             OP,
                             format!("sequence {i}: {} listed keys, others {n_keys:?}", kl.n_keys),
                         ));
                     }
-                    need_len(
-                        OP,
-                        "idx",
-                        kl.idx.len(),
-                        (sq.tokens - 1) * kl.stride + kl.n_keys,
-                    )?;
+                    KeyLists::slots(Some(kl), OP, sq.tokens, 0)?;
                     let (ip, gi) = kl.idx.device_ptr(s);
                     guards.push(gi);
                     Some((ip, kl.stride))

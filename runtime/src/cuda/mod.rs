@@ -348,6 +348,31 @@ fn kerr(op: &'static str) -> impl FnOnce(KernelError) -> RuntimeError {
     move |source| RuntimeError::Kernel { op, source }
 }
 
+/// The absorbed MLA call of `tokens` query rows (`q_cols` wide, heads `p.k_dim` apart) over a
+/// latent cache of `kv_len` rows `kv_cols` apart, output rows `[tokens, n_head * v_dim]`.
+fn mla_shape(
+    p: &AttnParams,
+    tokens: usize,
+    q_cols: usize,
+    kv_cols: usize,
+    kv_len: usize,
+) -> MlaShape {
+    MlaShape {
+        tokens,
+        heads: p.n_head,
+        d: p.k_dim,
+        d_v: p.v_dim,
+        q_tok_stride: q_cols,
+        q_head_stride: p.k_dim,
+        kv_stride: kv_cols,
+        kv_len,
+        o_tok_stride: p.n_head * p.v_dim,
+        o_head_stride: p.v_dim,
+        scale: p.scale,
+        pos0: p.pos0,
+    }
+}
+
 fn not_f32(op: &str) -> RuntimeError {
     err(format!("{op}: expects an f32 activation tensor"))
 }
@@ -1782,20 +1807,7 @@ impl Backend for CudaBackend {
         // Absorbed MLA: one latent head whose values are its first v_dim columns.
         let mla = p.n_kv_head == 1 && std::ptr::eq(k, v) && p.v_dim <= 512 && p.v_dim <= p.k_dim;
         if mla {
-            let m = MlaShape {
-                tokens: n,
-                heads: p.n_head,
-                d: p.k_dim,
-                d_v: p.v_dim,
-                q_tok_stride: q.cols,
-                q_head_stride: p.k_dim,
-                kv_stride: k.cols,
-                kv_len: t,
-                o_tok_stride: p.n_head * p.v_dim,
-                o_head_stride: p.v_dim,
-                scale: p.scale,
-                pos0: p.pos0,
-            };
+            let m = mla_shape(p, n, q.cols, k.cols, t);
             let o = out.f32_mut().ok_or_else(|| not_f32("attention"))?;
             match &k.store {
                 Store::F32(kb) => self.gpu.mla_attention(qb, kb, keys, o, m),
@@ -1873,20 +1885,8 @@ impl Backend for CudaBackend {
         }
         let n = q.rows;
         let mut out = self.alloc(n, p.n_head * p.v_dim)?;
-        let m = MlaShape {
-            tokens: n,
-            heads: p.n_head,
-            d: p.k_dim,
-            d_v: p.v_dim,
-            q_tok_stride: q.cols,
-            q_head_stride: p.k_dim,
-            kv_stride: first.cols,
-            kv_len: 0,
-            o_tok_stride: p.n_head * p.v_dim,
-            o_head_stride: p.v_dim,
-            scale: p.scale,
-            pos0: 0,
-        };
+        // Each sequence brings its own cache length and position (`Gpu::mla_attention_seqs`).
+        let m = mla_shape(&AttnParams { pos0: 0, ..*p }, n, q.cols, first.cols, 0);
         let lists: Vec<Option<(kernels::CudaView<'_, i32>, usize)>> = seqs
             .iter()
             .map(|s| {

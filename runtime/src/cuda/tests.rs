@@ -1240,7 +1240,8 @@ fn cuda_batched_appends_and_attention_equal_their_compositions() {
                     if sparse { ", one sparse" } else { "" },
                     counts.len()
                 ));
-                if !ok || n_append != 1.0 {
+                // One launch for the batch (and the split combine past 32 keys).
+                if !ok || n_append != 1.0 || !(1.0..=2.0).contains(&n_mla) {
                     failures.push(format!("{mode} {label} sparse {sparse}: {worst:e} > {tol:e}, caches {same_caches}, {l:?}"));
                 }
             }
