@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -257,6 +257,64 @@ step depth-profile 45 "$W/depth-profile.json" ./gguftool bench -m /tmp/glm5.gguf
 closing_figures
 fi
 
+# 14. STAGE=mmq (eleventh session): the tensor-core products' data through a 4-stage cp.async
+#     ring (weights, codes and records: no load into registers in the loop) and a chunk's
+#     column groups issued together (mmq.cu). Their tests, the kernel benchmarks (every allowed k-split), a
+#     same-call A/B of prefill 16-64 against gguftool-main (the previous commit), then the
+#     closing figures of both tools (llama.cpp built meanwhile; the depth run left out: this
+#     change does not touch it).
+if [ "$STAGE" = mmq ]; then
+build_llama
+step mmq-kernel-tests 110 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 --nocapture mma_s8 mmq_dense mmq_grouped mmq_channel 2>&1'
+step mmq-runtime-tests 100 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda::tests::glm5_heads_mmq_steps cuda::tests::cuda_matches_cpu_on_fixtures --test-threads=1 --nocapture 2>&1'
+step synth 60 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+step kernel-bench 50 "$OUT/kernels.json" ./gguftool bench --kernels --json --quick
+A="-m /tmp/glm5.gguf --device cuda --no-profile --json -p 16,32,64 -n 16 -r 2"
+step ab-main-1 20 "$W/ab-main-1.json" ./gguftool-main bench $A
+step ab-new-1 20 "$W/ab-new-1.json" ./gguftool bench $A
+wait "$BUILD"
+B="./gguftool bench -m /tmp/glm5.gguf --device cuda --json"
+step llama-pp-tg 120 "$W/bench-llama.txt" bash -c "$LB/llama-bench -m /tmp/glm5.gguf -ngl 99 -fa 0 -p 8,16,32,64,512 -n 128 -r 3 -o md 2>&1 | grep '^|'"
+step ours-pp-tg 60 "$W/final-pp-tg.json" $B -p 8,16,32,64,512 -n 128 -r 2
+step llama-batched 50 "$W/bench-llama-batched.txt" bash -c "$LB/llama-batched-bench -m /tmp/glm5.gguf -ngl 99 -fa 0 -npp 32 -ntg 32 -npl 8,32 2>&1 | grep '^|'"
+step ours-batched 40 "$W/final-batched.json" $B -p 0 -n 32 -r 1 --npl 8,32
+cat "$W"/bench-llama*.txt > "$OUT/llama.txt" 2>/dev/null
+python3 - "$W/final-pp-tg.json" > "$OUT/profile.txt" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    if (r["n_prompt"] or 0) not in (32, 64) and r["test"] != "tg":
+        continue
+    print("== %s%d: %.1f t/s" % (r["test"], r["n_prompt"] or r["n_gen"], r["avg_ts"]))
+    for x in (r.get("kernels") or [])[:14]:
+        print("  %-24s %8.2f us/tok %s" % (x["kind"], x["us_per_token"], {k: v for k, v in x.items() if k not in ("kind", "us_per_token")}))
+PY
+fi
+
+# 15. STAGE=mmq2 (eleventh session, second call; device time nearly spent): the same change's
+#     tests, kernel benchmarks, a same-call A/B against gguftool-main, then this tool's closing
+#     figures (llama.cpp's are call 1's, same GPU type and file: no time to build it again).
+if [ "$STAGE" = mmq2 ]; then
+step mmq-kernel-tests 90 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 --nocapture mma_s8 mmq_dense mmq_grouped mmq_channel 2>&1'
+step mmq-runtime-tests 80 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda::tests::glm5_heads_mmq_steps --test-threads=1 --nocapture 2>&1'
+step synth 70 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+step kernel-bench 50 "$OUT/kernels.json" ./gguftool bench --kernels --json --quick
+A="-m /tmp/glm5.gguf --device cuda --no-profile --json -p 16,32,64 -n 16 -r 2"
+step ab-main-1 25 "$W/ab-main-1.json" ./gguftool-main bench $A
+step ab-new-1 25 "$W/ab-new-1.json" ./gguftool bench $A
+B="./gguftool bench -m /tmp/glm5.gguf --device cuda --json"
+step ours-pp-tg 40 "$W/final-pp-tg.json" $B -p 8,16,32,64,512 -n 128 -r 2
+step ours-batched 25 "$W/final-batched.json" $B -p 0 -n 32 -r 1 --npl 8,32
+python3 - "$W/final-pp-tg.json" > "$OUT/profile.txt" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    if (r["n_prompt"] or 0) not in (32, 64):
+        continue
+    print("== %s%d: %.1f t/s" % (r["test"], r["n_prompt"] or r["n_gen"], r["avg_ts"]))
+    for x in (r.get("kernels") or [])[:10]:
+        print("  %-24s %8.2f us/tok %s" % (x["kind"], x["us_per_token"], {k: v for k, v in x.items() if k not in ("kind", "us_per_token")}))
+PY
+fi
+
 # Summary (the reply carries the end of the output).
 cat "$STEPS" >> "$LOG"
 cd "$W"
@@ -272,7 +330,8 @@ for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-
           "ab-tc-off-1.json", "ab-tc-on-1.json", "ab-tc-depth-off.json", "ab-tc-depth-on.json",
           "ab-tc-off-2.json", "ab-tc-on-2.json",
           "ab-seqs-off-1.json", "ab-seqs-on-1.json", "ab-seqs-off-2.json", "ab-seqs-on-2.json",
-          "ab-ixtc-off-1.json", "ab-ixtc-on-1.json", "ab-ixtc-off-2.json", "ab-ixtc-on-2.json"):
+          "ab-ixtc-off-1.json", "ab-ixtc-on-1.json", "ab-ixtc-off-2.json", "ab-ixtc-on-2.json",
+          "ab-main-1.json", "ab-new-1.json", "ab-main-2.json", "ab-new-2.json", "pp-profile.json"):
     try:
         out[f] = json.load(open(f))
     except Exception as e:
@@ -295,13 +354,17 @@ def load(p):
         return json.load(open(p))
     except Exception as e:
         return None
-k = load(os.environ["OUT"] + "/kernels.json")
-if k:
+for kf in ("kernels.json", "kernels-main.json"):
+  k = load(os.environ["OUT"] + "/" + kf)
+  if k:
+    print("== " + kf)
     print("== kernels (copy %.0f GB/s)" % k["copy_gb_per_s"])
     for r in k["results"]:
         if os.environ.get("STAGE") == "tiles" and not r["kind"].startswith("moe"):
             continue
         if (os.environ.get("STAGE", "").startswith("mla-tc") or os.environ.get("STAGE") == "depth") and r["kind"] not in ("mla", "attention", "indexer", "topk"):
+            continue
+        if os.environ.get("STAGE", "").startswith("mmq") and "mmq" not in r["kind"] and "gemm" not in r["kind"] and "gemv" not in r["kind"]:
             continue
         print("%-10s %-50s %8.1f us %6.0f GB/s %4.0f%%" % (r["kind"], r["what"][:50], r["us"], r["gb_per_s"], 100 * r["fraction_of_copy"]))
 for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-on-2.json",
@@ -313,7 +376,8 @@ for f in ("ab-mmq-off-1.json", "ab-mmq-on-1.json", "ab-mmq-off-2.json", "ab-mmq-
           "ab-tc-off-1.json", "ab-tc-on-1.json", "ab-tc-depth-off.json", "ab-tc-depth-on.json",
           "ab-tc-off-2.json", "ab-tc-on-2.json",
           "ab-seqs-off-1.json", "ab-seqs-on-1.json", "ab-seqs-off-2.json", "ab-seqs-on-2.json",
-          "ab-ixtc-off-1.json", "ab-ixtc-on-1.json", "ab-ixtc-off-2.json", "ab-ixtc-on-2.json"):
+          "ab-ixtc-off-1.json", "ab-ixtc-on-1.json", "ab-ixtc-off-2.json", "ab-ixtc-on-2.json",
+          "ab-main-1.json", "ab-new-1.json", "ab-main-2.json", "ab-new-2.json", "pp-profile.json"):
     b = load(f)
     if not b:
         continue
@@ -327,6 +391,7 @@ for f in kernel-tests-all.txt runtime-tests-all.txt tp-tests.txt; do
     [ -f "$f" ] && { echo "== $f"; grep -E 'test result|FAILED|panicked' "$f" | tail -6; }
 done
 [ -f "$OUT/llama.txt" ] && { echo "== llama.cpp"; cat "$OUT/llama.txt"; }
+[ -f "$OUT/profile.txt" ] && { echo "== profile"; cat "$OUT/profile.txt"; }
 [ -f "$OUT/tc-prof.txt" ] && { echo "== tensor-core MLA phases"; cat "$OUT/tc-prof.txt"; }
 [ -f "$W/llama-build.txt" ] && tail -3 "$W/llama-build.txt"
 echo "== log tail"; tail -5 "$LOG"

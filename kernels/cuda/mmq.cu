@@ -30,11 +30,11 @@
 // Mapping. A block of 32 * nw threads (the host's plan, kernels/src/mmq.rs `mmq_plan`) holds
 // nw / ks row tiles of 16 rows, each computed by ks warps that split K (ks = 1, 2, 4 or 8); a
 // warp computes its 16 rows for all NC columns. K is walked in steps of MQ_STEP = 128: window w
-// of the block is steps w*ks .. w*ks + ks - 1, warp kp of a tile takes step w*ks + kp. The
-// activations of a window (all NC columns, codes and records) are copied to shared memory once
-// per block (cp.async, double-buffered: window w+1 is in flight while w is computed) and read by
-// every warp; the weights go straight from global memory into the A fragments, each byte read
-// once per launch, D steps of them in flight per warp (prefetch depth, registers). Partial sums
+// of the block is steps w*ks .. w*ks + ks - 1, warp kp of a tile takes step w*ks + kp. A
+// window's data goes to shared memory by cp.async in a ring of MQ_STAGES stages (window w + 2
+// and w + 3 are in flight while w is computed): the activations of all NC columns (codes and
+// records, read by every warp) and each warp's own weight rows (each byte read once per
+// launch), which the lanes then read into their A fragments. Partial sums
 // of the ks warps of a tile meet in shared memory and are added in warp order: no float
 // atomics, the same result on every run. Channels (grid.y, grid-strided) are independent
 // matrix products as in gemvq (expert slab per channel, column maps, -1 = unused).
@@ -61,6 +61,9 @@ struct Mmq {
     const int* yidx;  // output row of (ch, j) (null: ch*ncols + j); -1: not written
     long long y_stride, y_rows;
     int nrows, K, n_slabs, count, ncols, x_div, ks, accum;
+    int srow;  // shared-memory bytes per staged weight row (the host's `mmq_stage_row_bytes`,
+               // checked against the type's SROW at entry)
+    int pad_;
 };
 
 // ---- the tensor-core product ------------------------------------------------------------------
@@ -112,15 +115,53 @@ DEV void mma_s8_16832(int (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2
 #endif
 }
 
-// 16 bytes global -> shared without registers (L2 only: the activations are re-read by other
-// blocks, not by this one); the emulator copies at once, which is the same thing to a reader
-// that waits (cp_async_wait_all + __syncthreads) before reading.
+// global -> shared without registers: 16 bytes (L2 only: the activations are re-read by other
+// blocks, not by this one), and 8 / 4 bytes for the pieces of weight rows smaller than that.
+// Every load of the main loop goes this way: a load into registers would share its scoreboard
+// with every other outstanding one (ptxas gave the weight prefetch and the records one), so
+// its first use waited for all of them and no prefetch survived. cp.async groups complete in
+// order: wait_group N waits for all but the N most recent. The emulator copies at once (the
+// same thing to a reader that waits) and checks the alignment the instruction requires.
+#ifdef GGUFTOOL_EMU
+DEV void mq_cp_check(const void* dst, const void* src, unsigned n) {
+    if (((unsigned long long)dst | (unsigned long long)src) & (n - 1)) __builtin_trap();
+}
+#endif
 DEV void mq_cp16(void* dst, const void* src) {
 #ifdef GGUFTOOL_EMU
+    mq_cp_check(dst, src, 16);
     *(uint4*)dst = *(const uint4*)src;
 #else
     const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(src) : "memory");
+#endif
+}
+DEV void mq_cp8(void* dst, const void* src) {
+#ifdef GGUFTOOL_EMU
+    mq_cp_check(dst, src, 8);
+    *(uint2*)dst = *(const uint2*)src;
+#else
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(sa), "l"(src) : "memory");
+#endif
+}
+DEV void mq_cp4(void* dst, const void* src) {
+#ifdef GGUFTOOL_EMU
+    mq_cp_check(dst, src, 4);
+    *(uint32_t*)dst = *(const uint32_t*)src;
+#else
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sa), "l"(src) : "memory");
+#endif
+}
+DEV void mq_cp_commit() {
+#ifndef GGUFTOOL_EMU
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N> DEV void mq_cp_wait_group() {
+#ifndef GGUFTOOL_EMU
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
 DEV void mq_cp_wait() {
@@ -140,13 +181,13 @@ template <int NA> struct MqChunk {
     float m[2];
 };
 
-// Per type: `Frag` = the raw loads of one 128-k step for rows g and g+8 (prefetched D steps
-// ahead, so only raw loaded words: a value combined from loads would stall at the load), `load`
-// issues them (rb[r] = index of row r's first decoder block; s = step); `prep` forms what the
-// step's chunks share, once the data is there; `chunk` forms chunk i (0..3) of the step. Loads
-// are 8 bytes (or the lane's quarter of a row's scales: the four lanes of a row share them
-// through shuffles instead of each holding all of them), evict-first (read once). prep and chunk
-// shuffle: the whole warp calls them.
+// Per type: a 128-k step of one row is staged in shared memory as SROW bytes (`src16` = the
+// source of 16-byte piece q < N16, which lands at 16q; `small` copies the pieces below 16 bytes,
+// one lane per row; rb = index of the row's first decoder block, s = step). `Frag` = the words
+// a lane reads of its rows g and g+8 (`load`, from the staged rows r0 / r1); `prep` forms what
+// the step's chunks share; `chunk` forms chunk i (0..3) of the step. A lane reads 8 bytes (or
+// its quarter of a row's scales: the four lanes of a row share them through shuffles instead
+// of each holding all of them). prep and chunk shuffle: the whole warp calls them.
 template <int QT> struct MqType;
 
 // Byte i of w (unsigned, or signed for mq_s8f) as an exact float: one PRMT builds the float
@@ -188,21 +229,26 @@ DEV void mq_kscale(const MqKPrep& P, int r, int i, float& ds, float& dm) {
 // Q4_K {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}: byte l of pair p = qs[32p + l] holds
 // element l of sub-block 2p (low nibble) and of 2p+1 (high). Step s = half s&1 of superblock s/2
 // = pairs 2hh, 2hh+1; chunk i = sub-block 4hh + i = pair i/2, nibble i&1.
+// Staged row: the header, then the half's 64 code bytes; 96 bytes apart, which puts the 8-byte
+// code loads of a half-warp's four rows on distinct banks.
 template <> struct MqType<QT_Q4_K> {
-    static constexpr int NA = 1, MIN = 1;
+    static constexpr int NA = 1, MIN = 1, SROW = 96, N16 = 5;
     struct Frag {
         uint32_t h[2];
         uint2 q[2][2];
     };
     typedef MqKPrep Prep;
-    static DEV void load(Frag& f, const uint8_t* W, long long, const long long (&rb)[2], int s, int t) {
-        const int sb = s >> 1, hh = s & 1;
+    static DEV const uint8_t* src16(const uint8_t* W, long long, long long rb, int s, int q) {
+        const uint8_t* blk = W + (rb + (s >> 1)) * 144;
+        return q == 0 ? blk : blk + 64 * (s & 1) + 16 * q;
+    }
+    static DEV void small(uint8_t*, const uint8_t*, long long, long long, int) {}
+    static DEV void load(Frag& f, const uint8_t* const (&row)[2], const long long (&)[2], int, int t) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const uint8_t* blk = W + (rb[r] + sb) * 144;
-            f.h[r] = ldw32(blk + 4 * t);
-            f.q[r][0] = ldw2(blk + 16 + 64 * hh + 8 * t);
-            f.q[r][1] = ldw2(blk + 48 + 64 * hh + 8 * t);
+            f.h[r] = *(const uint32_t*)(row[r] + 4 * t);
+            f.q[r][0] = *(const uint2*)(row[r] + 16 + 8 * t);
+            f.q[r][1] = *(const uint2*)(row[r] + 48 + 8 * t);
         }
     }
     static DEV void prep(const Frag& f, int s, int, Prep& P) { mq_kprep(f.h, s & 1, P); }
@@ -228,15 +274,20 @@ template <> struct MqType<QT_Q5_K> {
         uint2 qh[2];
     };
     typedef MqKPrep Prep;
-    static DEV void load(Frag& f, const uint8_t* W, long long, const long long (&rb)[2], int s, int t) {
-        const int sb = s >> 1, hh = s & 1;
+    // Staged row: the header, qh (all 32 bytes), the half's 64 code bytes.
+    static constexpr int SROW = 112, N16 = 7;
+    static DEV const uint8_t* src16(const uint8_t* W, long long, long long rb, int s, int q) {
+        const uint8_t* blk = W + (rb + (s >> 1)) * 176;
+        return q < 3 ? blk + 16 * q : blk + 64 * (s & 1) + 16 * q;
+    }
+    static DEV void small(uint8_t*, const uint8_t*, long long, long long, int) {}
+    static DEV void load(Frag& f, const uint8_t* const (&row)[2], const long long (&)[2], int, int t) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const uint8_t* blk = W + (rb[r] + sb) * 176;
-            f.h[r] = ldw32(blk + 4 * t);
-            f.qh[r] = ldw2(blk + 16 + 8 * t);
-            f.q[r][0] = ldw2(blk + 48 + 64 * hh + 8 * t);
-            f.q[r][1] = ldw2(blk + 80 + 64 * hh + 8 * t);
+            f.h[r] = *(const uint32_t*)(row[r] + 4 * t);
+            f.qh[r] = *(const uint2*)(row[r] + 16 + 8 * t);
+            f.q[r][0] = *(const uint2*)(row[r] + 48 + 8 * t);
+            f.q[r][1] = *(const uint2*)(row[r] + 80 + 8 * t);
         }
     }
     static DEV void prep(const Frag& f, int s, int, Prep& P) { mq_kprep(f.h, s & 1, P); }
@@ -276,18 +327,26 @@ template <> struct MqType<QT_Q6_K_R> {
     struct Prep {
         float d[2];
     };
-    static DEV void load(Frag& f, const uint8_t* W, long long nblk, const long long (&rb)[2], int s,
-                         int t) {
-        const int sb = s >> 1, hh = s & 1;
+    // Staged row: the half's 64 ql bytes, its 32 qh bytes, its 8 scale bytes at 96, and at 104
+    // the aligned 4-byte word holding d (its half: the block index's parity).
+    static constexpr int SROW = 112, N16 = 6;
+    static DEV const uint8_t* src16(const uint8_t* W, long long, long long rb, int s, int q) {
+        const uint8_t* b = W + (rb + (s >> 1)) * 192;
+        return q < 4 ? b + 64 * (s & 1) + 16 * q : b + 128 + 32 * (s & 1) + 16 * (q - 4);
+    }
+    static DEV void small(uint8_t* row, const uint8_t* W, long long nblk, long long rb, int s) {
+        const long long g = rb + (s >> 1);
+        mq_cp8(row + 96, W + nblk * 192 + g * 16 + 8 * (s & 1));
+        mq_cp4(row + 104, W + ((nblk * 208 + 2 * g) & ~3LL));
+    }
+    static DEV void load(Frag& f, const uint8_t* const (&row)[2], const long long (&rb)[2], int s, int t) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const long long g = rb[r] + sb;
-            const uint8_t* b = W + g * 192;
-            f.ql[r][0] = ldw2(b + 64 * hh + 8 * t);
-            f.ql[r][1] = ldw2(b + 64 * hh + 32 + 8 * t);
-            f.qh[r] = ldw2(b + 128 + 32 * hh + 8 * t);
-            f.sc[r] = ld_u16(W + nblk * 192 + g * 16 + 8 * hh + 2 * t);
-            f.d[r] = ld_u16(W + nblk * 208 + 2 * g);
+            f.ql[r][0] = *(const uint2*)(row[r] + 8 * t);
+            f.ql[r][1] = *(const uint2*)(row[r] + 32 + 8 * t);
+            f.qh[r] = *(const uint2*)(row[r] + 64 + 8 * t);
+            f.sc[r] = *(const uint16_t*)(row[r] + 96 + 2 * t);
+            f.d[r] = *(const uint16_t*)(row[r] + 104 + 2 * ((rb[r] + (s >> 1)) & 1));
         }
     }
     static DEV void prep(const Frag& f, int, int, Prep& P) {
@@ -318,27 +377,33 @@ template <> struct MqType<QT_Q6_K_R> {
 // loads block 4s + t's d.
 template <> struct MqType<QT_Q8_0_R> {
     static constexpr int NA = 1, MIN = 0;
+    // The codes stay in shared memory until their chunk (the rows' addresses here): a GLU
+    // launch holding both matrices' 4 chunks in registers spilled.
     struct Frag {
-        uint2 q[2][4];
+        const uint8_t* row;  // row g; row g + 8 is 8 * SROW further
         uint32_t d[2];
     };
     struct Prep {};
-    static DEV void load(Frag& f, const uint8_t* W, long long nblk, const long long (&rb)[2], int s,
-                         int t) {
+    // Staged row: the step's 4 blocks of codes, then their 4 d (8 bytes: g0 is a multiple of 4).
+    static constexpr int SROW = 144, N16 = 8;
+    static DEV const uint8_t* src16(const uint8_t* W, long long, long long rb, int s, int q) {
+        return W + 32 * (rb + 4 * s) + 16 * q;
+    }
+    static DEV void small(uint8_t* row, const uint8_t* W, long long nblk, long long rb, int s) {
+        mq_cp8(row + 128, W + 32 * nblk + 2 * (rb + 4 * s));
+    }
+    static DEV void load(Frag& f, const uint8_t* const (&row)[2], const long long (&)[2], int, int t) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const long long g0 = rb[r] + 4 * s;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) f.q[r][i] = ldw2(W + 32 * (g0 + i) + 8 * t);
-            f.d[r] = ld_u16(W + 32 * nblk + 2 * (g0 + t));
-        }
+        for (int r = 0; r < 2; ++r) f.d[r] = *(const uint16_t*)(row[r] + 128 + 2 * t);
+        f.row = row[0];
     }
     static DEV void prep(const Frag&, int, int, Prep&) {}
-    static DEV void chunk(const Frag& f, const Prep&, int, int i, int, MqChunk<1>& c) {
+    static DEV void chunk(const Frag& f, const Prep&, int, int i, int t, MqChunk<1>& c) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            c.a[0][r] = f.q[r][i].x;
-            c.a[0][2 + r] = f.q[r][i].y;
+            const uint2 q = *(const uint2*)(f.row + 8 * SROW * r + 32 * i + 8 * t);
+            c.a[0][r] = q.x;
+            c.a[0][2 + r] = q.y;
             c.s[0][r] = f16_to_f32((uint16_t)mq_row_word(f.d[r], i));
             c.m[r] = 0.0f;
         }
@@ -347,10 +412,22 @@ template <> struct MqType<QT_Q8_0_R> {
 
 // ---- the kernel -------------------------------------------------------------------------------
 
-// Shared memory of one window buffer: per column `mq_stride(WK)` code bytes (the window's WK
-// codes + 32: column starts then fall 32 bytes apart modulo 128, so the 8-byte B loads of a
-// half-warp, 4 columns x 4 lanes, hit 32 distinct banks), then one float2 per (block, column):
-// {dx, dx * sum of the block's codes} (the second only for the types with a min).
+// Stages in flight: window w + 2 is copied while window w is computed (MQ_STAGES - 1 windows
+// issued ahead, the oldest two waited for). kernels/src/mmq.rs `MMQ_STAGES` sizes the buffers.
+#define MQ_STAGES 4
+#ifdef GGUFTOOL_EMU
+#define MQ_TRAP() __builtin_trap()
+#else
+#define MQ_TRAP() __trap()
+#endif
+
+// Shared memory. A stage (one window of ks steps) holds: per column `mq_stride(WK)` code bytes
+// (the window's WK codes + 32: column starts then fall 32 bytes apart modulo 128, so the 8-byte
+// B loads of a half-warp, 4 columns x 4 lanes, hit 32 distinct banks); the columns' raw q8a
+// records, column-major (WB per column); every warp's 16 staged weight rows (the type's SROW bytes
+// each; GLU: then the up matrix's). After MQ_STAGES stages, two buffers of converted records,
+// one float2 per (block, column) {dx, dx * sum of the block's codes} (the second only for the
+// types with a min), for windows of even and odd index.
 DEV int mq_stride(int WK) { return WK + 32; }
 
 // Scale and accumulate one chunk's products for one column group: acc[u] is output u of the
@@ -376,12 +453,19 @@ DEV void mq_apply(const MqChunk<MqType<QT>::NA>& c, const uint32_t (&b)[2], cons
 }
 
 // One warp step: 4 chunks of 32 k, each against the live column groups (ncg) of the window
-// buffer (`codes`, `rec`); kp = the step's place in the window.
+// buffer (`codes`, `rec`); kp = the step's place in the window. Column groups are taken MQ_G at
+// a time with no branch inside a group: their shared-memory loads are issued together and their
+// mmas are independent, so the compiler overlaps them (one group at a time, behind a uniform
+// skip per 8 columns, left each mma waiting on its own loads and each scaling on its mma: a
+// serial chain of ~100 cycles per 8 columns). A dead column inside a live group is computed
+// and never written: its records are zero, so stale codes add 0 * finite.
+template <int NC> __host__ __device__ constexpr int mq_group() { return NC / 8 < 4 ? NC / 8 : 4; }
 template <int QT, int NC, bool GLU>
 DEV void mq_step(const typename MqType<QT>::Frag& f1, const typename MqType<QT>::Frag& f2, int s,
                  const uint8_t* __restrict__ codes, const float2* __restrict__ rec, int S, int kp,
                  int ncg, float (&acc)[NC / 8][4], float (&acc2)[NC / 8][4]) {
     using T = MqType<QT>;
+    constexpr int NG = NC / 8, G = mq_group<NC>();
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     typename T::Prep P1, P2;
     T::prep(f1, s, t, P1);
@@ -393,14 +477,27 @@ DEV void mq_step(const typename MqType<QT>::Frag& f1, const typename MqType<QT>:
         T::chunk(f1, P1, s, i, t, c1);
         if (GLU) T::chunk(f2, P2, s, i, t, c2);
 #pragma unroll
-        for (int cg = 0; cg < NC / 8; ++cg) {
-            if (cg >= ncg) break;  // uniform: no live column from here on
-            const uint2 bq = *(const uint2*)(codes + (cg * 8 + g) * S + bw * 32 + 8 * t);
-            const uint32_t b[2] = {bq.x, bq.y};
-            const float4 xr = *(const float4*)(rec + bw * NC + cg * 8 + 2 * t);
-            const float dx[2] = {xr.x, xr.z}, mx[2] = {xr.y, xr.w};
-            mq_apply<QT>(c1, b, dx, mx, acc[cg]);
-            if (GLU) mq_apply<QT>(c2, b, dx, mx, acc2[cg]);
+        for (int g0 = 0; g0 < NG; g0 += G) {
+            if (g0 >= ncg) break;  // uniform: no live column from here on
+            uint32_t b[G][2];
+            float dx[G][2], mx[G][2];
+#pragma unroll
+            for (int j = 0; j < G; ++j) {
+                const int cg = g0 + j;
+                const uint2 bq = *(const uint2*)(codes + (cg * 8 + g) * S + bw * 32 + 8 * t);
+                b[j][0] = bq.x;
+                b[j][1] = bq.y;
+                const float4 xr = *(const float4*)(rec + bw * NC + cg * 8 + 2 * t);
+                dx[j][0] = xr.x;
+                dx[j][1] = xr.z;
+                mx[j][0] = xr.y;
+                mx[j][1] = xr.w;
+            }
+#pragma unroll
+            for (int j = 0; j < G; ++j) {
+                mq_apply<QT>(c1, b[j], dx[j], mx[j], acc[g0 + j]);
+                if (GLU) mq_apply<QT>(c2, b[j], dx[j], mx[j], acc2[g0 + j]);
+            }
         }
     }
 }
@@ -420,56 +517,72 @@ DEV void mq_stage_codes(const Mmq& p, const int* s_xr, uint8_t* buf, int S, long
     }
 }
 
-// Records a thread stages per window (registers held across a step's compute): the host keeps
-// NC * ks * 4 <= mq_rpt<NC>() * blockDim.x (kernels/src/mmq.rs `mmq_records_per_thread`).
-template <int NC> __host__ __device__ constexpr int mq_rpt() { return NC <= 8 ? 1 : NC <= 32 ? 2 : 4; }
-
-// The records of window w: entry idx = b * NC + c (block b of the window, column c); a thread
-// takes entries tid + j * blockDim.x, j < mq_rpt. Loaded a window ahead into registers, stored
-// after the step's compute.
+// The raw records of window blocks kb0 .. kb0 + WB of the live columns into `raw` (column c at
+// c * WB): 16-byte pieces of two records (WB is even, a row's records 16-byte aligned).
 template <int NC>
-DEV void mq_load_recs(const Mmq& p, const int* s_xr, float2 (&rr)[mq_rpt<NC>()], long long kb0, int WB) {
+DEV void mq_stage_recs(const Mmq& p, const int* s_xr, float2* raw, long long kb0, int WB, int ncg) {
     const long long nb = p.K >> 5;
-#pragma unroll
-    for (int j = 0; j < mq_rpt<NC>(); ++j) {
-        const int idx = threadIdx.x + j * blockDim.x;
-        const int c = idx & (NC - 1), b = idx / NC;
-        rr[j] = make_float2(0.0f, 0.0f);
-        if (b < WB && kb0 + b < nb) {
-            const int xr = s_xr[c];
-            if (xr >= 0) rr[j] = p.x.ds[(long long)xr * nb + kb0 + b];
-        }
+    const int half = WB >> 1, total = ncg * 8 * half;
+    for (int idx = threadIdx.x; idx < total; idx += blockDim.x) {
+        const int c = idx / half, q = idx - c * half;
+        const int xr = s_xr[c];
+        const long long b = kb0 + 2 * q;
+        if (xr >= 0 && b < nb) mq_cp16(raw + c * WB + 2 * q, p.x.ds + (long long)xr * nb + b);
     }
 }
+
+// Raw records -> {dx, dx * sum} for the kernel's loop (entry b * NC + c), zero for dead
+// columns and blocks past K.
 template <int QT, int NC>
-DEV void mq_store_recs(const float2 (&rr)[mq_rpt<NC>()], float2* rec, int WB) {
-#pragma unroll
-    for (int j = 0; j < mq_rpt<NC>(); ++j) {
-        const int idx = threadIdx.x + j * blockDim.x;
-        if (idx < NC * WB) {
-            const float dx = rr[j].x;
-            float mx = 0.0f;
+DEV void mq_convert_recs(const Mmq& p, const int* s_xr, const float2* raw, float2* rec, long long kb0,
+                         int WB) {
+    const long long nb = p.K >> 5;
+    for (int idx = threadIdx.x; idx < NC * WB; idx += blockDim.x) {
+        const int c = idx & (NC - 1), b = idx / NC;
+        float2 v = make_float2(0.0f, 0.0f);
+        if (s_xr[c] >= 0 && kb0 + b < nb) {
+            const float2 r = raw[c * WB + b];
+            v.x = r.x;
             if (MqType<QT>::MIN) {
-                const int v = __float_as_int(rr[j].y);
-                mx = dx * (float)((v >> 16) + (int)(short)(v & 0xFFFF));
+                const int u = __float_as_int(r.y);
+                v.y = r.x * (float)((u >> 16) + (int)(short)(u & 0xFFFF));
             }
-            rec[idx] = make_float2(dx, mx);
         }
+        rec[idx] = v;
+    }
+}
+
+// One warp's weight rows of step s into `dst` (16 rows of the type's SROW bytes), rows row0 ..
+// row0 + 15 of slab e; rows past the matrix repeat its last row.
+template <int QT>
+DEV void mq_stage_weights(const Mmq& p, const uint8_t* W, long long e, int row0, long long bpr, int s,
+                          uint8_t* dst) {
+    using T = MqType<QT>;
+    const int lane = threadIdx.x & 31;
+    for (int idx = lane; idx < 16 * T::N16; idx += 32) {
+        const int r = idx / T::N16, q = idx - r * T::N16;
+        const long long rb = (e * p.nrows + min(row0 + r, p.nrows - 1)) * bpr;
+        mq_cp16(dst + r * T::SROW + 16 * q, T::src16(W, p.nblk, rb, s, q));
+    }
+    if (lane < 16) {
+        const long long rb = (e * p.nrows + min(row0 + lane, p.nrows - 1)) * bpr;
+        T::small(dst + lane * T::SROW, W, p.nblk, rb, s);
     }
 }
 
 DEV float mq_silu(float g) { return g / (1.0f + expf(-g)); }
 
 // MODE 0: plain (p.accum: y += W x, the old value read first); 1: GLU, silu(W x) * (W2 x).
-// D: weight steps in flight per warp (registers: D copies of the step's Frag).
-template <int QT, int NC, int MODE, int D>
+template <int QT, int NC, int MODE>
 DEV void mmq_impl(const Mmq& p) {
     using T = MqType<QT>;
     constexpr bool GLU = MODE == 1;
+    constexpr int NM = GLU ? 2 : 1;
     DYN_SHARED(uint4, mq_smem16);  // uint4: the buffers' 16-byte loads and cp.async stay aligned
     uint8_t* const mq_smem = (uint8_t*)mq_smem16;
     __shared__ int s_xr[NC], s_yr[NC];
     pdl_entry();
+    if (p.srow != T::SROW) MQ_TRAP();  // the host's plan and this layout disagree
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int KS = p.ks, rt = warp / KS, kp = warp - rt * KS;
@@ -477,7 +590,10 @@ DEV void mmq_impl(const Mmq& p) {
     const int nsteps = p.K / MQ_STEP, nwin = (nsteps + KS - 1) / KS;
     const int WK = KS * MQ_STEP, WB = WK >> 5, S = mq_stride(WK);
     const int lgp = __ffs(WK >> 4) - 1;  // WK / 16 is a power of two
-    const int bufsz = NC * S + NC * WB * 8;
+    constexpr int wrows = 16 * T::SROW;  // one warp's staged rows of one matrix
+    const int codes_b = NC * S, raw_b = NC * WB * 8;
+    const int stage_b = codes_b + raw_b + nw * NM * wrows;
+    float2* const conv = (float2*)(mq_smem + MQ_STAGES * stage_b);  // [2][WB * NC]
     const long long bpr = p.K / QTraits<QT>::QB;
     const float nan = __int_as_float(0x7fc00000);
     for (long long ch = blockIdx.y; ch < p.count; ch += gridDim.y) {
@@ -509,58 +625,63 @@ DEV void mmq_impl(const Mmq& p) {
 #pragma unroll
             for (int u = 0; u < 4; ++u) acc[cg][u] = acc2[cg][u] = 0.0f;
         if (!bad && ncg > 0) {  // uniform
-            long long rb[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-                rb[r] = (e * p.nrows + min(row0 + g + 8 * r, p.nrows - 1)) * bpr;  // past the end: the last row
-            typename T::Frag f1[D], f2[D];
-            float2 rr[mq_rpt<NC>()];
-            mq_stage_codes<NC>(p, s_xr, mq_smem, S, 0, lgp, ncg);
-            mq_load_recs<NC>(p, s_xr, rr, 0, WB);
-            mq_store_recs<QT, NC>(rr, (float2*)(mq_smem + NC * S), WB);
-#pragma unroll
-            for (int i = 0; i < D; ++i) {
-                const int s = i * KS + kp;
-                if (s < nsteps) {
-                    T::load(f1[i], p.w, p.nblk, rb, s, t);
-                    if (GLU) T::load(f2[i], p.w2, p.nblk, rb, s, t);
+            // Window j's stage: codes, raw records, and each warp its own step's weight rows.
+            const auto issue = [&](int j) {
+                if (j < nwin) {
+                    uint8_t* st = mq_smem + (j % MQ_STAGES) * stage_b;
+                    mq_stage_codes<NC>(p, s_xr, st, S, (long long)j * WK, lgp, ncg);
+                    mq_stage_recs<NC>(p, s_xr, (float2*)(st + codes_b), (long long)j * WB, WB, ncg);
+                    const int sj = j * KS + kp;
+                    if (sj < nsteps) {
+                        uint8_t* wd = st + codes_b + raw_b + warp * NM * wrows;
+                        mq_stage_weights<QT>(p, p.w, e, row0, bpr, sj, wd);
+                        if (GLU) mq_stage_weights<QT>(p, p.w2, e, row0, bpr, sj, wd + wrows);
+                    }
                 }
-            }
-            mq_cp_wait();
+                mq_cp_commit();  // empty past the last window: the group count stays uniform
+            };
+            const auto convert = [&](int j) {
+                if (j < nwin)
+                    mq_convert_recs<QT, NC>(p, s_xr, (const float2*)(mq_smem + (j % MQ_STAGES) * stage_b + codes_b),
+                                            conv + (j & 1) * (WB * NC), (long long)j * WB, WB);
+            };
+#pragma unroll 1
+            for (int j = 0; j < MQ_STAGES - 1; ++j) issue(j);
+            mq_cp_wait_group<MQ_STAGES - 3>();  // windows 0 and 1 here
             __syncthreads();
-            for (int w0 = 0; w0 < nwin; w0 += D) {
-#pragma unroll
-                for (int i = 0; i < D; ++i) {
-                    const int w = w0 + i;
-                    if (w >= nwin) break;  // uniform
-                    const bool more = w + 1 < nwin;
-                    uint8_t* cur = mq_smem + (w & 1) * bufsz;
-                    uint8_t* nxt = mq_smem + ((w + 1) & 1) * bufsz;
-                    if (more) {
-                        mq_stage_codes<NC>(p, s_xr, nxt, S, (long long)(w + 1) * WK, lgp, ncg);
-                        mq_load_recs<NC>(p, s_xr, rr, (long long)(w + 1) * WB, WB);
+            convert(0);
+            convert(1);
+            __syncthreads();
+#pragma unroll 1
+            for (int w = 0; w < nwin; ++w) {
+                issue(w + MQ_STAGES - 1);  // into the buffer window w - 1 left
+                const int s = w * KS + kp;
+                if (s < nsteps) {
+                    const uint8_t* st = mq_smem + (w % MQ_STAGES) * stage_b;
+                    const uint8_t* wr = st + codes_b + raw_b + warp * NM * wrows;
+                    const long long rb[2] = {(e * p.nrows + min(row0 + g, p.nrows - 1)) * bpr,
+                                             (e * p.nrows + min(row0 + g + 8, p.nrows - 1)) * bpr};
+                    const uint8_t* const r1[2] = {wr + g * T::SROW, wr + (g + 8) * T::SROW};
+                    typename T::Frag f1, f2;
+                    T::load(f1, r1, rb, s, t);
+                    if (GLU) {
+                        const uint8_t* const r2[2] = {r1[0] + wrows, r1[1] + wrows};
+                        T::load(f2, r2, rb, s, t);
                     }
-                    const int s = w * KS + kp;
-                    if (s < nsteps)
-                        mq_step<QT, NC, GLU>(f1[i], f2[i], s, cur, (const float2*)(cur + NC * S), S, kp,
-                                             ncg, acc, acc2);
-                    const int sn = (w + D) * KS + kp;
-                    if (sn < nsteps) {
-                        T::load(f1[i], p.w, p.nblk, rb, sn, t);
-                        if (GLU) T::load(f2[i], p.w2, p.nblk, rb, sn, t);
-                    }
-                    if (more) mq_store_recs<QT, NC>(rr, (float2*)(nxt + NC * S), WB);
-                    // Window w+1 complete and visible; every warp is done with buffer w&1, which
-                    // the next iteration refills.
-                    mq_cp_wait();
-                    __syncthreads();
+                    mq_step<QT, NC, GLU>(f1, f2, s, st, conv + (w & 1) * (WB * NC), S, kp, ncg, acc, acc2);
                 }
+                // Window w + 2 complete and visible; every warp is done with window w's buffers.
+                mq_cp_wait_group<MQ_STAGES - 3>();
+                __syncthreads();
+                convert(w + 2);  // into the buffer window w left; read from window w + 2 on
             }
+            mq_cp_wait();  // nothing in flight (only empty groups remain) before reuse
+            __syncthreads();
         }
-        // The ks warps of a tile: partials through shared memory (the window buffers are free
-        // after the loop's last barrier), summed by warp kp = 0 in warp order.
+        // The ks warps of a tile: partials through shared memory (free after the loop's last
+        // barrier), summed by warp kp = 0 in warp order.
         if (KS > 1) {
-            constexpr int NV = NC / 2, NM = GLU ? 2 : 1;
+            constexpr int NV = NC / 2;
             float* red = (float*)mq_smem;
 #pragma unroll
             for (int cg = 0; cg < NC / 8; ++cg)
@@ -604,14 +725,10 @@ DEV void mmq_impl(const Mmq& p) {
 #define MQ_CAT(a, b) MQ_CAT2(a, b)
 // Registers (tests/compile.rs checks that none spills): the 8-32-column plain kernels and the
 // 8-column GLU (the grouped MoE gate + up) ask for 2 resident blocks per SM (<= 128
-// registers), the wide ones for 1 (they hold 32-64 accumulators per matrix). D = 2 weight
-// steps in flight, but 1 for Q6_K's 8-column GLU (its two-step Frags do not fit 128).
-template <int QT, int NC, int MODE> __host__ __device__ constexpr int mq_depth() {
-    return MODE == 1 && NC == 8 && QT == QT_Q6_K_R ? 1 : 2;
-}
+// registers), the wide ones for 1 (they hold 32-64 accumulators per matrix).
 #define MQ_KERNEL(name, NC, MODE, MINB)                                                         \
     extern "C" __global__ void __launch_bounds__(256, MINB) MQ_CAT(name, MQ_SUF)(Mmq p) {      \
-        mmq_impl<MQ_QT, NC, MODE, mq_depth<MQ_QT, NC, MODE>()>(p);                             \
+        mmq_impl<MQ_QT, NC, MODE>(p);                                                          \
     }
 MQ_KERNEL(mmq8_, 8, 0, 2)
 MQ_KERNEL(mmq16_, 16, 0, 2)

@@ -47,7 +47,7 @@ pub use mla::{
     MlaTcPlan,
 };
 pub use mmq::{
-    mmq_kernel_name, mmq_ks_allowed, mmq_plan, mmq_plan_ks, mmq_records_per_thread, mmq_supported,
+    mmq_kernel_name, mmq_ks_allowed, mmq_plan, mmq_plan_ks, mmq_stage_row_bytes, mmq_supported,
     MmqParams, MmqPlan, MmqX, MMQ_STEP, MMQ_WARPS,
 };
 pub use moe::{

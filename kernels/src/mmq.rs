@@ -28,6 +28,22 @@ pub const MMQ_STEP: usize = 128;
 /// Warps per block of every mmq launch.
 pub const MMQ_WARPS: usize = 8;
 
+/// Windows in the shared-memory ring (mmq.cu `MQ_STAGES`): while window w is computed, w + 2
+/// and w + 3 are being copied.
+pub const MMQ_STAGES: usize = 4;
+
+/// Shared-memory bytes of one staged weight row of one 128-k step (mmq.cu `MqType::SROW`, which
+/// the kernel checks against this at entry): Q4_K's header + 64 code bytes (80) padded to 96,
+/// which puts the 8-byte code loads of a half-warp's four rows on distinct banks; Q5_K and Q6_K
+/// 112 (header + qh + codes; ql + qh + scales + d); Q8_0 144 (4 blocks + their d).
+pub fn mmq_stage_row_bytes(qt: QType) -> usize {
+    match qt {
+        QType::Q4K => 96,
+        QType::Q5K | QType::Q6K => 112,
+        _ => 144,
+    }
+}
+
 /// The kernels: `(name prefix, columns, GLU)`; the name is the prefix + the type's suffix.
 pub(crate) const MMQ_VARIANTS: [(&str, usize, bool); 8] = [
     ("mmq8_", 8, false),
@@ -77,45 +93,37 @@ pub struct MmqPlan {
 /// registers) keep ~2 x 8 x D x 16 rows x 128 weights in flight per SM.
 const BLOCKS_PER_SM: usize = 2;
 
-/// Records (8 bytes per 32-block and column) a thread stages per window (mmq.cu `mq_rpt`, held
-/// in registers across a step's compute): a window of `ks` steps has `ncols * ks * 4` of them,
-/// which must not exceed this times the block's threads.
-pub fn mmq_records_per_thread(ncols: usize) -> usize {
-    match ncols {
-        0..=8 => 1,
-        9..=32 => 2,
-        _ => 4,
-    }
-}
-
-/// Shared memory of one window buffer (mmq.cu): per column the window's codes + 32 bytes, then
-/// one 8-byte record per (32-block, column).
-fn window_bytes(ncols: usize, ks: usize) -> usize {
+/// Shared memory of a launch's ring (mmq.cu): per stage the window's codes (per column its
+/// codes + 32 bytes), its raw records (8 bytes per 32-block and column) and every warp's staged
+/// weight rows (16 per matrix); then two buffers of converted records.
+fn ring_bytes(qt: QType, ncols: usize, ks: usize, glu: bool) -> usize {
     let wk = ks * MMQ_STEP;
-    ncols * (wk + 32) + ncols * (wk / 32) * 8
+    let recs = ncols * (wk / 32) * 8;
+    let weights = MMQ_WARPS * if glu { 2 } else { 1 } * 16 * mmq_stage_row_bytes(qt);
+    MMQ_STAGES * (ncols * (wk + 32) + recs + weights) + 2 * recs
 }
 
-/// Whether `ks` warps may split K for one 16-row tile of `ncols` columns: `ks` in 1, 2, 4, 8,
-/// every warp has a step (`ks <= k / 128`) and a window's records fit
-/// [`mmq_records_per_thread`] (so up to 8 warps per tile at 8 and 16 columns, 4 at 32 and 64).
-pub fn mmq_ks_allowed(ks: usize, k: usize, ncols: usize) -> bool {
-    ks == 1
-        || (matches!(ks, 2 | 4 | 8)
-            && ks <= k / MMQ_STEP
-            && ncols * ks * (MMQ_STEP / 32) <= mmq_records_per_thread(ncols) * 32 * MMQ_WARPS)
+/// Whether `ks` warps may split K for one 16-row tile: `ks` in 1, 2, 4, 8 and every warp has a
+/// step (`ks <= k / 128`). (Whether the launch fits the device's shared memory is the plan's
+/// question, [`mmq_plan_ks`].)
+pub fn mmq_ks_allowed(ks: usize, k: usize, _ncols: usize) -> bool {
+    ks == 1 || (matches!(ks, 2 | 4 | 8) && ks <= k / MMQ_STEP)
 }
 
-/// The launch with a given k-split (`None` when [`mmq_ks_allowed`] refuses it): `MMQ_WARPS /
-/// ks` row tiles per block, one block row per channel up to the grid's y limit (`max_grid_y`;
-/// more channels are grid-strided), shared memory for two window buffers or, when `ks > 1`,
-/// the partial sums of every warp, whichever is larger.
+/// The launch of type `qt` with a given k-split (`None` when [`mmq_ks_allowed`] refuses it or
+/// its shared memory exceeds `max_smem`): `MMQ_WARPS / ks` row tiles per block, one block row
+/// per channel up to the grid's y limit (`max_grid_y`; more channels are grid-strided), shared
+/// memory for the ring or, when `ks > 1`, the partial sums of every warp, whichever is larger.
+#[allow(clippy::too_many_arguments)]
 pub fn mmq_plan_ks(
+    qt: QType,
     rows: usize,
     k: usize,
     ncols: usize,
     channels: usize,
     glu: bool,
     max_grid_y: usize,
+    max_smem: usize,
     ks: usize,
 ) -> Option<MmqPlan> {
     if !mmq_ks_allowed(ks, k, ncols) {
@@ -135,19 +143,23 @@ pub fn mmq_plan_ks(
         ],
         block: [(32 * MMQ_WARPS) as u32, 1, 1],
         ks,
-        smem: (2 * window_bytes(ncols, ks)).max(reduce),
+        smem: ring_bytes(qt, ncols, ks, glu).max(reduce),
     })
+    .filter(|p| p.smem <= max_smem)
 }
 
-/// The launch of `channels` products of `rows x k` weights by `ncols` columns (8, 16, 32, 64) on
-/// `sms` SMs (`max_grid_y`: the device's grid.y limit).
+/// The launch of `channels` products of `rows x k` weights of type `qt` by `ncols` columns (8,
+/// 16, 32, 64) on `sms` SMs (`max_grid_y`: the device's grid.y limit; `max_smem`: its shared
+/// memory per block), `None` when no k-split fits the shared memory.
 ///
 /// The k-split: a block holds `MMQ_WARPS / ks` row tiles; splitting K over more warps makes
 /// more, shorter blocks. The smallest allowed `ks` ([`mmq_ks_allowed`]) that gives every SM
 /// [`BLOCKS_PER_SM`] blocks wins (more splitting only adds the reduction and re-reads of the
 /// activations per row tile); without one, the largest allowed. Grouped MoE launches (hundreds
 /// of tiles) stay at 1; a 2,048-row dense matrix of <= 16 columns takes 8 (128 blocks).
+#[allow(clippy::too_many_arguments)]
 pub fn mmq_plan(
+    qt: QType,
     rows: usize,
     k: usize,
     ncols: usize,
@@ -155,16 +167,17 @@ pub fn mmq_plan(
     glu: bool,
     sms: usize,
     max_grid_y: usize,
-) -> MmqPlan {
-    let plan = |ks| mmq_plan_ks(rows, k, ncols, channels, glu, max_grid_y, ks);
+    max_smem: usize,
+) -> Option<MmqPlan> {
+    let plan = |ks| mmq_plan_ks(qt, rows, k, ncols, channels, glu, max_grid_y, max_smem, ks);
     let target = (BLOCKS_PER_SM * sms.max(1)) as u64;
     let fills = |p: &MmqPlan| u64::from(p.grid[0]) * u64::from(p.grid[1]) >= target;
     let allowed: Vec<MmqPlan> = [1usize, 2, 4, 8].into_iter().filter_map(plan).collect();
-    match allowed.iter().find(|p| fills(p)) {
-        Some(p) => *p,
-        // ks = 1 is always allowed.
-        None => *allowed.last().expect("ks = 1 is always allowed"),
-    }
+    allowed
+        .iter()
+        .find(|p| fills(p))
+        .or(allowed.last())
+        .copied()
 }
 
 /// The q8a activations in the kernel parameter (`MqQ8A` in mmq.cu).
@@ -200,6 +213,9 @@ pub struct MmqParams {
     pub x_div: i32,
     pub ks: i32,
     pub accum: i32,
+    /// Shared-memory bytes per staged weight row ([`mmq_stage_row_bytes`]).
+    pub srow: i32,
+    pub pad: i32,
 }
 
 // SAFETY: plain structs laid out exactly as `MqQ8A` / `Mmq` in mmq.cu.
@@ -211,6 +227,23 @@ fn opt_ptr<T>(v: Option<&cudarc::driver::CudaView<'_, T>>, g: &Gpu) -> u64 {
 }
 
 impl Gpu {
+    /// Whether [`Gpu::mmq`] has a launch for `shape` at `ncols` columns (GLU or not) on this
+    /// device: some k-split's ring fits its shared memory (ks = 1 needs the least).
+    pub fn mmq_fits(&self, shape: &MatShape, ncols: usize, glu: bool) -> bool {
+        self.mmq_fits_ks(shape, ncols, glu, 1)
+    }
+
+    /// Whether a launch with `ks` warps splitting K ([`Gpu::force_mmq_ksplit`]) fits this
+    /// device's shared memory (and `ks` is allowed for the shape).
+    pub fn mmq_fits_ks(&self, shape: &MatShape, ncols: usize, glu: bool, ks: usize) -> bool {
+        QType::of(shape.ty)
+            .filter(|_| mmq_supported(shape))
+            .is_some_and(|qt| {
+                let max = self.max_smem_optin();
+                mmq_plan_ks(qt, shape.rows, shape.k, ncols, 1, glu, 1, max, ks).is_some()
+            })
+    }
+
     /// Tensor-core matrix product over channels ([`QChannels`] as for [`Gpu::gemv_q`], with
     /// `ncols` 8, 16, 32 or 64: every block computes all of them, so each channel's weights are
     /// read once). Columns without an input row (x map -1 or past `x.rows`) or output row (y map
@@ -283,8 +316,10 @@ impl Gpu {
         let name = mmq_kernel_name(qt, n, glu).ok_or_else(|| shape_err(OP, "no kernel variant"))?;
         let f = self.func(Op::Mmq(qt), &name)?;
         let info = self.info();
+        let max_smem = self.max_smem_optin();
         let plan = match self.mmq_ksplit() {
             None => mmq_plan(
+                qt,
                 shape.rows,
                 shape.k,
                 n,
@@ -292,33 +327,31 @@ impl Gpu {
                 glu,
                 info.sm_count as usize,
                 info.max_grid.1 as usize,
+                max_smem,
             ),
             Some(ks) => mmq_plan_ks(
+                qt,
                 shape.rows,
                 shape.k,
                 n,
                 ch.count,
                 glu,
                 info.max_grid.1 as usize,
+                max_smem,
                 ks,
-            )
-            .ok_or_else(|| {
-                shape_err(
-                    OP,
-                    format!("forced k-split {ks} for K = {}, {n} columns", shape.k),
-                )
-            })?,
-        };
-        if plan.smem > self.max_smem_optin() {
-            return Err(shape_err(
+            ),
+        }
+        .ok_or_else(|| {
+            shape_err(
                 OP,
                 format!(
-                    "{} bytes of shared memory, the device allows {}",
-                    plan.smem,
-                    self.max_smem_optin()
+                    "no k-split of K = {}, {n} columns fits {max_smem} bytes of shared memory \
+                     (forced: {:?})",
+                    shape.k,
+                    self.mmq_ksplit()
                 ),
-            ));
-        }
+            )
+        })?;
         self.allow_smem(&f, plan.smem)?;
         let mut cfg = self.cfg(
             OP,
@@ -364,6 +397,8 @@ impl Gpu {
             x_div: to_i32(OP, "x_div", ch.x_div)?,
             ks: plan.ks as i32,
             accum,
+            srow: mmq_stage_row_bytes(qt) as i32,
+            pad: 0,
         };
         let mut b = self.args(&f);
         b.arg(&p);
@@ -418,64 +453,70 @@ mod tests {
 
     const SMS: usize = 132;
     const GY: usize = 65_535;
+    /// An H100's / H200's opt-in shared memory per block.
+    const SMEM: usize = 232_448;
+
+    fn plan(rows: usize, k: usize, nc: usize, ch: usize, glu: bool) -> MmqPlan {
+        mmq_plan(QType::Q4K, rows, k, nc, ch, glu, SMS, GY, SMEM).expect("a plan")
+    }
 
     #[test]
     fn plan_splits_k_only_for_few_row_tiles() {
         // Grouped MoE gate+up: 2,048 rows x 6,144, 320 tiles of 8 columns: no split.
-        let p = mmq_plan(2048, 6144, 8, 320, true, SMS, GY);
+        let p = plan(2048, 6144, 8, 320, true);
         assert_eq!((p.ks, p.grid), (1, [16, 320, 1]));
         // Dense 2,048 x 6,144 (q_a, the shared expert) at 16 tokens: 8 warps per tile.
-        let p = mmq_plan(2048, 6144, 16, 1, false, SMS, GY);
+        let p = plan(2048, 6144, 16, 1, false);
         assert_eq!((p.ks, p.grid), (8, [128, 1, 1]));
-        // 64 columns cap the split at 4 (records per thread).
-        let p = mmq_plan(2048, 6144, 64, 1, true, SMS, GY);
-        assert_eq!((p.ks, p.grid), (4, [64, 1, 1]));
+        // 64 columns, GLU: the ring caps the split at 2 (4 would need 4 x 66 KiB).
+        let p = plan(2048, 6144, 64, 1, true);
+        assert_eq!((p.ks, p.grid), (2, [32, 1, 1]));
         // attn_output (6,144 x 16,384) at 16 tokens: 48 blocks unsplit, 2 -> 96, 4 -> 192,
-        // 8 -> 384 >= 264; at 32 tokens the records cap it at 4.
-        let p = mmq_plan(6144, 16384, 16, 1, false, SMS, GY);
+        // 8 -> 384 >= 264; at 32 tokens the ring caps it at 4.
+        let p = plan(6144, 16384, 16, 1, false);
         assert_eq!(p.ks, 8);
-        let p = mmq_plan(6144, 16384, 32, 1, false, SMS, GY);
+        let p = plan(6144, 16384, 32, 1, false);
         assert_eq!(p.ks, 4);
         // q_b (16,384 x 2,048): 128 blocks unsplit, 256 with 2, 512 with 4.
-        let p = mmq_plan(16384, 2048, 16, 1, false, SMS, GY);
+        let p = plan(16384, 2048, 16, 1, false);
         assert_eq!(p.ks, 4);
         // K of one step: no split possible.
-        let p = mmq_plan(64, 128, 8, 1, false, SMS, GY);
+        let p = plan(64, 128, 8, 1, false);
         assert_eq!((p.ks, p.grid), (1, [1, 1, 1]));
         // Channels past the grid's y limit are grid-strided.
-        assert_eq!(
-            mmq_plan(16, 256, 8, 100_000, false, SMS, GY).grid[1],
-            65_535
-        );
+        assert_eq!(plan(16, 256, 8, 100_000, false).grid[1], 65_535);
+        // A 99 KiB device (sm_120): no GLU launch of Q6_K at any width (4 stages of two
+        // matrices' 8 x 16 staged rows), nor a plain one at 64 columns; plain 16 fits.
+        let small = 101_376;
+        assert!(mmq_plan(QType::Q6K, 2048, 6144, 8, 1, true, SMS, GY, small).is_none());
+        assert!(mmq_plan(QType::Q6K, 2048, 6144, 64, 1, false, SMS, GY, small).is_none());
+        assert!(mmq_plan(QType::Q6K, 2048, 6144, 16, 1, false, SMS, GY, small).is_some());
     }
 
     #[test]
     fn plan_invariants() {
-        for rows in [1usize, 15, 16, 17, 576, 2048, 6144] {
-            for k in [128usize, 256, 384, 2048, 6144] {
-                for nc in [8usize, 16, 32, 64] {
-                    for ch in [1usize, 3, 320] {
-                        for glu in [false, true] {
-                            let p = mmq_plan(rows, k, nc, ch, glu, SMS, GY);
-                            let tiles_per_block = MMQ_WARPS / p.ks;
-                            assert!(matches!(p.ks, 1 | 2 | 4 | 8));
-                            assert_eq!(MMQ_WARPS % p.ks, 0);
-                            assert!(p.ks == 1 || p.ks <= k / MMQ_STEP);
-                            // The kernel's records staging.
-                            assert!(
-                                nc * p.ks * MMQ_STEP / 32
-                                    <= mmq_records_per_thread(nc) * p.block[0] as usize
-                            );
-                            // Every row covered by exactly the grid's tiles.
-                            let covered = p.grid[0] as usize * tiles_per_block * 16;
-                            assert!(covered >= rows && covered < rows + tiles_per_block * 16);
-                            assert_eq!(p.grid[1] as usize, ch);
-                            assert_eq!(p.block, [256, 1, 1]);
-                            // Fits the H200's 227 KiB opt-in with room for a second block.
-                            assert!(p.smem <= 113 << 10, "{rows} {k} {nc}: {}", p.smem);
-                            let red = MMQ_WARPS * (1 + usize::from(glu)) * nc / 2 * 32 * 4;
-                            assert!(p.ks == 1 || p.smem >= red);
-                            assert!(p.smem >= 2 * window_bytes(nc, p.ks));
+        for qt in QType::MMQ {
+            for rows in [1usize, 15, 16, 17, 576, 2048, 6144] {
+                for k in [128usize, 256, 384, 2048, 6144] {
+                    for nc in [8usize, 16, 32, 64] {
+                        for ch in [1usize, 3, 320] {
+                            for glu in [false, true] {
+                                let p = mmq_plan(qt, rows, k, nc, ch, glu, SMS, GY, SMEM)
+                                    .expect("every width has a plan on an H100");
+                                let tiles_per_block = MMQ_WARPS / p.ks;
+                                assert!(matches!(p.ks, 1 | 2 | 4 | 8));
+                                assert_eq!(MMQ_WARPS % p.ks, 0);
+                                assert!(p.ks == 1 || p.ks <= k / MMQ_STEP);
+                                // Every row covered by exactly the grid's tiles.
+                                let covered = p.grid[0] as usize * tiles_per_block * 16;
+                                assert!(covered >= rows && covered < rows + tiles_per_block * 16);
+                                assert_eq!(p.grid[1] as usize, ch);
+                                assert_eq!(p.block, [256, 1, 1]);
+                                assert!(p.smem <= SMEM, "{rows} {k} {nc}: {}", p.smem);
+                                let red = MMQ_WARPS * (1 + usize::from(glu)) * nc / 2 * 32 * 4;
+                                assert!(p.ks == 1 || p.smem >= red);
+                                assert!(p.smem >= ring_bytes(qt, nc, p.ks, glu));
+                            }
                         }
                     }
                 }

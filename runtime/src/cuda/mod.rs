@@ -630,9 +630,15 @@ impl CudaBackend {
             .is_some_and(|(lo, hi)| (lo..=hi).contains(&rows))
     }
 
-    /// Whether a fast-path product of `rows` rows on `shape` takes the tensor-core kernel.
+    /// Whether a fast-path product of `rows` rows on `shape` takes the tensor-core kernel: in
+    /// range, and the device's shared memory holds the ring of that width's GLU launch (the
+    /// larger one; a 99 KiB device holds none and keeps the GEMV / bf16 paths).
     fn mmq(&self, shape: &MatShape, rows: usize) -> bool {
-        !self.opts.exact && self.mmq_range(rows) && kernels::mmq_supported(shape)
+        !self.opts.exact
+            && self.mmq_range(rows)
+            && self
+                .gpu
+                .mmq_fits(shape, mmq_dense_channels(rows, 1).ncols, true)
     }
 
     /// [`Self::mmq`] for the grouped MoE experts of a `rows`-row step (their own upper end).
@@ -641,7 +647,8 @@ impl CudaBackend {
             let hi = self.mmq_moe_hi.unwrap_or(hi);
             (lo..=hi).contains(&rows)
         });
-        !self.opts.exact && in_range && kernels::mmq_supported(shape)
+        // The grouped tiles reach 64 columns (`kernels::moe_mmq_tile`).
+        !self.opts.exact && in_range && self.gpu.mmq_fits(shape, 64, true)
     }
 
     /// The integer-dot product of `x` (`rows` dense rows) with `w` in `mode` into `out`

@@ -242,6 +242,23 @@ impl Bench {
         let wv = |i: usize| w.slice((i % copies) * mat..(i % copies + 1) * mat);
         let ms = self.time(|i| g.mmq(shape, &wv(i), QMode::Plain, ch(cols), &q, &mut y))?;
         self.record("mmq", &format!("{ty} {name} x{cols}"), mat as f64, ms);
+        // Each k-split the kernel allows (the plan's choice trades blocks per SM against the
+        // activations' re-reads from L2: a block of `8 / ks` row tiles reads all of them).
+        for ks in [1usize, 2, 4, 8] {
+            // Splits the shape refuses or whose ring exceeds the shared memory have no launch.
+            if !kernels::mmq_ks_allowed(ks, k, cols) || !g.mmq_fits_ks(&shape, cols, false, ks) {
+                continue;
+            }
+            g.force_mmq_ksplit(Some(ks))?;
+            let r = self.time(|i| g.mmq(shape, &wv(i), QMode::Plain, ch(cols), &q, &mut y));
+            g.force_mmq_ksplit(None)?;
+            self.record(
+                "mmq ks",
+                &format!("{ty} {name} x{cols} ks {ks}"),
+                mat as f64,
+                r?,
+            );
+        }
         let ms = self.time(|i| g.gemv_q(shape, &wv(i), QMode::Plain, ch(8), &q, &mut y))?;
         self.record(
             "gemv q8",
