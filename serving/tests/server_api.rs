@@ -463,6 +463,10 @@ fn client_disconnect_cancels_the_stream() {
         ctx: 100_000,
         ..Options::default()
     });
+    // The model is paced (8 passes, then one per poll below, at most one a millisecond), so
+    // the 90,000 tokens cannot all be generated before the server sees the disconnect: an
+    // unpaced mock on a loaded CI machine sometimes finished them first ("length").
+    s.model.gate.allow(8);
     let mut st = EventStream::open(
         s.addr,
         "/v1/completions",
@@ -474,8 +478,10 @@ fn client_disconnect_cancels_the_stream() {
     }
     drop(st);
     wait_until("the cancellation", || {
+        s.model.gate.allow(1);
         s.metrics.finished_count("cancelled") == 1
     });
+    s.model.gate.set(true);
     wait_until("the sequence to be freed", || {
         s.model.live.load(Ordering::SeqCst) == 0
     });
