@@ -6,7 +6,7 @@ use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut};
 
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
-use crate::launch::shape_err;
+use crate::launch::{check_query_span, shape_err};
 use crate::ops::Op;
 
 /// Budget for the score and partial-sum buffers of one launch group; longer prompts are
@@ -103,17 +103,7 @@ impl Gpu {
                 format!("widths d_k {} / d_v {} must be 1..=1024", m.d_k, m.d_v),
             ));
         }
-        if m.pos0 + m.tokens > m.kv_len {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "queries at {}..{} but only {} cached keys",
-                    m.pos0,
-                    m.pos0 + m.tokens,
-                    m.kv_len
-                ),
-            ));
-        }
+        check_query_span(OP, m.pos0, m.tokens, m.kv_len)?;
         let q_need = (m.tokens - 1) * m.q_tok_stride + (m.heads - 1) * m.q_head_stride + m.d_k;
         need_len(OP, "q", dlen(q), q_need)?;
         need_len(

@@ -173,6 +173,9 @@ pub struct Gpu {
     gemvq_ksplit: std::sync::atomic::AtomicUsize,
     /// mmq's forced k-split (0: the plan's choice).
     mmq_ksplit: std::sync::atomic::AtomicUsize,
+    /// The opt-in shared memory per block, asked of the driver once (every mmq / MLA launch
+    /// and the runtime's per-product mmq choice read it).
+    max_smem: OnceLock<usize>,
     pool: Arc<Pool>,
     staging: Mutex<Staging>,
     /// Pinned slots of bulk uploads (weights), apart from `staging`'s step-input ring.
@@ -326,6 +329,7 @@ impl Gpu {
             sync_each: AtomicBool::new(sync_each),
             gemvq_ksplit: std::sync::atomic::AtomicUsize::new(gemvq_ksplit),
             mmq_ksplit: std::sync::atomic::AtomicUsize::new(0),
+            max_smem: OnceLock::new(),
             pool,
             staging,
             bulk,
@@ -438,12 +442,14 @@ impl Gpu {
 
     /// Largest dynamic shared memory a block may opt in to on this device.
     pub(crate) fn max_smem_optin(&self) -> usize {
-        self.ctx
-            .attribute(
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-            )
-            .map(|v| v.max(0) as usize)
-            .unwrap_or(48 << 10)
+        *self.max_smem.get_or_init(|| {
+            self.ctx
+                .attribute(
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )
+                .map(|v| v.max(0) as usize)
+                .unwrap_or(48 << 10)
+        })
     }
 
     fn module(&self, op: Op) -> Result<Arc<CudaModule>, KernelError> {

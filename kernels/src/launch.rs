@@ -32,6 +32,25 @@ pub(crate) fn span(rows: usize, stride: usize, n: usize) -> usize {
     }
 }
 
+/// Queries at positions `pos0 .. pos0 + tokens` need that many cached keys.
+pub(crate) fn check_query_span(
+    op: &'static str,
+    pos0: usize,
+    tokens: usize,
+    kv_len: usize,
+) -> Result<(), KernelError> {
+    if pos0 + tokens > kv_len {
+        return Err(shape_err(
+            op,
+            format!(
+                "queries at {pos0}..{} but only {kv_len} cached keys",
+                pos0 + tokens
+            ),
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) fn shape_err(op: &'static str, msg: impl Into<String>) -> KernelError {
     KernelError::BadShape {
         op,

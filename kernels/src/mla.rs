@@ -9,7 +9,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 use crate::attention::KeyLists;
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
-use crate::launch::shape_err;
+use crate::launch::{check_query_span, shape_err};
 use crate::ops::Op;
 
 /// Keys per shared-memory tile (mla.cu's MLA_KT).
@@ -395,17 +395,7 @@ impl Gpu {
         if m.kv_len == 0 {
             return Err(shape_err(OP, format!("empty shape {m:?}")));
         }
-        if m.pos0 + m.tokens > m.kv_len {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "queries at {}..{} but only {} cached keys",
-                    m.pos0,
-                    m.pos0 + m.tokens,
-                    m.kv_len
-                ),
-            ));
-        }
+        check_query_span(OP, m.pos0, m.tokens, m.kv_len)?;
         need_len(OP, "kv", dlen(kv), (m.kv_len - 1) * m.kv_stride + m.d)?;
         let n_eff = KeyLists::slots(keys, OP, m.tokens, m.kv_len)?;
         let s = self.stream();

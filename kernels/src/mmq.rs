@@ -106,7 +106,7 @@ fn ring_bytes(qt: QType, ncols: usize, ks: usize, glu: bool) -> usize {
 /// Whether `ks` warps may split K for one 16-row tile: `ks` in 1, 2, 4, 8 and every warp has a
 /// step (`ks <= k / 128`). (Whether the launch fits the device's shared memory is the plan's
 /// question, [`mmq_plan_ks`].)
-pub fn mmq_ks_allowed(ks: usize, k: usize, _ncols: usize) -> bool {
+pub fn mmq_ks_allowed(ks: usize, k: usize) -> bool {
     ks == 1 || (matches!(ks, 2 | 4 | 8) && ks <= k / MMQ_STEP)
 }
 
@@ -126,7 +126,7 @@ pub fn mmq_plan_ks(
     max_smem: usize,
     ks: usize,
 ) -> Option<MmqPlan> {
-    if !mmq_ks_allowed(ks, k, ncols) {
+    if !mmq_ks_allowed(ks, k) {
         return None;
     }
     let tiles = rows.div_ceil(16).max(1);

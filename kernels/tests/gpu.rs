@@ -4244,7 +4244,7 @@ fn mmq_dense_every_type_width_mode_and_split() {
             (64, 64),
         ] {
             for ks in [1, 2, 4, 8] {
-                if mmq_ks_allowed(ks, 1024, nc) {
+                if mmq_ks_allowed(ks, 1024) {
                     cases.push((300, 1024, nc, tokens, Some(ks)));
                 }
             }

@@ -375,7 +375,7 @@ fn dense_type(ty: GgmlType, qt: QType) {
             let mut splits: Vec<Option<usize>> = [1, 2, 4, 8]
                 .into_iter()
                 .filter(|&ks| {
-                    mmq_ks_allowed(ks, k, nc)
+                    mmq_ks_allowed(ks, k)
                         && mmq_plan_ks(qt, rows, k, nc, 1, glu, 65_535, SMEM, ks).is_some()
                 })
                 .map(Some)

@@ -246,7 +246,7 @@ impl Bench {
         // activations' re-reads from L2: a block of `8 / ks` row tiles reads all of them).
         for ks in [1usize, 2, 4, 8] {
             // Splits the shape refuses or whose ring exceeds the shared memory have no launch.
-            if !kernels::mmq_ks_allowed(ks, k, cols) || !g.mmq_fits_ks(&shape, cols, false, ks) {
+            if !kernels::mmq_ks_allowed(ks, k) || !g.mmq_fits_ks(&shape, cols, false, ks) {
                 continue;
             }
             g.force_mmq_ksplit(Some(ks))?;
