@@ -22,10 +22,12 @@ cp "$tp" "$DEST/tp-gpu"
 [ -n "${MAIN_BIN:-}" ] && cp "$MAIN_BIN" "$DEST/gguftool-main"
 # A measuring build (e.g. an instrumented kernel for STAGE=seqs) travels as gguftool-prof.
 [ -n "${PROF_BIN:-}" ] && cp "$PROF_BIN" "$DEST/gguftool-prof"
+# A second variant of the tree for same-call comparisons travels as gguftool-b.
+[ -n "${B_BIN:-}" ] && cp "$B_BIN" "$DEST/gguftool-b"
 strip "$DEST"/gguftool* "$DEST/kernels-gpu" "$DEST/runtime-lib" "$DEST/tp-gpu" 2>/dev/null || true
 # One solid archive: the binaries share most of their code, so xz finds it once.
 (cd "$DEST" && tar cf - gguftool* kernels-gpu runtime-lib tp-gpu | xz -9e -T1 > payload.tar.xz &&
-    rm -f gguftool gguftool-main kernels-gpu runtime-lib tp-gpu)
+    rm -f gguftool gguftool-* kernels-gpu runtime-lib tp-gpu)
 cp kernels/device-speed.sh "$DEST/run.sh"
 # STAGE=final builds llama.cpp there: the measuring instrument of ../shared/bench travels with it
 # (never copied into the repository: .device-speed/ is ignored).

@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -22,6 +22,7 @@ cd "$D" || exit 2
 chmod +x gguftool kernels-gpu runtime-lib tp-gpu 2>/dev/null
 [ -f gguftool-main ] && chmod +x gguftool-main
 [ -f gguftool-prof ] && chmod +x gguftool-prof
+[ -f gguftool-b ] && chmod +x gguftool-b
 # At most 8 files come back: log.txt, kernel-tests.txt, runtime-tests.txt, kernels.json,
 # bench-all.json; everything else stays in $W.
 W=/tmp/speed-work
@@ -395,3 +396,24 @@ done
 [ -f "$OUT/tc-prof.txt" ] && { echo "== tensor-core MLA phases"; cat "$OUT/tc-prof.txt"; }
 [ -f "$W/llama-build.txt" ] && tail -3 "$W/llama-build.txt"
 echo "== log tail"; tail -5 "$LOG"
+
+# 12. The 32-64-column products (STAGE=mmq3, 2026-12-07): k-slices (grid.z, partial sums
+#     added in order by mmq_reduce) so a dense product's few row blocks fill the SMs. The mmq
+#     tests (forced slices and the plan's), the kernel benchmarks (`mmq kz` sweep beside `mmq
+#     ks`), pp A/B end to end in one binary (GGUFTOOL_MMQ_SLICES=1: none / the plan's), the
+#     runtime's mmq steps against the CPU. (The measuring call ran the build where slices were
+#     still off by default, with GGUFTOOL_MMQ_SLICES=0 for the plan's.)
+if [ "$STAGE" = mmq3 ]; then
+cd "$D" || exit 2
+step mmq-tests 40 "$OUT/kernel-tests.txt" bash -c './kernels-gpu --test-threads=1 mma mmq_dense 2>&1'
+step kb-new 75 "$W/kb-new.txt" bash -c './gguftool bench --kernels --quick 2>&1'
+grep -h "mmq\\|copy\\|gemm\\|gemv q8" "$W"/kb-new.txt > "$OUT/kb-new.txt" 2>/dev/null
+step synth 40 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+B="bench -m /tmp/glm5.gguf --device cuda --no-profile -p 16,32,64 -n 16 -r 1"
+step ab-off-1 30 "$W/ab-off-1.txt" bash -c "GGUFTOOL_MMQ_SLICES=1 ./gguftool $B 2>&1"
+step ab-on-1 30 "$W/ab-on-1.txt" bash -c "./gguftool $B 2>&1"
+step ab-off-2 30 "$W/ab-off-2.txt" bash -c "GGUFTOOL_MMQ_SLICES=1 ./gguftool $B 2>&1"
+step ab-on-2 30 "$W/ab-on-2.txt" bash -c "./gguftool $B 2>&1"
+for f in "$W"/ab-*.txt; do echo "== $(basename "$f")"; grep -E "pp|tg" "$f" | head -8; done > "$OUT/ab.txt"
+step runtime-mmq 100 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda::tests::glm5_heads_mmq --test-threads=1 --nocapture 2>&1'
+fi

@@ -60,9 +60,12 @@ struct Mmq {
     float* y;
     const int* yidx;  // output row of (ch, j) (null: ch*ncols + j); -1: not written
     long long y_stride, y_rows;
+    float* ws;  // k-slices' partial sums (kz > 1): [z][matrix][column][row], see mmq_reduce
     int nrows, K, n_slabs, count, ncols, x_div, ks, accum;
     int srow;  // shared-memory bytes per staged weight row (the host's `mmq_stage_row_bytes`,
                // checked against the type's SROW at entry)
+    int kz;    // k-slices (grid.z): slice z takes windows z * wpz .. z * wpz + wpz - 1
+    int wpz;
     int pad_;
 };
 
@@ -573,7 +576,10 @@ DEV void mq_stage_weights(const Mmq& p, const uint8_t* W, long long e, int row0,
 DEV float mq_silu(float g) { return g / (1.0f + expf(-g)); }
 
 // MODE 0: plain (p.accum: y += W x, the old value read first); 1: GLU, silu(W x) * (W2 x).
-template <int QT, int NC, int MODE>
+// SL: a k-slice of a sliced launch (grid.z = p.kz slices of p.wpz windows; one channel, no ids):
+// the raw sums go to p.ws for mmq_reduce. Separate instantiations: the unsliced kernels sit at
+// their register limit, and the slice bounds and the second epilogue made them spill.
+template <int QT, int NC, int MODE, bool SL>
 DEV void mmq_impl(const Mmq& p) {
     using T = MqType<QT>;
     constexpr bool GLU = MODE == 1;
@@ -587,7 +593,10 @@ DEV void mmq_impl(const Mmq& p) {
     const int g = lane >> 2, t = lane & 3;
     const int KS = p.ks, rt = warp / KS, kp = warp - rt * KS;
     const int row0 = (blockIdx.x * (nw / KS) + rt) * 16;
-    const int nsteps = p.K / MQ_STEP, nwin = (nsteps + KS - 1) / KS;
+    const int nsteps = p.K / MQ_STEP, nwin_all = (nsteps + KS - 1) / KS;
+    // This block's k-slice: windows wb .. nwin - 1 (all of them without slices).
+    const int wb = SL ? min(nwin_all, (int)blockIdx.z * p.wpz) : 0;
+    const int nwin = SL ? min(nwin_all, wb + p.wpz) : nwin_all;
     const int WK = KS * MQ_STEP, WB = WK >> 5, S = mq_stride(WK);
     const int lgp = __ffs(WK >> 4) - 1;  // WK / 16 is a power of two
     constexpr int wrows = 16 * T::SROW;  // one warp's staged rows of one matrix
@@ -646,14 +655,14 @@ DEV void mmq_impl(const Mmq& p) {
                                             conv + (j & 1) * (WB * NC), (long long)j * WB, WB);
             };
 #pragma unroll 1
-            for (int j = 0; j < MQ_STAGES - 1; ++j) issue(j);
+            for (int j = wb; j < wb + MQ_STAGES - 1; ++j) issue(j);
             mq_cp_wait_group<MQ_STAGES - 3>();  // windows 0 and 1 here
             __syncthreads();
-            convert(0);
-            convert(1);
+            convert(wb);
+            convert(wb + 1);
             __syncthreads();
 #pragma unroll 1
-            for (int w = 0; w < nwin; ++w) {
+            for (int w = wb; w < nwin; ++w) {
                 issue(w + MQ_STAGES - 1);  // into the buffer window w - 1 left
                 const int s = w * KS + kp;
                 if (s < nsteps) {
@@ -701,7 +710,22 @@ DEV void mmq_impl(const Mmq& p) {
                             if (GLU) acc2[cg][u] += red[(((warp + q) * NM + 1) * NV + cg * 4 + u) * 32 + lane];
                         }
         }
-        if (kp == 0) {
+        if (SL && kp == 0) {
+            // A k-slice's raw sums (channel 0 only: the host slices single-channel launches
+            // without ids); mmq_reduce adds the slices in order and finishes the outputs. 32-bit
+            // offsets: the host keeps ncols * nrows * (1 + GLU) below 2^31.
+            const int plane = p.ncols * p.nrows;
+            float* const wz = p.ws + (long long)blockIdx.z * (NM * plane);
+#pragma unroll
+            for (int cg = 0; cg < NC / 8; ++cg)
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int r = row0 + g + 8 * (u >> 1), j = cg * 8 + 2 * t + (u & 1);
+                    if (s_yr[j] < 0 || r >= p.nrows) continue;  // s_yr is -1 past ncols
+                    wz[j * p.nrows + r] = acc[cg][u];
+                    if (GLU) wz[plane + j * p.nrows + r] = acc2[cg][u];
+                }
+        } else if (!SL && kp == 0) {
 #pragma unroll
             for (int cg = 0; cg < NC / 8; ++cg)
 #pragma unroll
@@ -725,19 +749,55 @@ DEV void mmq_impl(const Mmq& p) {
 #define MQ_CAT(a, b) MQ_CAT2(a, b)
 // Registers (tests/compile.rs checks that none spills): the 8-32-column plain kernels and the
 // 8-column GLU (the grouped MoE gate + up) ask for 2 resident blocks per SM (<= 128
-// registers), the wide ones for 1 (they hold 32-64 accumulators per matrix).
-#define MQ_KERNEL(name, NC, MODE, MINB)                                                         \
+// registers), the wide ones for 1 (they hold 32-64 accumulators per matrix). The sliced ones
+// (`s`: dense products cut into k-slices) carry the slice bounds and their own epilogue, which
+// made the 8-column GLU and the 32-column plain kernels spill at 128: 2 blocks per SM for the
+// 8-16-column plain ones only. kernels/src/mmq.rs `blocks_by_registers` plans with these.
+#define MQ_KERNEL(name, NC, MODE, SL, MINB)                                                     \
     extern "C" __global__ void __launch_bounds__(256, MINB) MQ_CAT(name, MQ_SUF)(Mmq p) {      \
-        mmq_impl<MQ_QT, NC, MODE>(p);                                                          \
+        mmq_impl<MQ_QT, NC, MODE, SL>(p);                                                      \
     }
-MQ_KERNEL(mmq8_, 8, 0, 2)
-MQ_KERNEL(mmq16_, 16, 0, 2)
-MQ_KERNEL(mmq32_, 32, 0, 2)
-MQ_KERNEL(mmq64_, 64, 0, 1)
-MQ_KERNEL(mmq_glu8_, 8, 1, 2)
-MQ_KERNEL(mmq_glu16_, 16, 1, 1)
-MQ_KERNEL(mmq_glu32_, 32, 1, 1)
-MQ_KERNEL(mmq_glu64_, 64, 1, 1)
+MQ_KERNEL(mmq8_, 8, 0, false, 2)
+MQ_KERNEL(mmq16_, 16, 0, false, 2)
+MQ_KERNEL(mmq32_, 32, 0, false, 2)
+MQ_KERNEL(mmq64_, 64, 0, false, 1)
+MQ_KERNEL(mmq_glu8_, 8, 1, false, 2)
+MQ_KERNEL(mmq_glu16_, 16, 1, false, 1)
+MQ_KERNEL(mmq_glu32_, 32, 1, false, 1)
+MQ_KERNEL(mmq_glu64_, 64, 1, false, 1)
+MQ_KERNEL(mmq8s_, 8, 0, true, 2)
+MQ_KERNEL(mmq16s_, 16, 0, true, 2)
+MQ_KERNEL(mmq32s_, 32, 0, true, 1)
+MQ_KERNEL(mmq64s_, 64, 0, true, 1)
+MQ_KERNEL(mmq_glu8s_, 8, 1, true, 1)
+MQ_KERNEL(mmq_glu16s_, 16, 1, true, 1)
+MQ_KERNEL(mmq_glu32s_, 32, 1, true, 1)
+MQ_KERNEL(mmq_glu64s_, 64, 1, true, 1)
+
+// The k-slices of a sliced launch (p.kz > 1, one channel, no ids) summed in slice order, then
+// finished as the unsliced kernel finishes an output: GLU (p.w2 set) silu(gate) * up, accumulate
+// one f32 addition onto the old value. Columns without an input or output row are skipped as
+// the product kernel skips them. One thread per (column, row), grid-strided.
+extern "C" __global__ void __launch_bounds__(256) MQ_CAT(mmq_reduce_, MQ_SUF)(Mmq p) {
+    pdl_entry();
+    const bool glu = p.w2 != nullptr;
+    const long long n = (long long)p.ncols * p.nrows, mat = n, slice = glu ? 2 * n : n;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int j = (int)(i / p.nrows), r = (int)(i - (long long)j * p.nrows);
+        const long long xv = p.xidx ? (long long)p.xidx[j] : j;
+        const long long yv = p.yidx ? (long long)p.yidx[j] : j;
+        if (xv < 0 || xv >= p.x.rows || yv < 0 || yv >= p.y_rows) continue;
+        float v = 0.0f, u = 0.0f;
+        for (int z = 0; z < p.kz; ++z) {
+            v = __fadd_rn(v, p.ws[z * slice + i]);
+            if (glu) u = __fadd_rn(u, p.ws[z * slice + mat + i]);
+        }
+        if (glu) v = mq_silu(v) * u;
+        float* yp = p.y + yv * p.y_stride + r;
+        *yp = !glu && p.accum ? __fadd_rn(*yp, v) : v;
+    }
+}
 
 // One m16n8k32 product by the instruction and by the shuffle emulation, for the GPU test that
 // pins the fragment layout. Under the CPU emulator the "instruction" is the emulator's own model

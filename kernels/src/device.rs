@@ -173,6 +173,8 @@ pub struct Gpu {
     gemvq_ksplit: std::sync::atomic::AtomicUsize,
     /// mmq's forced k-split (0: the plan's choice).
     mmq_ksplit: std::sync::atomic::AtomicUsize,
+    /// Forced k-slices of single-channel mmq launches (0: the plan's choice).
+    mmq_slices: std::sync::atomic::AtomicUsize,
     /// The opt-in shared memory per block, asked of the driver once (every mmq / MLA launch
     /// and the runtime's per-product mmq choice read it).
     max_smem: OnceLock<usize>,
@@ -304,6 +306,13 @@ impl Gpu {
             .and_then(|v| v.parse().ok())
             .filter(|k| matches!(k, 1 | 2 | 4))
             .unwrap_or(0);
+        // K-slices of dense mmq launches: the plan's choice (0) unless `GGUFTOOL_MMQ_SLICES=N`
+        // forces N in 1..=64 (1: none, the launches before 2026-12-07; for A/B runs).
+        let mmq_slices = std::env::var("GGUFTOOL_MMQ_SLICES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &usize| n <= 64)
+            .unwrap_or(0);
         // Cached free memory: enough for every activation of a long prefill chunk to recur
         // without cuMemAlloc, bounded so idle caches never crowd out weights and KV caches.
         let pool_cap = (info.total_mem as usize / 16).clamp(256 << 20, 8 << 30);
@@ -329,6 +338,7 @@ impl Gpu {
             sync_each: AtomicBool::new(sync_each),
             gemvq_ksplit: std::sync::atomic::AtomicUsize::new(gemvq_ksplit),
             mmq_ksplit: std::sync::atomic::AtomicUsize::new(0),
+            mmq_slices: std::sync::atomic::AtomicUsize::new(mmq_slices),
             max_smem: OnceLock::new(),
             pool,
             staging,
@@ -392,6 +402,30 @@ impl Gpu {
     }
     pub(crate) fn mmq_ksplit(&self) -> Option<usize> {
         Some(self.mmq_ksplit.load(Ordering::Relaxed)).filter(|&k| k > 0)
+    }
+
+    /// Force the k-slices of single-channel [`Gpu::mmq`] launches (1..=64: 1 never slices; a
+    /// shape with fewer windows takes one slice per window; `None`: the plan's choice,
+    /// [`crate::mmq_plan`], the default unless `GGUFTOOL_MMQ_SLICES` says otherwise). For tests
+    /// and measurements: the slices' sums are added in slice order, so a choice changes only
+    /// the order of the f32 additions.
+    pub fn force_mmq_slices(&self, kz: Option<usize>) -> Result<(), KernelError> {
+        let v = match kz {
+            None => 0,
+            Some(n @ 1..=64) => n,
+            Some(n) => {
+                return Err(KernelError::BadShape {
+                    op: "mmq",
+                    msg: format!("k-slices {n} (1 to 64)"),
+                })
+            }
+        };
+        self.mmq_slices.store(v, Ordering::Relaxed);
+        Ok(())
+    }
+    /// The forced k-slices ([`Gpu::force_mmq_slices`]; `None`: the plan's choice).
+    pub fn mmq_slices(&self) -> Option<usize> {
+        Some(self.mmq_slices.load(Ordering::Relaxed)).filter(|&k| k > 0)
     }
 
     /// Launch kernels that wait on their predecessor as programmatic dependents (default on

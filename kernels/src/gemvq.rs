@@ -260,7 +260,7 @@ pub(crate) fn kind_name(mode: &str, qt: QType) -> &'static str {
         .get_or_init(|| Mutex::new(HashMap::new()))
         .lock()
         .unwrap_or_else(|p| p.into_inner());
-    // At most 7 modes (gemvq's and mmq's) x 10 types ever: leaking them is bounded.
+    // At most 8 modes (gemvq's and mmq's) x 10 types ever: leaking them is bounded.
     m.entry(key.clone())
         .or_insert_with(|| Box::leak(key.into_boxed_str()))
 }

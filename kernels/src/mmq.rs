@@ -8,9 +8,10 @@
 //!
 //! Error: the integer block sums are exact, so as for gemvq the only approximation is the
 //! activation rounding ([`crate::Q8_REL_ERR`]) plus f32 rounding of the per-block scaling and
-//! the sums over blocks: per output |y - y_q| <= (K/32 + 3 + ks) * 2^-24 * sum_b |term_b|
-//! (up to 3 roundings per block term, one per addition; y_q = the exact product with the
-//! quantized activations). The tests use gemvq's `(K/32 + 16) * 4 * 2^-24` bound.
+//! the sums over blocks: per output |y - y_q| <= (K/32 + 3 + ks + kz) * 2^-24 * sum_b |term_b|
+//! (up to 3 roundings per block term, one per addition, the k-split's and the k-slices' sums
+//! one each; y_q = the exact product with the quantized activations). The tests use gemvq's
+//! `(K/32 + 16) * 4 * 2^-24` bound, which covers it for every plan (ks + kz <= 8 + 64).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 
@@ -44,23 +45,33 @@ pub fn mmq_stage_row_bytes(qt: QType) -> usize {
     }
 }
 
-/// The kernels: `(name prefix, columns, GLU)`; the name is the prefix + the type's suffix.
-pub(crate) const MMQ_VARIANTS: [(&str, usize, bool); 8] = [
-    ("mmq8_", 8, false),
-    ("mmq16_", 16, false),
-    ("mmq32_", 32, false),
-    ("mmq64_", 64, false),
-    ("mmq_glu8_", 8, true),
-    ("mmq_glu16_", 16, true),
-    ("mmq_glu32_", 32, true),
-    ("mmq_glu64_", 64, true),
+/// The kernels: `(name prefix, columns, GLU, k-sliced)`; the name is the prefix + the type's
+/// suffix.
+pub(crate) const MMQ_VARIANTS: [(&str, usize, bool, bool); 16] = [
+    ("mmq8_", 8, false, false),
+    ("mmq16_", 16, false, false),
+    ("mmq32_", 32, false, false),
+    ("mmq64_", 64, false, false),
+    ("mmq_glu8_", 8, true, false),
+    ("mmq_glu16_", 16, true, false),
+    ("mmq_glu32_", 32, true, false),
+    ("mmq_glu64_", 64, true, false),
+    ("mmq8s_", 8, false, true),
+    ("mmq16s_", 16, false, true),
+    ("mmq32s_", 32, false, true),
+    ("mmq64s_", 64, false, true),
+    ("mmq_glu8s_", 8, true, true),
+    ("mmq_glu16s_", 16, true, true),
+    ("mmq_glu32s_", 32, true, true),
+    ("mmq_glu64s_", 64, true, true),
 ];
 
-/// The kernel entry for `ncols` columns (8, 16, 32 or 64) of type `qt`.
-pub fn mmq_kernel_name(qt: QType, ncols: usize, glu: bool) -> Option<String> {
+/// The kernel entry for `ncols` columns (8, 16, 32 or 64) of type `qt`, GLU or not, for a
+/// k-sliced plan ([`MmqPlan::kz`] > 1) or not.
+pub fn mmq_kernel_name(qt: QType, ncols: usize, glu: bool, sliced: bool) -> Option<String> {
     MMQ_VARIANTS
         .iter()
-        .find(|v| v.1 == ncols && v.2 == glu)
+        .find(|v| v.1 == ncols && v.2 == glu && v.3 == sliced)
         .map(|v| format!("{}{}", v.0, qt.suffix()))
 }
 
@@ -87,11 +98,61 @@ pub struct MmqPlan {
     /// Warps per 16-row tile splitting K (1, 2, 4, 8); `MMQ_WARPS / ks` tiles per block.
     pub ks: usize,
     pub smem: usize,
+    /// k-slices (`grid[2]`): slice z takes windows `z * wpz ..` of the `ks * 128`-k windows;
+    /// with more than one, each slice writes its raw sums to a workspace ([`MmqPlan::ws_len`])
+    /// and `mmq_reduce` adds them in slice order and writes the outputs.
+    pub kz: usize,
+    pub wpz: usize,
 }
+
+impl MmqPlan {
+    /// f32 entries of the slices' partial sums: `kz x (2 with GLU) x ncols x rows`, none
+    /// without slices.
+    pub fn ws_len(&self, ncols: usize, rows: usize, glu: bool) -> usize {
+        if self.kz > 1 {
+            self.kz * if glu { 2 } else { 1 } * ncols * rows
+        } else {
+            0
+        }
+    }
+
+    /// The same launch cut into at most `kz` k-slices of whole windows (no empty slice: the
+    /// count is what `wpz` windows per slice need). Only single-channel launches without slab
+    /// ids may be sliced (the workspace holds one channel).
+    pub fn sliced(mut self, kz: usize) -> MmqPlan {
+        let windows = self.kz * self.wpz; // the unsliced plan: kz 1, wpz = all windows
+        debug_assert_eq!(self.kz, 1);
+        self.wpz = windows.div_ceil(kz.clamp(1, windows.max(1))).max(1);
+        self.kz = windows.div_ceil(self.wpz).max(1);
+        self.grid[2] = self.kz as u32;
+        self
+    }
+}
+
+/// The most k-slices a plan makes of a dense product.
+pub const MMQ_MAX_SLICES: usize = 8;
 
 /// Resident blocks per SM the plan aims at: two blocks of 8 warps (16 warps of up to 128
 /// registers) keep ~2 x 8 x D x 16 rows x 128 weights in flight per SM.
 const BLOCKS_PER_SM: usize = 2;
+
+/// Blocks of a sliced kernel an SM holds by registers (the only launches planned by
+/// residency): mmq.cu's MQ_KERNEL list asks for two (`__launch_bounds__(256, 2)`) for the
+/// 8-16-column plain kernels, one for the others (more accumulators, or spills at 128).
+fn blocks_by_registers(ncols: usize, glu: bool) -> usize {
+    if !glu && ncols <= 16 {
+        BLOCKS_PER_SM
+    } else {
+        1
+    }
+}
+
+/// Blocks of `plan` resident per SM: the registers' limit and the shared memory's (the driver
+/// keeps 1 KiB per block; an SM has that much beside the opt-in maximum of one block).
+fn resident(plan: &MmqPlan, ncols: usize, glu: bool, max_smem: usize) -> usize {
+    let smem = (max_smem + 1024) / (plan.smem + 1024);
+    blocks_by_registers(ncols, glu).min(smem).max(1)
+}
 
 /// Shared memory of a launch's ring (mmq.cu): per stage the window's codes (per column its
 /// codes + 32 bytes), its raw records (8 bytes per 32-block and column) and every warp's staged
@@ -129,6 +190,7 @@ pub fn mmq_plan_ks(
     if !mmq_ks_allowed(ks, k) {
         return None;
     }
+    let windows = (k / MMQ_STEP).div_ceil(ks).max(1);
     let tiles = rows.div_ceil(16).max(1);
     let reduce = if ks > 1 {
         MMQ_WARPS * if glu { 2 } else { 1 } * (ncols / 2) * 32 * 4
@@ -144,19 +206,29 @@ pub fn mmq_plan_ks(
         block: [(32 * MMQ_WARPS) as u32, 1, 1],
         ks,
         smem: ring_bytes(qt, ncols, ks, glu).max(reduce),
+        kz: 1,
+        wpz: windows,
     })
     .filter(|p| p.smem <= max_smem)
 }
 
 /// The launch of `channels` products of `rows x k` weights of type `qt` by `ncols` columns (8,
 /// 16, 32, 64) on `sms` SMs (`max_grid_y`: the device's grid.y limit; `max_smem`: its shared
-/// memory per block), `None` when no k-split fits the shared memory.
+/// memory per block), `None` when no k-split fits the shared memory. `sliceable`: one channel
+/// without slab ids (a dense product), which may be cut into k-slices.
 ///
-/// The k-split: a block holds `MMQ_WARPS / ks` row tiles; splitting K over more warps makes
+/// Dense products: 8 row tiles per block (`ks` 1: each window's activations staged once for
+/// all of them, the smallest ring), cut into the k-slices (up to [`MMQ_MAX_SLICES`], each at
+/// least 2 windows long) that take the fewest waves of resident blocks per unit of work (the
+/// smallest count among equals). (Splitting K inside a block instead multiplies the ring by
+/// `ks`: at 32-64 columns one block per SM, and the 64-column attn_output at ks 1 left 84 of
+/// 132 SMs idle.)
+///
+/// Other launches: a block holds `MMQ_WARPS / ks` row tiles; splitting K over more warps makes
 /// more, shorter blocks. The smallest allowed `ks` ([`mmq_ks_allowed`]) that gives every SM
 /// [`BLOCKS_PER_SM`] blocks wins (more splitting only adds the reduction and re-reads of the
 /// activations per row tile); without one, the largest allowed. Grouped MoE launches (hundreds
-/// of tiles) stay at 1; a 2,048-row dense matrix of <= 16 columns takes 8 (128 blocks).
+/// of tiles) stay at 1.
 #[allow(clippy::too_many_arguments)]
 pub fn mmq_plan(
     qt: QType,
@@ -168,8 +240,22 @@ pub fn mmq_plan(
     sms: usize,
     max_grid_y: usize,
     max_smem: usize,
+    sliceable: bool,
 ) -> Option<MmqPlan> {
     let plan = |ks| mmq_plan_ks(qt, rows, k, ncols, channels, glu, max_grid_y, max_smem, ks);
+    if sliceable && channels == 1 {
+        if let Some(p) = plan(1) {
+            // Waves of resident blocks per unit of work: slices shorten the blocks, so a
+            // partial last wave costs less; up to MMQ_MAX_SLICES (each slice's partial sums
+            // are written and read once more) of at least 2 windows each.
+            let slots = (resident(&p, ncols, glu, max_smem) * sms.max(1)) as u64;
+            let base = u64::from(p.grid[0]).max(1);
+            let cost = |kz: u64| ((base * kz).div_ceil(slots) * 1_000_000) / kz;
+            let most = (p.wpz / 2).clamp(1, MMQ_MAX_SLICES) as u64;
+            let kz = (1..=most).min_by_key(|&kz| (cost(kz), kz)).unwrap_or(1);
+            return Some(p.sliced(kz as usize));
+        }
+    }
     let target = (BLOCKS_PER_SM * sms.max(1)) as u64;
     let fills = |p: &MmqPlan| u64::from(p.grid[0]) * u64::from(p.grid[1]) >= target;
     let allowed: Vec<MmqPlan> = [1usize, 2, 4, 8].into_iter().filter_map(plan).collect();
@@ -205,6 +291,8 @@ pub struct MmqParams {
     pub yidx: u64,
     pub y_stride: i64,
     pub y_rows: i64,
+    /// The k-slices' partial sums ([`MmqPlan::ws_len`] floats; 0 without slices).
+    pub ws: u64,
     pub nrows: i32,
     pub k: i32,
     pub n_slabs: i32,
@@ -215,6 +303,8 @@ pub struct MmqParams {
     pub accum: i32,
     /// Shared-memory bytes per staged weight row ([`mmq_stage_row_bytes`]).
     pub srow: i32,
+    pub kz: i32,
+    pub wpz: i32,
     pub pad: i32,
 }
 
@@ -313,12 +403,17 @@ impl Gpu {
         // The kernel keeps row indices of x and y in 32 bits.
         to_i32(OP, "x rows", x.rows)?;
         to_i32(OP, "y rows", ch.y_rows)?;
-        let name = mmq_kernel_name(qt, n, glu).ok_or_else(|| shape_err(OP, "no kernel variant"))?;
-        let f = self.func(Op::Mmq(qt), &name)?;
         let info = self.info();
         let max_smem = self.max_smem_optin();
-        let plan = match self.mmq_ksplit() {
-            None => mmq_plan(
+        // Slices need one channel (the workspace holds one) and no slab ids (no NaN channel).
+        let sliceable = ch.count == 1 && ch.ids.is_none();
+        let slices = if sliceable {
+            self.mmq_slices()
+        } else {
+            Some(1)
+        };
+        let plan = |sliceable| {
+            mmq_plan(
                 qt,
                 shape.rows,
                 shape.k,
@@ -328,8 +423,13 @@ impl Gpu {
                 info.sm_count as usize,
                 info.max_grid.1 as usize,
                 max_smem,
-            ),
-            Some(ks) => mmq_plan_ks(
+                sliceable,
+            )
+        };
+        let plan = match (self.mmq_ksplit(), slices) {
+            (None, None) => plan(true),
+            (None, Some(1)) => plan(false),
+            (ks, kz) => mmq_plan_ks(
                 qt,
                 shape.rows,
                 shape.k,
@@ -338,8 +438,12 @@ impl Gpu {
                 glu,
                 info.max_grid.1 as usize,
                 max_smem,
-                ks,
-            ),
+                ks.unwrap_or(1),
+            )
+            .map(|p| match kz {
+                Some(kz) if kz > 1 => p.sliced(kz),
+                _ => p,
+            }),
         }
         .ok_or_else(|| {
             shape_err(
@@ -352,6 +456,9 @@ impl Gpu {
                 ),
             )
         })?;
+        let name = mmq_kernel_name(qt, n, glu, plan.kz > 1)
+            .ok_or_else(|| shape_err(OP, "no kernel variant"))?;
+        let f = self.func(Op::Mmq(qt), &name)?;
         self.allow_smem(&f, plan.smem)?;
         let mut cfg = self.cfg(
             OP,
@@ -378,6 +485,12 @@ impl Gpu {
         // 16-byte cp.async of the codes, 8-byte record loads.
         check_aligned(OP, "x codes", qs, 16)?;
         check_aligned(OP, "x records", ds, 16)?;
+        // The slices' partial sums: from the pool, returned when this call ends (stream order
+        // keeps the reduce's reads before any later reuse).
+        let ws = match plan.ws_len(n, shape.rows, glu) {
+            0 => None,
+            len => Some(self.alloc::<f32>(len)?),
+        };
         let p = MmqParams {
             w: wp,
             w2: w2p,
@@ -389,6 +502,7 @@ impl Gpu {
             yidx: opt_ptr(ch.yidx, self),
             y_stride: ch.y_stride as i64,
             y_rows: ch.y_rows as i64,
+            ws: ws.as_ref().map_or(0, |b| b.ptr()),
             nrows: to_i32(OP, "rows", shape.rows)?,
             k: to_i32(OP, "k", shape.k)?,
             n_slabs: to_i32(OP, "slabs", shape.slabs)?,
@@ -398,14 +512,30 @@ impl Gpu {
             ks: plan.ks as i32,
             accum,
             srow: mmq_stage_row_bytes(qt) as i32,
+            kz: plan.kz as i32,
+            wpz: plan.wpz as i32,
             pad: 0,
         };
         let mut b = self.args(&f);
         b.arg(&p);
         // SAFETY: weight, id, index and output extents checked above; the kernel range-checks
         // every id and row index it reads (bad ids give NaN outputs, bad rows are skipped), and
-        // its shared memory is the plan's.
-        unsafe { self.launch(kind, b, cfg) }
+        // its shared memory is the plan's; a sliced launch writes `ws_len` floats of `ws`.
+        unsafe { self.launch(kind, b, cfg) }?;
+        if ws.is_none() {
+            return Ok(());
+        }
+        let fr = self.func(Op::Mmq(qt), &format!("mmq_reduce_{}", qt.suffix()))?;
+        let threads = 256u32;
+        let blocks = (n * shape.rows)
+            .div_ceil(threads as usize)
+            .min(4 * info.sm_count as usize);
+        let cfg = self.cfg(OP, (blocks.max(1) as u64, 1, 1), threads)?;
+        let mut b = self.args(&fr);
+        b.arg(&p);
+        // SAFETY: reads the `ws_len` floats the product wrote and the maps checked above;
+        // writes the outputs the product would have written unsliced.
+        unsafe { self.launch(kind_name("mmq reduce", qt), b, cfg) }
     }
 
     /// One `mma.m16n8k32.s8` product by the instruction and by mmq.cu's shuffle emulation
@@ -456,8 +586,50 @@ mod tests {
     /// An H100's / H200's opt-in shared memory per block.
     const SMEM: usize = 232_448;
 
+    /// A launch that may not be sliced (grouped tiles, or a dense one kept whole).
     fn plan(rows: usize, k: usize, nc: usize, ch: usize, glu: bool) -> MmqPlan {
-        mmq_plan(QType::Q4K, rows, k, nc, ch, glu, SMS, GY, SMEM).expect("a plan")
+        mmq_plan(QType::Q4K, rows, k, nc, ch, glu, SMS, GY, SMEM, false).expect("a plan")
+    }
+
+    /// A dense single-channel Q4_K launch, as `Gpu::mmq` plans it.
+    fn dense(rows: usize, k: usize, nc: usize, glu: bool) -> MmqPlan {
+        mmq_plan(QType::Q4K, rows, k, nc, 1, glu, SMS, GY, SMEM, true).expect("a plan")
+    }
+
+    #[test]
+    fn dense_plans_slice_k_to_fill_the_sms() {
+        // attn_output 6,144 x 16,384 at 64 columns: 48 blocks of 8 tiles, one resident per
+        // SM; waves per unit of work 1, 1/2, 2/3, 2/4, 2/5, 3/6, 3/7, 3/8: 8 slices of 16
+        // windows, 384 blocks.
+        let p = dense(6144, 16384, 64, false);
+        assert_eq!((p.ks, p.grid, p.kz, p.wpz), (1, [48, 1, 8], 8, 16));
+        assert_eq!(p.ws_len(64, 6144, false), 8 * 64 * 6144);
+        // At 16 columns two resident per SM (264): 5 slices (240 blocks, 1/5) beat 8 (2/8).
+        let p = dense(6144, 16384, 16, false);
+        assert_eq!((p.grid, p.wpz), ([48, 1, 5], 26));
+        // q_a 2,048 x 6,144: 16 blocks -> 8 slices of 6 windows, one wave.
+        let p = dense(2048, 6144, 64, false);
+        assert_eq!((p.grid, p.wpz), ([16, 1, 8], 6));
+        // q_b 16,384 x 2,048 at 32 columns: 128 blocks already make one wave.
+        let p = dense(16384, 2048, 32, false);
+        assert_eq!((p.grid, p.kz), ([128, 1, 1], 1));
+        assert_eq!(p.ws_len(32, 16384, false), 0);
+        // The dense FFN's gate + up (12,288 x 6,144, GLU, 64 columns): 96 blocks on 132 SMs;
+        // 4 slices make 3 waves of quarter blocks (0.75 against 1).
+        let p = dense(12288, 6144, 64, true);
+        assert_eq!((p.grid, p.wpz), ([96, 1, 4], 12));
+        // K of 3 windows: one slice (at least 2 windows each).
+        let p = dense(64, 384, 8, false);
+        assert_eq!(p.kz, 1);
+        // One window: nothing to slice.
+        let p = dense(64, 128, 8, false);
+        assert_eq!((p.grid, p.kz, p.wpz), ([1, 1, 1], 1, 1));
+        // Forced slices: whole windows, no empty slice (6 windows: 4 -> 3 slices of 2).
+        let p = mmq_plan_ks(QType::Q4K, 40, 768, 8, 1, false, GY, SMEM, 1)
+            .expect("fits")
+            .sliced(4);
+        assert_eq!((p.kz, p.wpz, p.grid[2]), (3, 2, 3));
+        assert_eq!(p.ws_len(8, 40, true), 3 * 2 * 8 * 40);
     }
 
     #[test]
@@ -488,9 +660,25 @@ mod tests {
         // A 99 KiB device (sm_120): no GLU launch of Q6_K at any width (4 stages of two
         // matrices' 8 x 16 staged rows), nor a plain one at 64 columns; plain 16 fits.
         let small = 101_376;
-        assert!(mmq_plan(QType::Q6K, 2048, 6144, 8, 1, true, SMS, GY, small).is_none());
-        assert!(mmq_plan(QType::Q6K, 2048, 6144, 64, 1, false, SMS, GY, small).is_none());
-        assert!(mmq_plan(QType::Q6K, 2048, 6144, 16, 1, false, SMS, GY, small).is_some());
+        for sliceable in [false, true] {
+            let plan = |nc, glu| {
+                mmq_plan(
+                    QType::Q6K,
+                    2048,
+                    6144,
+                    nc,
+                    1,
+                    glu,
+                    SMS,
+                    GY,
+                    small,
+                    sliceable,
+                )
+            };
+            assert!(plan(8, true).is_none());
+            assert!(plan(64, false).is_none());
+            assert!(plan(16, false).is_some());
+        }
     }
 
     #[test]
@@ -499,24 +687,40 @@ mod tests {
             for rows in [1usize, 15, 16, 17, 576, 2048, 6144] {
                 for k in [128usize, 256, 384, 2048, 6144] {
                     for nc in [8usize, 16, 32, 64] {
-                        for ch in [1usize, 3, 320] {
-                            for glu in [false, true] {
-                                let p = mmq_plan(qt, rows, k, nc, ch, glu, SMS, GY, SMEM)
-                                    .expect("every width has a plan on an H100");
-                                let tiles_per_block = MMQ_WARPS / p.ks;
-                                assert!(matches!(p.ks, 1 | 2 | 4 | 8));
-                                assert_eq!(MMQ_WARPS % p.ks, 0);
-                                assert!(p.ks == 1 || p.ks <= k / MMQ_STEP);
-                                // Every row covered by exactly the grid's tiles.
-                                let covered = p.grid[0] as usize * tiles_per_block * 16;
-                                assert!(covered >= rows && covered < rows + tiles_per_block * 16);
-                                assert_eq!(p.grid[1] as usize, ch);
-                                assert_eq!(p.block, [256, 1, 1]);
-                                assert!(p.smem <= SMEM, "{rows} {k} {nc}: {}", p.smem);
-                                let red = MMQ_WARPS * (1 + usize::from(glu)) * nc / 2 * 32 * 4;
-                                assert!(p.ks == 1 || p.smem >= red);
-                                assert!(p.smem >= ring_bytes(qt, nc, p.ks, glu));
+                        for (ch, glu, sliceable) in [1usize, 3, 320]
+                            .into_iter()
+                            .flat_map(|c| [(c, false), (c, true)])
+                            .flat_map(|(c, g)| [(c, g, false), (c, g, true)])
+                        {
+                            let p = mmq_plan(qt, rows, k, nc, ch, glu, SMS, GY, SMEM, sliceable)
+                                .expect("every width has a plan on an H100");
+                            // Slices: whole windows, none empty, only for one channel,
+                            // never more waves per unit of work than none, at most the cap.
+                            let windows = (k / MMQ_STEP).div_ceil(p.ks);
+                            assert_eq!(p.grid[2] as usize, p.kz);
+                            assert!(p.kz * p.wpz >= windows && (p.kz - 1) * p.wpz < windows);
+                            if p.kz > 1 {
+                                assert!(sliceable && ch == 1 && p.ks == 1);
+                                assert!(p.wpz >= 2);
+                                let slots = resident(&p, nc, glu, SMEM) * SMS;
+                                let base = p.grid[0] as usize;
+                                let waves = (base * p.kz).div_ceil(slots);
+                                assert!(waves <= base.div_ceil(slots) * p.kz);
+                                assert!(p.kz <= MMQ_MAX_SLICES);
                             }
+                            let tiles_per_block = MMQ_WARPS / p.ks;
+                            assert!(matches!(p.ks, 1 | 2 | 4 | 8));
+                            assert_eq!(MMQ_WARPS % p.ks, 0);
+                            assert!(p.ks == 1 || p.ks <= k / MMQ_STEP);
+                            // Every row covered by exactly the grid's tiles.
+                            let covered = p.grid[0] as usize * tiles_per_block * 16;
+                            assert!(covered >= rows && covered < rows + tiles_per_block * 16);
+                            assert_eq!(p.grid[1] as usize, ch);
+                            assert_eq!(p.block, [256, 1, 1]);
+                            assert!(p.smem <= SMEM, "{rows} {k} {nc}: {}", p.smem);
+                            let red = MMQ_WARPS * (1 + usize::from(glu)) * nc / 2 * 32 * 4;
+                            assert!(p.ks == 1 || p.smem >= red);
+                            assert!(p.smem >= ring_bytes(qt, nc, p.ks, glu));
                         }
                     }
                 }
@@ -552,10 +756,11 @@ mod tests {
         for q in QType::MMQ {
             for nc in [8, 16, 32, 64] {
                 for glu in [false, true] {
-                    assert!(mmq_kernel_name(q, nc, glu).is_some());
+                    assert!(mmq_kernel_name(q, nc, glu, false).is_some());
+                    assert!(mmq_kernel_name(q, nc, glu, true).is_some());
                 }
             }
-            assert!(mmq_kernel_name(q, 12, false).is_none());
+            assert!(mmq_kernel_name(q, 12, false, false).is_none());
         }
     }
 }

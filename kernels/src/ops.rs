@@ -328,7 +328,8 @@ impl Op {
             Op::Mmq(q) => {
                 return crate::mmq::MMQ_VARIANTS
                     .iter()
-                    .map(|(p, _, _)| format!("{p}{}", q.suffix()))
+                    .map(|(p, _, _, _)| format!("{p}{}", q.suffix()))
+                    .chain(std::iter::once(format!("mmq_reduce_{}", q.suffix())))
                     .chain(std::iter::once("mma_s8_selftest".to_string()))
                     .collect()
             }

@@ -4084,7 +4084,7 @@ fn mmq_dense_check(
     nc: usize,
     tokens: usize,
     mode: MmqTestMode,
-    ks: Option<usize>,
+    (ks, kz): (Option<usize>, Option<usize>),
 ) -> Option<(bool, f64)> {
     let (dw, wq, shape) = mmq_weights(g, ty, 1, rows, k, r);
     if ks.is_some_and(|ks| !g.mmq_fits_ks(&shape, nc, mode == MmqTestMode::Glu, ks)) {
@@ -4117,6 +4117,8 @@ fn mmq_dense_check(
         MmqTestMode::Glu => QMode::Glu(&dw2),
     };
     g.force_mmq_ksplit(ks).unwrap();
+    let prev_kz = g.mmq_slices();
+    g.force_mmq_slices(kz).unwrap();
     let launch = |y0: &[f32]| {
         let mut dy = g.upload(y0).unwrap();
         g.mmq(shape, &dw, qmode(), ch, &q, &mut dy).unwrap();
@@ -4145,7 +4147,7 @@ fn mmq_dense_check(
     let mut ok = c.ok && c.written == tokens * rows && c.untouched == 3;
     if let Some(m) = &c.first_bad {
         say(&format!(
-            "mmq {ty} {rows}x{k} x{tokens}/{nc} {mode:?} {ks:?}: {m}"
+            "mmq {ty} {rows}x{k} x{tokens}/{nc} {mode:?} {ks:?} {kz:?}: {m}"
         ));
     }
     match mode {
@@ -4214,13 +4216,15 @@ fn mmq_dense_check(
         }
     }
     g.force_mmq_ksplit(None).unwrap();
+    g.force_mmq_slices(prev_kz).unwrap();
     Some((ok, c.worst))
 }
 
 /// Dense launches (one channel, `ncols` >= the tokens): every type, width (with partial last
-/// column groups), mode and allowed k-split on 300 x 1,024 (the last row tile partial), and
-/// GLM-5 shapes with the plan's own split: q_a / shared-expert gate-up 2,048 x 6,144 at 16
-/// tokens (8 warps per tile, 128 blocks), the MoE down shape 6,144 x 2,048 at 40 of 64 columns.
+/// column groups), mode and allowed k-split on 300 x 1,024 (the last row tile partial), forced
+/// k-slices (3 of 8 windows: uneven; and 2 with ks 2), and GLM-5 shapes with the plan's own
+/// choice (k-slices): q_a / shared-expert gate-up 2,048 x 6,144 at 16 tokens, the MoE down
+/// shape 6,144 x 2,048 at 40 of 64 columns.
 #[test]
 fn mmq_dense_every_type_width_mode_and_split() {
     let Some(g) = gpu("mmq_dense_every_type_width_mode_and_split") else {
@@ -4232,7 +4236,8 @@ fn mmq_dense_every_type_width_mode_and_split() {
     let mut n = 0usize;
     let mut unfit = 0usize;
     for ty in MMQ_TYPES {
-        let mut cases: Vec<(usize, usize, usize, usize, Option<usize>)> = Vec::new();
+        type Split = (Option<usize>, Option<usize>);
+        let mut cases: Vec<(usize, usize, usize, usize, Split)> = Vec::new();
         for (nc, tokens) in [
             (8, 5),
             (8, 8),
@@ -4245,13 +4250,15 @@ fn mmq_dense_every_type_width_mode_and_split() {
         ] {
             for ks in [1, 2, 4, 8] {
                 if mmq_ks_allowed(ks, 1024) {
-                    cases.push((300, 1024, nc, tokens, Some(ks)));
+                    cases.push((300, 1024, nc, tokens, (Some(ks), None)));
                 }
             }
-            cases.push((300, 1024, nc, tokens, None));
+            cases.push((300, 1024, nc, tokens, (Some(1), Some(3))));
+            cases.push((300, 1024, nc, tokens, (Some(2), Some(2))));
+            cases.push((300, 1024, nc, tokens, (None, None)));
         }
-        cases.push((2048, 6144, 16, 16, None));
-        cases.push((6144, 2048, 64, 40, None));
+        cases.push((2048, 6144, 16, 16, (None, None)));
+        cases.push((6144, 2048, 64, 40, (None, None)));
         for (rows, k, nc, tokens, ks) in cases {
             for mode in [
                 MmqTestMode::Plain,

@@ -155,12 +155,28 @@ enum Mode {
 
 type MmqFn = unsafe extern "C" fn(MmqParams);
 
+/// What a launch forces, as `Gpu::force_mmq_ksplit` / `force_mmq_slices` do: the warps
+/// splitting K and the k-slices (`None`, `None`: the plan's own choice).
+#[derive(Clone, Copy, Debug)]
+struct Split {
+    ks: Option<usize>,
+    kz: Option<usize>,
+}
+
+impl From<Option<usize>> for Split {
+    fn from(ks: Option<usize>) -> Split {
+        Split { ks, kz: None }
+    }
+}
+
 /// Shared memory a block may opt in to on an H100 / H200 (227 KB), the plans' limit here.
 const SMEM: usize = 232_448;
 
-/// One launch as `Gpu::mmq` makes it: the plan (`ks` forced through `mmq_plan_ks`, else
-/// `mmq_plan` for an H200's 132 SMs), the parameter block, the kernel of the width and mode.
-/// Returns the output buffer (initially `y0`) and the plan.
+/// One launch as `Gpu::mmq` makes it: the plan (`ks` / `kz` forced through `mmq_plan_ks` and
+/// `MmqPlan::sliced`, else `mmq_plan` for an H200's 132 SMs), the parameter block, the kernel
+/// of the width and mode, and for a sliced plan the reduce over a workspace that starts as NaN
+/// (a partial sum the product did not write shows). Returns the output buffer (initially
+/// `y0`) and the plan.
 fn run(
     qt: QType,
     w: &Weights,
@@ -169,19 +185,32 @@ fn run(
     maps: &Maps,
     x: &Q8,
     y0: &[f32],
-    ks: Option<usize>,
+    split: Split,
 ) -> Option<(Vec<f32>, MmqPlan)> {
     let s = &w.shape;
     let glu = mode == Mode::Glu;
-    let plan = match ks {
-        Some(ks) => mmq_plan_ks(
-            qt, s.rows, s.k, maps.ncols, maps.count, glu, 65_535, SMEM, ks,
+    let sliceable = maps.count == 1 && maps.ids.is_none();
+    let plan = match (split.ks, split.kz) {
+        (None, None) => mmq_plan(
+            qt, s.rows, s.k, maps.ncols, maps.count, glu, 132, 65_535, SMEM, sliceable,
         ),
-        None => mmq_plan(
-            qt, s.rows, s.k, maps.ncols, maps.count, glu, 132, 65_535, SMEM,
-        ),
+        (ks, kz) => mmq_plan_ks(
+            qt,
+            s.rows,
+            s.k,
+            maps.ncols,
+            maps.count,
+            glu,
+            65_535,
+            SMEM,
+            ks.unwrap_or(1),
+        )
+        .map(|p| match kz {
+            Some(kz) if sliceable => p.sliced(kz),
+            _ => p,
+        }),
     }?;
-    let name = mmq_kernel_name(qt, maps.ncols, glu).unwrap();
+    let name = mmq_kernel_name(qt, maps.ncols, glu, plan.kz > 1).unwrap();
     let m = module(qt);
     // SAFETY: every mmq entry takes one `struct Mmq` by value; MmqParams is its layout.
     let f: MmqFn = unsafe { m.entry(&name) }.unwrap();
@@ -191,6 +220,7 @@ fn run(
         maps.yidx.as_deref().map(Buf::new),
     );
     let y = Buf::new(y0);
+    let ws = Buf::filled(plan.ws_len(maps.ncols, s.rows, glu).max(1), f32::NAN);
     let qb = s.ty.block_size();
     let p = MmqParams {
         w: w.dev.addr(),
@@ -207,6 +237,7 @@ fn run(
         yidx: opt_addr(&yidx),
         y_stride: maps.y_stride as i64,
         y_rows: maps.y_rows as i64,
+        ws: if plan.kz > 1 { ws.addr() } else { 0 },
         nrows: s.rows as i32,
         k: s.k as i32,
         n_slabs: s.slabs as i32,
@@ -216,10 +247,20 @@ fn run(
         ks: plan.ks as i32,
         accum: i32::from(mode == Mode::Accumulate),
         srow: mmq_stage_row_bytes(qt) as i32,
+        kz: plan.kz as i32,
+        wpz: plan.wpz as i32,
         pad: 0,
     };
     m.launch(&name, plan.grid, plan.block, plan.smem, &|| unsafe { f(p) })
         .unwrap_or_else(|e| panic!("{name}: {e}"));
+    if plan.kz > 1 {
+        let rname = format!("mmq_reduce_{}", qt.suffix());
+        // SAFETY: the reduce takes the same `struct Mmq`.
+        let fr: MmqFn = unsafe { m.entry(&rname) }.unwrap();
+        let blocks = (maps.ncols * s.rows).div_ceil(256).min(4 * 132) as u32;
+        m.launch(&rname, [blocks, 1, 1], [256, 1, 1], 0, &|| unsafe { fr(p) })
+            .unwrap_or_else(|e| panic!("{rname}: {e}"));
+    }
     Some((y.to_vec(), plan))
 }
 
@@ -234,9 +275,10 @@ fn check(
     mode: Mode,
     maps: &Maps,
     x: &Q8,
-    ks: Option<usize>,
+    split: impl Into<Split>,
     r: &mut Rng,
 ) -> Option<MmqCheck> {
+    let split = split.into();
     let n_y = (maps.y_rows.max(1) - 1) * maps.y_stride + w.shape.rows + 3;
     // Accumulate reads finite old values; the other modes must leave NaN where they do not
     // write and overwrite it where they do.
@@ -244,13 +286,13 @@ fn check(
         Mode::Accumulate => r.vec(n_y, 2.0),
         _ => vec![f32::NAN; n_y],
     };
-    let Some((y, plan)) = run(qt, w, w2, mode, maps, x, &y0, ks) else {
+    let Some((y, plan)) = run(qt, w, w2, mode, maps, x, &y0, split) else {
         assert!(
-            ks.is_some(),
+            split.ks.is_some() || split.kz.is_some(),
             "mmq {what}: the plan found no launch that fits"
         );
         say(&format!(
-            "mmq {what} {:?} ncols {} {mode:?} ks {ks:?}: beyond the shared memory, not run",
+            "mmq {what} {:?} ncols {} {mode:?} {split:?}: beyond the shared memory, not run",
             w.shape.ty, maps.ncols
         ));
         return None;
@@ -272,13 +314,14 @@ fn check(
         &y,
     );
     say(&format!(
-        "mmq {what} {:?} {}x{} ncols {} {mode:?} ks {} grid {:?}: {} written (worst {:.3e} of \
-         tol), {} NaN, {} untouched",
+        "mmq {what} {:?} {}x{} ncols {} {mode:?} ks {} kz {} grid {:?}: {} written (worst \
+         {:.3e} of tol), {} NaN, {} untouched",
         w.shape.ty,
         w.shape.rows,
         w.shape.k,
         maps.ncols,
         plan.ks,
+        plan.kz,
         plan.grid,
         c.written,
         c.worst,
@@ -372,15 +415,25 @@ fn dense_type(ty: GgmlType, qt: QType) {
             // Every allowed split whose ring fits (at 64 columns K = 768 allows 4, which does
             // not: 4 stages of 512-k windows).
             let glu = mode == Mode::Glu;
-            let mut splits: Vec<Option<usize>> = [1, 2, 4, 8]
+            let mut splits: Vec<Split> = [1, 2, 4, 8]
                 .into_iter()
                 .filter(|&ks| {
                     mmq_ks_allowed(ks, k)
                         && mmq_plan_ks(qt, rows, k, nc, 1, glu, 65_535, SMEM, ks).is_some()
                 })
-                .map(Some)
+                .map(|ks| Some(ks).into())
                 .collect();
-            splits.push(None);
+            // K-slices: 2 of 3 windows each, one window each (6), and with ks = 2 an uneven
+            // pair (2 + 1 windows); the plan's own choice slices these dense launches too.
+            for (ks, kz) in [(1, 2), (1, 6), (2, 2)] {
+                if mmq_plan_ks(qt, rows, k, nc, 1, glu, 65_535, SMEM, ks).is_some() {
+                    splits.push(Split {
+                        ks: Some(ks),
+                        kz: Some(kz),
+                    });
+                }
+            }
+            splits.push(None.into());
             for ks in splits {
                 let c = check("dense", qt, &w, w2o, mode, &maps, &x, ks, &mut r)
                     .expect("only splits that fit");

@@ -259,6 +259,30 @@ impl Bench {
                 r?,
             );
         }
+        // K-slices with 8 row tiles per block: the plan's choice (the default) and given
+        // counts (1 = none, `GGUFTOOL_MMQ_SLICES=1`).
+        let prev = g.mmq_slices();
+        for kz in [
+            None,
+            Some(1usize),
+            Some(2),
+            Some(3),
+            Some(4),
+            Some(6),
+            Some(8),
+            Some(16),
+        ] {
+            g.force_mmq_slices(kz)?;
+            let r = self.time(|i| g.mmq(shape, &wv(i), QMode::Plain, ch(cols), &q, &mut y));
+            g.force_mmq_slices(prev)?;
+            let what = kz.map_or("plan".to_string(), |z| z.to_string());
+            self.record(
+                "mmq kz",
+                &format!("{ty} {name} x{cols} ks 1 kz {what}"),
+                mat as f64,
+                r?,
+            );
+        }
         let ms = self.time(|i| g.gemv_q(shape, &wv(i), QMode::Plain, ch(8), &q, &mut y))?;
         self.record(
             "gemv q8",
