@@ -713,7 +713,8 @@ DEV void mmq_impl(const Mmq& p) {
         if (SL && kp == 0) {
             // A k-slice's raw sums (channel 0 only: the host slices single-channel launches
             // without ids); mmq_reduce adds the slices in order and finishes the outputs. 32-bit
-            // offsets: the host keeps ncols * nrows * (1 + GLU) below 2^31.
+            // offsets: the host slices only launches whose ncols * nrows * (1 + GLU) fits
+            // (kernels/src/mmq.rs `mmq_sliceable`).
             const int plane = p.ncols * p.nrows;
             float* const wz = p.ws + (long long)blockIdx.z * (NM * plane);
 #pragma unroll

@@ -47,8 +47,8 @@ pub use mla::{
     MlaTcPlan,
 };
 pub use mmq::{
-    mmq_kernel_name, mmq_ks_allowed, mmq_plan, mmq_plan_ks, mmq_stage_row_bytes, mmq_supported,
-    MmqParams, MmqPlan, MmqX, MMQ_STEP, MMQ_WARPS,
+    mmq_kernel_name, mmq_ks_allowed, mmq_plan, mmq_plan_ks, mmq_sliceable, mmq_stage_row_bytes,
+    mmq_supported, MmqParams, MmqPlan, MmqX, MMQ_STEP, MMQ_WARPS,
 };
 pub use moe::{
     moe_mmq_tile, ExpertGroups, Gating, RouterConfig, TileSet, MOE_TILE, MOE_TILE_WIDTHS,

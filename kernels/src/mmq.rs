@@ -129,6 +129,18 @@ impl MmqPlan {
     }
 }
 
+/// Whether a launch may be cut into k-slices: one channel (the workspace holds one), no slab
+/// ids (no NaN channel), and one slice's partial sums (`(1 + GLU) x ncols x rows`) addressed in
+/// 32 bits, as the sliced kernels' epilogue does.
+pub fn mmq_sliceable(channels: usize, ids: bool, rows: usize, ncols: usize, glu: bool) -> bool {
+    channels == 1
+        && !ids
+        && (1 + usize::from(glu))
+            .checked_mul(ncols)
+            .and_then(|v| v.checked_mul(rows))
+            .is_some_and(|v| v <= i32::MAX as usize)
+}
+
 /// The most k-slices a plan makes of a dense product.
 pub const MMQ_MAX_SLICES: usize = 8;
 
@@ -405,8 +417,7 @@ impl Gpu {
         to_i32(OP, "y rows", ch.y_rows)?;
         let info = self.info();
         let max_smem = self.max_smem_optin();
-        // Slices need one channel (the workspace holds one) and no slab ids (no NaN channel).
-        let sliceable = ch.count == 1 && ch.ids.is_none();
+        let sliceable = mmq_sliceable(ch.count, ch.ids.is_some(), shape.rows, n, glu);
         let slices = if sliceable {
             self.mmq_slices()
         } else {
@@ -624,6 +635,10 @@ mod tests {
         // One window: nothing to slice.
         let p = dense(64, 128, 8, false);
         assert_eq!((p.grid, p.kz, p.wpz), ([1, 1, 1], 1, 1));
+        // A slice's sums past 32-bit offsets (the sliced epilogue's): never sliced.
+        assert!(mmq_sliceable(1, false, 16_777_215, 64, true));
+        assert!(!mmq_sliceable(1, false, 16_777_216, 64, true));
+        assert!(!mmq_sliceable(2, false, 64, 8, false) && !mmq_sliceable(1, true, 64, 8, false));
         // Forced slices: whole windows, no empty slice (6 windows: 4 -> 3 slices of 2).
         let p = mmq_plan_ks(QType::Q4K, 40, 768, 8, 1, false, GY, SMEM, 1)
             .expect("fits")

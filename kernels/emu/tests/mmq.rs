@@ -19,8 +19,8 @@ use common::{compiler, say, Buf};
 
 use gguf::GgmlType;
 use kernels::{
-    mmq_kernel_name, mmq_ks_allowed, mmq_plan, mmq_plan_ks, mmq_stage_row_bytes, repack, MmqParams,
-    MmqPlan, MmqX, QType, MOE_TILE, MOE_TILE_WIDTHS,
+    mmq_kernel_name, mmq_ks_allowed, mmq_plan, mmq_plan_ks, mmq_sliceable, mmq_stage_row_bytes,
+    repack, MmqParams, MmqPlan, MmqX, QType, MOE_TILE, MOE_TILE_WIDTHS,
 };
 use kernels::{ops::Op, MatShape};
 use kernels_emu::Module;
@@ -189,7 +189,7 @@ fn run(
 ) -> Option<(Vec<f32>, MmqPlan)> {
     let s = &w.shape;
     let glu = mode == Mode::Glu;
-    let sliceable = maps.count == 1 && maps.ids.is_none();
+    let sliceable = mmq_sliceable(maps.count, maps.ids.is_some(), s.rows, maps.ncols, glu);
     let plan = match (split.ks, split.kz) {
         (None, None) => mmq_plan(
             qt, s.rows, s.k, maps.ncols, maps.count, glu, 132, 65_535, SMEM, sliceable,
