@@ -3,7 +3,8 @@
 # the folder the device tool sends (default /work/main/.device-speed, git-ignored there): the
 # release gguftool, the kernels GPU test binary, the runtime library test binary (CUDA vs CPU),
 # the run script, optionally a baseline gguftool (MAIN_BIN=path) for before/after figures and
-# llama.cpp's bench script and source (LLAMA=1, for STAGE=final), a measuring build (PROF_BIN=path).
+# llama.cpp's bench script and source (LLAMA=1, for STAGE=final), a measuring build (PROF_BIN=path),
+# the CUPTI kernel tracer (TRACE=1, for STAGE=trace).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${DEST:-/work/main/.device-speed}
@@ -29,6 +30,11 @@ strip "$DEST"/gguftool* "$DEST/kernels-gpu" "$DEST/runtime-lib" "$DEST/tp-gpu" 2
 (cd "$DEST" && tar cf - gguftool* kernels-gpu runtime-lib tp-gpu | xz -9e -T1 > payload.tar.xz &&
     rm -f gguftool gguftool-* kernels-gpu runtime-lib tp-gpu)
 cp kernels/device-speed.sh "$DEST/run.sh"
+# STAGE=trace's kernel timeline: the CUPTI injection library (built here) and its reader.
+if [ -n "${TRACE:-}" ]; then
+    DEST=$DEST W=${CUPTI_WHEELS:-/tmp/cupti-wheels} bash kernels/tools/build-cupti-trace.sh
+    cp kernels/tools/timeline.py "$DEST/"
+fi
 # STAGE=final builds llama.cpp there: the measuring instrument of ../shared/bench travels with it
 # (never copied into the repository: .device-speed/ is ignored).
 if [ -n "${LLAMA:-}" ]; then

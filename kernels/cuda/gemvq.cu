@@ -54,7 +54,33 @@ struct GemvQ {
     const uint8_t* ws;
     const uint8_t* ws2;
     long long ws_nblk;
+    // Row segments of a plain one-column launch over one input (nseg = 1: none): rows from
+    // seg_row[i - 1] on read matrix seg_w[i - 1] (seg_nblk[i - 1] blocks) and write seg_y[i - 1]
+    // from its row 0; the rows before seg_row[0] are w's into y. Several small products of one
+    // activation (a layer's q_a, kv_a and indexer keys) then share a launch's waves.
+    int nseg;
+    int seg_row[2];
+    const uint8_t* seg_w[2];
+    float* seg_y[2];
+    long long seg_nblk[2];
 };
+
+// The segment holding row `r` (rows past the end: the last one): its matrix, block count,
+// output and first row. Constant indices only (a dynamically indexed parameter array would be
+// copied to local memory).
+struct Seg {
+    const uint8_t* w;
+    long long nblk;
+    float* y;
+    int row0;
+};
+DEV Seg row_seg(const GemvQ& p, int r) {
+    Seg s = {p.w, p.nblk, p.y, 0};
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+        if (i + 1 < p.nseg && r >= p.seg_row[i]) s = Seg{p.seg_w[i], p.seg_nblk[i], p.seg_y[i], p.seg_row[i]};
+    return s;
+}
 
 #ifdef GGUFTOOL_EMU
 // The CPU emulator's (kernels/emu): c + the four signed byte products, wrapping as the
@@ -517,7 +543,15 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
         const bool bad = e < 0 || e >= p.n_slabs;
         const uint8_t* W1 = shared ? p.ws : p.w;
         const uint8_t* W2 = shared ? p.ws2 : p.w2;
-        const long long nblk = shared ? p.ws_nblk : p.nblk;
+        long long nblk = shared ? p.ws_nblk : p.nblk;
+        // Row segments (one channel, no ids: e == 0): this lane group's matrix and row in it.
+        int row0 = 0;
+        if (MODE == 0 && NC == 1 && p.nseg > 1) {
+            const Seg sg = row_seg(p, min(row, p.nrows - 1));
+            W1 = sg.w;
+            nblk = sg.nblk;
+            row0 = sg.row0;
+        }
         int xr[NC];
         XCol xc[NC];
         int nc = 0;
@@ -539,7 +573,7 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
             // Rows past the end repeat the last row (results discarded): no branch in the loop.
             long long gb[R];
 #pragma unroll
-            for (int r = 0; r < R; ++r) gb[r] = (e * p.nrows + min(row + r, p.nrows - 1)) * bpr;
+            for (int r = 0; r < R; ++r) gb[r] = (e * p.nrows + min(row + r, p.nrows - 1) - row0) * bpr;
             const int step = lpr * KS;
 #pragma unroll 2
             for (int t = wk * lpr + gl; t < nt; t += step) {
@@ -569,6 +603,7 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
                 // was contracted with the product that ends v (Q6_K's d * sum) into one fma,
                 // one rounding fewer than the separate GEMV and add (H200: not bitwise).
                 float* yp = p.y + yr * p.y_stride + row + r;
+                if (MODE == 0 && NC == 1 && p.nseg > 1) yp = row_seg(p, row).y + (row - row0);
                 *yp = MODE == 0 && p.accum ? __fadd_rn(*yp, v) : v;
             }
         }

@@ -20,7 +20,7 @@ const MULTI_ROW_MIN: usize = 2048;
 /// A stack of `slabs` matrices of `rows x k` elements of type `ty`, stored back to back
 /// (experts of `ffn_*_exps`, heads of `attn_k_b` / `attn_v_b`); `slabs = 1` for a plain matrix.
 /// `packed`: the tensor is in the repacked device layout (`crate::repack`).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatShape {
     pub ty: GgmlType,
     pub rows: usize,

@@ -195,6 +195,23 @@ struct GemvQParams {
     ws: u64,
     ws2: u64,
     ws_nblk: i64,
+    nseg: i32,
+    seg_row: [i32; 2],
+    seg_w: [u64; 2],
+    seg_y: [u64; 2],
+    seg_nblk: [i64; 2],
+}
+
+/// The most matrices one stacked launch ([`Gpu::gemv_q_stacked`]) takes.
+pub const GEMVQ_MAX_STACK: usize = 3;
+
+/// The matrices after the first of a stacked launch, as the kernel reads them.
+#[derive(Default)]
+struct Stack {
+    /// Rows of the first matrix (its output's extent).
+    first_rows: usize,
+    /// (first row in the stack, blocks, weights, output) of each further matrix.
+    segs: Vec<(usize, i64, u64, u64)>,
 }
 
 // SAFETY: plain structs laid out exactly as `struct Q8A` / `struct GemvQ` in gemvq.cu.
@@ -314,6 +331,79 @@ impl Gpu {
         self.gemv_q_shared(shape, w, mode, ch, x, y, None)
     }
 
+    /// Several matrices of one type, layout and width over the same activation row (row 0 of
+    /// `x`) in one plain one-column launch: their rows stacked, matrix i's products into
+    /// `ys[i]` (`mats[i].rows` values). Each output is computed exactly as a launch of its
+    /// matrix alone with the same k-split would compute it (bitwise then: tested); the small
+    /// products of one input (a layer's q_a, kv_a and indexer keys) share one launch's waves
+    /// instead of each paying a launch and a mostly idle GPU.
+    pub fn gemv_q_stacked<W: DevicePtr<u8>, Y: DevicePtrMut<f32>>(
+        &self,
+        mats: &[(MatShape, &W)],
+        x: &Q8Act,
+        ys: &mut [&mut Y],
+    ) -> Result<(), KernelError> {
+        const OP: &str = "gemvq";
+        if mats.is_empty() || mats.len() > GEMVQ_MAX_STACK || ys.len() != mats.len() {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "{} matrices, {} outputs (1 ..= {GEMVQ_MAX_STACK} of each)",
+                    mats.len(),
+                    ys.len()
+                ),
+            ));
+        }
+        let first = mats[0].0;
+        let mut stack = Stack {
+            first_rows: first.rows,
+            segs: Vec::with_capacity(mats.len() - 1),
+        };
+        let mut rows = first.rows;
+        for (i, ((m, w), y)) in mats.iter().zip(ys.iter_mut()).enumerate() {
+            let same = MatShape {
+                rows: first.rows,
+                ..*m
+            } == first;
+            if !same || m.slabs != 1 || m.rows == 0 {
+                return Err(shape_err(
+                    OP,
+                    format!("stacked matrix {i}: {m:?} with {first:?}"),
+                ));
+            }
+            m.check(OP, dlen(*w))?;
+            need_len(OP, "y", dlen(&**y), m.rows)?;
+            if i > 0 {
+                let wp = w.device_ptr(self.stream()).0;
+                check_aligned(OP, "w", wp, 16)?;
+                let yp = y.device_ptr_mut(self.stream()).0;
+                stack.segs.push((rows, m.blocks() as i64, wp, yp));
+                rows += m.rows;
+            }
+        }
+        let shape = MatShape { rows, ..first };
+        let ch = QChannels {
+            count: 1,
+            ncols: 1,
+            ids: None,
+            xidx: None,
+            x_div: 1,
+            yidx: None,
+            y_stride: first.rows,
+            y_rows: 1,
+        };
+        self.gemv_q_impl(
+            shape,
+            mats[0].1,
+            QMode::Plain,
+            ch,
+            x,
+            &mut *ys[0],
+            None,
+            &stack,
+        )
+    }
+
     /// [`Gpu::gemv_q`] with a MoE layer's shared expert in the same launch: one matrix of
     /// `shape.rows x shape.k` (one slab) of `shape`'s type and layout. GLU mode (`shared` =
     /// (gate, Some(up))): the last channel computes it instead of an id's expert (ids are read
@@ -331,8 +421,32 @@ impl Gpu {
         y: &mut impl DevicePtrMut<f32>,
         shared: Option<(&W, Option<&W>)>,
     ) -> Result<(), KernelError> {
+        self.gemv_q_impl(shape, w, mode, ch, x, y, shared, &Stack::default())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_q_impl<W: DevicePtr<u8>>(
+        &self,
+        shape: MatShape,
+        w: &W,
+        mode: QMode<'_, W>,
+        ch: QChannels<'_>,
+        x: &Q8Act,
+        y: &mut impl DevicePtrMut<f32>,
+        shared: Option<(&W, Option<&W>)>,
+        stack: &Stack,
+    ) -> Result<(), KernelError> {
         const OP: &str = "gemvq";
-        shape.check(OP, dlen(w))?;
+        // A stack's first matrix holds `first_rows` of the launch's rows (checked by the caller).
+        let first = if stack.segs.is_empty() {
+            shape
+        } else {
+            MatShape {
+                rows: stack.first_rows,
+                ..shape
+            }
+        };
+        first.check(OP, dlen(w))?;
         let one = MatShape { slabs: 1, ..shape };
         let (wsp, ws2p) = match (shared, &mode) {
             (None, _) => (0, 0),
@@ -447,7 +561,7 @@ impl Gpu {
             None => need_len(OP, "y rows", ch.y_rows, ch.count)?,
         }
         if y_rows > 0 {
-            need_len(OP, "y", dlen(y), (y_rows - 1) * ch.y_stride + shape.rows)?;
+            need_len(OP, "y", dlen(y), (y_rows - 1) * ch.y_stride + first.rows)?;
         }
         let name = format!("{prefix}{}", qt.suffix());
         let f = self.func(Op::GemvQ(qt), &name)?;
@@ -501,7 +615,7 @@ impl Gpu {
         let p = GemvQParams {
             w: wp,
             w2: w2p,
-            nblk: shape.blocks() as i64,
+            nblk: first.blocks() as i64,
             nrows: to_i32(OP, "rows", shape.rows)?,
             k: to_i32(OP, "k", shape.k)?,
             n_slabs: to_i32(OP, "slabs", shape.slabs)?,
@@ -523,7 +637,19 @@ impl Gpu {
             ws: wsp,
             ws2: ws2p,
             ws_nblk: one.blocks() as i64,
+            nseg: 1 + stack.segs.len() as i32,
+            seg_row: [0; 2],
+            seg_w: [0; 2],
+            seg_y: [0; 2],
+            seg_nblk: [0; 2],
         };
+        let mut p = p;
+        for (i, &(row0, nblk, wp, yp)) in stack.segs.iter().enumerate() {
+            p.seg_row[i] = to_i32(OP, "rows", row0)?;
+            p.seg_nblk[i] = nblk;
+            p.seg_w[i] = wp;
+            p.seg_y[i] = yp;
+        }
         let mut b = self.args(&f);
         b.arg(&p).arg(&tables);
         // SAFETY: weight, id, index and output extents checked above; the kernel range-checks

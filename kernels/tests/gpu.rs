@@ -1861,6 +1861,100 @@ fn gemvq_every_type_matches_emulation_and_error_bound() {
 /// The accumulating GEMV (`QMode::Accumulate`: y += W x in the epilogue) equals the plain GEMV's
 /// output added on the host, bitwise: same kernel, same launch shape (so the same row split and
 /// summation order), then one f32 addition per output, which is exactly rounded on both sides.
+/// A random `rows x k` matrix of `ty` with sane scales on the device in its layout (repacked
+/// where the type needs it): its shape, device bytes and the f32 weights it decodes to.
+fn device_matrix(
+    g: &Gpu,
+    r: &mut Rng,
+    ty: GgmlType,
+    rows: usize,
+    k: usize,
+) -> (MatShape, kernels::CudaSlice<u8>, Vec<f32>) {
+    let bytes = sane_blocks(ty, rows * k, r);
+    let w = dequant_cpu(ty, &bytes);
+    let packed = repack::is_packed(ty);
+    let dev = if packed {
+        repack::repack(ty, &bytes).unwrap()
+    } else {
+        bytes
+    };
+    let shape = MatShape {
+        ty,
+        rows,
+        k,
+        slabs: 1,
+        packed,
+    };
+    (shape, g.upload(&dev).unwrap(), w)
+}
+
+/// A stacked launch (`Gpu::gemv_q_stacked`) at GLM-5's q_a / kv_a / indexer-keys shapes
+/// (Q4_K, K = 6,144: 2,048 + 576 + 128 rows) and a repacked type (Q8_0, whose scales follow
+/// each matrix's blocks): every output bitwise what its matrix's own launch gives at the same
+/// k-split, at each split; then the wrapper's own choice of split within the GEMV bound.
+#[test]
+fn gemvq_stacked_equals_each_matrix_alone() {
+    let Some(g) = gpu("gemvq_stacked_equals_each_matrix_alone") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("gemvq_stacked");
+    let mut bad = Vec::new();
+    for (ty, rows, k) in [
+        (GgmlType::Q4_K, [2048usize, 576, 128], 6144usize),
+        (GgmlType::Q8_0, [512, 64, 40], 1024),
+    ] {
+        let mats: Vec<_> = rows
+            .iter()
+            .map(|&n| device_matrix(&g, &mut r, ty, n, k))
+            .collect();
+        let x = activations(&mut r, 1, k);
+        let dx = g.upload(&x).unwrap();
+        let q = g.quantize_q8(&dx, 1, k, k).unwrap();
+        let (qc, qd, _) = q.to_host(&g).unwrap();
+        for ks in [Some(1), Some(2), Some(4), None] {
+            g.force_gemvq_ksplit(ks).unwrap();
+            let refs: Vec<(MatShape, &_)> = mats.iter().map(|(s, w, _)| (*s, w)).collect();
+            let mut ys: Vec<_> = rows.iter().map(|&n| nan_buf(&g, n)).collect();
+            let mut yr: Vec<_> = ys.iter_mut().collect();
+            g.gemv_q_stacked(&refs, &q, &mut yr).unwrap();
+            for (i, (shape, dw, w)) in mats.iter().enumerate() {
+                let got = g.download(&ys[i]).unwrap();
+                let (ok_bound, worst) = gemvq_verify(w, &x, &qc, &qd, &got, shape.rows, k, 1);
+                // Bitwise against the lone launch where the split is the same (forced).
+                let same = match ks {
+                    Some(_) => {
+                        let mut dy = nan_buf(&g, shape.rows);
+                        let ch = QChannels::dense(1, shape.rows);
+                        g.gemv_q(*shape, dw, QMode::Plain, ch, &q, &mut dy).unwrap();
+                        let alone = g.download(&dy).unwrap();
+                        alone
+                            .iter()
+                            .zip(&got)
+                            .all(|(a, b)| a.to_bits() == b.to_bits())
+                    }
+                    None => true,
+                };
+                let ok = ok_bound && same;
+                row(
+                    &format!("gemvq stacked {ty}"),
+                    &format!("matrix {i} ({}x{k}) split {ks:?}", shape.rows),
+                    worst,
+                    1.0,
+                    ok,
+                );
+                if !ok {
+                    bad.push(format!(
+                        "{ty} matrix {i} split {ks:?}: bitwise {same}, worst {worst}"
+                    ));
+                }
+            }
+        }
+        g.force_gemvq_ksplit(None).unwrap();
+    }
+    assert!(bad.is_empty(), "stacked GEMV: {bad:?}");
+}
+
 /// One to eight columns, the shared expert's down projection (Q6_K 2,048 -> 6,144) and
 /// GLM-5-like Q4_K / Q8_0 shapes.
 #[test]
@@ -1877,21 +1971,7 @@ fn gemvq_accumulate_adds_onto_the_output_bitwise() {
         (GgmlType::Q4_K, 576, 6144, 3),
         (GgmlType::Q8_0, 512, 192, 8),
     ] {
-        let bytes = sane_blocks(ty, rows * k, &mut r);
-        let packed = repack::is_packed(ty);
-        let dev = if packed {
-            repack::repack(ty, &bytes).unwrap()
-        } else {
-            bytes
-        };
-        let shape = MatShape {
-            ty,
-            rows,
-            k,
-            slabs: 1,
-            packed,
-        };
-        let dw = g.upload(&dev).unwrap();
+        let (shape, dw, _) = device_matrix(&g, &mut r, ty, rows, k);
         let dx = g.upload(&activations(&mut r, ncols, k)).unwrap();
         let q = g.quantize_q8(&dx, ncols, k, k).unwrap();
         let ch = QChannels::dense(ncols, rows);

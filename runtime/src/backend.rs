@@ -291,6 +291,16 @@ pub trait Backend: Clone + Send + Sync + 'static {
         self.silu_mul(&g, &u)
     }
 
+    /// `[x . w^T for w in ws]`: several projections of one input (a layer's q_a, kv_a and
+    /// indexer keys), which a backend may run as one product over their stacked rows.
+    fn matmul_stacked(
+        &self,
+        x: &Self::Tensor,
+        ws: &[&Self::Weight],
+    ) -> Result<Vec<Self::Tensor>, RuntimeError> {
+        ws.iter().map(|w| self.matmul(x, w)).collect()
+    }
+
     /// `acc + x . w^T`: a second branch's output added onto the first's (the shared expert's
     /// down projection onto the routed experts' sum).
     fn matmul_add(

@@ -1207,19 +1207,54 @@ impl<B: Backend> GlmModel<B> {
             theta: rope.theta,
             style: rope.style,
         };
+        // The projections of the layer's input: q_a, kv_a and the indexer's keys, one stacked
+        // product where the backend can.
+        let ix_w = match (&self.spec.indexer, &layer.indexer) {
+            (Some(_), Some(iw)) => Some(iw),
+            _ => None,
+        };
+        let mut stack: Vec<&B::Weight> = Vec::with_capacity(3);
+        stack.extend(w.q_a.as_ref().map(|(qa, _)| qa));
+        stack.push(&w.kv_a);
+        stack.extend(ix_w.map(|iw| &iw.k));
+        let mut outs = be.matmul_stacked(x, &stack)?.into_iter();
+        let mut next = || {
+            outs.next()
+                .ok_or_else(|| model_err("matmul_stacked: output missing"))
+        };
+        let q_a_out = w.q_a.as_ref().map(|_| next()).transpose()?;
+        let kv_a = next()?;
+        let ix_k_out = ix_w.map(|_| next()).transpose()?;
+        // The indexer's queries are needed only when some query sees more than top_k keys
+        // (otherwise every causal key is selected: dense attention); then q_b and the
+        // indexer's q_b, both of the normalised q_a, are one stacked product too.
+        let ix_q_needed = match (&self.spec.indexer, ix_w) {
+            (Some(ix), Some(_)) => segs.iter().any(|s| s.pos0 + s.n > ix.top_k),
+            _ => false,
+        };
         // Queries.
-        let (q, q_resid) = match &w.q_a {
-            Some((qa, qa_norm)) => {
-                let r = be.matmul(x, qa)?;
+        let mut ix_q_raw = None;
+        let q = match (&w.q_a, q_a_out) {
+            (Some((_, qa_norm)), Some(r)) => {
                 let r = be.rms_norm(&r, qa_norm, m.lora_norm_eps)?;
                 self.emit(obs, || format!("blk.{bi}.attn_q_a_norm.out"), &r)?;
-                (be.matmul(&r, &w.q_b)?, Some(r))
+                match ix_w.filter(|_| ix_q_needed) {
+                    Some(iw) => {
+                        let mut o = be.matmul_stacked(&r, &[&w.q_b, &iw.q_b])?.into_iter();
+                        let (q, qi) = o
+                            .next()
+                            .zip(o.next())
+                            .ok_or_else(|| model_err("matmul_stacked: output missing"))?;
+                        ix_q_raw = Some(qi);
+                        q
+                    }
+                    None => be.matmul(&r, &w.q_b)?,
+                }
             }
-            None => (be.matmul(x, &w.q_b)?, None),
+            _ => be.matmul(x, &w.q_b)?,
         };
         self.emit(obs, || format!("blk.{bi}.attn_q_b.out"), &q)?;
         // Compressed keys/values: normalised latent and the roped shared key part.
-        let kv_a = be.matmul(x, &w.kv_a)?;
         self.emit(obs, || format!("blk.{bi}.attn_kv_a_mqa.out"), &kv_a)?;
         // The cache rows in place: latent normalised, the shared key part roped; a step of one
         // sequence appends them to its cache in the same op (batches per sequence below).
@@ -1247,9 +1282,9 @@ impl<B: Backend> GlmModel<B> {
         // more than top_k keys (otherwise every causal key is selected: dense attention).
         let mut ix_q = None;
         let mut ix_keys = None;
-        if let (Some(ix), Some(iw)) = (&self.spec.indexer, &layer.indexer) {
+        if let (Some(ix), Some(iw), Some(k_out)) = (&self.spec.indexer, ix_w, ix_k_out) {
             let k = be.indexer_keys(
-                be.matmul(x, &iw.k)?,
+                k_out,
                 &iw.k_norm,
                 &iw.k_norm_b,
                 ix.norm_eps,
@@ -1261,11 +1296,10 @@ impl<B: Backend> GlmModel<B> {
             )?;
             self.emit(obs, || format!("blk.{bi}.indexer.k.out"), &k)?;
             ix_keys = Some(k);
-            if segs.iter().any(|s| s.pos0 + s.n > ix.top_k) {
-                let qr = q_resid
-                    .as_ref()
+            if ix_q_needed {
+                let mut qi = ix_q_raw
+                    .take()
                     .ok_or_else(|| model_err("indexer without q_lora"))?;
-                let mut qi = be.matmul(qr, &iw.q_b)?;
                 be.rope(&mut qi, positions, &rope_p(ix.n_head, ix.head_dim))?;
                 // transformers: weights_proj(x) * n_heads^-0.5 (the softmax scale is applied to
                 // the dot products, as there).

@@ -124,6 +124,11 @@ struct GemvQParams {
     ws: *const u8,
     ws2: *const u8,
     ws_nblk: i64,
+    nseg: i32,
+    seg_row: [i32; 2],
+    seg_w: [*const u8; 2],
+    seg_y: [*mut f32; 2],
+    seg_nblk: [i64; 2],
 }
 
 /// `struct QTables` of quant.cuh (eight table pointers; the gemvq kernels read only `kvalues`,
@@ -143,6 +148,29 @@ fn lanes_for_tasks(tasks: usize) -> usize {
         l /= 2;
     }
     l
+}
+
+/// The q8a block records as the device holds them (d, then the two half sums as i16), from
+/// the quantize kernel's host output.
+fn q8_records(qd: &[f32], qsum: &[i16]) -> Vec<u64> {
+    qd.iter()
+        .enumerate()
+        .map(|(b, d)| {
+            u64::from(d.to_bits())
+                | u64::from(qsum[2 * b] as u16) << 32
+                | u64::from(qsum[2 * b + 1] as u16) << 48
+        })
+        .collect()
+}
+
+/// A matrix's bytes in its device layout (repacked where the type's blocks are not 16-byte
+/// aligned).
+fn device_layout(ty: GgmlType, bytes: Vec<u8>) -> Vec<u8> {
+    if kernels::repack::is_packed(ty) {
+        kernels::repack::repack(ty, &bytes).unwrap()
+    } else {
+        bytes
+    }
 }
 
 /// One plain GEMV of `ncols` activation columns through `entry` (rows per lane group `rpg`,
@@ -196,6 +224,11 @@ fn gemvq(
         ws: std::ptr::null(),
         ws2: std::ptr::null(),
         ws_nblk: 0,
+        nseg: 1,
+        seg_row: [0; 2],
+        seg_w: [std::ptr::null(); 2],
+        seg_y: [std::ptr::null_mut(); 2],
+        seg_nblk: [0; 2],
     };
     let t = tables;
     let grid = rows.div_ceil(rows_per_block) as u32;
@@ -231,25 +264,12 @@ fn gemvq_q4_k_q8_0_iq4_nl_match_f64_within_the_gpu_bound() {
         ] {
             let bytes = sane_blocks(ty, rows * k, &mut r);
             let w = dequant_cpu(ty, &bytes);
-            let dev = if kernels::repack::is_packed(ty) {
-                kernels::repack::repack(ty, &bytes).unwrap()
-            } else {
-                bytes
-            };
-            let wb = Buf::new(&dev);
+            let wb = Buf::new(&device_layout(ty, bytes));
             let nblk = rows * k / ty.block_size();
             let x = activations(&mut r, ncols, k);
             let (qc, qd, qsum) = quantize(&x, ncols, k, k, (ncols * k / 32).div_ceil(8) as u32);
             // Codes and records as the device holds them, from the quantize kernel's output.
-            let recs: Vec<u64> = qd
-                .iter()
-                .enumerate()
-                .map(|(b, d)| {
-                    u64::from(d.to_bits())
-                        | u64::from(qsum[2 * b] as u16) << 32
-                        | u64::from(qsum[2 * b + 1] as u16) << 48
-                })
-                .collect();
+            let recs = q8_records(&qd, &qsum);
             let q = (Buf::new(&qc), Buf::new(&recs));
             let runs: Vec<(String, usize, usize)> = if ncols == 1 {
                 [1, 2, 4]
@@ -278,6 +298,149 @@ fn gemvq_q4_k_q8_0_iq4_nl_match_f64_within_the_gpu_bound() {
                     }
                     first = Some(y);
                 }
+            }
+        }
+    }
+}
+
+/// One stacked launch (`Gpu::gemv_q_stacked`): matrices `mats` (device bytes, rows) of one
+/// type and width over activation row 0, each into its own output, as the wrapper launches it.
+#[allow(clippy::too_many_arguments)]
+fn gemvq_stacked(
+    qt: QType,
+    ks: usize,
+    mats: &[(&Buf<u8>, usize)],
+    k: usize,
+    q: &(Buf<i8>, Buf<u64>),
+    tables: QTables,
+) -> Vec<Vec<f32>> {
+    let entry = format!("gemvq1_{}", qt.suffix());
+    let m = module(Op::GemvQ(qt));
+    let f: GemvqFn = unsafe { m.entry(&entry) }.unwrap();
+    let lpr = lanes_for_tasks(k / qt.task_weights());
+    let rows_per_block = (4 / ks) * (32 / lpr);
+    let bs = qt_block(qt);
+    let mut ys: Vec<Buf<f32>> = mats
+        .iter()
+        .map(|&(_, n)| Buf::filled(n, f32::NAN))
+        .collect();
+    let total: usize = mats.iter().map(|m| m.1).sum();
+    let mut p = GemvQParams {
+        w: mats[0].0.ptr(),
+        w2: std::ptr::null(),
+        nblk: (mats[0].1 * k / bs) as i64,
+        nrows: total as i32,
+        k: k as i32,
+        n_slabs: 1,
+        lpr: lpr as i32,
+        count: 1,
+        ncols: 1,
+        ids: std::ptr::null(),
+        xidx: std::ptr::null(),
+        x_div: 1,
+        ctopk: 0,
+        x: Q8AParams {
+            qs: q.0.ptr(),
+            ds: q.1.ptr(),
+            rows: 1,
+        },
+        y: ys[0].mut_ptr(),
+        yidx: std::ptr::null(),
+        y_stride: mats[0].1 as i64,
+        y_rows: 1,
+        cw: std::ptr::null(),
+        ksplit: ks as i32,
+        accum: 0,
+        ws: std::ptr::null(),
+        ws2: std::ptr::null(),
+        ws_nblk: 0,
+        nseg: mats.len() as i32,
+        seg_row: [0; 2],
+        seg_w: [std::ptr::null(); 2],
+        seg_y: [std::ptr::null_mut(); 2],
+        seg_nblk: [0; 2],
+    };
+    let mut row0 = mats[0].1;
+    for i in 1..mats.len() {
+        p.seg_row[i - 1] = row0 as i32;
+        p.seg_w[i - 1] = mats[i].0.ptr();
+        p.seg_y[i - 1] = ys[i].mut_ptr();
+        p.seg_nblk[i - 1] = (mats[i].1 * k / bs) as i64;
+        row0 += mats[i].1;
+    }
+    let t = tables;
+    let grid = total.div_ceil(rows_per_block) as u32;
+    m.launch(&entry, [grid, 1, 1], [128, 1, 1], 0, &|| unsafe { f(p, t) })
+        .unwrap();
+    ys.iter().map(|y| y.to_vec()).collect()
+}
+
+/// Weights per block of the types the stacked test takes.
+fn qt_block(qt: QType) -> usize {
+    match qt {
+        QType::Q8_0 => 32,
+        _ => 256,
+    }
+}
+
+#[test]
+fn gemvq_stacked_matrices_equal_their_own_launches_bitwise() {
+    if !compiler("gemvq_stacked_matrices_equal_their_own_launches_bitwise") {
+        return;
+    }
+    let mut r = Rng::new("emu gemvq stacked");
+    let tables = QTables {
+        t: [std::ptr::null(); 8],
+    };
+    // Q4_K in the GGUF layout; Q8_0 repacked (scales after all of a matrix's blocks: each
+    // segment's own block count must reach the kernel). Row counts that end mid-block of rows
+    // and a segment shorter than a block's rows.
+    for (ty, qt) in [(GgmlType::Q4_K, QType::Q4K), (GgmlType::Q8_0, QType::Q8_0)] {
+        let k = 768;
+        let rows = [129usize, 40, 3];
+        let x = activations(&mut r, 1, k);
+        let (qc, qd, qsum) = quantize(&x, 1, k, k, (k / 32).div_ceil(8) as u32);
+        let recs = q8_records(&qd, &qsum);
+        let q = (Buf::new(&qc), Buf::new(&recs));
+        let bufs: Vec<(Buf<u8>, Vec<f32>)> = rows
+            .iter()
+            .map(|&n| {
+                let bytes = sane_blocks(ty, n * k, &mut r);
+                let w = dequant_cpu(ty, &bytes);
+                (Buf::new(&device_layout(ty, bytes)), w)
+            })
+            .collect();
+        for n in [2usize, 3] {
+            for ks in [1usize, 2, 4] {
+                let mats: Vec<(&Buf<u8>, usize)> = bufs[..n]
+                    .iter()
+                    .zip(&rows)
+                    .map(|(b, &m)| (&b.0, m))
+                    .collect();
+                let ys = gemvq_stacked(qt, ks, &mats, k, &q, tables);
+                for (i, y) in ys.iter().enumerate() {
+                    let nblk = rows[i] * k / qt_block(qt);
+                    let alone = gemvq(
+                        qt,
+                        &format!("gemvq1_{}", qt.suffix()),
+                        1,
+                        ks,
+                        &bufs[i].0,
+                        nblk,
+                        rows[i],
+                        k,
+                        1,
+                        &q,
+                        tables,
+                    );
+                    let same = alone.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{ty} stack of {n}, split {ks}: matrix {i} differs");
+                    let (ok, worst) = gemvq_verify(&bufs[i].1, &x, &qc, &qd, y, rows[i], k, 1);
+                    assert!(ok, "{ty} stack of {n}, split {ks}, matrix {i}: {worst:.3e}");
+                }
+                say(&format!(
+                    "gemvq stacked {ty} x{n} split {ks}: bitwise the lone launches"
+                ));
             }
         }
     }

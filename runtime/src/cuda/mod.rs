@@ -113,6 +113,11 @@ pub struct Fusions {
     /// `Backend::attention_seqs`; `GGUFTOOL_FUSE_SEQS=0`: per sequence a row slice, an append,
     /// a query slice and an attention launch, then the stacking copies).
     pub seqs: bool,
+    /// `Backend::matmul_stacked` of a one-row step as one GEMV launch over the matrices'
+    /// stacked rows where they share a type, layout and width (`GGUFTOOL_FUSE_STACK=0`: a
+    /// launch each). A layer's q_a, kv_a and indexer keys: 2 launches fewer per layer, and
+    /// kv_a's 576 rows and the keys' 128 no longer run alone on a mostly idle GPU.
+    pub stack: bool,
 }
 
 impl Fusions {
@@ -123,6 +128,7 @@ impl Fusions {
         kv: true,
         shared: true,
         seqs: true,
+        stack: true,
     };
     pub const NONE: Fusions = Fusions {
         glu: false,
@@ -131,6 +137,7 @@ impl Fusions {
         kv: false,
         shared: false,
         seqs: false,
+        stack: false,
     };
 
     /// [`Fusions::ALL`] less the ones switched off by their variable set to `0`.
@@ -143,6 +150,7 @@ impl Fusions {
             kv: on("GGUFTOOL_FUSE_KV"),
             shared: on("GGUFTOOL_FUSE_SHARED"),
             seqs: on("GGUFTOOL_FUSE_SEQS"),
+            stack: on("GGUFTOOL_FUSE_STACK"),
         }
     }
 }
@@ -1371,6 +1379,51 @@ impl Backend for CudaBackend {
         // The launch `matmul_into` would take for gate alone, over both matrices.
         self.dense_q(shape, gate, QMode::Glu(&up.bytes), &q, x.rows, m, o, "glu")?;
         Ok(out)
+    }
+
+    /// One-row steps on the fast path: one stacked GEMV launch (`Gpu::gemv_q_stacked`) where
+    /// the matrices share type, layout and width; each output bitwise what its own launch
+    /// gives at the same k-split (the split is chosen for the stack's rows, so summation order
+    /// may differ from a lone launch's: f32 order only, within the GEMV's tolerance).
+    fn matmul_stacked(
+        &self,
+        x: &CudaTensor,
+        ws: &[&CudaWeight],
+    ) -> Result<Vec<CudaTensor>, RuntimeError> {
+        let shapes: Vec<MatShape> = ws
+            .iter()
+            .map(|w| Self::shape_of(w, w.dims.get(1).copied().unwrap_or(0), x.cols, 1))
+            .collect();
+        let stacked = self.fuse.stack
+            && x.rows == 1
+            && (2..=kernels::GEMVQ_MAX_STACK).contains(&ws.len())
+            && ws.iter().all(|w| w.dims.len() == 2 && w.dims[0] == x.cols)
+            && shapes.iter().all(|s| {
+                MatShape {
+                    rows: shapes[0].rows,
+                    ..*s
+                } == shapes[0]
+                    && self.fast(s)
+                    && !self.mmq(s, 1)
+            });
+        if !stacked {
+            return ws.iter().map(|w| self.matmul(x, w)).collect();
+        }
+        let q = self.q8(x, 1, x.cols)?;
+        let mut outs = ws
+            .iter()
+            .map(|w| self.alloc(1, w.dims[1]))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut ys = outs
+            .iter_mut()
+            .map(|o| o.f32_mut().ok_or_else(|| not_f32("matmul_stacked")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mats: Vec<(MatShape, &kernels::CudaSlice<u8>)> =
+            shapes.iter().zip(ws).map(|(s, w)| (*s, &w.bytes)).collect();
+        self.gpu
+            .gemv_q_stacked(&mats, &q, &mut ys)
+            .map_err(kerr("matmul_stacked"))?;
+        Ok(outs)
     }
 
     /// On the fast path, steps of up to `gemvq_max_rows` rows add in the GEMV's epilogue

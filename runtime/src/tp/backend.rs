@@ -252,6 +252,13 @@ impl<B: Backend> Backend for Ranked<B> {
     ) -> Result<Self::Tensor, RuntimeError> {
         self.inner.matmul_add(x, w, acc)
     }
+    fn matmul_stacked(
+        &self,
+        x: &Self::Tensor,
+        ws: &[&Self::Weight],
+    ) -> Result<Vec<Self::Tensor>, RuntimeError> {
+        self.inner.matmul_stacked(x, ws)
+    }
     fn mla_queries(
         &self,
         q: &Self::Tensor,
