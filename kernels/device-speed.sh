@@ -487,3 +487,26 @@ for f in "$OUT"/timeline-*.txt; do echo "== $(basename "$f")"; head -42 "$f"; do
 cat "$OUT/ab.txt"
 cat "$STEPS"
 fi
+
+# 16. STAGE=ks (written in the thirteenth session; not yet run): the f32 GEMV's k-split over a
+#     block's warps for matrices of few rows (the MoE router), off by default until this has
+#     timed it: GGUFTOOL_GEMV_KSPLIT=1 turns it on.
+if [ "$STAGE" = ks ]; then
+cd "$D" || exit 2
+step gemv-tests 30 "$OUT/kernel-tests.txt" bash -c './kernels-gpu --test-threads=1 gemv_every gemv_glm5 gemv_batched 2>&1'
+step synth 40 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+B="bench -m /tmp/glm5.gguf --device cuda --no-profile -p 0 -n 128 -r 2"
+for i in 1 2; do
+    step "ab-off-$i" 25 "$W/ab-off-$i.txt" bash -c "./gguftool $B 2>&1"
+    step "ab-on-$i" 25 "$W/ab-on-$i.txt" bash -c "GGUFTOOL_GEMV_KSPLIT=1 ./gguftool $B 2>&1"
+done
+for f in "$W"/ab-*.txt; do echo "== $(basename "$f")"; grep -E "tg" "$f" | head -4; done > "$OUT/ab.txt"
+trace_run ks GGUFTOOL_GEMV_KSPLIT=1
+step fixtures 45 "$OUT/runtime-tests.txt" bash -c 'GGUFTOOL_GEMV_KSPLIT=1 ./runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures --test-threads=1 --nocapture 2>&1'
+echo "== tests"; grep -E "gemv |test result|FAILED|panicked" "$OUT/kernel-tests.txt" | grep -v "| ok |" | tail -8
+grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
+grep -E "test result|FAILED|panicked" "$OUT/runtime-tests.txt" | tail -4
+head -16 "$OUT/timeline-ks.txt"
+cat "$OUT/ab.txt"
+cat "$STEPS"
+fi

@@ -29,14 +29,22 @@ struct GemvF {
     long long y_stride;
 };
 
-template <int QT, int R>
+// KS > 1 (one row per group only): the 4 warps of a block split each of their row group's rows
+// over K (warp wk takes chunks wk*lpr + gl, then every KS*lpr-th) and their partial sums meet in
+// shared memory in warp order (fixed: bitwise reproducible). A matrix of few rows (the MoE
+// router's 256 F32 rows of 6,144: 64 blocks of one row a warp) otherwise runs on half the SMs
+// with one warp's loads in flight per row.
+template <int QT, int R, int KS = 1>
 DEV void gemv_impl(const GemvF& p, const QTables& t) {
+    static_assert(KS == 1 || (R == 1 && (KS == 2 || KS == 4)), "k-split: one row, 2 or 4 warps");
+    __shared__ float red[KS > 1 ? 4 * 32 : 1];
     pdl_entry();
     constexpr int NC = QTraits<QT>::QB / 32;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lpr = p.lpr, groups = 32 / lpr;
     const int gl = lane & (lpr - 1), grp = lane / lpr;
-    const int row0 = (blockIdx.x * 4 * groups + warp * groups + grp) * R;
+    const int wk = warp % KS;
+    const int row0 = (blockIdx.x * (4 / KS) * groups + (warp / KS) * groups + grp) * R;
     const int nq = p.K >> 5;
     const long long bpr = p.K / QTraits<QT>::QB;
     for (long long ch = blockIdx.y; ch < p.count; ch += gridDim.y) {
@@ -55,7 +63,7 @@ DEV void gemv_impl(const GemvF& p, const QTables& t) {
         float acc[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-        for (int q = gl; q < nq; q += lpr) {
+        for (int q = wk * lpr + gl; q < nq; q += lpr * KS) {
             float xv[32];
             const float4* xp = (const float4*)(xr + q * 32);
 #pragma unroll
@@ -80,7 +88,16 @@ DEV void gemv_impl(const GemvF& p, const QTables& t) {
         for (int r = 0; r < R; ++r) {
             float s = acc[r];
             for (int o = lpr >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-            if (gl == 0 && row0 + r < p.nrows) yp[row0 + r] = s;
+            if (KS > 1) {
+                if (gl == 0) red[warp * 32 + grp] = s;
+                __syncthreads();
+                if (wk == 0) {
+                    s = 0.0f;
+                    for (int w = 0; w < KS; ++w) s += red[(warp + w) * 32 + grp];
+                }
+                __syncthreads();  // `red` is reused by the next channel
+            }
+            if (wk == 0 && gl == 0 && row0 + r < p.nrows) yp[row0 + r] = s;
         }
     }
 }
@@ -91,6 +108,9 @@ DEV void gemv_impl(const GemvF& p, const QTables& t) {
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(128, 1) gemv4_##name(GemvF p, QTables t) { \
         gemv_impl<QT, 4>(p, t);                                                                   \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(128, 1) gemvs_##name(GemvF p, QTables t) { \
+        gemv_impl<QT, 1, 4>(p, t);                                                                \
     }
 FOR_EACH_QTYPE(GEMV_KERNEL)
 FOR_EACH_RTYPE(GEMV_KERNEL)

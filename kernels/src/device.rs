@@ -165,6 +165,9 @@ pub struct Gpu {
     /// Multi-column integer GEMVs with several rows per lane group (`GGUFTOOL_GEMVQ_ROWS=1`
     /// turns it off).
     gemvq_multirow: AtomicBool,
+    /// The f32-activation GEMV splits K over a block's warps for matrices of few rows
+    /// (`GGUFTOOL_GEMV_KSPLIT=1` turns it on; off by default until measured on a GPU).
+    gemv_ksplit: AtomicBool,
     resources: Mutex<Vec<KernelResources>>,
     tables: OnceLock<DeviceTables>,
     blas: OnceLock<cudarc::cublas::CudaBlas>,
@@ -332,6 +335,9 @@ impl Gpu {
             gemvq_multirow: AtomicBool::new(
                 std::env::var("GGUFTOOL_GEMVQ_ROWS").map_or(true, |v| v != "1"),
             ),
+            gemv_ksplit: AtomicBool::new(
+                std::env::var("GGUFTOOL_GEMV_KSPLIT").is_ok_and(|v| v == "1"),
+            ),
             resources: Mutex::new(Vec::new()),
             tables: OnceLock::new(),
             blas: OnceLock::new(),
@@ -446,6 +452,17 @@ impl Gpu {
     }
     pub(crate) fn gemvq_multirow(&self) -> bool {
         self.gemvq_multirow.load(Ordering::Relaxed)
+    }
+
+    /// The f32-activation GEMV's k-split over a block's warps for matrices whose one-row
+    /// blocks would not give every SM one (`gemvs_` kernels; the MoE router): on, or off (the
+    /// default, also `GGUFTOOL_GEMV_KSPLIT` unset: written and checked on the CPU emulator,
+    /// not yet timed on a GPU).
+    pub fn set_gemv_ksplit(&self, on: bool) {
+        self.gemv_ksplit.store(on, Ordering::Relaxed);
+    }
+    pub(crate) fn gemv_ksplit(&self) -> bool {
+        self.gemv_ksplit.load(Ordering::Relaxed)
     }
 
     pub(crate) fn gemvq_ksplit(&self) -> Option<usize> {

@@ -17,6 +17,32 @@ use crate::quant::{block_alignment, type_kernels, WMat};
 /// keeps enough blocks in flight for small matrices (kv_a: 576 rows).
 const MULTI_ROW_MIN: usize = 2048;
 
+/// The f32-activation GEMV's kernel variant for a launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GemvVariant {
+    /// 4 rows per lane group (`gemv4_`).
+    FourRows,
+    /// One row per lane group, one warp's lanes over K (`gemv_`).
+    OneRow,
+    /// One row per lane group, the block's 4 warps over K (`gemvs_`).
+    KSplit,
+}
+
+/// Large matrices take 4 rows per lane group; one whose one-row blocks would not give every SM
+/// a block (the MoE router's 256 F32 rows: 64 blocks on 132 SMs, 6.3 MB in 16.8 us, 13% of the
+/// copy bandwidth, H100 timeline of 2026-12-07) splits K over the block's warps, 4x the blocks
+/// and loads in flight; the rest one row per group.
+/// `ksplit` false ([`Gpu::set_gemv_ksplit`]) keeps the one-row kernel there.
+fn gemv_variant(rows: usize, lpr: usize, count: usize, sms: usize, ksplit: bool) -> GemvVariant {
+    if rows >= MULTI_ROW_MIN {
+        GemvVariant::FourRows
+    } else if ksplit && rows.div_ceil(4 * (32 / lpr)) * count.min(65_535) < sms {
+        GemvVariant::KSplit
+    } else {
+        GemvVariant::OneRow
+    }
+}
+
 /// A stack of `slabs` matrices of `rows x k` elements of type `ty`, stored back to back
 /// (experts of `ffn_*_exps`, heads of `attn_k_b` / `attn_v_b`); `slabs = 1` for a plain matrix.
 /// `packed`: the tensor is in the repacked device layout (`crate::repack`).
@@ -193,14 +219,16 @@ impl Gpu {
             need_len(OP, "ids", ids.len(), ch.count)?;
         }
         let lpr = lanes_per_row(k);
-        let (name, r) = if rows >= MULTI_ROW_MIN {
-            (type_kernels(ty, shape.packed).gemv4, 4)
-        } else {
-            (type_kernels(ty, shape.packed).gemv, 1)
-        };
+        let kinds = type_kernels(ty, shape.packed);
+        let sms = self.info().sm_count as usize;
+        let (name, rows_per_block) =
+            match gemv_variant(rows, lpr, ch.count, sms, self.gemv_ksplit()) {
+                GemvVariant::FourRows => (kinds.gemv4, 4 * (32 / lpr) * 4),
+                GemvVariant::OneRow => (kinds.gemv, 4 * (32 / lpr)),
+                GemvVariant::KSplit => (kinds.gemvs, 32 / lpr),
+            };
         let f = self.func(Op::Gemv, name)?;
         let tables = self.tables()?.params;
-        let rows_per_block = 4 * (32 / lpr) * r;
         let cfg = self.cfg_rows(OP, rows.div_ceil(rows_per_block) as u64, ch.count, 128)?;
         let stream = self.stream();
         let (wp, _gw) = w.device_ptr(stream);
@@ -240,6 +268,19 @@ impl Gpu {
 #[cfg(test)]
 mod tests {
     use super::lanes_per_row;
+
+    #[test]
+    fn few_rows_split_k_over_the_warps() {
+        use super::{gemv_variant, GemvVariant::*};
+        // The router: 256 F32 rows of 6,144 (32 lanes a row): 64 one-row blocks < 132 SMs.
+        assert_eq!(gemv_variant(256, 32, 1, 132, true), KSplit);
+        assert_eq!(gemv_variant(256, 32, 1, 132, false), OneRow);
+        // kv_a (576 rows) in the exact path: 144 blocks fill the SMs.
+        assert_eq!(gemv_variant(576, 32, 1, 132, true), OneRow);
+        // Several channels (experts, heads) fill them too.
+        assert_eq!(gemv_variant(256, 32, 8, 132, true), OneRow);
+        assert_eq!(gemv_variant(2048, 32, 1, 132, true), FourRows);
+    }
 
     #[test]
     fn every_lane_has_work() {

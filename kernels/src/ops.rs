@@ -318,7 +318,7 @@ impl Op {
         };
         let names: &[&str] = match self {
             Op::Dequant => return per_type(&|k| vec![k.dequant, k.dequant_bf16, k.get_rows]),
-            Op::Gemv => return per_type(&|k| vec![k.gemv, k.gemv4]),
+            Op::Gemv => return per_type(&|k| vec![k.gemv, k.gemv4, k.gemvs]),
             Op::GemvQ(q) => {
                 return GEMVQ_VARIANTS
                     .iter()

@@ -15,6 +15,8 @@ pub(crate) struct TypeKernels {
     pub gemv: &'static str,
     /// The GEMV variant computing 4 rows per block.
     pub gemv4: &'static str,
+    /// The GEMV variant splitting each row over K across the block's 4 warps.
+    pub gemvs: &'static str,
 }
 
 macro_rules! kernels_for {
@@ -25,6 +27,7 @@ macro_rules! kernels_for {
             get_rows: concat!("get_rows_", $s),
             gemv: concat!("gemv_", $s),
             gemv4: concat!("gemv4_", $s),
+            gemvs: concat!("gemvs_", $s),
         }
     };
 }

@@ -194,6 +194,23 @@ fn gemv_oracle(w: &[f32], x: &[f32], rows: usize, k: usize) -> (Vec<f64>, Vec<f6
         .unzip()
 }
 
+/// `g.gemv` with the k-split over a block's warps on or off (`Gpu::set_gemv_ksplit`; back to
+/// the default, off, after), its output downloaded.
+fn gemv_with_ksplit(
+    g: &Gpu,
+    ksplit: bool,
+    shape: MatShape,
+    dw: &kernels::CudaSlice<u8>,
+    dx: &kernels::CudaSlice<f32>,
+) -> Vec<f32> {
+    g.set_gemv_ksplit(ksplit);
+    let mut dy = nan_buf(g, shape.rows);
+    let res = g.gemv(shape, dw, dx, &mut dy);
+    g.set_gemv_ksplit(false);
+    res.unwrap();
+    g.download(&dy).unwrap()
+}
+
 #[test]
 fn gemv_every_type_matches_f64() {
     let Some(g) = gpu("gemv_every_type_matches_f64") else {
@@ -212,26 +229,26 @@ fn gemv_every_type_matches_f64() {
             let (want, tol) = gemv_oracle(&w, &x, rows, k);
             let dw = g.upload(&bytes).unwrap();
             let dx = g.upload(&x).unwrap();
-            let mut dy = nan_buf(&g, rows);
-            g.gemv(MatShape::new(ty, rows, k), &dw, &dx, &mut dy)
-                .unwrap();
-            let y = g.download(&dy).unwrap();
-            let mut worst = 0f64;
-            let mut ok = true;
-            for i in 0..rows {
-                let e = (f64::from(y[i]) - want[i]).abs();
-                ok &= y[i].is_finite() && e <= tol[i];
-                worst = worst.max(e / tol[i]);
-            }
-            row(
-                &format!("gemv {ty}"),
-                &format!("{rows}x{k}"),
-                worst,
-                1.0,
-                ok,
-            );
-            if !ok {
-                bad.push((ty, rows));
+            // 129 rows: one-row blocks, and with the k-split on, 4 warps a row (33 blocks).
+            for ksplit in [false, true] {
+                let y = gemv_with_ksplit(&g, ksplit, MatShape::new(ty, rows, k), &dw, &dx);
+                let mut worst = 0f64;
+                let mut ok = true;
+                for i in 0..rows {
+                    let e = (f64::from(y[i]) - want[i]).abs();
+                    ok &= y[i].is_finite() && e <= tol[i];
+                    worst = worst.max(e / tol[i]);
+                }
+                row(
+                    &format!("gemv {ty}"),
+                    &format!("{rows}x{k} k-split {ksplit}"),
+                    worst,
+                    1.0,
+                    ok,
+                );
+                if !ok {
+                    bad.push((ty, rows, ksplit));
+                }
             }
         }
     }
@@ -264,22 +281,21 @@ fn gemv_glm5_shapes() {
         let (want, tol) = gemv_oracle(&w, &x, rows, k);
         let dw = g.upload(&bytes).unwrap();
         let dx = g.upload(&x).unwrap();
-        let mut dy = nan_buf(&g, rows);
-        g.gemv(MatShape::new(ty, rows, k), &dw, &dx, &mut dy)
-            .unwrap();
-        let y = g.download(&dy).unwrap();
-        let worst = (0..rows)
-            .map(|i| (f64::from(y[i]) - want[i]).abs() / tol[i])
-            .fold(0f64, f64::max);
-        let ok = y.iter().all(|v| v.is_finite()) && worst <= 1.0;
-        row(
-            &format!("gemv {ty}"),
-            &format!("{rows}x{k}"),
-            worst,
-            1.0,
-            ok,
-        );
-        assert!(ok, "gemv {ty} {rows}x{k}");
+        for ksplit in [false, true] {
+            let y = gemv_with_ksplit(&g, ksplit, MatShape::new(ty, rows, k), &dw, &dx);
+            let worst = (0..rows)
+                .map(|i| (f64::from(y[i]) - want[i]).abs() / tol[i])
+                .fold(0f64, f64::max);
+            let ok = y.iter().all(|v| v.is_finite()) && worst <= 1.0;
+            row(
+                &format!("gemv {ty}"),
+                &format!("{rows}x{k} k-split {ksplit}"),
+                worst,
+                1.0,
+                ok,
+            );
+            assert!(ok, "gemv {ty} {rows}x{k} k-split {ksplit}");
+        }
     }
 }
 

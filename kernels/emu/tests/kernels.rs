@@ -447,6 +447,100 @@ fn gemvq_stacked_matrices_equal_their_own_launches_bitwise() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// gemv.cu
+
+/// `struct GemvF` of gemv.cu (its `WMat` inlined), field for field.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemvFParams {
+    w: *const u8,
+    nblk: i64,
+    nrows: i32,
+    k: i32,
+    n_slabs: i32,
+    lpr: i32,
+    ids: *const i32,
+    x: *const f32,
+    x_stride: i64,
+    x_div: i32,
+    count: i32,
+    y: *mut f32,
+    y_stride: i64,
+}
+
+type GemvFn = unsafe extern "C" fn(GemvFParams, QTables);
+
+/// The f32 GEMV's one-row kernel (`gemv_f32`) and its k-split over the block's warps
+/// (`gemvs_f32`, what `Gpu::gemv_batched` takes for matrices of few rows: the MoE router) on
+/// F32 weights: both within the f64 bound of kernels/tests/gpu.rs's `gemv_oracle` (k/32 + 10
+/// roundings of sum |w x|), at widths giving 32 and 8 lanes a row and a row count that leaves
+/// the last block partial.
+#[test]
+fn gemv_f32_k_split_matches_f64() {
+    if !compiler("gemv_f32_k_split_matches_f64") {
+        return;
+    }
+    let mut r = Rng::new("emu gemv ks");
+    let m = module(Op::Gemv);
+    let tables = QTables {
+        t: [std::ptr::null(); 8],
+    };
+    for (rows, k) in [(37usize, 6144usize), (21, 768)] {
+        let w = r.vec(rows * k, 1.0);
+        let x = r.vec(k, 1.0);
+        let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let (wb, xb) = (Buf::new(&bytes), Buf::new(&x));
+        let lpr = lanes_for_tasks(k / 32);
+        for (entry, rows_per_block) in [("gemv_f32", 4 * (32 / lpr)), ("gemvs_f32", 32 / lpr)] {
+            let f: GemvFn = unsafe { m.entry(entry) }.unwrap();
+            let mut y = Buf::filled(rows, f32::NAN);
+            let p = GemvFParams {
+                w: wb.ptr(),
+                nblk: (rows * k) as i64,
+                nrows: rows as i32,
+                k: k as i32,
+                n_slabs: 1,
+                lpr: lpr as i32,
+                ids: std::ptr::null(),
+                x: xb.ptr(),
+                x_stride: k as i64,
+                x_div: 1,
+                count: 1,
+                y: y.mut_ptr(),
+                y_stride: rows as i64,
+            };
+            let grid = rows.div_ceil(rows_per_block) as u32;
+            m.launch(entry, [grid, 1, 1], [128, 1, 1], 0, &|| unsafe {
+                f(p, tables)
+            })
+            .unwrap();
+            let y = y.to_vec();
+            let gamma = (k as f64 / 32.0 + 10.0) * 2f64.powi(-24);
+            let mut worst = 0f64;
+            for (i, yi) in y.iter().enumerate() {
+                let wr = &w[i * k..(i + 1) * k];
+                let dot: f64 = wr
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                    .sum();
+                let mag: f64 = wr
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs())
+                    .sum();
+                assert!(yi.is_finite(), "{entry} {rows}x{k}: row {i} not written");
+                worst = worst.max((f64::from(*yi) - dot).abs() / (gamma * mag + 1e-30));
+            }
+            say(&format!(
+                "{entry} {rows}x{k}: worst {worst:.3e} of the bound"
+            ));
+            assert!(worst <= 1.0, "{entry} {rows}x{k}: {worst}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // indexer_scores.cu, topk.cu
 
 type IndexerFn = unsafe extern "C" fn(
