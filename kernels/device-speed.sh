@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|ks] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -418,11 +418,11 @@ for f in "$W"/ab-*.txt; do echo "== $(basename "$f")"; grep -E "pp|tg" "$f" | he
 step runtime-mmq 100 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda::tests::glm5_heads_mmq --test-threads=1 --nocapture 2>&1'
 fi
 
-# 13. STAGE=trace (2026-12-07, thirteenth session): the decode step's kernel timeline through
+# 13. trace_run (2026-12-07, thirteenth session): the decode step's kernel timeline through
 #     CUPTI (kernels/tools/cupti_trace.c injected with CUDA_INJECTION64_PATH: no stream operation
 #     added between launches, so PDL overlaps as in a plain run), each kernel charged the time
-#     between the previous completion and its own (kernels/tools/timeline.py); with and without
-#     PDL, and a plain bench beside it for the tracer's own cost.
+#     between the previous completion and its own (kernels/tools/timeline.py). Extra arguments
+#     are environment settings for the traced run (e.g. GGUFTOOL_PDL=0).
 trace_run() {  # NAME ENV... : tg64 under the tracer, then the timeline of its last 48 steps
     local name=$1
     shift
@@ -430,46 +430,10 @@ trace_run() {  # NAME ENV... : tg64 under the tracer, then the timeline of its l
         CUPTI_TRACE_OUT="$W/trace-$name.csv" ./gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile -p 0 -n 64 -r 1
     python3 "$D/timeline.py" "$W/trace-$name.csv" --last 48 > "$OUT/timeline-$name.txt" 2>&1
 }
-if [ "$STAGE" = trace ]; then
-cd "$D" || exit 2
-step synth 40 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
-step plain 30 "$OUT/plain.txt" bash -c './gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile -p 0 -n 64 -r 2 2>&1'
-trace_run pdl
-trace_run nopdl GGUFTOOL_PDL=0
-for f in "$OUT"/timeline-*.txt; do echo "== $(basename "$f")"; head -40 "$f"; done
-echo "== plain"; grep -E "tg|pp" "$OUT/plain.txt" | head
-cat "$STEPS"
-fi
 
-# 14. STAGE=stack (thirteenth session): q_a, kv_a and the indexer keys as one stacked GEMV
-#     (GGUFTOOL_FUSE_STACK=0: a launch each). Its tests, then same-binary A/B alternating, then
-#     the kernel timeline of both.
-if [ "$STAGE" = stack ]; then
-cd "$D" || exit 2
-step stack-tests 60 "$OUT/kernel-tests.txt" bash -c './kernels-gpu --test-threads=1 gemvq_stacked gemvq_accumulate 2>&1'
-step runtime-stack 100 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda::tests::glm5_heads_decode_fusions cuda::tests::cuda_matches_cpu_on_fixtures --test-threads=1 --nocapture 2>&1'
-step synth 40 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
-B="bench -m /tmp/glm5.gguf --device cuda --no-profile -p 0 -n 128 -r 2"
-for i in 1 2; do
-    step "ab-off-$i" 30 "$W/ab-off-$i.txt" bash -c "GGUFTOOL_FUSE_STACK=0 ./gguftool $B 2>&1"
-    step "ab-on-$i" 30 "$W/ab-on-$i.txt" bash -c "./gguftool $B 2>&1"
-done
-D32="bench -m /tmp/glm5.gguf --device cuda --no-profile -p 0 -n 32 -d 32768 -r 1"
-step "ab-d32k-off" 40 "$W/ab-d32k-off.txt" bash -c "GGUFTOOL_FUSE_STACK=0 ./gguftool $D32 2>&1"
-step "ab-d32k-on" 40 "$W/ab-d32k-on.txt" bash -c "./gguftool $D32 2>&1"
-for f in "$W"/ab-*.txt; do echo "== $(basename "$f")"; grep -E "tg" "$f" | head -4; done > "$OUT/ab.txt"
-trace_run stack
-trace_run nostack GGUFTOOL_FUSE_STACK=0
-trace_run nopdl GGUFTOOL_PDL=0
-echo "== tests"; grep -E "gemvq stacked|test result|FAILED|panicked|decode fusions" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | grep -v "| ok |" | tail -20
-grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
-for f in "$OUT"/timeline-*.txt; do echo "== $(basename "$f")"; head -45 "$f"; done
-cat "$OUT/ab.txt"
-cat "$STEPS"
-fi
-
-# 15. STAGE=stack2: STAGE=stack cut to what fits the session's last device minutes (tests, one
-#     A/B pair, the two timelines).
+# 14. STAGE=stack2 (thirteenth session): q_a, kv_a and the indexer keys as one stacked GEMV
+#     (GGUFTOOL_FUSE_STACK=0: a launch each): its tests, one same-binary A/B pair, the kernel
+#     timeline of both.
 if [ "$STAGE" = stack2 ]; then
 cd "$D" || exit 2
 step stack-tests 40 "$OUT/kernel-tests.txt" bash -c './kernels-gpu --test-threads=1 gemvq_stacked 2>&1'
@@ -488,7 +452,7 @@ cat "$OUT/ab.txt"
 cat "$STEPS"
 fi
 
-# 16. STAGE=ks (written in the thirteenth session; not yet run): the f32 GEMV's k-split over a
+# 15. STAGE=ks (written in the thirteenth session; not yet run): the f32 GEMV's k-split over a
 #     block's warps for matrices of few rows (the MoE router), off by default until this has
 #     timed it: GGUFTOOL_GEMV_KSPLIT=1 turns it on.
 if [ "$STAGE" = ks ]; then

@@ -1750,24 +1750,9 @@ fn check_gemvq(
     k: usize,
     ncols: usize,
 ) -> (bool, f64) {
-    let bytes = sane_blocks(ty, rows * k, r);
-    let w = dequant_cpu(ty, &bytes);
-    let packed = repack::is_packed(ty);
-    let dev = if packed {
-        repack::repack(ty, &bytes).unwrap()
-    } else {
-        bytes.clone()
-    };
-    let shape = MatShape {
-        ty,
-        rows,
-        k,
-        slabs: 1,
-        packed,
-    };
+    let (shape, dw, w) = device_matrix(g, r, ty, 1, rows, k);
     assert!(gemvq_supported(&shape));
     let x = activations(r, ncols, k);
-    let dw = g.upload(&dev).unwrap();
     let dx = g.upload(&x).unwrap();
     let q = g.quantize_q8(&dx, ncols, k, k).unwrap();
     let (qc, qd, _) = q.to_host(g).unwrap();
@@ -1877,16 +1862,18 @@ fn gemvq_every_type_matches_emulation_and_error_bound() {
 /// The accumulating GEMV (`QMode::Accumulate`: y += W x in the epilogue) equals the plain GEMV's
 /// output added on the host, bitwise: same kernel, same launch shape (so the same row split and
 /// summation order), then one f32 addition per output, which is exactly rounded on both sides.
-/// A random `rows x k` matrix of `ty` with sane scales on the device in its layout (repacked
-/// where the type needs it): its shape, device bytes and the f32 weights it decodes to.
+/// `slabs` random `rows x k` matrices of `ty` with sane scales on the device in their layout
+/// (repacked where the type needs it): their shape, device bytes and the f32 weights they
+/// decode to.
 fn device_matrix(
     g: &Gpu,
     r: &mut Rng,
     ty: GgmlType,
+    slabs: usize,
     rows: usize,
     k: usize,
 ) -> (MatShape, kernels::CudaSlice<u8>, Vec<f32>) {
-    let bytes = sane_blocks(ty, rows * k, r);
+    let bytes = sane_blocks(ty, slabs * rows * k, r);
     let w = dequant_cpu(ty, &bytes);
     let packed = repack::is_packed(ty);
     let dev = if packed {
@@ -1898,7 +1885,7 @@ fn device_matrix(
         ty,
         rows,
         k,
-        slabs: 1,
+        slabs,
         packed,
     };
     (shape, g.upload(&dev).unwrap(), w)
@@ -1922,7 +1909,7 @@ fn gemvq_stacked_equals_each_matrix_alone() {
     ] {
         let mats: Vec<_> = rows
             .iter()
-            .map(|&n| device_matrix(&g, &mut r, ty, n, k))
+            .map(|&n| device_matrix(&g, &mut r, ty, 1, n, k))
             .collect();
         let x = activations(&mut r, 1, k);
         let dx = g.upload(&x).unwrap();
@@ -1987,7 +1974,7 @@ fn gemvq_accumulate_adds_onto_the_output_bitwise() {
         (GgmlType::Q4_K, 576, 6144, 3),
         (GgmlType::Q8_0, 512, 192, 8),
     ] {
-        let (shape, dw, _) = device_matrix(&g, &mut r, ty, rows, k);
+        let (shape, dw, _) = device_matrix(&g, &mut r, ty, 1, rows, k);
         let dx = g.upload(&activations(&mut r, ncols, k)).unwrap();
         let q = g.quantize_q8(&dx, ncols, k, k).unwrap();
         let ch = QChannels::dense(ncols, rows);
@@ -4087,23 +4074,9 @@ fn mmq_weights(
     k: usize,
     r: &mut Rng,
 ) -> (kernels::CudaSlice<u8>, Vec<f32>, MatShape) {
-    let bytes = sane_blocks(ty, slabs * rows * k, r);
-    let deq = dequant_cpu(ty, &bytes);
-    let packed = repack::is_packed(ty);
-    let dev = if packed {
-        repack::repack(ty, &bytes).unwrap()
-    } else {
-        bytes
-    };
-    let shape = MatShape {
-        ty,
-        rows,
-        k,
-        slabs,
-        packed,
-    };
+    let (shape, dw, deq) = device_matrix(g, r, ty, slabs, rows, k);
     assert!(mmq_supported(&shape), "{shape:?}");
-    (g.upload(&dev).unwrap(), deq, shape)
+    (dw, deq, shape)
 }
 
 /// The instruction's fragment layout, the one mmq.cu's shuffle version (the CPU emulator's

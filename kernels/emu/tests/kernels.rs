@@ -307,6 +307,7 @@ fn gemvq_q4_k_q8_0_iq4_nl_match_f64_within_the_gpu_bound() {
 /// type and width over activation row 0, each into its own output, as the wrapper launches it.
 #[allow(clippy::too_many_arguments)]
 fn gemvq_stacked(
+    ty: GgmlType,
     qt: QType,
     ks: usize,
     mats: &[(&Buf<u8>, usize)],
@@ -319,7 +320,7 @@ fn gemvq_stacked(
     let f: GemvqFn = unsafe { m.entry(&entry) }.unwrap();
     let lpr = lanes_for_tasks(k / qt.task_weights());
     let rows_per_block = (4 / ks) * (32 / lpr);
-    let bs = qt_block(qt);
+    let bs = ty.block_size();
     let mut ys: Vec<Buf<f32>> = mats
         .iter()
         .map(|&(_, n)| Buf::filled(n, f32::NAN))
@@ -375,14 +376,6 @@ fn gemvq_stacked(
     ys.iter().map(|y| y.to_vec()).collect()
 }
 
-/// Weights per block of the types the stacked test takes.
-fn qt_block(qt: QType) -> usize {
-    match qt {
-        QType::Q8_0 => 32,
-        _ => 256,
-    }
-}
-
 #[test]
 fn gemvq_stacked_matrices_equal_their_own_launches_bitwise() {
     if !compiler("gemvq_stacked_matrices_equal_their_own_launches_bitwise") {
@@ -417,9 +410,9 @@ fn gemvq_stacked_matrices_equal_their_own_launches_bitwise() {
                     .zip(&rows)
                     .map(|(b, &m)| (&b.0, m))
                     .collect();
-                let ys = gemvq_stacked(qt, ks, &mats, k, &q, tables);
+                let ys = gemvq_stacked(ty, qt, ks, &mats, k, &q, tables);
                 for (i, y) in ys.iter().enumerate() {
-                    let nblk = rows[i] * k / qt_block(qt);
+                    let nblk = rows[i] * k / ty.block_size();
                     let alone = gemvq(
                         qt,
                         &format!("gemvq1_{}", qt.suffix()),
