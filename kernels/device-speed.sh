@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|ks] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -427,7 +427,7 @@ trace_run() {  # NAME ENV... : tg64 under the tracer, then the timeline of its l
     local name=$1
     shift
     step "trace-$name" 60 "$W/trace-$name.txt" env "$@" CUDA_INJECTION64_PATH="$D/libcupti_trace.so" \
-        CUPTI_TRACE_OUT="$W/trace-$name.csv" ./gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile -p 0 -n 64 -r 1
+        CUPTI_TRACE_OUT="$W/trace-$name.csv" "${TRACE_BIN:-./gguftool}" bench -m /tmp/glm5.gguf --device cuda --no-profile -p 0 -n 64 -r 1
     python3 "$D/timeline.py" "$W/trace-$name.csv" --last 48 > "$OUT/timeline-$name.txt" 2>&1
 }
 
@@ -452,25 +452,113 @@ cat "$OUT/ab.txt"
 cat "$STEPS"
 fi
 
-# 15. STAGE=ks (written in the thirteenth session; not yet run): the f32 GEMV's k-split over a
-#     block's warps for matrices of few rows (the MoE router), off by default until this has
-#     timed it: GGUFTOOL_GEMV_KSPLIT=1 turns it on.
-if [ "$STAGE" = ks ]; then
+# 15. STAGE=all14 (fourteenth session; one call for a same-call A/B and STAGE=final's figures):
+#     llama.cpp built in the background; the changed kernels' tests and the CUDA backend against
+#     the CPU; tg128 of the previous commit (gguftool-b) and of this tree with the router's
+#     k-split off and on, RMSNorm blocks of 256 / 512 threads (GGUFTOOL_RMS_WIDE), the shared
+#     expert's gate + up apart (GGUFTOOL_FUSE_SHARED=0), in JSON; the router k-split and the RMSNorm
+#     block kept for the closing figures only where the A/B says they are faster (the choice is
+#     printed); one timeline; then the closing figures of both tools on the same file.
+if [ "$STAGE" = all14 ]; then
 cd "$D" || exit 2
-step gemv-tests 30 "$OUT/kernel-tests.txt" bash -c './kernels-gpu --test-threads=1 gemv_every gemv_glm5 gemv_batched 2>&1'
-step synth 40 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
-B="bench -m /tmp/glm5.gguf --device cuda --no-profile -p 0 -n 128 -r 2"
+build_llama
+[ -n "${SKIP_KT:-}" ] || step gpu-tests 70 "$OUT/kernel-tests.txt" bash -c './kernels-gpu --test-threads=1 gemv_every gemv_glm5 mla_ attention_dense rms_norm fused_norm moe_router argmax sample topk 2>&1'
+[ -s /tmp/glm5.gguf ] || step synth 150 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+ab() {  # NAME BIN ENV...: tg128 twice, JSON
+    local name=$1 bin=$2
+    shift 2
+    step "ab-$name" 25 "$W/ab-$name.json" env "$@" "$bin" bench -m /tmp/glm5.gguf --device cuda --no-profile -p 0 -n 128 -r 2 --json
+}
 for i in 1 2; do
-    step "ab-off-$i" 25 "$W/ab-off-$i.txt" bash -c "./gguftool $B 2>&1"
-    step "ab-on-$i" 25 "$W/ab-on-$i.txt" bash -c "GGUFTOOL_GEMV_KSPLIT=1 ./gguftool $B 2>&1"
+    ab "base-$i" ./gguftool-b X=0
+    ab "new-$i" ./gguftool GGUFTOOL_GEMV_KSPLIT=0
+    ab "newks-$i" ./gguftool GGUFTOOL_GEMV_KSPLIT=1
 done
-for f in "$W"/ab-*.txt; do echo "== $(basename "$f")"; grep -E "tg" "$f" | head -4; done > "$OUT/ab.txt"
-trace_run ks GGUFTOOL_GEMV_KSPLIT=1
-step fixtures 45 "$OUT/runtime-tests.txt" bash -c 'GGUFTOOL_GEMV_KSPLIT=1 ./runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures --test-threads=1 --nocapture 2>&1'
-echo "== tests"; grep -E "gemv |test result|FAILED|panicked" "$OUT/kernel-tests.txt" | grep -v "| ok |" | tail -8
+ab r256 ./gguftool GGUFTOOL_GEMV_KSPLIT=1 GGUFTOOL_RMS_WIDE=256
+ab r512 ./gguftool GGUFTOOL_GEMV_KSPLIT=1 GGUFTOOL_RMS_WIDE=512
+ab nosh ./gguftool GGUFTOOL_GEMV_KSPLIT=1 GGUFTOOL_FUSE_SHARED=0
+python3 - "$W" > "$OUT/ab.txt" <<'PY'
+import json, glob, os, sys
+w = sys.argv[1]
+res = {}
+for f in sorted(glob.glob(os.path.join(w, "ab-*.json"))):
+    name = os.path.basename(f)[3:-5]
+    try:
+        recs = json.load(open(f))
+        r = [x for x in recs if x.get("test") == "tg"][0]
+        res[name] = r["samples_ts"]
+        print(f"{name:10} tg128 {r['avg_ts']:8.1f} +- {r['stddev_ts']:5.1f}  {r['samples_ts']}")
+    except Exception as e:
+        print(f"{name:10} no result ({e})")
+def mean(keys):
+    v = [s for k in keys for s in res.get(k, [])]
+    return sum(v) / len(v) if v else 0.0
+new, ks = mean(["new-1", "new-2"]), mean(["newks-1", "newks-2"])
+best_r = max([("1024", ks), ("256", mean(["r256"])), ("512", mean(["r512"]))], key=lambda x: x[1])
+env = []
+if ks > new * 1.003: env.append("GGUFTOOL_GEMV_KSPLIT=1")
+if best_r[0] != "1024" and best_r[1] > ks * 1.01: env.append("GGUFTOOL_RMS_WIDE=" + best_r[0])
+print("base %.1f new %.1f newks %.1f -> closing figures with: %s" % (mean(["base-1", "base-2"]), new, ks, " ".join(env) or "defaults"))
+open(os.path.join(w, "choice.env"), "w").write("\n".join("export " + e for e in env) + "\n")
+PY
+. "$W/choice.env"
+trace_run new
+closing_figures
+step runtime-tests 200 "$OUT/runtime-tests.txt" bash -c 'GGUFTOOL_GEMV_KSPLIT=1 ./runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_decode cuda::tests::glm5_heads_shared cuda::tests::glm5_heads_pdl --test-threads=1 --nocapture 2>&1'
+echo "== tests"; grep -E "test result|FAILED|panicked" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | tail -8
 grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
-grep -E "test result|FAILED|panicked" "$OUT/runtime-tests.txt" | tail -4
-head -16 "$OUT/timeline-ks.txt"
+grep -E "^\| (decode fusions|shared Q6_K)" "$OUT/runtime-tests.txt"
+head -30 "$OUT/timeline-new.txt"
+cat "$OUT/ab.txt"
+cat "$OUT/llama.txt"
+for f in "$W"/final-*.json; do echo "== $f"; python3 -c "
+import json,sys
+for r in json.load(open('$f')):
+    print(r.get('test'), r.get('n_prompt'), r.get('n_gen'), r.get('n_depth'), r.get('n_seq'), round(r.get('avg_ts',0),1), round(r.get('stddev_ts',0),1))
+" 2>&1; done
+cat "$STEPS"
+fi
+
+# 16. STAGE=reg14 (written in the fourteenth session; no machine started for it, so it is the
+#     next call's): the same-call A/B against the previous
+#     commit (its kernels compiled first: the first call's 25-second boxes ran out compiling
+#     them) and the 512-thread RMSNorm against the default, alternating; the previous commit's
+#     timeline beside this tree's. Every runtime and TP test first, the kernel suite last (what
+#     the deadline leaves of it).
+if [ "$STAGE" = reg14 ]; then
+cd "$D" || exit 2
+ab() {  # NAME BIN BOX ENV...: tg128 twice, JSON
+    local name=$1 bin=$2 box=$3
+    shift 3
+    step "ab-$name" "$box" "$W/ab-$name.json" env "$@" "$bin" bench -m /tmp/glm5.gguf --device cuda --no-profile -p 0 -n 128 -r 2 --json
+}
+step runtime-tests-all 130 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda --test-threads=1 2>&1'
+step tp-tests 70 "$OUT/tp-tests.txt" bash -c './tp-gpu --test-threads=1 2>&1'
+step synth 150 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+ab base-0 ./gguftool-b 100 X=0
+for i in 1 2; do
+    ab "new-$i" ./gguftool 25 X=0
+    ab "base-$i" ./gguftool-b 25 X=0
+    ab "r512-$i" ./gguftool 25 GGUFTOOL_RMS_WIDE=512
+done
+python3 - "$W" > "$OUT/ab.txt" <<'PY'
+import json, glob, os, sys
+w = sys.argv[1]
+for f in sorted(glob.glob(os.path.join(w, "ab-*.json"))):
+    name = os.path.basename(f)[3:-5]
+    try:
+        r = [x for x in json.load(open(f)) if x.get("test") == "tg"][0]
+        print(f"{name:10} tg128 {r['avg_ts']:8.1f} +- {r['stddev_ts']:5.1f}  {[round(v, 1) for v in r['samples_ts']]}")
+    except Exception as e:
+        print(f"{name:10} no result ({e})")
+PY
+trace_run new
+TRACE_BIN=./gguftool-b trace_run base
+step kernel-tests-all 150 "$OUT/kernel-tests.txt" bash -c './kernels-gpu --test-threads=1 2>&1'
+echo "== tests"; grep -E "test result|FAILED|panicked" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" "$OUT/tp-tests.txt" | tail -12
+grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
+grep -E "\| (decode fusions|shared Q6_K)" "$OUT/runtime-tests.txt"
+for f in "$OUT"/timeline-*.txt; do echo "== $(basename "$f")"; head -20 "$f"; done
 cat "$OUT/ab.txt"
 cat "$STEPS"
 fi

@@ -256,8 +256,43 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_partial_bf16(MlaP p) {
 #define MLA_DEC_G 2
 #define MLA_DEC_KC 64
 
+// Keys a..b of a token (its key list when `tok` is set, else rows a..b themselves) fetched into
+// L2, the block's threads taking the rows' 128-byte lines in turn. A decode step's cache rows were
+// written steps ago and have since been evicted by the weights streamed through L2, so every
+// key's first load went to DRAM, and a warp's key loop waited for that latency once per key pair
+// (H100 timeline: 18 us a layer at 1-64 keys, ~1 us of it bandwidth). Fetched together, the rows
+// cost one DRAM latency; the loop's loads then hit L2.
+template <int BF16>
+DEV void mla_dec_prefetch(const MlaP& p, const void* kv, const MlaTok* tok, int a, int b) {
+    const long long bytes = (long long)p.D * (BF16 ? 2 : 4);
+    const int lines = (int)(bytes >> 7) + 2;  // an unaligned row spans at most this many
+    const int n = (b - a) * lines;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int jj = a + i / lines;
+        const long long t = tok ? mla_dec_key(*tok, jj, b) : (long long)jj;
+        if (t < 0) continue;
+        const char* row = (const char*)kv + t * p.kv_stride * (BF16 ? 2 : 4);
+        const unsigned long long first = (unsigned long long)row & ~127ull;
+        const unsigned long long last = ((unsigned long long)row + bytes - 1) & ~127ull;
+        const unsigned long long line = first + 128ull * (unsigned long long)(i % lines);
+        if (line <= last) prefetch_l2((const void*)line);
+    }
+}
+
+// Before the wait: a one-sequence dense step's block reads rows j0.. of its split, all of them
+// below T (a parameter), so their first chunk is fetched while the previous kernel still runs.
+// Returns whether it did (a key list or per-sequence rows are only readable after the wait).
+template <int BF16>
+DEV bool mla_dec_prefetch_early(const MlaP& p) {
+    if (p.rows || p.idx) return false;
+    const int j0 = blockIdx.x * p.split_len;
+    const int j1 = min(p.T, j0 + min(p.split_len, MLA_DEC_KC));
+    if (j0 < j1) mla_dec_prefetch<BF16>(p, p.kv, nullptr, j0, j1);
+    return true;
+}
+
 template <int BF16, int HPW, int G>
-DEV void mla_dec_impl(const MlaP& p) {
+DEV void mla_dec_impl(const MlaP& p, bool early) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int split = blockIdx.x;
     const long long s = blockIdx.y;
@@ -288,6 +323,7 @@ DEV void mla_dec_impl(const MlaP& p) {
     }
     for (int c0 = j0; c0 < j1; c0 += MLA_DEC_KC) {
         const int c1 = min(j1, c0 + MLA_DEC_KC);
+        if (!(early && c0 == j0)) mla_dec_prefetch<BF16>(p, tok.kv, &tok, c0, c1);
         // Pass 1: scores of this chunk's keys; key c0 + r's score is kept by lane r % 32.
         float sreg[HPW][2], cm[HPW];
 #pragma unroll
@@ -438,12 +474,16 @@ DEV void mla_dec_impl(const MlaP& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(32 * MLA_DEC_WARPS, 3) mla_decode_f32(MlaP p) {
-    pdl_entry();
-    mla_dec_impl<0, MLA_DEC_HPW, MLA_DEC_G>(p);
+    pdl_trigger();
+    const bool early = mla_dec_prefetch_early<0>(p);
+    pdl_wait();
+    mla_dec_impl<0, MLA_DEC_HPW, MLA_DEC_G>(p, early);
 }
 extern "C" __global__ void __launch_bounds__(32 * MLA_DEC_WARPS, 3) mla_decode_bf16(MlaP p) {
-    pdl_entry();
-    mla_dec_impl<1, MLA_DEC_HPW, MLA_DEC_G>(p);
+    pdl_trigger();
+    const bool early = mla_dec_prefetch_early<1>(p);
+    pdl_wait();
+    mla_dec_impl<1, MLA_DEC_HPW, MLA_DEC_G>(p, early);
 }
 
 // ---- Tensor-core kernel (bf16 cache): a block's heads as the M side of bf16 mma.sync. ----

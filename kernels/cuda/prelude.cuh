@@ -44,6 +44,14 @@ DEV void pdl_entry() {
     pdl_trigger();
     pdl_wait();
 }
+// Bring the 128-byte line holding `a` into L2 (no register, no wait; a no-op off the GPU). The
+// one memory instruction allowed before `pdl_wait`: L2 is where every SM's writes meet, so a line
+// fetched early is never a stale copy of one the previous kernel still writes.
+DEV void prefetch_l2(const void* a) {
+#if defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+#endif
+}
 
 // Exact IEEE conversions (subnormals, inf and NaN included), matching the `half` crate.
 #ifdef GGUFTOOL_EMU
@@ -147,12 +155,15 @@ DEV void rope_pair(int style, int j, int half, int& i1, int& i2) {
 // Arg-max step over the total order "NaN below everything, then by value, ties to the lower
 // index": (ov, oi) replaces (v, i) when it ranks higher. A NaN never wins over a number, and a
 // NaN holder is always replaced by a number, so the butterfly reduction is symmetric.
-DEV void argmax_step(float& v, int& i, float ov, int oi) {
+// Whether (ov, oi) beats (v, i): a total order, numbers by value then the lower id, below them
+// NaNs by the lower id.
+DEV bool argmax_takes(float v, int i, float ov, int oi) {
     const bool vn = v != v, on = ov != ov;
-    bool take;
-    if (vn || on) take = vn && (!on || oi < i);
-    else take = ov > v || (ov == v && oi < i);
-    if (take) {
+    if (vn || on) return vn && (!on || oi < i);
+    return ov > v || (ov == v && oi < i);
+}
+DEV void argmax_step(float& v, int& i, float ov, int oi) {
+    if (argmax_takes(v, i, ov, oi)) {
         v = ov;
         i = oi;
     }

@@ -32,7 +32,8 @@ enum GemvVariant {
 /// a block (the MoE router's 256 F32 rows: 64 blocks on 132 SMs, 6.3 MB in 16.8 us, 13% of the
 /// copy bandwidth, H100 timeline of 2026-12-07) splits K over the block's warps, 4x the blocks
 /// and loads in flight; the rest one row per group.
-/// `ksplit` false ([`Gpu::set_gemv_ksplit`]) keeps the one-row kernel there.
+/// `ksplit` false ([`Gpu::set_gemv_ksplit`], `GGUFTOOL_GEMV_KSPLIT=0`) keeps the one-row kernel
+/// there.
 fn gemv_variant(rows: usize, lpr: usize, count: usize, sms: usize, ksplit: bool) -> GemvVariant {
     if rows >= MULTI_ROW_MIN {
         GemvVariant::FourRows

@@ -64,6 +64,25 @@ fn block_for(n: usize) -> u32 {
     }
 }
 
+/// Threads of an RMSNorm block: [`block_for`], except that rows of 4,096 and more take
+/// `GGUFTOOL_RMS_WIDE` threads when it names 128, 256, 512 or 1024 (an A/B knob for the decode
+/// step's single-row norms, which the timeline shows latency-bound at 7.6 us a launch; wider than
+/// 8 values a thread they take the strided loops, the same sums in another order).
+fn rms_block(n: usize) -> u32 {
+    static WIDE: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let wide =
+        *WIDE.get_or_init(
+            || match std::env::var("GGUFTOOL_RMS_WIDE").ok()?.parse().ok()? {
+                t @ (128 | 256 | 512 | 1024) => Some(t),
+                _ => None,
+            },
+        );
+    match wide {
+        Some(t) if n >= 4096 => t,
+        _ => block_for(n),
+    }
+}
+
 /// The extent checks both norms start with: non-empty rows, `x` and `y` long enough.
 fn check_rows(op: &'static str, x_len: usize, y_len: usize, l: Rows) -> Result<(), KernelError> {
     if l.rows == 0 || l.n == 0 {
@@ -141,7 +160,7 @@ impl Gpu {
         }
         check_rows(OP, dlen(x), dlen(x), l)?;
         let f = self.func(Op::RmsNorm, "rmsnorm_f32")?;
-        let cfg = self.cfg(OP, (l.rows as u64, 1, 1), block_for(l.n))?;
+        let cfg = self.cfg(OP, (l.rows as u64, 1, 1), rms_block(l.n))?;
         let s = self.stream();
         let wp = opt_ptr(OP, "w", w, l.n, s)?;
         let (xp, _gx) = x.device_ptr_mut(s);
@@ -238,7 +257,7 @@ impl Gpu {
             ));
         }
         let f = self.func(Op::RmsNorm, "rmsnorm_f32")?;
-        let threads = block_for(l.n);
+        let threads = rms_block(l.n);
         let cfg = self.cfg(OP, (l.rows as u64, 1, 1), threads)?;
         debug_assert!(threads.is_multiple_of(32));
         let (q8, qp, dp) = if want_q8 {

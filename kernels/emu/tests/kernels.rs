@@ -1180,3 +1180,144 @@ fn every_module_builds_and_exports_its_entries() {
     }
     say(&format!("{checked} entry points"));
 }
+
+// ---------------------------------------------------------------------------------------------
+// moe_router.cu
+
+type RouterFn = unsafe extern "C" fn(
+    *const f32,
+    i64,
+    i32,
+    *const f32,
+    i32,
+    i32,
+    i32,
+    i32,
+    f32,
+    *mut i32,
+    *mut f32,
+    i32,
+);
+
+/// Runs moe_router_f32 over `tokens` rows of `c.n_experts` logits with the wrapper's block
+/// (the experts rounded up to a warp); returns (ids, weights).
+fn route(
+    logits: &[f32],
+    bias: &[f32],
+    tokens: usize,
+    c: kernels::RouterConfig,
+) -> (Vec<i32>, Vec<f32>) {
+    let m = module(Op::MoeRouter);
+    let f: RouterFn = unsafe { m.entry("moe_router_f32") }.unwrap();
+    let e = c.n_experts;
+    let (lb, bb) = (Buf::new(logits), Buf::new(bias));
+    let mut ids = Buf::filled(tokens * c.top_k, -7i32);
+    let mut w = Buf::filled(tokens * c.top_k, f32::NAN);
+    let (lp, bp, ip, wp) = (lb.ptr(), bb.ptr(), ids.mut_ptr(), w.mut_ptr());
+    let gating = match c.gating {
+        kernels::Gating::Sigmoid => 0,
+        kernels::Gating::Softmax => 1,
+    };
+    let block = e.div_ceil(32) as u32 * 32;
+    m.launch(
+        "moe_router_f32",
+        [tokens as u32, 1, 1],
+        [block, 1, 1],
+        0,
+        &|| unsafe {
+            f(
+                lp,
+                e as i64,
+                e as i32,
+                bp,
+                c.n_group as i32,
+                c.topk_group as i32,
+                c.top_k as i32,
+                i32::from(c.norm),
+                c.scale,
+                ip,
+                wp,
+                gating,
+            )
+        },
+    )
+    .unwrap();
+    (ids.to_vec(), w.to_vec())
+}
+
+/// The router's two-phase top-k (each warp's candidates, then warp 0's picks) against the HF
+/// routing oracle: the GPU test's configurations plus 40 experts (a partial warp of padding
+/// threads), 1,024 experts with top-64 (more picks than a warp's candidates can hold), ids equal
+/// but for swaps of biased scores within 2 ulps (expf may differ from Rust's exp by one), weights
+/// within the GPU test's bound. Then the edge cases the one-phase loop defined: once only NaN
+/// scores are left, every further pick is expert 0 (the lowest id, every expert being NaN by
+/// then, or a padding thread, which maps to 0); all-NaN rows pick expert 0 throughout.
+#[test]
+fn moe_router_two_phase_top_k_equals_the_oracle() {
+    use kernels::{Gating, RouterConfig};
+    if !compiler("moe_router_two_phase_top_k_equals_the_oracle") {
+        return;
+    }
+    let mut r = Rng::new("emu moe_router");
+    let cfg =
+        |e: usize, n_group: usize, topk_group: usize, top_k: usize, gating: Gating| RouterConfig {
+            gating,
+            n_experts: e,
+            n_group,
+            topk_group,
+            top_k,
+            norm: gating == Gating::Sigmoid,
+            scale: if gating == Gating::Sigmoid { 2.5 } else { 1.0 },
+        };
+    let configs = [
+        cfg(256, 1, 1, 8, Gating::Sigmoid),
+        cfg(256, 8, 4, 8, Gating::Sigmoid),
+        cfg(6, 2, 1, 2, Gating::Sigmoid),
+        cfg(64, 1, 1, 4, Gating::Softmax),
+        cfg(40, 1, 1, 8, Gating::Sigmoid),
+        cfg(1024, 1, 1, 64, Gating::Sigmoid),
+        cfg(96, 1, 1, 40, Gating::Sigmoid),
+    ];
+    for c in configs {
+        let tokens = 6;
+        let e = c.n_experts;
+        let mut logits = r.vec(tokens * e, 4.0);
+        let mut bias = r.vec(e, 0.05);
+        // A planted exact tie: the lower id must win it.
+        bias[e - 1] = bias[0];
+        logits[e - 1] = logits[0];
+        let (ids, w) = route(&logits, &bias, tokens, c);
+        let (ids_ok, worst) = route_check(&ids, &w, &logits, &bias, tokens, c);
+        let tol = ROUTE_W_TOL;
+        say(&format!(
+            "moe_router {c:?}: ids {ids_ok}, worst weight rel {worst:.2e} (tol {tol:.2e})"
+        ));
+        assert!(ids_ok, "{c:?}: ids {ids:?}");
+        assert!(worst <= tol, "{c:?}: weights off by {worst}");
+    }
+    // NaN scores: 3 finite experts (ids 5, e/2 + 1 and e - 3; e - 3 the best, then 5), the
+    // three first, then expert 0 for every further pick; 40 experts (padding threads) likewise;
+    // then an all-NaN row: expert 0 throughout.
+    for (e, top_k) in [(256usize, 8usize), (40, 8), (96, 40)] {
+        let c = cfg(e, 1, 1, top_k, Gating::Sigmoid);
+        let bias = vec![0.0f32; e];
+        let mut logits = vec![f32::NAN; 2 * e];
+        let finite = [(5usize, 1.0f32), (e / 2 + 1, 0.5), (e - 3, 2.0)];
+        for (i, v) in finite {
+            logits[i] = v;
+        }
+        let (ids, _) = route(&logits, &bias, 2, c);
+        let mut want = vec![(e - 3) as i32, 5, (e / 2 + 1) as i32];
+        want.resize(top_k, 0);
+        assert_eq!(
+            &ids[..top_k],
+            want.as_slice(),
+            "{e} experts, 3 finite scores"
+        );
+        assert_eq!(
+            &ids[top_k..],
+            vec![0; top_k].as_slice(),
+            "{e} experts, all NaN"
+        );
+    }
+}

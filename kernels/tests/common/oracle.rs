@@ -9,6 +9,7 @@ use std::io::Write;
 
 use gguf::quant::reference;
 use gguf::GgmlType;
+use kernels::{Gating, RouterConfig};
 
 pub const U32: f64 = 1.0 / (1u64 << 24) as f64; // f32 unit roundoff 2^-24
 
@@ -882,4 +883,118 @@ pub fn mla_keys_of(lists: Option<&[Vec<i32>]>, s: usize, pos0: usize) -> Vec<usi
         }
         None => (0..=pos0 + s).collect(),
     }
+}
+
+/// The router as HF computes it (spec §1.10), in f32; returns (ids, weights) per token.
+pub fn route_cpu(logits: &[f32], bias: &[f32], c: RouterConfig) -> (Vec<i32>, Vec<f32>, Vec<f32>) {
+    let e = c.n_experts;
+    let s: Vec<f32> = match c.gating {
+        Gating::Sigmoid => logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect(),
+        Gating::Softmax => {
+            let mx = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let ex: Vec<f32> = logits.iter().map(|l| (l - mx).exp()).collect();
+            let z: f32 = ex.iter().sum();
+            ex.iter().map(|v| v / z).collect()
+        }
+    };
+    let mut choice: Vec<f32> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
+    let choice_unmasked = choice.clone();
+    if c.n_group > 1 && c.topk_group < c.n_group {
+        let gs = e / c.n_group;
+        let gscore: Vec<f32> = (0..c.n_group)
+            .map(|gi| {
+                let mut v: Vec<f32> = choice[gi * gs..(gi + 1) * gs].to_vec();
+                v.sort_by(|a, b| b.total_cmp(a));
+                if gs >= 2 {
+                    v[0] + v[1]
+                } else {
+                    v[0]
+                }
+            })
+            .collect();
+        let mut keep = vec![false; c.n_group];
+        for _ in 0..c.topk_group {
+            let best =
+                (0..c.n_group)
+                    .filter(|gi| !keep[*gi])
+                    .fold(None::<usize>, |b, gi| match b {
+                        Some(bi) if gscore[bi] >= gscore[gi] => Some(bi),
+                        _ => Some(gi),
+                    });
+            if let Some(bi) = best {
+                keep[bi] = true;
+            }
+        }
+        for (i, v) in choice.iter_mut().enumerate() {
+            if !keep[i / gs] {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+    }
+    let mut taken = vec![false; e];
+    let mut ids = Vec::new();
+    for _ in 0..c.top_k {
+        let mut best: Option<usize> = None;
+        for i in 0..e {
+            if taken[i] {
+                continue;
+            }
+            best = match best {
+                Some(b) if choice[b] >= choice[i] => Some(b),
+                _ => Some(i),
+            };
+        }
+        let b = best.unwrap_or(0);
+        taken[b] = true;
+        ids.push(b as i32);
+    }
+    let sum: f32 = ids.iter().map(|&i| s[i as usize]).sum();
+    let w = ids
+        .iter()
+        .map(|&i| {
+            let v = s[i as usize];
+            (if c.norm { v / (sum + 1e-20) } else { v }) * c.scale
+        })
+        .collect();
+    (ids, w, choice_unmasked)
+}
+
+/// Router weights against [`route_cpu`]'s: sigmoid (expf within 2 ulps, an add, a division), the
+/// sum of top_k of them, the normalising division and the scale: ~12 roundings of 2 ulps.
+pub const ROUTE_W_TOL: f64 = 12.0 * U32 * 2.0;
+
+/// A device router's `ids` and weights `w` (`tokens` x `c.top_k`) for `logits` (`tokens` x
+/// `c.n_experts`) against [`route_cpu`]: whether every token's ids equal the oracle's but for
+/// swaps of candidates whose biased scores are within 2 ulps (expf may differ from Rust's exp by
+/// one), and the worst relative weight error over the tokens whose ids equal exactly.
+pub fn route_check(
+    ids: &[i32],
+    w: &[f32],
+    logits: &[f32],
+    bias: &[f32],
+    tokens: usize,
+    c: RouterConfig,
+) -> (bool, f64) {
+    let (e, k) = (c.n_experts, c.top_k);
+    let mut ok = ids.len() == tokens * k && w.len() == tokens * k && tokens > 0;
+    let mut worst = 0f64;
+    for t in 0..tokens.min(ids.len() / k.max(1)) {
+        let (cid, cw, choice) = route_cpu(&logits[t * e..(t + 1) * e], bias, c);
+        let got = &ids[t * k..(t + 1) * k];
+        if got != cid.as_slice() {
+            ok &= got.iter().zip(&cid).all(|(a, b)| {
+                a == b
+                    || (0..e as i32).contains(a)
+                        && (choice[*a as usize] - choice[*b as usize]).abs()
+                            <= 2.0 * f32::EPSILON * choice[*b as usize].abs()
+            });
+            continue;
+        }
+        for j in 0..k {
+            let rel = (f64::from(w[t * k + j]) - f64::from(cw[j])).abs()
+                / f64::from(cw[j]).abs().max(1e-30);
+            worst = worst.max(rel);
+        }
+    }
+    (ok, worst)
 }

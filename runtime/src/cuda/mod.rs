@@ -243,6 +243,8 @@ struct Inputs {
     positions: Vec<(Vec<i32>, Arc<DevBuf<i32>>)>,
     /// (x, y) index maps of the per-head batched GEMV by (rows, heads).
     head_maps: HashMap<(usize, usize), Arc<DevBuf<i32>>>,
+    /// One-entry activation-row maps `[r]` by r (a launch reading one row of a q8 block).
+    row_maps: HashMap<usize, Arc<DevBuf<i32>>>,
 }
 
 /// One CUDA device. Cloning shares the device (and its compiled kernels and caches).
@@ -767,6 +769,18 @@ impl CudaBackend {
         }
         let d = Arc::new(self.gpu.upload_async(&v).map_err(kerr("matmul_heads"))?);
         inp.head_maps.insert((rows, heads), d.clone());
+        Ok(d)
+    }
+
+    /// The device list `[r]`: a one-channel GEMV's `xidx` reading activation row r.
+    fn row_map(&self, r: usize) -> Result<Arc<DevBuf<i32>>, RuntimeError> {
+        let mut inp = self.inputs();
+        if let Some(b) = inp.row_maps.get(&r) {
+            return Ok(b.clone());
+        }
+        let v = [i32::try_from(r).map_err(|_| err(format!("row map: row {r} past i32")))?];
+        let d = Arc::new(self.gpu.upload_async(&v).map_err(kerr("row_map"))?);
+        inp.row_maps.insert(r, d.clone());
         Ok(d)
     }
 
@@ -2104,12 +2118,19 @@ impl Backend for CudaBackend {
             && gate.ty == up.ty
             && gate.packed == up.packed
             && same(sg, gate)
-            && same(su, up)
-            && same(sd, down);
+            && same(su, up);
         if let (true, Some(ff), Some(n_exp)) = (fused, ff, n_exp) {
             let g_shape = Self::shape_of(gate, ff, d, n_exp);
             let d_shape = Self::shape_of(down, d, ff, n_exp);
-            if self.fast(&g_shape) && self.fast(&d_shape) {
+            // A shared down projection of another type (GLM-5's files: Q6_K against the
+            // routed Q4_K) cannot ride the down + weighted-sum launch; its gate and up still
+            // ride the GLU launch, and it reads its activations' q8 row from theirs.
+            let down_alone = !same(sd, down);
+            let sd_ok = !down_alone
+                || (sd.dims.len() == 2 && sd.dims[..] == [ff, d] && {
+                    self.fast(&Self::shape_of(sd, d, ff, 1))
+                });
+            if self.fast(&g_shape) && self.fast(&d_shape) && sd_ok {
                 check_moe_ffn(
                     x.shape(),
                     &gate.dims,
@@ -2122,7 +2143,7 @@ impl Backend for CudaBackend {
                 self.moe_one_token(
                     x,
                     (gate, up, down),
-                    Some((sg, su, sd)),
+                    Some((sg, su, sd, down_alone)),
                     weights,
                     experts,
                     &mut out,
@@ -2219,13 +2240,15 @@ impl CudaBackend {
     /// One token's MoE on the fast path, into `out`: gate + up + SiLU over its selected experts
     /// (with `shared`, the shared expert as the launch's last channel: same type and shapes,
     /// checked by the caller), one quantize, then down + weighted sum (+ the shared down) in
-    /// one launch.
+    /// one launch. `shared`'s flag: its down projection is of another type than the routed
+    /// ones' (shapes checked by the caller), so it runs as its own accumulating GEMV after the
+    /// weighted sum, on the q8 row the quantize launch made of its activations.
     #[allow(clippy::too_many_arguments)]
     fn moe_one_token(
         &self,
         x: &CudaTensor,
         (gate, up, down): (&CudaWeight, &CudaWeight, &CudaWeight),
-        shared: Option<(&CudaWeight, &CudaWeight, &CudaWeight)>,
+        shared: Option<(&CudaWeight, &CudaWeight, &CudaWeight, bool)>,
         weights: &CudaTensor,
         experts: &CudaIndex,
         out: &mut CudaTensor,
@@ -2259,7 +2282,7 @@ impl CudaBackend {
                 ch,
                 &q,
                 &mut act,
-                shared.map(|(sg, su, _)| (&sg.bytes, Some(&su.bytes))),
+                shared.map(|(sg, su, _, _)| (&sg.bytes, Some(&su.bytes))),
             )
             .map_err(kerr("moe_ffn gate+up"))?;
         let qa = self
@@ -2289,9 +2312,31 @@ impl CudaBackend {
                 ch,
                 &qa,
                 o,
-                shared.map(|(_, _, sd)| (&sd.bytes, None)),
+                shared
+                    .filter(|s| !s.3)
+                    .map(|(_, _, sd, _)| (&sd.bytes, None)),
             )
-            .map_err(kerr("moe_ffn down"))
+            .map_err(kerr("moe_ffn down"))?;
+        let Some((_, _, sd, true)) = shared else {
+            return Ok(());
+        };
+        // The shared expert's activations are q8 row kk: `matmul_add`'s launch, that row read.
+        let row = self.row_map(kk)?;
+        let rv = row.view();
+        let ch = QChannels {
+            count: 1,
+            ncols: 1,
+            ids: None,
+            xidx: Some(&rv),
+            x_div: 1,
+            yidx: None,
+            y_stride: d,
+            y_rows: 1,
+        };
+        let shape = Self::shape_of(sd, d, ff, 1);
+        self.gpu
+            .gemv_q(shape, &sd.bytes, QMode::Accumulate, ch, &qa, o)
+            .map_err(kerr("moe_ffn shared down"))
     }
 
     /// The fast MoE: one token: fused gate+up+SiLU over its selected experts, then down +

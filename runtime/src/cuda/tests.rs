@@ -149,6 +149,12 @@ fn random_blocks_decode_to_finite_weights() {
 /// 128-wide keys) at a small hidden size: layer 0 dense, layer 1 MoE (8 experts, 2 used + one
 /// shared), DSA top-k 256 so long prompts attend sparsely.
 fn glm5_heads_weights() -> (Metadata, HashMap<String, HostWeight>) {
+    glm5_heads_weights_with(GgmlType::Q4_K)
+}
+
+/// [`glm5_heads_weights`] with the shared expert's down projection in `shexp_down` (GLM-5's
+/// files: Q6_K, against the routed experts' Q4_K).
+fn glm5_heads_weights_with(shexp_down: GgmlType) -> (Metadata, HashMap<String, HostWeight>) {
     let mut md = Metadata::new("glm5-heads (synthetic)");
     let a = "glm-dsa";
     md.set("general.architecture", Value::String(a.into()));
@@ -211,7 +217,9 @@ fn glm5_heads_weights() -> (Metadata, HashMap<String, HostWeight>) {
                 .collect();
             HostWeight::from_f32(t.name.clone(), t.dims.clone(), &v)
         } else {
-            let ty = if t.dims[0].is_multiple_of(256) {
+            let ty = if t.name.contains("ffn_down_shexp") {
+                shexp_down
+            } else if t.dims[0].is_multiple_of(256) {
                 GgmlType::Q4_K
             } else {
                 GgmlType::Q8_0
@@ -271,6 +279,44 @@ fn glm5_heads_prompts_past_1023_and_4096_tokens() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// The 64-head model with `fuse` on the fast path, the GEMVs' row split forced to 1 warp: a
+/// 20-token prefill then 3 decode steps; each step's logits and the launches of the last one.
+fn fused_decode_logits(
+    md: &Metadata,
+    w: &HashMap<String, HostWeight>,
+    fuse: Fusions,
+) -> (Vec<Vec<f32>>, f64) {
+    use crate::lm::{LanguageModel, SeqStep};
+    let get = |name: &str| Ok(w.get(name).cloned());
+    let be = CudaBackend::with_options(0, FAST)
+        .expect("CUDA backend")
+        .with_fusions(fuse);
+    let gpu = GlmModel::from_weights(be, ModelSpec::from_metadata(md).unwrap(), &get)
+        .expect("CUDA model");
+    let _split = ForcedSplit::set(gpu.backend().gpu(), Some(1));
+    let mut seq = gpu.new_sequence();
+    let mut toks: Vec<u32> = (0..20u32).map(|i| (i * 37 + 11) % 512).collect();
+    let mut out = Vec::new();
+    let mut per_step = 0.0;
+    for step in 0..4 {
+        let (l, prof) = launches(gpu.backend(), || {
+            gpu.forward(&mut [SeqStep {
+                seq: seq.as_mut(),
+                tokens: &toks,
+                all_logits: false,
+            }])
+            .expect("forward")
+            .remove(0)
+        });
+        if step == 3 {
+            per_step = prof.iter().map(|k| k.1).sum();
+        }
+        toks = vec![(step as u32 * 101 + 7) % 512];
+        out.push(l);
+    }
+    (out, per_step)
+}
+
 /// The fused launches of a decode step against the launches they replace, end to end on the
 /// GLM-5-shaped model (layer 0 dense, layer 1 MoE with a shared expert): a 20-token prefill,
 /// then decode steps. With the GEMVs' row split forced (1 warp) for every configuration:
@@ -289,42 +335,12 @@ fn glm5_heads_prompts_past_1023_and_4096_tokens() {
 #[test]
 fn glm5_heads_decode_fusions_equal_the_launches_they_replace() {
     let _gpu = exclusive();
-    use crate::lm::{LanguageModel, SeqStep};
     if kernels::device_count() == 0 {
         say("skipped: no CUDA device (glm5_heads_decode_fusions_equal_the_launches_they_replace)");
         return;
     }
     let (md, w) = glm5_heads_weights();
-    let get = |name: &str| Ok(w.get(name).cloned());
-    let run = |fuse: Fusions| -> (Vec<Vec<f32>>, f64) {
-        let be = CudaBackend::with_options(0, FAST)
-            .expect("CUDA backend")
-            .with_fusions(fuse);
-        let gpu = GlmModel::from_weights(be, ModelSpec::from_metadata(&md).unwrap(), &get)
-            .expect("CUDA model");
-        let _split = ForcedSplit::set(gpu.backend().gpu(), Some(1));
-        let mut seq = gpu.new_sequence();
-        let mut toks: Vec<u32> = (0..20u32).map(|i| (i * 37 + 11) % 512).collect();
-        let mut out = Vec::new();
-        let mut per_step = 0.0;
-        for step in 0..4 {
-            let (l, prof) = launches(gpu.backend(), || {
-                gpu.forward(&mut [SeqStep {
-                    seq: seq.as_mut(),
-                    tokens: &toks,
-                    all_logits: false,
-                }])
-                .expect("forward")
-                .remove(0)
-            });
-            if step == 3 {
-                per_step = prof.iter().map(|k| k.1).sum();
-            }
-            toks = vec![(step as u32 * 101 + 7) % 512];
-            out.push(l);
-        }
-        (out, per_step)
-    };
+    let run = |fuse: Fusions| fused_decode_logits(&md, &w, fuse);
     let (base, n_base) = run(Fusions::NONE);
     let (no_glu, n_no_glu) = run(Fusions {
         glu: false,
@@ -377,6 +393,58 @@ fn glm5_heads_decode_fusions_equal_the_launches_they_replace() {
         n_no_shared - n_all,
         3.0,
         "the shared expert riding the routed launches: its GLU, quantize and down (1 MoE layer)"
+    );
+}
+
+/// The shared expert's down projection in another type than the routed ones' (Q6_K against
+/// Q4_K, as GLM-5's files ship it): its gate and up still ride the routed GLU launch and its
+/// activations their quantize launch (2 launches fewer for the MoE layer than without the
+/// shared-expert fusion), its down runs alone on that q8 row. Decode logits within the fast
+/// path's tolerance of the unfused ones (the GLU channel sums as its own launch does; the
+/// forced split makes the k-order the same, so the difference is only the fused GLU's, as in
+/// the test above).
+#[test]
+fn glm5_heads_shared_down_of_another_type_rides_the_glu() {
+    let _gpu = exclusive();
+    let (md, w) = glm5_heads_weights_with(GgmlType::Q6_K);
+    assert_eq!(
+        w.get("blk.1.ffn_down_shexp.weight").map(|t| t.ty()),
+        Some(GgmlType::Q6_K),
+        "the variant must hold a Q6_K shared down"
+    );
+    if kernels::device_count() == 0 {
+        say("skipped: no CUDA device (glm5_heads_shared_down_of_another_type_rides_the_glu)");
+        return;
+    }
+    let run = |fuse: Fusions| fused_decode_logits(&md, &w, fuse);
+    let (apart, n_apart) = run(Fusions {
+        shared: false,
+        ..Fusions::ALL
+    });
+    let (riding, n_riding) = run(Fusions::ALL);
+    let tol = logit_tolerance(FAST, 2);
+    let worst = apart
+        .iter()
+        .zip(&riding)
+        .map(|(a, b)| {
+            assert_eq!(a.len(), b.len(), "logit rows");
+            assert!(!a.is_empty(), "no logits");
+            let max = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+            a.iter()
+                .zip(b)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs() / max))
+        })
+        .fold(0f32, f32::max);
+    say(&format!(
+        "| shared Q6_K down | launches per step {n_apart} / {n_riding} riding | max rel \
+         {worst:.2e} (tol {tol:.2e}) |"
+    ));
+    assert_eq!(apart.len(), 4, "four steps");
+    assert!(worst <= tol, "riding shared expert's logits off by {worst}");
+    assert_eq!(
+        n_apart - n_riding,
+        2.0,
+        "the shared GLU and its quantize ride the routed launches (1 MoE layer)"
     );
 }
 
