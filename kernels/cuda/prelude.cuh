@@ -152,11 +152,10 @@ DEV void rope_pair(int style, int j, int half, int& i1, int& i2) {
     i2 = style == 2 ? j + half : 2 * j + 1;
 }
 
-// Arg-max step over the total order "NaN below everything, then by value, ties to the lower
-// index": (ov, oi) replaces (v, i) when it ranks higher. A NaN never wins over a number, and a
-// NaN holder is always replaced by a number, so the butterfly reduction is symmetric.
-// Whether (ov, oi) beats (v, i): a total order, numbers by value then the lower id, below them
-// NaNs by the lower id.
+// The arg-max order, total: numbers by value, ties to the lower index, and below them NaNs by
+// the lower index. `argmax_takes`: whether (ov, oi) ranks above (v, i); `argmax_step` keeps the
+// higher. A NaN never wins over a number and a NaN holder is always replaced by a number, so the
+// butterfly reduction is symmetric.
 DEV bool argmax_takes(float v, int i, float ov, int oi) {
     const bool vn = v != v, on = ov != ov;
     if (vn || on) return vn && (!on || oi < i);

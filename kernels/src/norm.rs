@@ -70,14 +70,11 @@ fn block_for(n: usize) -> u32 {
 /// 8 values a thread they take the strided loops, the same sums in another order).
 fn rms_block(n: usize) -> u32 {
     static WIDE: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
-    let wide =
-        *WIDE.get_or_init(
-            || match std::env::var("GGUFTOOL_RMS_WIDE").ok()?.parse().ok()? {
-                t @ (128 | 256 | 512 | 1024) => Some(t),
-                _ => None,
-            },
-        );
-    match wide {
+    let wide = WIDE.get_or_init(|| {
+        let t: u32 = std::env::var("GGUFTOOL_RMS_WIDE").ok()?.parse().ok()?;
+        matches!(t, 128 | 256 | 512 | 1024).then_some(t)
+    });
+    match *wide {
         Some(t) if n >= 4096 => t,
         _ => block_for(n),
     }

@@ -2126,10 +2126,8 @@ impl Backend for CudaBackend {
             // routed Q4_K) cannot ride the down + weighted-sum launch; its gate and up still
             // ride the GLU launch, and it reads its activations' q8 row from theirs.
             let down_alone = !same(sd, down);
-            let sd_ok = !down_alone
-                || (sd.dims.len() == 2 && sd.dims[..] == [ff, d] && {
-                    self.fast(&Self::shape_of(sd, d, ff, 1))
-                });
+            let sd_ok =
+                !down_alone || (sd.dims[..] == [ff, d] && self.fast(&Self::shape_of(sd, d, ff, 1)));
             if self.fast(&g_shape) && self.fast(&d_shape) && sd_ok {
                 check_moe_ffn(
                     x.shape(),
