@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14|rows15|fin15] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -430,6 +430,37 @@ trace_run() {  # NAME ENV... : tg64 under the tracer, then the timeline of its l
         CUPTI_TRACE_OUT="$W/trace-$name.csv" "${TRACE_BIN:-./gguftool}" bench -m /tmp/glm5.gguf --device cuda --no-profile -p 0 -n 64 -r 1
     python3 "$D/timeline.py" "$W/trace-$name.csv" --last 48 > "$OUT/timeline-$name.txt" 2>&1
 }
+# Same-call A/B runs (fourteenth session on). ab_tg NAME BIN BOX ENV...: tg128 twice, JSON.
+ab_tg() {
+    local name=$1 bin=$2 box=$3
+    shift 3
+    step "ab-$name" "$box" "$W/ab-$name.json" env "$@" "$bin" bench -m /tmp/glm5.gguf --device cuda --no-profile -p 0 -n 128 -r 2 --json
+}
+# ab_table CONFIG...: every ab-*.json's tg128 and each CONFIG's mean over its rounds -1 and -2;
+# the fastest CONFIG but the first (the baseline) is written to $W/fastest.
+ab_table() {
+    python3 - "$W" "$@" <<'PY'
+import json, glob, os, sys
+w, configs = sys.argv[1], sys.argv[2:]
+res = {}
+for f in sorted(glob.glob(os.path.join(w, "ab-*.json"))):
+    name = os.path.basename(f)[3:-5]
+    try:
+        r = [x for x in json.load(open(f)) if x.get("test") == "tg"][0]
+        res[name] = r["samples_ts"]
+        print(f"{name:10} tg128 {r['avg_ts']:8.1f} +- {r['stddev_ts']:5.1f}  {[round(v, 1) for v in r['samples_ts']]}")
+    except Exception as e:
+        print(f"{name:10} no result ({e})")
+def mean(p):
+    v = [s for k in (p + "-1", p + "-2") for s in res.get(k, [])]
+    return sum(v) / len(v) if v else 0.0
+if configs:
+    m = {p: mean(p) for p in configs}
+    best = max(configs[1:] or configs, key=lambda p: m[p])
+    print("means: " + ", ".join(f"{k} {v:.1f}" for k, v in m.items()) + f" -> fastest {best}")
+    open(os.path.join(w, "fastest"), "w").write(best)
+PY
+}
 
 # 14. STAGE=stack2 (thirteenth session): q_a, kv_a and the indexer keys as one stacked GEMV
 #     (GGUFTOOL_FUSE_STACK=0: a launch each): its tests, one same-binary A/B pair, the kernel
@@ -527,31 +558,16 @@ fi
 #     the deadline leaves of it).
 if [ "$STAGE" = reg14 ]; then
 cd "$D" || exit 2
-ab() {  # NAME BIN BOX ENV...: tg128 twice, JSON
-    local name=$1 bin=$2 box=$3
-    shift 3
-    step "ab-$name" "$box" "$W/ab-$name.json" env "$@" "$bin" bench -m /tmp/glm5.gguf --device cuda --no-profile -p 0 -n 128 -r 2 --json
-}
 step runtime-tests-all 130 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda --test-threads=1 2>&1'
 step tp-tests 70 "$OUT/tp-tests.txt" bash -c './tp-gpu --test-threads=1 2>&1'
 step synth 150 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
-ab base-0 ./gguftool-b 100 X=0
+ab_tg base-0 ./gguftool-b 100 X=0
 for i in 1 2; do
-    ab "new-$i" ./gguftool 25 X=0
-    ab "base-$i" ./gguftool-b 25 X=0
-    ab "r512-$i" ./gguftool 25 GGUFTOOL_RMS_WIDE=512
+    ab_tg "new-$i" ./gguftool 25 X=0
+    ab_tg "base-$i" ./gguftool-b 25 X=0
+    ab_tg "r512-$i" ./gguftool 25 GGUFTOOL_RMS_WIDE=512
 done
-python3 - "$W" > "$OUT/ab.txt" <<'PY'
-import json, glob, os, sys
-w = sys.argv[1]
-for f in sorted(glob.glob(os.path.join(w, "ab-*.json"))):
-    name = os.path.basename(f)[3:-5]
-    try:
-        r = [x for x in json.load(open(f)) if x.get("test") == "tg"][0]
-        print(f"{name:10} tg128 {r['avg_ts']:8.1f} +- {r['stddev_ts']:5.1f}  {[round(v, 1) for v in r['samples_ts']]}")
-    except Exception as e:
-        print(f"{name:10} no result ({e})")
-PY
+ab_table base new r512 > "$OUT/ab.txt"
 trace_run new
 TRACE_BIN=./gguftool-b trace_run base
 step kernel-tests-all 150 "$OUT/kernel-tests.txt" bash -c './kernels-gpu --test-threads=1 2>&1'
@@ -560,5 +576,81 @@ grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
 grep -E "\| (decode fusions|shared Q6_K)" "$OUT/runtime-tests.txt"
 for f in "$OUT"/timeline-*.txt; do echo "== $(basename "$f")"; head -20 "$f"; done
 cat "$OUT/ab.txt"
+cat "$STEPS"
+fi
+
+# 17. STAGE=rows15 (fifteenth session): one-column integer GEMVs with 2 or 4 rows per lane group
+#     (GGUFTOOL_GEMVQ1_ROWS=1|2|4; the activation loads of a task serve every row; the
+#     one-column GLU's gate and up now share them too). Their kernel tests (bitwise the one-row
+#     kernels, f64 bounds), then tg128 of the previous commit (gguftool-b, its kernels compiled
+#     first) and of this tree at 1, 2 and 4 rows, alternating; the timelines of the fastest and
+#     of 1 row with every launch listed; the CUDA backend against the CPU at the default.
+if [ "$STAGE" = rows15 ]; then
+cd "$D" || exit 2
+step gemvq-tests 90 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 gemvq gemv_glm5 2>&1'
+step synth 150 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+ab_tg base-0 ./gguftool-b 100 X=0
+for i in 1 2; do
+    ab_tg "rows1-$i" ./gguftool 25 GGUFTOOL_GEMVQ1_ROWS=1
+    ab_tg "rows2-$i" ./gguftool 25 GGUFTOOL_GEMVQ1_ROWS=2
+    ab_tg "rows4-$i" ./gguftool 25 GGUFTOOL_GEMVQ1_ROWS=4
+    ab_tg "base-$i" ./gguftool-b 25 X=0
+done
+ab_table base rows1 rows2 rows4 > "$OUT/ab.txt"
+BEST=$(sed "s/rows//" "$W/fastest" 2>/dev/null || echo 2)
+trace_run "rows$BEST" GGUFTOOL_GEMVQ1_ROWS="$BEST"
+trace_run rows1 GGUFTOOL_GEMVQ1_ROWS=1
+for n in "rows$BEST" rows1; do
+    [ -s "$W/trace-$n.csv" ] && python3 "$D/timeline.py" "$W/trace-$n.csv" --last 48 --launches > "$OUT/launches-$n.txt" 2>&1
+done
+step runtime-tests 120 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_decode cuda::tests::glm5_heads_shared --test-threads=1 --nocapture 2>&1'
+echo "== tests"; grep -E "test result|FAILED|panicked" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | tail -8
+grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
+grep -E "rows per group|rows a group" "$OUT/kernel-tests.txt" | grep -v "| ok |" | head -8
+grep -E "^\| (decode fusions|shared Q6_K)" "$OUT/runtime-tests.txt"
+for f in "$OUT"/timeline-*.txt; do echo "== $(basename "$f")"; head -14 "$f"; done
+cat "$OUT/ab.txt"
+cat "$STEPS"
+fi
+
+# 18. STAGE=fin15 (fifteenth session, H200): llama.cpp built in the background; tg128 of the
+#     previous commit (gguftool-b) and of this tree with one row per group, the default (2 rows
+#     for launches of <= 8 one-row waves) and 2 rows everywhere (GGUFTOOL_GEMVQ1_WAVES=0),
+#     alternating; every launch of the three timelines; the closing figures of both tools with
+#     the fastest; the CUDA backend against the CPU with what is left.
+if [ "$STAGE" = fin15 ]; then
+cd "$D" || exit 2
+build_llama
+step synth 150 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+ab_tg base-0 ./gguftool-b 100 X=0
+ab_tg auto-0 ./gguftool 100 X=0
+for i in 1 2; do
+    ab_tg "rows1-$i" ./gguftool 25 GGUFTOOL_GEMVQ1_ROWS=1
+    ab_tg "auto-$i" ./gguftool 25 X=0
+    ab_tg "all2-$i" ./gguftool 25 GGUFTOOL_GEMVQ1_WAVES=0
+    ab_tg "base-$i" ./gguftool-b 25 X=0
+done
+ab_table base rows1 auto all2 > "$OUT/ab.txt"
+case $(cat "$W/fastest" 2>/dev/null) in
+    rows1) export GGUFTOOL_GEMVQ1_ROWS=1 ;;
+    all2) export GGUFTOOL_GEMVQ1_WAVES=0 ;;
+esac
+for c in "rows1 GGUFTOOL_GEMVQ1_ROWS=1" "auto X=0" "all2 GGUFTOOL_GEMVQ1_WAVES=0"; do
+    set -- $c
+    trace_run "$1" "$2"
+    [ -s "$W/trace-$1.csv" ] && python3 "$D/timeline.py" "$W/trace-$1.csv" --last 48 --launches > "$OUT/launches-$1.txt" 2>&1
+    rm -f "$OUT/timeline-$1.txt"
+done
+closing_figures
+step runtime-tests 150 "$OUT/runtime-tests.txt" bash -c './runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads --test-threads=1 --nocapture 2>&1'
+echo "== tests"; grep -E "test result|FAILED|panicked" "$OUT/runtime-tests.txt" | tail -4
+for f in "$OUT"/launches-*.txt; do echo "== $(basename "$f")"; head -12 "$f"; done
+cat "$OUT/ab.txt"
+cat "$OUT/llama.txt"
+for f in "$W"/final-*.json; do echo "== $f"; python3 -c "
+import json,sys
+for r in json.load(open('$f')):
+    print(r.get('test'), r.get('n_prompt'), r.get('n_gen'), r.get('n_depth'), r.get('n_seq'), round(r.get('avg_ts',0),1), round(r.get('stddev_ts',0),1), r.get('gbps', ''))
+" 2>&1; done
 cat "$STEPS"
 fi

@@ -472,14 +472,18 @@ DEV float ksplit_sum(float v, float* red, int warp, int base, int wk, int ks, in
 // MODE 0 plain, 1 GLU, 2 combine. One-column launches may split a row group's tasks (combine:
 // its expert slots) over KS = p.ksplit warps of the block (1, 2 or 4, the host's choice against
 // the tail of the last wave: a launch of 1.3 waves runs its last 0.3 at a quarter of the speed).
-// R > 1 (several columns): a lane group owns R consecutive rows and each of its lanes runs the
-// same task of all R, so the activation codes and records a task loads for its NC columns serve
-// R rows (the loads are identical and nothing is stored in between: the compiler keeps them).
-// With one row per group the NC-column kernels were bound by those loads, not by the weights
-// (8 columns: 4.6x the one-column time per weight pass, H200).
+// R > 1: a lane group owns R consecutive rows and each of its lanes runs the same task of all
+// R, so the activation codes and records a task loads for its NC columns serve R rows (the
+// loads are identical and nothing is stored in between: the compiler keeps them). With one row
+// per group the NC-column kernels were bound by those loads, not by the weights (8 columns:
+// 4.6x the one-column time per weight pass, H200). One column too: a lane's 64 activation bytes
+// of a 64-weight task are 4 16-byte loads 64 bytes apart across the warp, each touching 16
+// cache lines (L1 wavefronts) for 512 bytes, so a Q4_K task's activation loads cost ~2.5x the
+// wavefronts of its weight loads; R rows divide them by R. Each row's sums are the same
+// products in the same order as with R = 1: bitwise the one-row kernels.
 template <int QT, int NC, int MODE, int R = 1>
 DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
-    static_assert(R == 1 || (NC > 1 && MODE != 2), "several rows per group: NC-column plain / GLU");
+    static_assert(R == 1 || R == 2 || R == 4, "1, 2 or 4 rows per lane group");
     __shared__ float red[2][4 * 32];
     pdl_entry();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -502,38 +506,63 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
     }
     for (long long ch = blockIdx.y; ch < p.count; ch += gridDim.y) {
         if (MODE == 2) {
-            float acc = 0.0f;
+            // Rows past the end repeat the last row (results discarded).
+            int rrow[R];
+            float acc[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                rrow[r] = r == 0 ? rr : min(row + r, p.nrows - 1);
+                acc[r] = 0.0f;
+            }
             const int slots = p.ctopk + (p.ws ? 1 : 0);
             for (int k = wk; k < slots; k += KS) {
                 if (k == p.ctopk) {  // the shared expert (uniform across the warp)
                     const long long xrow = p.count * p.ctopk + ch;
                     if (xrow >= p.x.rows) {
-                        acc = nan;
+#pragma unroll
+                        for (int r = 0; r < R; ++r) acc[r] = nan;
                         continue;
                     }
                     XCol xc[1] = {xcol(p.x, (int)xrow, p.K)};
-                    float a[1] = {0.0f};
+                    float a[R][1];
+#pragma unroll
+                    for (int r = 0; r < R; ++r) a[r][0] = 0.0f;
                     for (int t = gl; t < nt; t += lpr)
-                        Task<QT>::template run<1>(p.ws, p.ws_nblk, (long long)rr * bpr, t, xc, 1, T, a);
-                    acc += a[0];
+#pragma unroll
+                        for (int r = 0; r < R; ++r)
+                            Task<QT>::template run<1>(p.ws, p.ws_nblk, (long long)rrow[r] * bpr, t, xc, 1, T, a[r]);
+#pragma unroll
+                    for (int r = 0; r < R; ++r) acc[r] += a[r][0];
                     continue;
                 }
                 const long long slot = ch * p.ctopk + k;
                 const int e = p.ids[slot];
                 if (e < 0) continue;  // empty slot (uniform across the warp)
                 if (e >= p.n_slabs || slot >= p.x.rows) {
-                    acc = nan;
+#pragma unroll
+                    for (int r = 0; r < R; ++r) acc[r] = nan;
                     continue;
                 }
                 XCol xc[1] = {xcol(p.x, (int)slot, p.K)};
-                float a[1] = {0.0f};
-                const long long gb = ((long long)e * p.nrows + rr) * bpr;
-                for (int t = gl; t < nt; t += lpr) Task<QT>::template run<1>(p.w, p.nblk, gb, t, xc, 1, T, a);
-                acc += p.cw[slot] * a[0];
+                float a[R][1];
+                long long gb[R];
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    a[r][0] = 0.0f;
+                    gb[r] = ((long long)e * p.nrows + rrow[r]) * bpr;
+                }
+                for (int t = gl; t < nt; t += lpr)
+#pragma unroll
+                    for (int r = 0; r < R; ++r) Task<QT>::template run<1>(p.w, p.nblk, gb[r], t, xc, 1, T, a[r]);
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] += p.cw[slot] * a[r][0];
             }
-            acc = group_sum(acc, lpr);
-            if (KS > 1) acc = ksplit_sum(acc, red[0], warp, warp - wk, wk, KS, grp, gl);
-            if (wk == 0 && gl == 0 && row < p.nrows && ch < p.y_rows) p.y[ch * p.y_stride + row] = acc;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float v = group_sum(acc[r], lpr);
+                if (KS > 1) v = ksplit_sum(v, red[0], warp, warp - wk, wk, KS, grp, gl);
+                if (wk == 0 && gl == 0 && row + r < p.nrows && ch < p.y_rows) p.y[ch * p.y_stride + row + r] = v;
+            }
             continue;
         }
         // The shared expert's channel (GLU with ws set: the last one) reads no id.
@@ -569,19 +598,35 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
         for (int r = 0; r < R; ++r)
 #pragma unroll
             for (int j = 0; j < NC; ++j) acc[r][j] = acc2[r][j] = 0.0f;
-        if (!bad) {
+        // One column with several rows or matrices: a channel without its input row computes
+        // nothing (nothing is written), and the tasks see the column count as the constant 1:
+        // with `nc` each row's task (and the GLU's up matrix) kept its own `j < nc` branch around
+        // the activation loads, and the compiler loaded them again for each (PTX: 4 rows, 4
+        // times the loads). The one-row plain kernel keeps `nc`: its code is unchanged (with the
+        // constant, ptxas spilled its Q6_K task pair at the 56 registers of 9 blocks per SM).
+        constexpr bool shared_x = NC == 1 && (R > 1 || MODE == 1);
+        if (!bad && (!shared_x || nc > 0)) {
+            const int ncols = shared_x ? 1 : nc;
             // Rows past the end repeat the last row (results discarded): no branch in the loop.
             long long gb[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) gb[r] = (e * p.nrows + min(row + r, p.nrows - 1) - row0) * bpr;
             const int step = lpr * KS;
-#pragma unroll 2
-            for (int t = wk * lpr + gl; t < nt; t += step) {
+            // One task of every row (and matrix): with 4 one-column rows that is already 4 tasks'
+            // weight loads in flight, and unrolling would double the registers holding them.
+            auto tasks = [&](int t) {
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    Task<QT>::template run<NC>(W1, nblk, gb[r], t, xc, nc, T, acc[r]);
-                    if (MODE == 1) Task<QT>::template run<NC>(W2, nblk, gb[r], t, xc, nc, T, acc2[r]);
+                    Task<QT>::template run<NC>(W1, nblk, gb[r], t, xc, ncols, T, acc[r]);
+                    if (MODE == 1) Task<QT>::template run<NC>(W2, nblk, gb[r], t, xc, ncols, T, acc2[r]);
                 }
+            };
+            if constexpr (NC == 1 && R * (MODE == 1 ? 2 : 1) >= 4) {
+#pragma unroll 1
+                for (int t = wk * lpr + gl; t < nt; t += step) tasks(t);
+            } else {
+#pragma unroll 2
+                for (int t = wk * lpr + gl; t < nt; t += step) tasks(t);
             }
         }
 #pragma unroll
@@ -603,7 +648,8 @@ DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
                 // was contracted with the product that ends v (Q6_K's d * sum) into one fma,
                 // one rounding fewer than the separate GEMV and add (H200: not bitwise).
                 float* yp = p.y + yr * p.y_stride + row + r;
-                if (MODE == 0 && NC == 1 && p.nseg > 1) yp = row_seg(p, row).y + (row - row0);
+                // The host keeps segment boundaries at multiples of R: a group's rows share one.
+                if (MODE == 0 && NC == 1 && p.nseg > 1) yp = row_seg(p, row).y + (row + r - row0);
                 *yp = MODE == 0 && p.accum ? __fadd_rn(*yp, v) : v;
             }
         }
@@ -627,6 +673,17 @@ GQ_KERNEL(gemvq8_, 8, 0, 1, 1)
 GQ_KERNEL(gemvq_glu1_, 1, 1, 1, 1)
 GQ_KERNEL(gemvq_glu8_, 8, 1, 1, 1)
 GQ_KERNEL(gemvq_comb_, 1, 2, 8, 1)
+// One column, several rows per lane group (the host's `GGUFTOOL_GEMVQ1_ROWS`). sm_120's ptxas
+// spilled a register of the Q6_K task at the sm_90 caps: one block per SM fewer there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+#define GQ_MINB(sm90, sm120) sm120
+#else
+#define GQ_MINB(sm90, sm120) sm90
+#endif
+GQ_KERNEL(gemvq1r2_, 1, 0, GQ_MINB(6, 4), 2)
+GQ_KERNEL(gemvq1r4_, 1, 0, GQ_MINB(4, 3), 4)
+GQ_KERNEL(gemvq_glu1r_, 1, 1, 1, 2)
+GQ_KERNEL(gemvq_comb_r_, 1, 2, 4, 2)
 // Several rows per lane group (the host's `GEMVQ_VARIANTS` rows field; `GGUFTOOL_GEMVQ_ROWS=1`
 // keeps the one-row kernels above).
 GQ_KERNEL(gemvq2r_, 2, 0, 1, 4)

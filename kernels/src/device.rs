@@ -174,6 +174,10 @@ pub struct Gpu {
     sync_each: AtomicBool,
     /// Warps per row group of one-column integer GEMVs: 0 = chosen per launch, else 1, 2 or 4.
     gemvq_ksplit: std::sync::atomic::AtomicUsize,
+    /// Most rows per lane group of one-column integer GEMVs (1, 2 or 4).
+    gemvq1_rows: std::sync::atomic::AtomicUsize,
+    /// Several rows per group only for launches of at most this many one-row waves (0: any).
+    gemvq1_waves: std::sync::atomic::AtomicUsize,
     /// mmq's forced k-split (0: the plan's choice).
     mmq_ksplit: std::sync::atomic::AtomicUsize,
     /// Forced k-slices of single-channel mmq launches (0: the plan's choice).
@@ -309,6 +313,15 @@ impl Gpu {
             .and_then(|v| v.parse().ok())
             .filter(|k| matches!(k, 1 | 2 | 4))
             .unwrap_or(0);
+        let gemvq1_rows = std::env::var("GGUFTOOL_GEMVQ1_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|r| matches!(r, 1 | 2 | 4))
+            .unwrap_or(crate::gemvq::GEMVQ1_ROWS);
+        let gemvq1_waves = std::env::var("GGUFTOOL_GEMVQ1_WAVES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(crate::gemvq::GEMVQ1_ROWS_MAX_WAVES);
         // K-slices of dense mmq launches: the plan's choice (0) unless `GGUFTOOL_MMQ_SLICES=N`
         // forces N in 1..=64 (1: none, the launches before 2026-12-07; for A/B runs).
         let mmq_slices = std::env::var("GGUFTOOL_MMQ_SLICES")
@@ -343,6 +356,8 @@ impl Gpu {
             blas: OnceLock::new(),
             sync_each: AtomicBool::new(sync_each),
             gemvq_ksplit: std::sync::atomic::AtomicUsize::new(gemvq_ksplit),
+            gemvq1_rows: std::sync::atomic::AtomicUsize::new(gemvq1_rows),
+            gemvq1_waves: std::sync::atomic::AtomicUsize::new(gemvq1_waves),
             mmq_ksplit: std::sync::atomic::AtomicUsize::new(0),
             mmq_slices: std::sync::atomic::AtomicUsize::new(mmq_slices),
             max_smem: OnceLock::new(),
@@ -386,6 +401,34 @@ impl Gpu {
         };
         self.gemvq_ksplit.store(v, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// The most rows a lane group of a one-column integer GEMV computes (1, 2 or 4; default
+    /// [`crate::GEMVQ1_ROWS`], also `GGUFTOOL_GEMVQ1_ROWS`): the activation loads of a task then serve
+    /// that many rows. GLU and combine launches take at most 2, a stacked launch the most that
+    /// divides its segment boundaries. Every choice sums the same products in the same order
+    /// per output (bitwise equal).
+    pub fn set_gemvq1_rows(&self, rows: usize) -> Result<(), KernelError> {
+        if !matches!(rows, 1 | 2 | 4) {
+            return Err(KernelError::BadShape {
+                op: "gemvq",
+                msg: format!("{rows} rows per lane group (1, 2 or 4)"),
+            });
+        }
+        self.gemvq1_rows.store(rows, Ordering::Relaxed);
+        Ok(())
+    }
+    pub(crate) fn gemvq1_rows(&self) -> usize {
+        self.gemvq1_rows.load(Ordering::Relaxed)
+    }
+    /// The most waves of one-row blocks a one-column launch may have and still take several
+    /// rows per group (default [`crate::gemvq::GEMVQ1_ROWS_MAX_WAVES`], also
+    /// `GGUFTOOL_GEMVQ1_WAVES`; 0: no limit).
+    pub fn set_gemvq1_waves(&self, waves: usize) {
+        self.gemvq1_waves.store(waves, Ordering::Relaxed);
+    }
+    pub(crate) fn gemvq1_waves(&self) -> usize {
+        self.gemvq1_waves.load(Ordering::Relaxed)
     }
 
     /// Force the number of warps that split K for one 16-row tile in [`Gpu::mmq`] (1, 2, 4 or

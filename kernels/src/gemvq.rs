@@ -30,6 +30,13 @@ use crate::pool::DevBuf;
 /// smaller (independent roundings).
 pub const Q8_REL_ERR: f64 = 0.0223;
 
+/// Default most rows per lane group of one-column launches ([`crate::Gpu::set_gemvq1_rows`]).
+pub const GEMVQ1_ROWS: usize = 2;
+
+/// One-column launches take several rows per lane group only up to this many waves of the
+/// one-row kernel's blocks (see `gemv_q_impl`; [`crate::Gpu::set_gemvq1_waves`]).
+pub(crate) const GEMVQ1_ROWS_MAX_WAVES: usize = 8;
+
 /// Activations on the device in the q8a layout of quantize.cu: `rows` rows of `k` values; codes,
 /// then one record {f32 d, i16 sum of the block's first 16 codes, i16 of the last 16} per block.
 pub struct Q8Act {
@@ -494,31 +501,35 @@ impl Gpu {
         if ch.count == 0 || ch.ncols == 0 || ch.ncols > 8 || ch.x_div == 0 {
             return Err(shape_err(OP, format!("channels {ch:?}")));
         }
-        // The variant of `cols` columns and `mode`: several rows per lane group where one
-        // exists (the multi-column kernels) unless turned off, else one.
-        let multirow = self.gemvq_multirow();
-        let variant = |cols: usize, mode: u8| {
-            let pick = |multi: bool| {
-                GEMVQ_VARIANTS
-                    .iter()
-                    .find(|v| v.1 == cols && v.2 == mode && (v.3 > 1) == multi)
-            };
-            multirow
-                .then(|| pick(true))
-                .flatten()
-                .or_else(|| pick(false))
+        // The variant of `cols` columns and `mode`: the most rows per lane group up to the
+        // setting (multi-column: the several-row kernel unless turned off; one column:
+        // `gemvq1_rows`); a stack's segments start at multiples of its rows per group (a
+        // group's rows then lie in one matrix).
+        let want = match (ch.ncols, self.gemvq_multirow()) {
+            (1, _) => self.gemvq1_rows(),
+            (_, true) => usize::MAX,
+            (_, false) => 1,
+        };
+        let variant = |cols: usize, mode: u8, most: usize| {
+            GEMVQ_VARIANTS
+                .iter()
+                .filter(|v| {
+                    v.1 == cols
+                        && v.2 == mode
+                        && v.3 <= most
+                        && stack.segs.iter().all(|s| s.0 % v.3 == 0)
+                })
+                .max_by_key(|v| v.3)
                 .map(|v| (v.0, v.3))
         };
-        let (prefix, ncols, ctopk, w2p, cwp) = match mode {
+        let (cols, vmode, ncols, ctopk, w2p, cwp) = match mode {
             QMode::Plain | QMode::Accumulate => {
-                let nc = ch.ncols.next_power_of_two();
-                (variant(nc, 0), ch.ncols, 0, 0, 0)
+                (ch.ncols.next_power_of_two(), 0, ch.ncols, 0, 0, 0)
             }
             QMode::Glu(w2) => {
                 need_len(OP, "w2", dlen(w2), dlen(w))?;
                 let nc = if ch.ncols == 1 { 1 } else { 8 };
-                let p = variant(nc, 1);
-                (p, ch.ncols, 0, w2.device_ptr(self.stream()).0, 0)
+                (nc, 1, ch.ncols, 0, w2.device_ptr(self.stream()).0, 0)
             }
             QMode::Combine { weights, topk } => {
                 if topk == 0 || ch.ncols != 1 {
@@ -526,11 +537,33 @@ impl Gpu {
                 }
                 need_len(OP, "weights", weights.len(), ch.count * topk)?;
                 need_len(OP, "x rows", x.rows, ch.count * topk)?;
-                let p = variant(1, 2);
-                (p, 1, topk, 0, weights.device_ptr(self.stream()).0)
+                (1, 2, 1, topk, 0, weights.device_ptr(self.stream()).0)
             }
         };
-        let (prefix, rows_per_group) = prefix.ok_or_else(|| shape_err(OP, "no kernel variant"))?;
+        let tw = if ch.ncols == 1 { qt.task_weights() } else { 32 };
+        if !shape.k.is_multiple_of(tw) {
+            return Err(shape_err(OP, format!("K = {} in tasks of {tw}", shape.k)));
+        }
+        let tasks = shape.k / tw;
+        let lpr = lanes_for_tasks(tasks);
+        let mut picked = variant(cols, vmode, want);
+        // One column: several rows per group only for launches of a few waves of one-row
+        // blocks, where they shorten the ramp and tail; a long launch already streams at copy
+        // bandwidth with one row, and the several-row kernels' registers cost it resident blocks
+        // (H100, 2026-12-07: the 154,880-row output head 261.8 -> 280.5 us with 2 rows, the
+        // attention output 26.0 -> 23.2, the MoE down + weighted sum 29.4 -> 24.6).
+        let max_waves = self.gemvq1_waves();
+        if ch.ncols == 1 && max_waves > 0 && picked.is_some_and(|v| v.1 > 1) {
+            if let Some((p1, _)) = variant(cols, vmode, 1) {
+                let f1 = self.func(Op::GemvQ(qt), &format!("{p1}{}", qt.suffix()))?;
+                let slots = self.info().sm_count as usize * self.blocks_per_sm_128(&f1)? as usize;
+                let blocks = shape.rows.div_ceil(4 * (32 / lpr)) * ch.count.min(65_535);
+                if blocks > max_waves * slots {
+                    picked = Some((p1, 1));
+                }
+            }
+        }
+        let (prefix, rows_per_group) = picked.ok_or_else(|| shape_err(OP, "no kernel variant"))?;
         match (ch.ids, ctopk) {
             // The shared GLU channel (the last) reads no id.
             (Some(ids), 0) if wsp != 0 => need_len(OP, "ids", ids.len(), ch.count - 1)?,
@@ -576,12 +609,6 @@ impl Gpu {
             qt,
         );
         let tables = self.tables()?.params;
-        let tw = if ch.ncols == 1 { qt.task_weights() } else { 32 };
-        if !shape.k.is_multiple_of(tw) {
-            return Err(shape_err(OP, format!("K = {} in tasks of {tw}", shape.k)));
-        }
-        let tasks = shape.k / tw;
-        let lpr = lanes_for_tasks(tasks);
         let ks = if ch.ncols == 1 {
             match self.gemvq_ksplit() {
                 Some(k) => k,
@@ -590,7 +617,7 @@ impl Gpu {
                         self.info().sm_count as usize * self.blocks_per_sm_128(&f)? as usize;
                     k_split(
                         shape.rows,
-                        32 / lpr,
+                        32 / lpr * rows_per_group,
                         ch.count.min(65_535),
                         tasks,
                         lpr,

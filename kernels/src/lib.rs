@@ -40,7 +40,9 @@ pub use device::{
 };
 pub use error::KernelError;
 pub use gemv::{Channels, MatShape};
-pub use gemvq::{gemvq_supported, Q8Act, QChannels, QMode, GEMVQ_MAX_STACK, Q8_REL_ERR};
+pub use gemvq::{
+    gemvq_supported, Q8Act, QChannels, QMode, GEMVQ1_ROWS, GEMVQ_MAX_STACK, Q8_REL_ERR,
+};
 pub use indexer::{force_indexer_lanes, IndexerShape};
 pub use mla::{
     force_mla_decode, force_mla_tc, mla_tc_plan, CacheElem, MlaParams, MlaRow, MlaSeq, MlaShape,

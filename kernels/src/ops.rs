@@ -113,8 +113,9 @@ const Q6K_TASK_WEIGHTS: usize = 64;
 
 /// The gemvq kernel variants: `(prefix, columns, mode, rows per lane group)`. The several-row
 /// variants of the multi-column kernels are the default (`GGUFTOOL_GEMVQ_ROWS=1` or
-/// [`crate::Gpu::set_gemvq_multirow`] selects the one-row ones).
-pub(crate) const GEMVQ_VARIANTS: [(&str, usize, u8, usize); 11] = [
+/// [`crate::Gpu::set_gemvq_multirow`] selects the one-row ones); one-column launches take the
+/// most rows up to [`crate::Gpu::set_gemvq1_rows`] (`GGUFTOOL_GEMVQ1_ROWS`).
+pub(crate) const GEMVQ_VARIANTS: [(&str, usize, u8, usize); 15] = [
     ("gemvq1_", 1, 0, 1),
     ("gemvq2_", 2, 0, 1),
     ("gemvq4_", 4, 0, 1),
@@ -126,6 +127,10 @@ pub(crate) const GEMVQ_VARIANTS: [(&str, usize, u8, usize); 11] = [
     ("gemvq4r_", 4, 0, 4),
     ("gemvq8r_", 8, 0, 2),
     ("gemvq_glu8r_", 8, 1, 2),
+    ("gemvq1r2_", 1, 0, 2),
+    ("gemvq1r4_", 1, 0, 4),
+    ("gemvq_glu1r_", 1, 1, 2),
+    ("gemvq_comb_r_", 1, 2, 2),
 ];
 
 /// One compiled module = one op file (gemvq: one module per weight type). Compiled lazily, once

@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Per-step kernel time from a cupti_trace.c CSV (issue 12's measuring instrument).
 
-usage: timeline.py TRACE.csv [--last N] [--end REGEX]
+usage: timeline.py TRACE.csv [--last N] [--end REGEX] [--launches]
 
 A step ends with the sampling kernel (--end). Of the last N steps (default 32), each kernel is
 charged its exclusive time: from the previous kernel's end (or its own start, if later) to its
 own end, so the charges of a step add up to the step's GPU span and a programmatic dependent
 launch that starts early is charged only for what it adds. `idle` is GPU time with no kernel
 running between two kernels of a step, `host` the gap between steps (the host's part of the
-token loop). Prints one table, kernels by their share of the step."""
+token loop). Prints one table, kernels by their share of the step; with --launches a second one,
+every launch of a step in order (a kernel's k-th launch of a step matched across steps, the
+median over them) with its grid: which matrix a GEMV's time goes to."""
 import collections
 import csv
 import re
@@ -38,18 +40,28 @@ excl = collections.defaultdict(float)
 dur = collections.defaultdict(float)
 cnt = collections.Counter()
 idle = host = span = 0.0
+per_launch = collections.defaultdict(list)
+grids = {}
+order = []
 prev_end = steps[0][-1][1]
 for st in steps[1:]:
     host += max(0, st[0][0] - prev_end)
     t = max(prev_end, st[0][0])
     first = True
+    seen = collections.Counter()
     for (s, e, name, gx, gy, gz) in st:
         key = re.sub(r"<.*", "", name)
+        seen[key] += 1
+        occ = (key, seen[key])
         if not first and s > t:
             idle += s - t
         first = False
         start = max(s, t)
         excl[key] += max(0, e - start)
+        per_launch[occ].append((max(0, e - start), e - s))
+        if occ not in grids:
+            grids[occ] = "%s,%s,%s" % (gx, gy, gz)
+            order.append(occ)
         dur[key] += e - s
         cnt[key] += 1
         t = max(t, e)
@@ -62,3 +74,13 @@ print("steps %d, wall %.1f us a step (%.1f tok/s at one token a step), GPU span 
 print("%-44s %6s %9s %9s %6s" % ("kernel", "n/step", "excl us", "dur us", "share"))
 for k, v in sorted(excl.items(), key=lambda kv: -kv[1]):
     print("%-44s %6.1f %9.1f %9.1f %5.1f%%" % (k[:44], cnt[k] / n, v / n / 1e3, dur[k] / n / 1e3, 100 * v / n / 1e3 / wall))
+if "--launches" in args:
+    def median(v):
+        v = sorted(v)
+        return v[len(v) // 2] if v else 0.0
+    print()
+    print("%-4s %-36s %3s %-16s %5s %9s %9s" % ("#", "kernel", "k", "grid", "steps", "excl us", "dur us"))
+    for i, occ in enumerate(order):
+        v = per_launch[occ]
+        print("%-4d %-36s %3d %-16s %5d %9.2f %9.2f" % (
+            i, occ[0][:36], occ[1], grids[occ], len(v), median([a for a, _ in v]) / 1e3, median([b for _, b in v]) / 1e3))

@@ -238,8 +238,8 @@ fn gemvq(
 }
 
 #[test]
-fn gemvq_q4_k_q8_0_iq4_nl_match_f64_within_the_gpu_bound() {
-    if !compiler("gemvq_q4_k_q8_0_iq4_nl_match_f64_within_the_gpu_bound") {
+fn gemvq_q4_k_q6_k_q8_0_iq4_nl_match_f64_within_the_gpu_bound() {
+    if !compiler("gemvq_q4_k_q6_k_q8_0_iq4_nl_match_f64_within_the_gpu_bound") {
         return;
     }
     let mut r = Rng::new("emu gemvq");
@@ -251,14 +251,16 @@ fn gemvq_q4_k_q8_0_iq4_nl_match_f64_within_the_gpu_bound() {
     tables.t[6] = kvalues.ptr() as *const u8;
     for (ty, qt) in [
         (GgmlType::Q4_K, QType::Q4K),
+        (GgmlType::Q6_K, QType::Q6K),
         (GgmlType::Q8_0, QType::Q8_0),
         (GgmlType::IQ4_NL, QType::IQ4NL),
     ] {
-        // One column (every k-split), eight and five columns (the 8-column kernels with
-        // several rows per lane group, and with one); K = 768 gives 4 or 8 lanes per row.
+        // One column (every k-split, 1, 2 and 4 rows per lane group), eight and five columns
+        // (the 8-column kernels with several rows per lane group, and with one); K = 768 gives
+        // 4 or 8 lanes per row; 129 and 42 rows leave the last group partial.
         for (rows, k, ncols) in [
             (129usize, 256usize, 1usize),
-            (40, 768, 1),
+            (42, 768, 1),
             (64, 512, 8),
             (33, 768, 5),
         ] {
@@ -274,7 +276,10 @@ fn gemvq_q4_k_q8_0_iq4_nl_match_f64_within_the_gpu_bound() {
             let runs: Vec<(String, usize, usize)> = if ncols == 1 {
                 [1, 2, 4]
                     .iter()
-                    .map(|&ks| (format!("gemvq1_{}", qt.suffix()), 1, ks))
+                    .flat_map(|&ks| {
+                        [("gemvq1_", 1), ("gemvq1r2_", 2), ("gemvq1r4_", 4)]
+                            .map(|(e, rpg)| (format!("{e}{}", qt.suffix()), rpg, ks))
+                    })
                     .collect()
             } else {
                 vec![
@@ -290,12 +295,19 @@ fn gemvq_q4_k_q8_0_iq4_nl_match_f64_within_the_gpu_bound() {
                     "gemvq {ty} {rows}x{k} x{ncols} {entry} split {ks}: worst {worst:.3e} of tol"
                 ));
                 assert!(ok, "gemvq {ty} {rows}x{k} x{ncols} {entry} split {ks}");
-                // The row-per-group variants sum the same products in the same order.
-                if ncols > 1 {
+                // The row-per-group variants sum the same products in the same order (one
+                // column: at the same k-split): bitwise here, where nothing is contracted into
+                // an FMA (on the GPU ptxas contracts per kernel: kernels-gpu checks bounds).
+                if ncols > 1 || rpg > 1 {
                     if let Some(f) = &first {
                         let same = f.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits());
-                        assert!(same, "{ty} {rows}x{k} x{ncols}: {entry} differs bitwise");
+                        assert!(
+                            same,
+                            "{ty} {rows}x{k} x{ncols}: {entry} split {ks} differs bitwise"
+                        );
                     }
+                }
+                if ncols > 1 || rpg == 1 {
                     first = Some(y);
                 }
             }
@@ -309,17 +321,18 @@ fn gemvq_q4_k_q8_0_iq4_nl_match_f64_within_the_gpu_bound() {
 fn gemvq_stacked(
     ty: GgmlType,
     qt: QType,
+    (prefix, rpg): (&str, usize),
     ks: usize,
     mats: &[(&Buf<u8>, usize)],
     k: usize,
     q: &(Buf<i8>, Buf<u64>),
     tables: QTables,
 ) -> Vec<Vec<f32>> {
-    let entry = format!("gemvq1_{}", qt.suffix());
+    let entry = format!("{prefix}{}", qt.suffix());
     let m = module(Op::GemvQ(qt));
     let f: GemvqFn = unsafe { m.entry(&entry) }.unwrap();
     let lpr = lanes_for_tasks(k / qt.task_weights());
-    let rows_per_block = (4 / ks) * (32 / lpr);
+    let rows_per_block = (4 / ks) * (32 / lpr) * rpg;
     let bs = ty.block_size();
     let mut ys: Vec<Buf<f32>> = mats
         .iter()
@@ -387,10 +400,11 @@ fn gemvq_stacked_matrices_equal_their_own_launches_bitwise() {
     };
     // Q4_K in the GGUF layout; Q8_0 repacked (scales after all of a matrix's blocks: each
     // segment's own block count must reach the kernel). Row counts that end mid-block of rows
-    // and a segment shorter than a block's rows.
+    // and a segment shorter than a block's rows; the segments start at multiples of 4, so
+    // the launches of 2 and 4 rows per lane group stack them too (the wrapper's rule).
     for (ty, qt) in [(GgmlType::Q4_K, QType::Q4K), (GgmlType::Q8_0, QType::Q8_0)] {
         let k = 768;
-        let rows = [129usize, 40, 3];
+        let rows = [132usize, 40, 3];
         let x = activations(&mut r, 1, k);
         let (qc, qd, qsum) = quantize(&x, 1, k, k, (k / 32).div_ceil(8) as u32);
         let recs = q8_records(&qd, &qsum);
@@ -404,13 +418,15 @@ fn gemvq_stacked_matrices_equal_their_own_launches_bitwise() {
             })
             .collect();
         for n in [2usize, 3] {
-            for ks in [1usize, 2, 4] {
+            for (ks, v) in [1usize, 2, 4].into_iter().flat_map(|ks| {
+                [("gemvq1_", 1), ("gemvq1r2_", 2), ("gemvq1r4_", 4)].map(|v| (ks, v))
+            }) {
                 let mats: Vec<(&Buf<u8>, usize)> = bufs[..n]
                     .iter()
                     .zip(&rows)
                     .map(|(b, &m)| (&b.0, m))
                     .collect();
-                let ys = gemvq_stacked(ty, qt, ks, &mats, k, &q, tables);
+                let ys = gemvq_stacked(ty, qt, v, ks, &mats, k, &q, tables);
                 for (i, y) in ys.iter().enumerate() {
                     let nblk = rows[i] * k / ty.block_size();
                     let alone = gemvq(
@@ -427,15 +443,237 @@ fn gemvq_stacked_matrices_equal_their_own_launches_bitwise() {
                         tables,
                     );
                     let same = alone.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{ty} stack of {n}, split {ks}: matrix {i} differs");
+                    assert!(
+                        same,
+                        "{ty} stack of {n}, split {ks}, {} rows a group: matrix {i} differs",
+                        v.1
+                    );
                     let (ok, worst) = gemvq_verify(&bufs[i].1, &x, &qc, &qd, y, rows[i], k, 1);
                     assert!(ok, "{ty} stack of {n}, split {ks}, matrix {i}: {worst:.3e}");
                 }
                 say(&format!(
-                    "gemvq stacked {ty} x{n} split {ks}: bitwise the lone launches"
+                    "gemvq stacked {ty} x{n} split {ks}, {} rows a group: bitwise the lone launches",
+                    v.1
                 ));
             }
         }
+    }
+}
+
+/// q8a activations as the device holds them: codes, block records.
+type DevQ8 = (Buf<i8>, Buf<u64>);
+
+/// One-column GLU (gate + up + SiLU over expert channels, the shared expert as the last) and
+/// combine (down projections + weighted sum over a token's slots, the shared expert as one more
+/// slot) launches of `prefix` (rows per lane group `rpg`) at k-split `ks`, as `Gpu::gemv_q_shared`
+/// launches them. Returns (GLU outputs, `ids.len() + 1` channels of `rows`; combine outputs).
+#[allow(clippy::too_many_arguments)]
+fn gemvq_glu_combine(
+    (glu, comb, rpg): (&str, &str, usize),
+    ks: usize,
+    (gate, up, down): (&Buf<u8>, &Buf<u8>, &Buf<u8>),
+    (sgate, sup, sdown): (&Buf<u8>, &Buf<u8>, &Buf<u8>),
+    (rows, k_glu, k_comb): (usize, usize, usize),
+    ids: &Buf<i32>,
+    cw: &Buf<f32>,
+    (xg, xc): (&DevQ8, &DevQ8),
+) -> (Vec<f32>, Vec<f32>) {
+    let qt = QType::Q4K;
+    let m = module(Op::GemvQ(qt));
+    let t = QTables {
+        t: [std::ptr::null(); 8],
+    };
+    let topk = ids.to_vec().len();
+    let bs = GgmlType::Q4_K.block_size();
+    let launch = |entry: &str, p: GemvQParams, k: usize, channels: usize| {
+        let f: GemvqFn = unsafe { m.entry(entry) }.unwrap();
+        let lpr = lanes_for_tasks(k / qt.task_weights());
+        let rows_per_block = (4 / ks) * (32 / lpr) * rpg;
+        let grid = [rows.div_ceil(rows_per_block) as u32, channels as u32, 1];
+        m.launch(entry, grid, [128, 1, 1], 0, &|| unsafe { f(p, t) })
+            .unwrap();
+    };
+    let base = |k: usize| GemvQParams {
+        w: std::ptr::null(),
+        w2: std::ptr::null(),
+        nblk: (rows * k / bs) as i64,
+        nrows: rows as i32,
+        k: k as i32,
+        n_slabs: 5,
+        lpr: lanes_for_tasks(k / qt.task_weights()) as i32,
+        count: 1,
+        ncols: 1,
+        ids: ids.ptr(),
+        xidx: std::ptr::null(),
+        x_div: 1,
+        ctopk: 0,
+        x: Q8AParams {
+            qs: std::ptr::null(),
+            ds: std::ptr::null(),
+            rows: 0,
+        },
+        y: std::ptr::null_mut(),
+        yidx: std::ptr::null(),
+        y_stride: rows as i64,
+        y_rows: 0,
+        cw: std::ptr::null(),
+        ksplit: ks as i32,
+        accum: 0,
+        ws: std::ptr::null(),
+        ws2: std::ptr::null(),
+        ws_nblk: (rows * k / bs) as i64,
+        nseg: 1,
+        seg_row: [0; 2],
+        seg_w: [std::ptr::null(); 2],
+        seg_y: [std::ptr::null_mut(); 2],
+        seg_nblk: [0; 2],
+    };
+    let mut act = Buf::filled((topk + 1) * rows, f32::NAN);
+    let p = GemvQParams {
+        w: gate.ptr(),
+        w2: up.ptr(),
+        count: topk as i32 + 1,
+        x_div: topk as i32 + 1,
+        x: Q8AParams {
+            qs: xg.0.ptr(),
+            ds: xg.1.ptr(),
+            rows: 1,
+        },
+        y: act.mut_ptr(),
+        y_rows: topk as i64 + 1,
+        ws: sgate.ptr(),
+        ws2: sup.ptr(),
+        ..base(k_glu)
+    };
+    launch(&format!("{glu}{}", qt.suffix()), p, k_glu, topk + 1);
+    let mut y = Buf::filled(rows, f32::NAN);
+    let p = GemvQParams {
+        w: down.ptr(),
+        ctopk: topk as i32,
+        x: Q8AParams {
+            qs: xc.0.ptr(),
+            ds: xc.1.ptr(),
+            rows: topk as i64 + 1,
+        },
+        y: y.mut_ptr(),
+        y_rows: 1,
+        cw: cw.ptr(),
+        ws: sdown.ptr(),
+        ..base(k_comb)
+    };
+    launch(&format!("{comb}{}", qt.suffix()), p, k_comb, 1);
+    (act.to_vec(), y.to_vec())
+}
+
+/// The one-column GLU and combine kernels with two rows per lane group (`gemvq_glu1r_`,
+/// `gemvq_comb_r_`) against the f64 products (kernels/tests/gpu.rs's bounds: mmq_dot's (A) per
+/// product, mmq_glu_want through silu(g) * u) and bitwise against the one-row kernels at every
+/// k-split; an odd row count leaves the last group half used, an empty slot (-1) its GLU
+/// channel untouched and the combine without it, the shared expert rides both.
+#[test]
+fn gemvq_glu_and_combine_two_rows_per_group_match_f64_and_one_row_bitwise() {
+    if !compiler("gemvq_glu_and_combine_two_rows_per_group_match_f64_and_one_row_bitwise") {
+        return;
+    }
+    let mut r = Rng::new("emu gemvq glu combine rows");
+    let ty = GgmlType::Q4_K;
+    let (ne, rows, kg, kc) = (5usize, 133usize, 512usize, 256usize);
+    let mat = |r: &mut Rng, slabs: usize, k: usize| {
+        let b = sane_blocks(ty, slabs * rows * k, r);
+        (dequant_cpu(ty, &b), Buf::new(&b))
+    };
+    let (gw, gb) = mat(&mut r, ne, kg);
+    let (uw, ub) = mat(&mut r, ne, kg);
+    let (dw, db) = mat(&mut r, ne, kc);
+    let (sgw, sgb) = mat(&mut r, 1, kg);
+    let (suw, sub) = mat(&mut r, 1, kg);
+    let (sdw, sdb) = mat(&mut r, 1, kc);
+    let ids_h: Vec<i32> = vec![4, 0, -1, 2];
+    let topk = ids_h.len();
+    let cw_h: Vec<f32> = (0..topk).map(|_| 0.2 + r.unit()).collect();
+    let (ids, cw) = (Buf::new(&ids_h), Buf::new(&cw_h));
+    let q8 = |r: &mut Rng, n: usize, k: usize| {
+        let x = activations(r, n, k);
+        let (qc, qd, qs) = quantize(&x, n, k, k, (n * k / 32).div_ceil(8) as u32);
+        let recs = q8_records(&qd, &qs);
+        let dev = (Buf::new(&qc), Buf::new(&recs));
+        (x, qc, qd, dev)
+    };
+    let (xg, gqc, gqd, xgb) = q8(&mut r, 1, kg);
+    let (xc, cqc, cqd, xcb) = q8(&mut r, topk + 1, kc);
+    for ks in [1usize, 2, 4] {
+        let run = |v: (&str, &str, usize)| {
+            gemvq_glu_combine(
+                v,
+                ks,
+                (&gb, &ub, &db),
+                (&sgb, &sub, &sdb),
+                (rows, kg, kc),
+                &ids,
+                &cw,
+                (&xgb, &xcb),
+            )
+        };
+        let (a1, y1) = run(("gemvq_glu1_", "gemvq_comb_", 1));
+        let (a2, y2) = run(("gemvq_glu1r_", "gemvq_comb_r_", 2));
+        let same = |u: &[f32], v: &[f32]| u.iter().zip(v).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same(&a1, &a2),
+            "GLU split {ks}: 2 rows a group differ from 1"
+        );
+        assert!(
+            same(&y1, &y2),
+            "combine split {ks}: 2 rows a group differ from 1"
+        );
+        // GLU: channel c = slot c's expert, the last the shared expert's; the empty slot's
+        // channel is never written.
+        for c in 0..=topk {
+            for rr in 0..rows {
+                let got = a2[c * rows + rr];
+                let (e, g, u) = match ids_h.get(c) {
+                    Some(&e) if e < 0 => {
+                        assert!(got.is_nan(), "GLU split {ks}: empty channel {c} written");
+                        continue;
+                    }
+                    Some(&e) => (e as usize, &gw, &uw),
+                    None => (0, &sgw, &suw),
+                };
+                let (gv, _, tg, _) = mmq_dot(g, e * rows + rr, kg, &xg, &gqc, &gqd, 0);
+                let (uv, _, tu, _) = mmq_dot(u, e * rows + rr, kg, &xg, &gqc, &gqd, 0);
+                let (want, tol) = mmq_glu_want(gv, tg, uv, tu);
+                assert!(
+                    (f64::from(got) - want).abs() <= tol,
+                    "GLU split {ks} channel {c} row {rr}: {got} vs {want} (tol {tol:.2e})"
+                );
+            }
+        }
+        // Combine: slots in order (the empty one skipped), then the shared expert's row.
+        for (rr, &got) in y2.iter().enumerate() {
+            let (mut want, mut tol, mut mag) = (0f64, 0f64, 0f64);
+            for (k, &e) in ids_h.iter().enumerate() {
+                if e < 0 {
+                    continue;
+                }
+                let (v, _, t, _) = mmq_dot(&dw, e as usize * rows + rr, kc, &xc, &cqc, &cqd, k);
+                want += f64::from(cw_h[k]) * v;
+                tol += f64::from(cw_h[k]) * t;
+                mag += (f64::from(cw_h[k]) * v).abs();
+            }
+            let (v, _, t, _) = mmq_dot(&sdw, rr, kc, &xc, &cqc, &cqd, topk);
+            want += v;
+            tol += t;
+            mag += v.abs();
+            // The slot products' f32 scaling and their sum over topk + 1 slots.
+            tol += (topk as f64 + 2.0) * U32 * mag;
+            let got = f64::from(got);
+            assert!(
+                got.is_finite() && (got - want).abs() <= tol,
+                "combine split {ks} row {rr}: {got} vs {want} (tol {tol:.2e})"
+            );
+        }
+        say(&format!(
+            "gemvq glu + combine split {ks}: 2 rows a group bitwise 1, within the f64 bounds"
+        ));
     }
 }
 
