@@ -12,6 +12,15 @@
 // load of a pass is issued at once (one memory round trip per pass; a single-row decode norm is
 // bound by that latency, not by bandwidth) and the second pass reads nothing back. Wider rows
 // take the strided loops. Both visit a thread's elements in the same order (same sums).
+//
+// Parts (register path only): gridDim.y blocks share a row. Every part loads the whole row and
+// forms its sum of squares exactly as one block does (the same elements per thread, the same
+// reduction: the same inverse norm, bit for bit), but writes, and reads the weights of, only
+// its register slots j with j % gridDim.y == blockIdx.y. A decode step's one-row norm ran on one
+// SM, and its time grew with the row (H100 timeline: 5.0 us at 2,048 values over 512 threads,
+// 8.7 us at 6,144 over 1,024): the per-slot epilogue (scaling, the q8 blocks' shuffles and
+// divisions) of 32 warps on one SM's issue slots; parts spread it over as many SMs. Nothing a
+// part writes is read by another (the host refuses parts where x, res, xo or y overlap).
 #define RMS_REGS 8
 
 // Output element i of row r: y = w * x * inv, and its q8 code when `qs` is set (the warp holds
@@ -38,6 +47,7 @@ extern "C" __global__ void rmsnorm_f32(const float* x, long long x_stride,
     float* yr = y + r * y_stride;
     const int bd = blockDim.x, t = threadIdx.x;
     if (n <= RMS_REGS * bd) {
+        const int parts = gridDim.y, part = blockIdx.y;
         // The weights are loaded with the row, before the reduction: after it they were a
         // second memory round trip (a 6,144-wide decode row: 9.1 -> 7.3 us, H200, cold caches).
         float xv[RMS_REGS], wv[RMS_REGS];
@@ -50,7 +60,7 @@ extern "C" __global__ void rmsnorm_f32(const float* x, long long x_stride,
             if (i < n) {
                 v = xr[i];
                 if (res) v += res[r * res_stride + i];
-                if (w) wv[j] = w[i];
+                if (w && j % parts == part) wv[j] = w[i];
             }
             xv[j] = v;
         }
@@ -58,7 +68,7 @@ extern "C" __global__ void rmsnorm_f32(const float* x, long long x_stride,
         for (int j = 0; j < RMS_REGS; ++j) {
             const int i = t + j * bd;
             if (i < n) {
-                if (res) xo[r * xo_stride + i] = xv[j];
+                if (res && j % parts == part) xo[r * xo_stride + i] = xv[j];
                 ss += xv[j] * xv[j];
             }
         }
@@ -70,7 +80,7 @@ extern "C" __global__ void rmsnorm_f32(const float* x, long long x_stride,
 #pragma unroll
         for (int j = 0; j < RMS_REGS; ++j) {
             const int i = t + j * bd;
-            live[j] = i < n;
+            live[j] = i < n && j % parts == part;
             const float h = xv[j] * inv;
             xv[j] = w ? wv[j] * h : h;
             if (live[j]) yr[i] = xv[j];
@@ -78,6 +88,7 @@ extern "C" __global__ void rmsnorm_f32(const float* x, long long x_stride,
         if (qs) q8a_store_blocks<RMS_REGS>(xv, live, r * (long long)n + t, bd, qs, qd);
         return;
     }
+    if (blockIdx.y > 0) return;  // parts are the register path's (the host launches one)
     float ss = 0.0f;
     for (int i = t; i < n; i += bd) {
         float v = xr[i];

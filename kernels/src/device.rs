@@ -168,6 +168,8 @@ pub struct Gpu {
     /// The f32-activation GEMV splits K over a block's warps for matrices of few rows
     /// (`GGUFTOOL_GEMV_KSPLIT=0` turns it off).
     gemv_ksplit: AtomicBool,
+    /// A one-row RMSNorm spreads its outputs over several blocks (`GGUFTOOL_RMS_PARTS=1`).
+    rms_parts: AtomicBool,
     resources: Mutex<Vec<KernelResources>>,
     tables: OnceLock<DeviceTables>,
     blas: OnceLock<cudarc::cublas::CudaBlas>,
@@ -351,6 +353,7 @@ impl Gpu {
             gemv_ksplit: AtomicBool::new(
                 std::env::var("GGUFTOOL_GEMV_KSPLIT").map_or(true, |v| v != "0"),
             ),
+            rms_parts: AtomicBool::new(std::env::var("GGUFTOOL_RMS_PARTS").is_ok_and(|v| v == "1")),
             resources: Mutex::new(Vec::new()),
             tables: OnceLock::new(),
             blas: OnceLock::new(),
@@ -506,6 +509,17 @@ impl Gpu {
     }
     pub(crate) fn gemv_ksplit(&self) -> bool {
         self.gemv_ksplit.load(Ordering::Relaxed)
+    }
+
+    /// One-row RMSNorms (a decode step's) in parts: one block per register slot of the row,
+    /// each forming the whole row's sum of squares and writing its slot's outputs (rmsnorm.cu;
+    /// bitwise the one-block kernel). Off by default until a GPU timing says it is faster
+    /// (`GGUFTOOL_RMS_PARTS=1` starts a device with it on).
+    pub fn set_rms_parts(&self, on: bool) {
+        self.rms_parts.store(on, Ordering::Relaxed);
+    }
+    pub(crate) fn rms_parts(&self) -> bool {
+        self.rms_parts.load(Ordering::Relaxed)
     }
 
     pub(crate) fn gemvq_ksplit(&self) -> Option<usize> {

@@ -50,6 +50,10 @@ impl Rows {
     }
 }
 
+/// rmsnorm.cu's `RMS_REGS`: values a thread holds in registers (rows up to this many times
+/// the block take the register path, the only one with parts).
+const RMS_REGS: usize = 8;
+
 fn block_for(n: usize) -> u32 {
     // Wide rows get the most threads: a single row (decode) is one block, bound by how many
     // loads are in flight, not by the SM's arithmetic.
@@ -255,7 +259,6 @@ impl Gpu {
         }
         let f = self.func(Op::RmsNorm, "rmsnorm_f32")?;
         let threads = rms_block(l.n);
-        let cfg = self.cfg(OP, (l.rows as u64, 1, 1), threads)?;
         debug_assert!(threads.is_multiple_of(32));
         let (q8, qp, dp) = if want_q8 {
             let (q, qp, dp) = Q8Act::alloc(self, l.rows, l.n)?;
@@ -285,6 +288,23 @@ impl Gpu {
                 (pi, po, Some(gi), Some(go))
             }
         };
+        // A single row in parts (one block per register slot) where nothing a part writes
+        // (y, the residual sum) overlaps what the others read (x, res).
+        let bytes = |p: u64, stride: usize| (p, p + 4 * span(l.rows, stride, l.n) as u64);
+        let apart = |a: (u64, u64), b: (u64, u64)| a.0 == 0 || b.0 == 0 || a.1 <= b.0 || b.1 <= a.0;
+        let (xr, rr) = (bytes(xp, l.x_stride), bytes(ip, l.y_stride));
+        let (yr, hr) = (bytes(yp, l.y_stride), bytes(op, l.y_stride));
+        let slots = l.n.div_ceil(threads as usize);
+        let parts = if l.rows == 1
+            && self.rms_parts()
+            && slots <= RMS_REGS
+            && [xr, rr].iter().all(|&a| apart(a, yr) && apart(a, hr))
+        {
+            slots
+        } else {
+            1
+        };
+        let cfg = self.cfg(OP, (l.rows as u64, parts as u64, 1), threads)?;
         let (xs, ys) = (l.x_stride as i64, l.y_stride as i64);
         let n = to_i32(OP, "n", l.n)?;
         let mut b = self.args(&f);
@@ -297,7 +317,8 @@ impl Gpu {
             .arg(&qp)
             .arg(&dp);
         // SAFETY: extents of x, res, h, y and w checked above; the q8 regions were sized for
-        // l.rows x l.n by Q8Act::alloc.
+        // l.rows x l.n by Q8Act::alloc; parts only where no part's writes overlap another's
+        // reads.
         unsafe { self.launch(OP, b, cfg) }?;
         Ok(q8)
     }

@@ -547,6 +547,44 @@ fn rms_norm_and_layer_norm_match_f64() {
         row("add_rms_norm", &format!("{rows}x{n}"), worst, tol_rel, ok);
         assert!(ok, "add_rms_norm n={n} (residual exact: {exact})");
 
+        // A decode row in parts (`set_rms_parts`, one block per register slot): the residual
+        // sum, the output and its q8 activations bitwise the one-block launch's.
+        let one_row = |parts: bool| {
+            g.set_rms_parts(parts);
+            let dres = g.upload(&res[..n]).unwrap();
+            let mut dh = nan_buf(&g, n);
+            let mut dy = nan_buf(&g, n);
+            let q = g
+                .add_rms_norm_to_q8(
+                    &dx,
+                    &dres,
+                    &mut dh,
+                    Some(&dwv),
+                    &mut dy,
+                    Rows::dense(1, n),
+                    eps,
+                )
+                .unwrap();
+            g.set_rms_parts(false);
+            let (qc, qd, qs) = q.to_host(&g).unwrap();
+            (
+                g.download(&dh).unwrap(),
+                g.download(&dy).unwrap(),
+                qc,
+                qd,
+                qs,
+            )
+        };
+        let (one, split) = (one_row(false), one_row(true));
+        let bits = |u: &[f32], v: &[f32]| u.iter().zip(v).all(|(p, q)| p.to_bits() == q.to_bits());
+        let same = bits(&one.0, &split.0)
+            && bits(&one.1, &split.1)
+            && one.2 == split.2
+            && bits(&one.3, &split.3)
+            && one.4 == split.4;
+        row("add_rms_norm parts", &format!("1x{n}"), 0.0, 0.0, same);
+        assert!(same, "add_rms_norm n={n}: parts differ from one block");
+
         // LayerNorm: two-pass mean/variance, same error budget.
         let mut dy = nan_buf(&g, rows * n);
         g.layer_norm(

@@ -1322,33 +1322,51 @@ fn rmsnorm_matches_f64_with_residual_and_q8_epilogue() {
         let res = r.vec(rows * n, 1.0);
         let w = r.vec(n, 1.5);
         let (xb, rb, wb) = (Buf::new(&x), Buf::new(&res), Buf::new(&w));
-        let mut y = Buf::filled(rows * n, f32::NAN);
-        let mut xo = Buf::filled(rows * n, f32::NAN);
-        let mut qs = Buf::filled(rows * n, 0x55i8);
-        let mut qd = Buf::filled(rows * n / 32, u64::MAX);
-        let (xp, rp, wp, yp, xop, qp, dp) = (
-            xb.ptr(),
-            rb.ptr(),
-            wb.ptr(),
-            y.mut_ptr(),
-            xo.mut_ptr(),
-            qs.mut_ptr(),
-            qd.mut_ptr(),
-        );
-        m.launch(
-            "rmsnorm_f32",
-            [rows as u32, 1, 1],
-            [bd, 1, 1],
-            0,
-            &|| unsafe {
-                f(
-                    xp, n as i64, rp, n as i64, xop, n as i64, wp, yp, n as i64, n as i32, eps, qp,
-                    dp,
-                )
-            },
-        )
-        .unwrap();
-        let (y, h) = (y.to_vec(), xo.to_vec());
+        // One launch over `parts` blocks a row: (y, x + res, q8 codes, q8 records).
+        let run = |parts: u32| {
+            let mut y = Buf::filled(rows * n, f32::NAN);
+            let mut xo = Buf::filled(rows * n, f32::NAN);
+            let mut qs = Buf::filled(rows * n, 0x55i8);
+            let mut qd = Buf::filled(rows * n / 32, u64::MAX);
+            let (xp, rp, wp, yp, xop, qp, dp) = (
+                xb.ptr(),
+                rb.ptr(),
+                wb.ptr(),
+                y.mut_ptr(),
+                xo.mut_ptr(),
+                qs.mut_ptr(),
+                qd.mut_ptr(),
+            );
+            m.launch(
+                "rmsnorm_f32",
+                [rows as u32, parts, 1],
+                [bd, 1, 1],
+                0,
+                &|| unsafe {
+                    f(
+                        xp, n as i64, rp, n as i64, xop, n as i64, wp, yp, n as i64, n as i32, eps,
+                        qp, dp,
+                    )
+                },
+            )
+            .unwrap();
+            (y.to_vec(), xo.to_vec(), qs.to_vec(), qd.to_vec())
+        };
+        let (y, h, qs, qd) = run(1);
+        // Parts (the register path: one block per register slot of the row, as the wrapper
+        // launches a decode row): every output bitwise the one-block launch's.
+        let slots = n.div_ceil(bd as usize);
+        if slots <= 8 {
+            for parts in [slots as u32, 2] {
+                let (py, ph, pq, pd) = run(parts);
+                let same =
+                    |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(u, v)| u.to_bits() == v.to_bits());
+                assert!(same(&py, &y), "n {n}, {parts} parts: y");
+                assert!(same(&ph, &h), "n {n}, {parts} parts: x + res");
+                assert_eq!(pq, qs, "n {n}, {parts} parts: q8 codes");
+                assert_eq!(pd, qd, "n {n}, {parts} parts: q8 records");
+            }
+        }
         // The residual sum is one exact f32 add per element.
         let hs: Vec<f32> = x.iter().zip(&res).map(|(a, b)| a + b).collect();
         assert!(
@@ -1373,8 +1391,8 @@ fn rmsnorm_matches_f64_with_residual_and_q8_epilogue() {
         assert!(worst <= tol, "rmsnorm n {n}: {worst:e} > {tol:e}");
         // The fused q8 epilogue quantizes y exactly as quantize.cu does.
         let (cq, cd, cs) = q8_cpu(&y);
-        let recs = qd.to_vec();
-        assert_eq!(qs.to_vec(), cq, "n {n}: q8 codes");
+        let recs = qd;
+        assert_eq!(qs, cq, "n {n}: q8 codes");
         for (b, rec) in recs.iter().enumerate() {
             assert_eq!(*rec as u32, cd[b].to_bits(), "n {n}: block {b} scale");
             assert_eq!(
