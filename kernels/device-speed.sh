@@ -615,7 +615,7 @@ fi
 
 # 18. STAGE=fin15 (fifteenth session, H200): llama.cpp built in the background; tg128 of the
 #     previous commit (gguftool-b) and of this tree with one row per group, the default (2 rows
-#     for launches of <= 8 one-row waves) and 2 rows everywhere (GGUFTOOL_GEMVQ1_WAVES=0),
+#     for launches of <= 8 waves) and 2 rows everywhere (GGUFTOOL_GEMVQ1_WAVES=0),
 #     alternating; every launch of the three timelines; the closing figures of both tools with
 #     the fastest; the CUDA backend against the CPU with what is left.
 if [ "$STAGE" = fin15 ]; then

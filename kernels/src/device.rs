@@ -424,8 +424,8 @@ impl Gpu {
     pub(crate) fn gemvq1_rows(&self) -> usize {
         self.gemvq1_rows.load(Ordering::Relaxed)
     }
-    /// The most waves of one-row blocks a one-column launch may have and still take several
-    /// rows per group (default [`crate::gemvq::GEMVQ1_ROWS_MAX_WAVES`], also
+    /// The most waves of blocks a one-column launch may have and still take several rows per
+    /// group (default [`crate::gemvq::GEMVQ1_ROWS_MAX_WAVES`], also
     /// `GGUFTOOL_GEMVQ1_WAVES`; 0: no limit).
     pub fn set_gemvq1_waves(&self, waves: usize) {
         self.gemvq1_waves.store(waves, Ordering::Relaxed);

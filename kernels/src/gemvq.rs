@@ -33,8 +33,8 @@ pub const Q8_REL_ERR: f64 = 0.0223;
 /// Default most rows per lane group of one-column launches ([`crate::Gpu::set_gemvq1_rows`]).
 pub const GEMVQ1_ROWS: usize = 2;
 
-/// One-column launches take several rows per lane group only up to this many waves of the
-/// one-row kernel's blocks (see `gemv_q_impl`; [`crate::Gpu::set_gemvq1_waves`]).
+/// One-column launches take several rows per lane group only up to this many waves of their
+/// blocks (see `gemv_q_impl`; [`crate::Gpu::set_gemvq1_waves`]).
 pub(crate) const GEMVQ1_ROWS_MAX_WAVES: usize = 8;
 
 /// Activations on the device in the q8a layout of quantize.cu: `rows` rows of `k` values; codes,
@@ -546,24 +546,26 @@ impl Gpu {
         }
         let tasks = shape.k / tw;
         let lpr = lanes_for_tasks(tasks);
-        let mut picked = variant(cols, vmode, want);
-        // One column: several rows per group only for launches of a few waves of one-row
-        // blocks, where they shorten the ramp and tail; a long launch already streams at copy
-        // bandwidth with one row, and the several-row kernels' registers cost it resident blocks
-        // (H100, 2026-12-07: the 154,880-row output head 261.8 -> 280.5 us with 2 rows, the
-        // attention output 26.0 -> 23.2, the MoE down + weighted sum 29.4 -> 24.6).
+        let (mut prefix, mut rows_per_group) =
+            variant(cols, vmode, want).ok_or_else(|| shape_err(OP, "no kernel variant"))?;
+        let mut f = self.func(Op::GemvQ(qt), &format!("{prefix}{}", qt.suffix()))?;
+        // One column: several rows per group only for launches of a few waves, where they
+        // shorten the ramp and tail; a long launch already streams at copy bandwidth with one
+        // row, and the several-row kernels' registers cost it resident blocks (H100,
+        // 2026-12-07: the 154,880-row output head 261.8 -> 280.5 us with 2 rows, the attention
+        // output 26.0 -> 23.2, the MoE down + weighted sum 29.4 -> 24.6).
         let max_waves = self.gemvq1_waves();
-        if ch.ncols == 1 && max_waves > 0 && picked.is_some_and(|v| v.1 > 1) {
-            if let Some((p1, _)) = variant(cols, vmode, 1) {
-                let f1 = self.func(Op::GemvQ(qt), &format!("{p1}{}", qt.suffix()))?;
-                let slots = self.info().sm_count as usize * self.blocks_per_sm_128(&f1)? as usize;
-                let blocks = shape.rows.div_ceil(4 * (32 / lpr)) * ch.count.min(65_535);
-                if blocks > max_waves * slots {
-                    picked = Some((p1, 1));
+        if ch.ncols == 1 && max_waves > 0 && rows_per_group > 1 {
+            let slots = self.info().sm_count as usize * self.blocks_per_sm_128(&f)? as usize;
+            let blocks =
+                shape.rows.div_ceil(4 * (32 / lpr) * rows_per_group) * ch.count.min(65_535);
+            if blocks > max_waves * slots {
+                if let Some((p1, r1)) = variant(cols, vmode, 1) {
+                    (prefix, rows_per_group) = (p1, r1);
+                    f = self.func(Op::GemvQ(qt), &format!("{prefix}{}", qt.suffix()))?;
                 }
             }
         }
-        let (prefix, rows_per_group) = picked.ok_or_else(|| shape_err(OP, "no kernel variant"))?;
         match (ch.ids, ctopk) {
             // The shared GLU channel (the last) reads no id.
             (Some(ids), 0) if wsp != 0 => need_len(OP, "ids", ids.len(), ch.count - 1)?,
@@ -596,8 +598,6 @@ impl Gpu {
         if y_rows > 0 {
             need_len(OP, "y", dlen(y), (y_rows - 1) * ch.y_stride + first.rows)?;
         }
-        let name = format!("{prefix}{}", qt.suffix());
-        let f = self.func(Op::GemvQ(qt), &name)?;
         // The profile kind names type and mode, e.g. "gemvq glu q4_k".
         let kind = kind_name(
             match mode {
