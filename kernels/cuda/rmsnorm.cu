@@ -8,7 +8,8 @@
 // Needs n and blockDim.x multiples of 32 (a warp then holds one whole block per iteration) and
 // dense rows (y_stride == n).
 
-// Rows of up to RMS_REGS * blockDim.x values keep them in registers between the two passes: every
+// Rows of up to RMS_REGS (the host's kernels::norm::RMS_REGS, defined before this file)
+// * blockDim.x values keep them in registers between the two passes: every
 // load of a pass is issued at once (one memory round trip per pass; a single-row decode norm is
 // bound by that latency, not by bandwidth) and the second pass reads nothing back. Wider rows
 // take the strided loops. Both visit a thread's elements in the same order (same sums).
@@ -21,7 +22,6 @@
 // 8.7 us at 6,144 over 1,024): the per-slot epilogue (scaling, the q8 blocks' shuffles and
 // divisions) of 32 warps on one SM's issue slots; parts spread it over as many SMs. Nothing a
 // part writes is read by another (the host refuses parts where x, res, xo or y overlap).
-#define RMS_REGS 8
 
 // Output element i of row r: y = w * x * inv, and its q8 code when `qs` is set (the warp holds
 // the whole 32-block of i: n and blockDim.x are multiples of 32, so i < n is warp-uniform).

@@ -50,9 +50,10 @@ impl Rows {
     }
 }
 
-/// rmsnorm.cu's `RMS_REGS`: values a thread holds in registers (rows up to this many times
-/// the block take the register path, the only one with parts).
-const RMS_REGS: usize = 8;
+/// Values a thread of rmsnorm.cu holds in registers (`RMS_REGS`, prepended to its source by
+/// `Op::sections`): rows up to this many times the block take the register path, the only one
+/// with parts.
+pub(crate) const RMS_REGS: usize = 8;
 
 fn block_for(n: usize) -> u32 {
     // Wide rows get the most threads: a single row (decode) is one block, bound by how many

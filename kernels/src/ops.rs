@@ -290,6 +290,13 @@ impl Op {
                 ),
             ));
         }
+        if self == Op::RmsNorm {
+            // The register path's width, which the wrapper needs too (its parts).
+            v.push((
+                "rmsnorm-regs.cuh",
+                format!("#define RMS_REGS {}\n", crate::norm::RMS_REGS),
+            ));
+        }
         if let Op::Mmq(q) = self {
             let (id, suf) = q.device();
             v.push((

@@ -150,6 +150,52 @@ fn lanes_for_tasks(tasks: usize) -> usize {
     l
 }
 
+/// A plain one-channel launch's parameters (one slab, no ids, maps, shared expert or stack):
+/// every harness below starts from it and sets what its launch differs in.
+#[allow(clippy::too_many_arguments)]
+fn gemvq_params(
+    w: *const u8,
+    nblk: usize,
+    rows: usize,
+    k: usize,
+    lpr: usize,
+    ks: usize,
+    x: Q8AParams,
+    y: *mut f32,
+) -> GemvQParams {
+    GemvQParams {
+        w,
+        w2: std::ptr::null(),
+        nblk: nblk as i64,
+        nrows: rows as i32,
+        k: k as i32,
+        n_slabs: 1,
+        lpr: lpr as i32,
+        count: 1,
+        ncols: 1,
+        ids: std::ptr::null(),
+        xidx: std::ptr::null(),
+        x_div: 1,
+        ctopk: 0,
+        x,
+        y,
+        yidx: std::ptr::null(),
+        y_stride: rows as i64,
+        y_rows: 1,
+        cw: std::ptr::null(),
+        ksplit: ks as i32,
+        accum: 0,
+        ws: std::ptr::null(),
+        ws2: std::ptr::null(),
+        ws_nblk: 0,
+        nseg: 1,
+        seg_row: [0; 2],
+        seg_w: [std::ptr::null(); 2],
+        seg_y: [std::ptr::null_mut(); 2],
+        seg_nblk: [0; 2],
+    }
+}
+
 /// The q8a block records as the device holds them (d, then the two half sums as i16), from
 /// the quantize kernel's host output.
 fn q8_records(qd: &[f32], qsum: &[i16]) -> Vec<u64> {
@@ -195,41 +241,17 @@ fn gemvq(
     let lpr = lanes_for_tasks(k / tw);
     let rows_per_block = (4 / ks) * (32 / lpr) * rpg;
     let mut y = Buf::filled(ncols * rows, f32::NAN);
-    let p = GemvQParams {
-        w: w.ptr(),
-        w2: std::ptr::null(),
-        nblk: nblk as i64,
-        nrows: rows as i32,
-        k: k as i32,
-        n_slabs: 1,
-        lpr: lpr as i32,
-        count: 1,
-        ncols: ncols as i32,
-        ids: std::ptr::null(),
-        xidx: std::ptr::null(),
-        x_div: 1,
-        ctopk: 0,
-        x: Q8AParams {
-            qs: q.0.ptr(),
-            ds: q.1.ptr(),
-            rows: ncols as i64,
-        },
-        y: y.mut_ptr(),
-        yidx: std::ptr::null(),
-        y_stride: rows as i64,
-        y_rows: ncols as i64,
-        cw: std::ptr::null(),
-        ksplit: ks as i32,
-        accum: 0,
-        ws: std::ptr::null(),
-        ws2: std::ptr::null(),
-        ws_nblk: 0,
-        nseg: 1,
-        seg_row: [0; 2],
-        seg_w: [std::ptr::null(); 2],
-        seg_y: [std::ptr::null_mut(); 2],
-        seg_nblk: [0; 2],
+    let x = Q8AParams {
+        qs: q.0.ptr(),
+        ds: q.1.ptr(),
+        rows: ncols as i64,
     };
+    let p = GemvQParams {
+        ncols: ncols as i32,
+        y_rows: ncols as i64,
+        ..gemvq_params(w.ptr(), nblk, rows, k, lpr, ks, x, y.mut_ptr())
+    };
+
     let t = tables;
     let grid = rows.div_ceil(rows_per_block) as u32;
     m.launch(entry, [grid, 1, 1], [128, 1, 1], 0, &|| unsafe { f(p, t) })
@@ -339,41 +361,26 @@ fn gemvq_stacked(
         .map(|&(_, n)| Buf::filled(n, f32::NAN))
         .collect();
     let total: usize = mats.iter().map(|m| m.1).sum();
-    let mut p = GemvQParams {
-        w: mats[0].0.ptr(),
-        w2: std::ptr::null(),
-        nblk: (mats[0].1 * k / bs) as i64,
-        nrows: total as i32,
-        k: k as i32,
-        n_slabs: 1,
-        lpr: lpr as i32,
-        count: 1,
-        ncols: 1,
-        ids: std::ptr::null(),
-        xidx: std::ptr::null(),
-        x_div: 1,
-        ctopk: 0,
-        x: Q8AParams {
-            qs: q.0.ptr(),
-            ds: q.1.ptr(),
-            rows: 1,
-        },
-        y: ys[0].mut_ptr(),
-        yidx: std::ptr::null(),
-        y_stride: mats[0].1 as i64,
-        y_rows: 1,
-        cw: std::ptr::null(),
-        ksplit: ks as i32,
-        accum: 0,
-        ws: std::ptr::null(),
-        ws2: std::ptr::null(),
-        ws_nblk: 0,
-        nseg: mats.len() as i32,
-        seg_row: [0; 2],
-        seg_w: [std::ptr::null(); 2],
-        seg_y: [std::ptr::null_mut(); 2],
-        seg_nblk: [0; 2],
+    let x = Q8AParams {
+        qs: q.0.ptr(),
+        ds: q.1.ptr(),
+        rows: 1,
     };
+    let mut p = GemvQParams {
+        y_stride: mats[0].1 as i64,
+        nseg: mats.len() as i32,
+        ..gemvq_params(
+            mats[0].0.ptr(),
+            mats[0].1 * k / bs,
+            total,
+            k,
+            lpr,
+            ks,
+            x,
+            ys[0].mut_ptr(),
+        )
+    };
+
     let mut row0 = mats[0].1;
     for i in 1..mats.len() {
         p.seg_row[i - 1] = row0 as i32;
@@ -473,7 +480,7 @@ fn gemvq_glu_combine(
     ks: usize,
     (gate, up, down): (&Buf<u8>, &Buf<u8>, &Buf<u8>),
     (sgate, sup, sdown): (&Buf<u8>, &Buf<u8>, &Buf<u8>),
-    (rows, k_glu, k_comb): (usize, usize, usize),
+    (slabs, rows, k_glu, k_comb): (usize, usize, usize, usize),
     ids: &Buf<i32>,
     cw: &Buf<f32>,
     (xg, xc): (&DevQ8, &DevQ8),
@@ -493,41 +500,30 @@ fn gemvq_glu_combine(
         m.launch(entry, grid, [128, 1, 1], 0, &|| unsafe { f(p, t) })
             .unwrap();
     };
-    let base = |k: usize| GemvQParams {
-        w: std::ptr::null(),
-        w2: std::ptr::null(),
-        nblk: (rows * k / bs) as i64,
-        nrows: rows as i32,
-        k: k as i32,
-        n_slabs: 5,
-        lpr: lanes_for_tasks(k / qt.task_weights()) as i32,
-        count: 1,
-        ncols: 1,
-        ids: ids.ptr(),
-        xidx: std::ptr::null(),
-        x_div: 1,
-        ctopk: 0,
-        x: Q8AParams {
+    let base = |k: usize| {
+        let none = Q8AParams {
             qs: std::ptr::null(),
             ds: std::ptr::null(),
             rows: 0,
-        },
-        y: std::ptr::null_mut(),
-        yidx: std::ptr::null(),
-        y_stride: rows as i64,
-        y_rows: 0,
-        cw: std::ptr::null(),
-        ksplit: ks as i32,
-        accum: 0,
-        ws: std::ptr::null(),
-        ws2: std::ptr::null(),
-        ws_nblk: (rows * k / bs) as i64,
-        nseg: 1,
-        seg_row: [0; 2],
-        seg_w: [std::ptr::null(); 2],
-        seg_y: [std::ptr::null_mut(); 2],
-        seg_nblk: [0; 2],
+        };
+        let lpr = lanes_for_tasks(k / qt.task_weights());
+        GemvQParams {
+            n_slabs: slabs as i32,
+            ids: ids.ptr(),
+            ws_nblk: (rows * k / bs) as i64,
+            ..gemvq_params(
+                std::ptr::null(),
+                rows * k / bs,
+                rows,
+                k,
+                lpr,
+                ks,
+                none,
+                std::ptr::null_mut(),
+            )
+        }
     };
+
     let mut act = Buf::filled((topk + 1) * rows, f32::NAN);
     let p = GemvQParams {
         w: gate.ptr(),
@@ -608,7 +604,7 @@ fn gemvq_glu_and_combine_two_rows_per_group_match_f64_and_one_row_bitwise() {
                 ks,
                 (&gb, &ub, &db),
                 (&sgb, &sub, &sdb),
-                (rows, kg, kc),
+                (ne, rows, kg, kc),
                 &ids,
                 &cw,
                 (&xgb, &xcb),
