@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14|rows15|fin15|parts16] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14|rows15|fin15|parts16|pf17] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -687,5 +687,48 @@ echo "== tests"; grep -E "test result|FAILED|panicked" "$OUT/kernel-tests.txt" "
 grep -E "parts" "$OUT/kernel-tests.txt" | head -8
 for f in "$OUT"/launches-*.txt; do echo "== $(basename "$f")"; head -14 "$f"; done
 cat "$OUT/ab.txt"
+cat "$STEPS"
+fi
+
+# 20. STAGE=pf17 (sixteenth session): three things written without a GPU, each off by default:
+#     the weight prefetch into L2 before a GEMV's wait on the previous kernel
+#     (GGUFTOOL_PREFETCH_MB: the HBM idles while a one-block norm or the router runs), the
+#     router's coalesced F32 GEMV (GGUFTOOL_GEMV_COALESCED=1), more key splits for the short
+#     decode MLA (GGUFTOOL_MLA_DEC_SPLIT / _DIRECT), their merge by the last block of each head
+#     group instead of the combine launch (GGUFTOOL_MLA_MERGE=1), and the fifteenth session's RMSNorm in
+#     parts (GGUFTOOL_RMS_PARTS=1). Their tests first, then tg128 of the previous commit
+#     (gguftool-b) and of each setting alternating, the timeline of the combination with
+#     every launch, and the CUDA backend against the CPU with everything on.
+if [ "$STAGE" = pf17 ]; then
+cd "$D" || exit 2
+ALL="GGUFTOOL_RMS_PARTS=1 GGUFTOOL_GEMV_COALESCED=1 GGUFTOOL_PREFETCH_MB=${PF_MB:-16} GGUFTOOL_MLA_MERGE=1"
+step tests 90 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 GGUFTOOL_MLA_MERGE=1 ./kernels-gpu --test-threads=1 gemv_every gemv_glm5 gemvq_every rms_norm fused_norm mla_ 2>&1'
+[ -s /tmp/glm5.gguf ] || step synth 150 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+rm -f "$W"/ab-*.json
+ab_tg base-0 ./gguftool-b 100 X=0
+ab_tg def-0 ./gguftool 100 X=0
+for i in 1 2; do
+    ab_tg "base-$i" ./gguftool-b 25 X=0
+    ab_tg "def-$i" ./gguftool 25 X=0
+    ab_tg "pf16-$i" ./gguftool 25 GGUFTOOL_PREFETCH_MB=16
+    ab_tg "pf32-$i" ./gguftool 25 GGUFTOOL_PREFETCH_MB=32
+    ab_tg "coal-$i" ./gguftool 25 GGUFTOOL_GEMV_COALESCED=1
+    ab_tg "parts-$i" ./gguftool 25 GGUFTOOL_RMS_PARTS=1
+    ab_tg "merge-$i" ./gguftool 25 GGUFTOOL_MLA_MERGE=1
+    ab_tg "mla4m-$i" ./gguftool 25 GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0 GGUFTOOL_MLA_MERGE=1
+    ab_tg "all-$i" ./gguftool 25 $ALL
+    if [ "$i" = 1 ]; then
+        trace_run all $ALL
+        [ -s "$W/trace-all.csv" ] && python3 "$D/timeline.py" "$W/trace-all.csv" --last 48 --launches > "$OUT/launches-all.txt" 2>&1
+        rm -f "$OUT/timeline-all.txt"
+    fi
+done
+ab_table base def pf16 pf32 coal parts merge mla4m all > "$OUT/ab.txt"
+step runtime-tests 120 "$OUT/runtime-tests.txt" env $ALL GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0 ./runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_decode cuda::tests::glm5_heads_shared --test-threads=1 --nocapture
+echo "== tests"; grep -E "test result|FAILED|panicked|changed the output" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | tail -8
+grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
+grep -E "coalesced|F32" "$OUT/kernel-tests.txt" | head -6
+cat "$OUT/ab.txt"
+head -110 "$OUT/launches-all.txt"
 cat "$STEPS"
 fi

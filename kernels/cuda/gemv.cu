@@ -27,6 +27,7 @@ struct GemvF {
     int x_div, count;
     float* y;
     long long y_stride;
+    int pf;  // gemvc_f32: bytes of its row a block asks L2 for before the wait (0: none)
 };
 
 // KS > 1 (one row per group only): the 4 warps of a block split each of their row group's rows
@@ -114,3 +115,70 @@ DEV void gemv_impl(const GemvF& p, const QTables& t) {
     }
 FOR_EACH_QTYPE(GEMV_KERNEL)
 FOR_EACH_RTYPE(GEMV_KERNEL)
+
+// Plain F32 rows read coalesced (the MoE router: 256 F32 rows of 6,144 after the FFN norm).
+// gemv_impl gives each lane a 32-element chunk (128 contiguous bytes), so a warp's 16-byte load
+// touches 32 cache lines; here the block's threads take the row's float4s in turn (thread t:
+// t, t + 128, ...), so each warp load is 512 contiguous bytes. One row per block, 4 loads of a
+// thread in flight, each thread's products summed in its index order, then the warp's
+// xor-shuffle tree and the 4 warps in order: bitwise run-to-run reproducible. Before the wait
+// the block asks L2 for the first `pf` bytes of its row (channels without ids: the weights
+// are constant, prelude.cuh's rule), which then arrive while the norm before it runs.
+// Needs K % 4 == 0 and 16-byte aligned rows and input (the host checks).
+extern "C" __global__ void __launch_bounds__(128) gemvc_f32(GemvF p, QTables) {
+    __shared__ float red[4];
+    pdl_trigger();
+    const int row = blockIdx.x;
+    const long long rb = (long long)p.K * 4;
+    if (p.pf > 0 && !p.ids && row < p.nrows) {
+        const uint8_t* wr = p.w.base + ((long long)blockIdx.y % p.n_slabs * p.nrows + row) * rb;
+        const long long n = min((long long)p.pf, rb);
+        // One line more than the prefix's length in lines: the row need not start on one.
+        const int lines = (int)((n + 127) >> 7) + 1;
+        for (int l = threadIdx.x; l < lines; l += blockDim.x) prefetch_l2(wr + min(128LL * l, n - 1));
+    }
+    pdl_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n4 = p.K >> 2;
+    for (long long ch = blockIdx.y; ch < p.count; ch += gridDim.y) {
+        const long long e = p.ids ? (long long)p.ids[ch] : ch % p.n_slabs;
+        float* yp = p.y + ch * p.y_stride;
+        if (row >= p.nrows) continue;
+        if (e < 0 || e >= p.n_slabs) {  // uniform across the block
+            if (threadIdx.x == 0) yp[row] = __int_as_float(0x7fc00000);
+            continue;
+        }
+        const float4* w4 = (const float4*)(p.w.base + (e * p.nrows + row) * rb);
+        const float4* x4 = (const float4*)(p.x + (ch / p.x_div) * p.x_stride);
+        float acc = 0.0f;
+        int i = threadIdx.x;
+        for (; i + 3 * 128 < n4; i += 4 * 128) {
+            float4 w[4], x[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                w[u] = __ldg(w4 + i + 128 * u);
+                x[u] = x4[i + 128 * u];
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                acc = fmaf(w[u].x, x[u].x, acc);
+                acc = fmaf(w[u].y, x[u].y, acc);
+                acc = fmaf(w[u].z, x[u].z, acc);
+                acc = fmaf(w[u].w, x[u].w, acc);
+            }
+        }
+        for (; i < n4; i += 128) {
+            const float4 w = __ldg(w4 + i), x = x4[i];
+            acc = fmaf(w.x, x.x, acc);
+            acc = fmaf(w.y, x.y, acc);
+            acc = fmaf(w.z, x.z, acc);
+            acc = fmaf(w.w, x.w, acc);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) red[warp] = acc;
+        __syncthreads();
+        if (threadIdx.x == 0) yp[row] = ((red[0] + red[1]) + red[2]) + red[3];
+        __syncthreads();  // `red` is reused by the next channel
+    }
+}

@@ -17,6 +17,13 @@ use crate::ops::Op;
 use crate::pool::{Bulk, DevBuf, Pool, PoolStats, StagedError, Staging, BULK_SLOT, STAGING_SLOT};
 use crate::quant::DeviceTables;
 
+/// The default weight-prefetch budget of a launch ([`Gpu::set_prefetch_bytes`]): off until a
+/// GPU timing says what it gains.
+pub const PREFETCH_BYTES: usize = 0;
+
+/// MLA decode arrival counters of a device: (token, head group) pairs of one launch.
+const MLA_COUNTERS: usize = 4096;
+
 /// Whether the CUDA driver library can be loaded (cudarc would panic on first use otherwise).
 pub fn driver_available() -> bool {
     // SAFETY: only tries to dlopen candidate library names.
@@ -170,8 +177,16 @@ pub struct Gpu {
     gemv_ksplit: AtomicBool,
     /// A one-row RMSNorm spreads its outputs over several blocks (`GGUFTOOL_RMS_PARTS=1`).
     rms_parts: AtomicBool,
+    /// Few-row F32 GEMVs read their rows coalesced (`GGUFTOOL_GEMV_COALESCED=1`).
+    gemv_coalesced: AtomicBool,
+    /// Bytes of weights a launch may ask L2 for before its wait on the previous kernel
+    /// (`GGUFTOOL_PREFETCH_MB`; 0 = none).
+    prefetch_bytes: std::sync::atomic::AtomicUsize,
     resources: Mutex<Vec<KernelResources>>,
     tables: OnceLock<DeviceTables>,
+    /// The MLA decode kernel's arrival counters (zero between launches: the last block of a
+    /// head group resets its own), allocated on first use.
+    mla_counters: OnceLock<CudaSlice<i32>>,
     blas: OnceLock<cudarc::cublas::CudaBlas>,
     sync_each: AtomicBool,
     /// Warps per row group of one-column integer GEMVs: 0 = chosen per launch, else 1, 2 or 4.
@@ -354,8 +369,18 @@ impl Gpu {
                 std::env::var("GGUFTOOL_GEMV_KSPLIT").map_or(true, |v| v != "0"),
             ),
             rms_parts: AtomicBool::new(std::env::var("GGUFTOOL_RMS_PARTS").is_ok_and(|v| v == "1")),
+            gemv_coalesced: AtomicBool::new(
+                std::env::var("GGUFTOOL_GEMV_COALESCED").is_ok_and(|v| v == "1"),
+            ),
+            prefetch_bytes: std::sync::atomic::AtomicUsize::new(
+                std::env::var("GGUFTOOL_PREFETCH_MB")
+                    .ok()
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .map_or(PREFETCH_BYTES, |mb| mb << 20),
+            ),
             resources: Mutex::new(Vec::new()),
             tables: OnceLock::new(),
+            mla_counters: OnceLock::new(),
             blas: OnceLock::new(),
             sync_each: AtomicBool::new(sync_each),
             gemvq_ksplit: std::sync::atomic::AtomicUsize::new(gemvq_ksplit),
@@ -520,6 +545,29 @@ impl Gpu {
     }
     pub(crate) fn rms_parts(&self) -> bool {
         self.rms_parts.load(Ordering::Relaxed)
+    }
+
+    /// Few-row F32 GEMVs (the MoE router) with one row per block read coalesced
+    /// (gemv.cu `gemvc_f32`: each warp load 512 contiguous bytes, where the k-split kernel's
+    /// lanes each read their own 128-byte chunk) instead of the k-split kernel. Off by default
+    /// until a GPU timing says it is faster (`GGUFTOOL_GEMV_COALESCED=1` starts a device with
+    /// it on).
+    pub fn set_gemv_coalesced(&self, on: bool) {
+        self.gemv_coalesced.store(on, Ordering::Relaxed);
+    }
+    pub(crate) fn gemv_coalesced(&self) -> bool {
+        self.gemv_coalesced.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of weights a decode GEMV launch may ask L2 for while the previous kernel still
+    /// runs (gemvq.cu `gemvq_prefetch`, gemv.cu's coalesced f32 kernel): its resident blocks
+    /// bring the first bytes of their rows, this many in all; 0 turns it off
+    /// (`GGUFTOOL_PREFETCH_MB` starts a device with a budget in MiB).
+    pub fn set_prefetch_bytes(&self, bytes: usize) {
+        self.prefetch_bytes.store(bytes, Ordering::Relaxed);
+    }
+    pub(crate) fn prefetch_bytes(&self) -> usize {
+        self.prefetch_bytes.load(Ordering::Relaxed)
     }
 
     pub(crate) fn gemvq_ksplit(&self) -> Option<usize> {
@@ -1026,6 +1074,29 @@ impl Gpu {
         self.stream
             .alloc_zeros(n.max(1))
             .map_err(KernelError::driver("cuMemAlloc"))
+    }
+
+    /// The device address of `n` zeroed MLA arrival counters (mla.cu `mla_dec_merge_last`):
+    /// one buffer per device, allocated zeroed on first use and kept zero by the kernel.
+    pub(crate) fn mla_counters(&self, n: usize) -> Result<u64, KernelError> {
+        if n > MLA_COUNTERS {
+            return Err(KernelError::BadShape {
+                op: "mla",
+                msg: format!("{n} head groups > {MLA_COUNTERS} counters"),
+            });
+        }
+        if self.mla_counters.get().is_none() {
+            let z = self.zeros::<i32>(MLA_COUNTERS)?;
+            let _ = self.mla_counters.set(z);
+        }
+        let c = self
+            .mla_counters
+            .get()
+            .ok_or_else(|| KernelError::BadShape {
+                op: "mla",
+                msg: "counters not allocated".into(),
+            })?;
+        Ok(cudarc::driver::DevicePtr::device_ptr(c, &self.stream).0)
     }
 
     /// An uninitialized device buffer of `n` elements from the caching pool (no driver call

@@ -26,6 +26,8 @@ enum GemvVariant {
     OneRow,
     /// One row per lane group, the block's 4 warps over K (`gemvs_`).
     KSplit,
+    /// Plain F32 rows, one per block, read coalesced by the block's threads (`gemvc_f32`).
+    Coalesced,
 }
 
 /// Large matrices take 4 rows per lane group; one whose one-row blocks would not give every SM
@@ -34,11 +36,23 @@ enum GemvVariant {
 /// and loads in flight; the rest one row per group.
 /// `ksplit` false ([`Gpu::set_gemv_ksplit`], `GGUFTOOL_GEMV_KSPLIT=0`) keeps the one-row kernel
 /// there.
-fn gemv_variant(rows: usize, lpr: usize, count: usize, sms: usize, ksplit: bool) -> GemvVariant {
+/// `coalesced`: plain F32 rows that can be read as float4s take `gemvc_f32` there instead
+/// ([`Gpu::set_gemv_coalesced`]).
+fn gemv_variant(
+    rows: usize,
+    lpr: usize,
+    count: usize,
+    sms: usize,
+    (ksplit, coalesced): (bool, bool),
+) -> GemvVariant {
     if rows >= MULTI_ROW_MIN {
         GemvVariant::FourRows
     } else if ksplit && rows.div_ceil(4 * (32 / lpr)) * count.min(65_535) < sms {
-        GemvVariant::KSplit
+        if coalesced {
+            GemvVariant::Coalesced
+        } else {
+            GemvVariant::KSplit
+        }
     } else {
         GemvVariant::OneRow
     }
@@ -161,6 +175,7 @@ struct GemvF {
     count: i32,
     y: u64,
     y_stride: i64,
+    pf: i32,
 }
 
 // SAFETY: plain struct laid out exactly as `struct GemvF` in gemv.cu.
@@ -222,19 +237,34 @@ impl Gpu {
         let lpr = lanes_per_row(k);
         let kinds = type_kernels(ty, shape.packed);
         let sms = self.info().sm_count as usize;
-        let (name, rows_per_block) =
-            match gemv_variant(rows, lpr, ch.count, sms, self.gemv_ksplit()) {
-                GemvVariant::FourRows => (kinds.gemv4, 4 * (32 / lpr) * 4),
-                GemvVariant::OneRow => (kinds.gemv, 4 * (32 / lpr)),
-                GemvVariant::KSplit => (kinds.gemvs, 32 / lpr),
-            };
-        let f = self.func(Op::Gemv, name)?;
-        let tables = self.tables()?.params;
-        let cfg = self.cfg_rows(OP, rows.div_ceil(rows_per_block) as u64, ch.count, 128)?;
         let stream = self.stream();
         let (wp, _gw) = w.device_ptr(stream);
         let (xp, _gx) = x.device_ptr(stream);
         let (yp, _gy) = y.device_ptr_mut(stream);
+        // gemvc_f32 reads rows and input as float4s.
+        let coalesced = self.gemv_coalesced()
+            && ty == GgmlType::F32
+            && !shape.packed
+            && k.is_multiple_of(4)
+            && wp.is_multiple_of(16)
+            && xp.is_multiple_of(16);
+        let variant = gemv_variant(rows, lpr, ch.count, sms, (self.gemv_ksplit(), coalesced));
+        let (name, rows_per_block) = match variant {
+            GemvVariant::FourRows => (kinds.gemv4, 4 * (32 / lpr) * 4),
+            GemvVariant::OneRow => (kinds.gemv, 4 * (32 / lpr)),
+            GemvVariant::KSplit => (kinds.gemvs, 32 / lpr),
+            GemvVariant::Coalesced => ("gemvc_f32", 1),
+        };
+        let f = self.func(Op::Gemv, name)?;
+        let tables = self.tables()?.params;
+        let cfg = self.cfg_rows(OP, rows.div_ceil(rows_per_block) as u64, ch.count, 128)?;
+        // The coalesced kernel's row prefetch: the budget over every row of every channel.
+        let pf = if variant == GemvVariant::Coalesced && ch.ids.is_none() {
+            let all = rows * ch.count.min(65_535);
+            (self.prefetch_bytes() / all.max(1)).min(k * 4) / 128 * 128
+        } else {
+            0
+        };
         let ip = match ch.ids {
             Some(ids) => ids.device_ptr(stream).0,
             None => 0u64,
@@ -257,6 +287,7 @@ impl Gpu {
             count: to_i32(OP, "channels", ch.count)?,
             y: yp,
             y_stride: ch.y_stride as i64,
+            pf: pf.min(i32::MAX as usize) as i32,
         };
         let mut b = self.args(&f);
         b.arg(&p).arg(&tables);
@@ -274,13 +305,14 @@ mod tests {
     fn few_rows_split_k_over_the_warps() {
         use super::{gemv_variant, GemvVariant::*};
         // The router: 256 F32 rows of 6,144 (32 lanes a row): 64 one-row blocks < 132 SMs.
-        assert_eq!(gemv_variant(256, 32, 1, 132, true), KSplit);
-        assert_eq!(gemv_variant(256, 32, 1, 132, false), OneRow);
+        assert_eq!(gemv_variant(256, 32, 1, 132, (true, false)), KSplit);
+        assert_eq!(gemv_variant(256, 32, 1, 132, (true, true)), Coalesced);
+        assert_eq!(gemv_variant(256, 32, 1, 132, (false, true)), OneRow);
         // kv_a (576 rows) in the exact path: 144 blocks fill the SMs.
-        assert_eq!(gemv_variant(576, 32, 1, 132, true), OneRow);
+        assert_eq!(gemv_variant(576, 32, 1, 132, (true, true)), OneRow);
         // Several channels (experts, heads) fill them too.
-        assert_eq!(gemv_variant(256, 32, 8, 132, true), OneRow);
-        assert_eq!(gemv_variant(2048, 32, 1, 132, true), FourRows);
+        assert_eq!(gemv_variant(256, 32, 8, 132, (true, true)), OneRow);
+        assert_eq!(gemv_variant(2048, 32, 1, 132, (true, true)), FourRows);
     }
 
     #[test]

@@ -207,6 +207,8 @@ struct GemvQParams {
     seg_w: [u64; 2],
     seg_y: [u64; 2],
     seg_nblk: [i64; 2],
+    pf_blocks: i64,
+    pf_bytes: i32,
 }
 
 /// The most matrices one stacked launch ([`Gpu::gemv_q_stacked`]) takes.
@@ -264,6 +266,49 @@ fn k_split(
         }
     }
     best.1
+}
+
+/// What the weight prefetch of a launch (gemvq.cu `gemvq_prefetch`) depends on.
+#[derive(Debug, Clone, Copy)]
+struct Prefetch {
+    /// The launch's grid (x: row blocks, y: channels).
+    grid: (usize, usize),
+    /// Channels pick their slab by id (MoE experts: unknown before the wait).
+    by_id: bool,
+    /// A shared expert rides along (its rows are known).
+    shared: bool,
+    rows_per_block: usize,
+    /// Matrices a row reads (GLU: gate and up).
+    mats: usize,
+    row_bytes: usize,
+}
+
+/// The blocks that prefetch (those of linear index below the first value: the ones resident
+/// first) and the bytes of each of their rows (the second), so that all of them together ask
+/// for at most `budget` bytes; `slots` gives the blocks resident at once (asked only when
+/// there is a budget). Launches by id prefetch only the shared expert's rows, by channel 0's
+/// blocks.
+fn prefetch_plan(
+    budget: usize,
+    l: Prefetch,
+    slots: impl FnOnce() -> Result<usize, KernelError>,
+) -> Result<(i64, i32), KernelError> {
+    if budget == 0 || (l.by_id && !l.shared) {
+        return Ok((0, 0));
+    }
+    let eligible = if l.by_id {
+        l.grid.0
+    } else {
+        l.grid.0 * l.grid.1
+    };
+    let blocks = eligible.min(slots()?.max(1));
+    let per_row = budget / (blocks * l.rows_per_block.max(1) * l.mats.max(1)).max(1);
+    // Whole lines; a prefix shorter than one line is not worth the instructions.
+    let bytes = per_row.min(l.row_bytes.next_multiple_of(128)) / 128 * 128;
+    if bytes == 0 {
+        return Ok((0, 0));
+    }
+    Ok((blocks as i64, bytes.min(i32::MAX as usize) as i32))
 }
 
 /// Whether `shape` has an integer-dot-product GEMV (type, layout and row length).
@@ -669,8 +714,22 @@ impl Gpu {
             seg_w: [0; 2],
             seg_y: [0; 2],
             seg_nblk: [0; 2],
+            pf_blocks: 0,
+            pf_bytes: 0,
         };
         let mut p = p;
+        (p.pf_blocks, p.pf_bytes) = prefetch_plan(
+            self.prefetch_bytes(),
+            Prefetch {
+                grid: (cfg.grid_dim.0 as usize, cfg.grid_dim.1 as usize),
+                by_id: ch.ids.is_some(),
+                shared: wsp != 0,
+                rows_per_block,
+                mats: if matches!(mode, QMode::Glu(_)) { 2 } else { 1 },
+                row_bytes: shape.row_bytes().unwrap_or(0),
+            },
+            || Ok(self.info().sm_count as usize * self.blocks_per_sm_128(&f)? as usize),
+        )?;
         for (i, &(row0, nblk, wp, yp)) in stack.segs.iter().enumerate() {
             p.seg_row[i] = to_i32(OP, "rows", row0)?;
             p.seg_nblk[i] = nblk;

@@ -88,6 +88,9 @@ pub struct MlaParams {
     pub o_head: i64,
     /// Per-token [`MlaRow`]s of a batched step (0: every token reads `kv`, `t`, `idx`, `pos`).
     pub rows: u64,
+    /// Decode kernel with splits: zeroed arrival counters, one per (token, head group); set, the
+    /// last split block of each group merges the partials into `o` (no combine launch).
+    pub cnt: u64,
 }
 
 // SAFETY: plain struct laid out exactly as `struct MlaP` in mla.cu.
@@ -194,6 +197,7 @@ impl MlaParams {
             } else {
                 src.rows + (s0 * std::mem::size_of::<MlaRow>()) as u64
             },
+            cnt: 0,
         })
     }
 }
@@ -251,6 +255,18 @@ impl KernelSwitch {
     }
 }
 
+/// The decode kernel's merge of its splits by the last block of each head group
+/// (`GGUFTOOL_MLA_MERGE=1`; off by default until a GPU timing says it is faster): needs
+/// n_split <= its 128 threads (the combine's per-thread terms, see mla.cu).
+static DEC_MERGE: KernelSwitch = KernelSwitch::new("GGUFTOOL_MLA_MERGE");
+const DEC_MERGE_MAX_SPLITS: usize = 128;
+
+/// Force the decode kernel's merge by its last blocks on or off for this process (tests and
+/// A/B runs; `None`: the default).
+pub fn force_mla_merge(on: Option<bool>) {
+    DEC_MERGE.force(on);
+}
+
 /// The decode kernel against the tile kernel (`GGUFTOOL_MLA_DECODE=0|1`).
 static DEC_SWITCH: KernelSwitch = KernelSwitch::new("GGUFTOOL_MLA_DECODE");
 
@@ -276,16 +292,42 @@ fn use_decode(tokens: usize, n_eff: usize, d: usize, d_v: usize) -> bool {
     }
 }
 
-/// Keys per split and splits of a decode-kernel launch.
-fn dec_plan(heads: usize, tokens: usize, n_eff: usize, sm: usize) -> (usize, usize) {
-    if n_eff <= DEC_DIRECT_KEYS {
+/// The decode kernel's least keys per split and most keys of one direct split (the defaults
+/// `DEC_MIN_SPLIT`, `DEC_DIRECT_KEYS`; `GGUFTOOL_MLA_DEC_SPLIT` / `GGUFTOOL_MLA_DEC_DIRECT`
+/// set them for A/B runs: a short decode step's 8 blocks walk their keys one latency-bound
+/// step after another, more splits shorten that walk and add the combine launch).
+fn dec_limits() -> (usize, usize) {
+    static L: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    *L.get_or_init(|| {
+        let var = |name: &str, default: usize| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(default)
+        };
+        (
+            var("GGUFTOOL_MLA_DEC_SPLIT", DEC_MIN_SPLIT).max(DEC_G),
+            var("GGUFTOOL_MLA_DEC_DIRECT", DEC_DIRECT_KEYS),
+        )
+    })
+}
+
+/// Keys per split and splits of a decode-kernel launch (`limits`: [`dec_limits`]).
+fn dec_plan(
+    heads: usize,
+    tokens: usize,
+    n_eff: usize,
+    sm: usize,
+    (min_split, direct): (usize, usize),
+) -> (usize, usize) {
+    if n_eff <= direct {
         return (n_eff.max(1), 1);
     }
     let blocks = tokens.max(1) * heads.div_ceil(DEC_HEADS_PER_BLOCK);
     let want = (DEC_BLOCKS_PER_SM * sm.max(1)).div_ceil(blocks).max(1);
     let len = n_eff
         .div_ceil(want)
-        .max(DEC_MIN_SPLIT)
+        .max(min_split)
         .max(n_eff.div_ceil(COMBINE_MAX_SPLITS))
         .next_multiple_of(DEC_G);
     (len, n_eff.div_ceil(len))
@@ -674,7 +716,7 @@ impl Gpu {
     ) -> Result<(), KernelError> {
         const OP: &str = "mla";
         let sm = self.info().sm_count as usize;
-        let (split_len, n_split) = dec_plan(m.heads, m.tokens, n_eff, sm);
+        let (split_len, n_split) = dec_plan(m.heads, m.tokens, n_eff, sm, dec_limits());
         let f = self.func(
             Op::Mla,
             if C::BF16 {
@@ -683,17 +725,25 @@ impl Gpu {
                 "mla_decode_f32"
             },
         )?;
-        // One split: the kernel writes o itself; more: partials for the combine.
+        // One split: the kernel writes o itself; more: partials for the combine, which the
+        // last block of each head group does itself where the merge is on (its counters).
         let mut part = if n_split > 1 {
             Some(self.alloc::<f32>(m.tokens * m.heads * n_split * (m.d_v + 2))?)
         } else {
             None
         };
+        let groups = m.tokens * m.heads.div_ceil(DEC_HEADS_PER_BLOCK);
+        let cnt = if n_split > 1 && n_split <= DEC_MERGE_MAX_SPLITS && DEC_MERGE.get() == 2 {
+            self.mla_counters(groups)?
+        } else {
+            0
+        };
         let part_ptr = part.as_mut().map_or(0, |b| b.ptr());
         let p = MlaParams {
             heads_per_block: DEC_HEADS_PER_BLOCK as i32,
             part: part_ptr,
-            o: if n_split == 1 { op } else { 0 },
+            o: if n_split == 1 || cnt != 0 { op } else { 0 },
+            cnt,
             ..MlaParams::of(&m, 0, qp, src, n_eff, (split_len, n_split))?
         };
         let cfg = self.cfg(
@@ -710,7 +760,7 @@ impl Gpu {
         // SAFETY: q/kv/o/idx extents checked by the caller for every token; the kernel
         // range-checks every key index; `part` holds tokens * heads * n_split rows of d_v + 2.
         unsafe { self.launch(OP, b, cfg) }?;
-        if part.is_some() {
+        if part.is_some() && cnt == 0 {
             // SAFETY: o extent checked by the caller; part written by the launch before.
             unsafe { self.mla_combine(&p, op, m.tokens) }?;
         }
@@ -799,14 +849,15 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::{dec_plan, plan, COMBINE_MAX_SPLITS, DEC_DIRECT_KEYS};
+    use super::{dec_plan, plan, COMBINE_MAX_SPLITS, DEC_DIRECT_KEYS, DEC_MIN_SPLIT};
+    const LIM: (usize, usize) = (DEC_MIN_SPLIT, DEC_DIRECT_KEYS);
 
     #[test]
     fn decode_plans_cover_every_key() {
         for heads in [4usize, 8, 64] {
             for tokens in [1usize, 2, 8] {
                 for n in [1usize, 16, 31, 32, 33, 100, 2048, 4097, 32768, 1 << 20] {
-                    let (len, ns) = dec_plan(heads, tokens, n, 132);
+                    let (len, ns) = dec_plan(heads, tokens, n, 132, LIM);
                     assert!(len * ns >= n && len * (ns - 1) < n, "{heads} {tokens} {n}");
                     assert!(ns <= COMBINE_MAX_SPLITS, "{n} keys: {ns} splits");
                     assert_eq!(ns == 1, n <= DEC_DIRECT_KEYS || len >= n);
@@ -814,9 +865,11 @@ mod tests {
             }
         }
         // 64 heads over 2048 keys: 8 head blocks x 66 splits = ~4 blocks per SM.
-        assert_eq!(dec_plan(64, 1, 2048, 132), (32, 64));
+        assert_eq!(dec_plan(64, 1, 2048, 132, LIM), (32, 64));
         // A short decode: one split, no combine.
-        assert_eq!(dec_plan(64, 1, 20, 132), (20, 1));
+        assert_eq!(dec_plan(64, 1, 20, 132, LIM), (20, 1));
+        // Every split at 4 keys: 20 keys in 5 splits.
+        assert_eq!(dec_plan(64, 1, 20, 132, (4, 0)), (4, 5));
     }
 
     #[test]

@@ -330,7 +330,11 @@ impl Op {
         };
         let names: &[&str] = match self {
             Op::Dequant => return per_type(&|k| vec![k.dequant, k.dequant_bf16, k.get_rows]),
-            Op::Gemv => return per_type(&|k| vec![k.gemv, k.gemv4, k.gemvs]),
+            Op::Gemv => {
+                let mut v = per_type(&|k| vec![k.gemv, k.gemv4, k.gemvs]);
+                v.push("gemvc_f32".to_string());
+                return v;
+            }
             Op::GemvQ(q) => {
                 return GEMVQ_VARIANTS
                     .iter()

@@ -194,19 +194,28 @@ fn gemv_oracle(w: &[f32], x: &[f32], rows: usize, k: usize) -> (Vec<f64>, Vec<f6
         .unzip()
 }
 
-/// `g.gemv` with the k-split over a block's warps on or off (`Gpu::set_gemv_ksplit`; back to
-/// the default, on, after), its output downloaded.
+/// The few-row kernel choices of `g.gemv`: one row per lane group, the k-split over a block's
+/// warps (`Gpu::set_gemv_ksplit`), and for F32 the coalesced one-row-a-block kernel with a
+/// weight prefetch budget (`Gpu::set_gemv_coalesced`, `Gpu::set_prefetch_bytes`).
+const GEMV_MODES: [&str; 3] = ["one row", "k-split", "coalesced + prefetch"];
+
+/// `g.gemv` in mode `mode` of [`GEMV_MODES`] (the settings back to their defaults after), its
+/// output downloaded.
 fn gemv_with_ksplit(
     g: &Gpu,
-    ksplit: bool,
+    mode: usize,
     shape: MatShape,
     dw: &kernels::CudaSlice<u8>,
     dx: &kernels::CudaSlice<f32>,
 ) -> Vec<f32> {
-    g.set_gemv_ksplit(ksplit);
+    g.set_gemv_ksplit(mode > 0);
+    g.set_gemv_coalesced(mode == 2);
+    g.set_prefetch_bytes(if mode == 2 { 1 << 20 } else { 0 });
     let mut dy = nan_buf(g, shape.rows);
     let res = g.gemv(shape, dw, dx, &mut dy);
     g.set_gemv_ksplit(true);
+    g.set_gemv_coalesced(false);
+    g.set_prefetch_bytes(kernels::PREFETCH_BYTES);
     res.unwrap();
     g.download(&dy).unwrap()
 }
@@ -229,9 +238,10 @@ fn gemv_every_type_matches_f64() {
             let (want, tol) = gemv_oracle(&w, &x, rows, k);
             let dw = g.upload(&bytes).unwrap();
             let dx = g.upload(&x).unwrap();
-            // 129 rows: one-row blocks, and with the k-split on, 4 warps a row (33 blocks).
-            for ksplit in [false, true] {
-                let y = gemv_with_ksplit(&g, ksplit, MatShape::new(ty, rows, k), &dw, &dx);
+            // 129 rows: one-row blocks, and with the k-split on, 4 warps a row (33 blocks);
+            // F32: one row a block, coalesced.
+            for (mode, ksplit) in GEMV_MODES.iter().enumerate() {
+                let y = gemv_with_ksplit(&g, mode, MatShape::new(ty, rows, k), &dw, &dx);
                 let mut worst = 0f64;
                 let mut ok = true;
                 for i in 0..rows {
@@ -241,13 +251,13 @@ fn gemv_every_type_matches_f64() {
                 }
                 row(
                     &format!("gemv {ty}"),
-                    &format!("{rows}x{k} k-split {ksplit}"),
+                    &format!("{rows}x{k} {ksplit}"),
                     worst,
                     1.0,
                     ok,
                 );
                 if !ok {
-                    bad.push((ty, rows, ksplit));
+                    bad.push((ty, rows, *ksplit));
                 }
             }
         }
@@ -281,20 +291,20 @@ fn gemv_glm5_shapes() {
         let (want, tol) = gemv_oracle(&w, &x, rows, k);
         let dw = g.upload(&bytes).unwrap();
         let dx = g.upload(&x).unwrap();
-        for ksplit in [false, true] {
-            let y = gemv_with_ksplit(&g, ksplit, MatShape::new(ty, rows, k), &dw, &dx);
+        for (mode, ksplit) in GEMV_MODES.iter().enumerate() {
+            let y = gemv_with_ksplit(&g, mode, MatShape::new(ty, rows, k), &dw, &dx);
             let worst = (0..rows)
                 .map(|i| (f64::from(y[i]) - want[i]).abs() / tol[i])
                 .fold(0f64, f64::max);
             let ok = y.iter().all(|v| v.is_finite()) && worst <= 1.0;
             row(
                 &format!("gemv {ty}"),
-                &format!("{rows}x{k} k-split {ksplit}"),
+                &format!("{rows}x{k} {ksplit}"),
                 worst,
                 1.0,
                 ok,
             );
-            assert!(ok, "gemv {ty} {rows}x{k} k-split {ksplit}");
+            assert!(ok, "gemv {ty} {rows}x{k} {ksplit}");
         }
     }
 }
@@ -1739,6 +1749,30 @@ fn check_gemvq(
     // each kernel's schedule allows (H100, 2026-12-07: not bitwise), so each is held to the
     // oracle's bound (which allows for the contraction) and only reported when it differs.
     if ncols == 1 {
+        // The weight prefetch before the wait changes what L2 holds, not what is computed:
+        // with no budget and with 1 MiB the same kernel gives the same bits.
+        for budget in [0usize, 1 << 20] {
+            g.set_prefetch_bytes(budget);
+            let mut d1 = nan_buf(g, rows);
+            let r1 = g.gemv_q(
+                shape,
+                &dw,
+                QMode::Plain,
+                QChannels::dense(1, rows),
+                &q,
+                &mut d1,
+            );
+            g.set_prefetch_bytes(kernels::PREFETCH_BYTES);
+            r1.unwrap();
+            let y1 = g.download(&d1).unwrap();
+            let same = y.iter().zip(&y1).all(|(a, b)| a.to_bits() == b.to_bits());
+            if !same {
+                say(&format!(
+                    "gemvq {ty} {rows}x{k}: prefetch budget {budget} B changed the output"
+                ));
+            }
+            ok &= same;
+        }
         for rpg in [1usize, 4] {
             g.set_gemvq1_rows(rpg).unwrap();
             let mut d1 = nan_buf(g, rows);
