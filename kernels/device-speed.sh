@@ -695,7 +695,8 @@ fi
 #     (GGUFTOOL_PREFETCH_MB: the HBM idles while a one-block norm or the router runs), the
 #     router's coalesced F32 GEMV (GGUFTOOL_GEMV_COALESCED=1), more key splits for the short
 #     decode MLA (GGUFTOOL_MLA_DEC_SPLIT / _DIRECT), their merge by the last block of each head
-#     group instead of the combine launch (GGUFTOOL_MLA_MERGE=1), and the fifteenth session's RMSNorm in
+#     group instead of the combine launch (GGUFTOOL_MLA_MERGE=1), 4 rows per lane group where
+#     a lane runs one task a row (GGUFTOOL_GEMVQ1_SHORT=4), and the fifteenth session's RMSNorm in
 #     parts (GGUFTOOL_RMS_PARTS=1). Their tests first, then tg128 of the previous commit
 #     (gguftool-b) and of each setting alternating, the timeline of the combination with
 #     every launch, and the CUDA backend against the CPU with everything on.
@@ -715,6 +716,7 @@ for i in 1 2; do
     ab_tg "coal-$i" ./gguftool 25 GGUFTOOL_GEMV_COALESCED=1
     ab_tg "parts-$i" ./gguftool 25 GGUFTOOL_RMS_PARTS=1
     ab_tg "merge-$i" ./gguftool 25 GGUFTOOL_MLA_MERGE=1
+    ab_tg "short4-$i" ./gguftool 25 GGUFTOOL_GEMVQ1_SHORT=4
     ab_tg "mla4m-$i" ./gguftool 25 GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0 GGUFTOOL_MLA_MERGE=1
     ab_tg "all-$i" ./gguftool 25 $ALL
     if [ "$i" = 1 ]; then
@@ -723,7 +725,7 @@ for i in 1 2; do
         rm -f "$OUT/timeline-all.txt"
     fi
 done
-ab_table base def pf16 pf32 coal parts merge mla4m all > "$OUT/ab.txt"
+ab_table base def pf16 pf32 coal parts merge short4 mla4m all > "$OUT/ab.txt"
 step runtime-tests 120 "$OUT/runtime-tests.txt" env $ALL GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0 ./runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_decode cuda::tests::glm5_heads_shared --test-threads=1 --nocapture
 echo "== tests"; grep -E "test result|FAILED|panicked|changed the output" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | tail -8
 grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'

@@ -193,6 +193,8 @@ pub struct Gpu {
     gemvq_ksplit: std::sync::atomic::AtomicUsize,
     /// Most rows per lane group of one-column integer GEMVs (1, 2 or 4).
     gemvq1_rows: std::sync::atomic::AtomicUsize,
+    /// The same for launches whose lanes run one task a row (0: as `gemvq1_rows`).
+    gemvq1_rows_short: std::sync::atomic::AtomicUsize,
     /// Several rows per group only for launches of at most this many one-row waves (0: any).
     gemvq1_waves: std::sync::atomic::AtomicUsize,
     /// mmq's forced k-split (0: the plan's choice).
@@ -335,6 +337,11 @@ impl Gpu {
             .and_then(|v| v.parse().ok())
             .filter(|r| matches!(r, 1 | 2 | 4))
             .unwrap_or(crate::gemvq::GEMVQ1_ROWS);
+        let gemvq1_rows_short = std::env::var("GGUFTOOL_GEMVQ1_SHORT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|r| matches!(r, 1 | 2 | 4))
+            .unwrap_or(0);
         let gemvq1_waves = std::env::var("GGUFTOOL_GEMVQ1_WAVES")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -385,6 +392,7 @@ impl Gpu {
             sync_each: AtomicBool::new(sync_each),
             gemvq_ksplit: std::sync::atomic::AtomicUsize::new(gemvq_ksplit),
             gemvq1_rows: std::sync::atomic::AtomicUsize::new(gemvq1_rows),
+            gemvq1_rows_short: std::sync::atomic::AtomicUsize::new(gemvq1_rows_short),
             gemvq1_waves: std::sync::atomic::AtomicUsize::new(gemvq1_waves),
             mmq_ksplit: std::sync::atomic::AtomicUsize::new(0),
             mmq_slices: std::sync::atomic::AtomicUsize::new(mmq_slices),
@@ -448,6 +456,27 @@ impl Gpu {
     }
     pub(crate) fn gemvq1_rows(&self) -> usize {
         self.gemvq1_rows.load(Ordering::Relaxed)
+    }
+    /// Rows per lane group for one-column launches whose lanes run a single task per row
+    /// (K <= 64 x lanes per row: q_b at K = 2,048, the shared expert's down projection), where
+    /// a block's life is one round of loads: 4 rows put twice the loads of 2 in flight and
+    /// halve the blocks (`GGUFTOOL_GEMVQ1_SHORT=1|2|4`; unset or 0: as
+    /// [`Gpu::set_gemvq1_rows`]). For A/B runs.
+    pub fn set_gemvq1_rows_short(&self, rows: usize) -> Result<(), KernelError> {
+        if !matches!(rows, 0 | 1 | 2 | 4) {
+            return Err(KernelError::BadShape {
+                op: "gemvq",
+                msg: format!("{rows} rows per lane group (0, 1, 2 or 4)"),
+            });
+        }
+        self.gemvq1_rows_short.store(rows, Ordering::Relaxed);
+        Ok(())
+    }
+    pub(crate) fn gemvq1_rows_short(&self) -> usize {
+        match self.gemvq1_rows_short.load(Ordering::Relaxed) {
+            0 => self.gemvq1_rows(),
+            r => r,
+        }
     }
     /// The most waves of blocks a one-column launch may have and still take several rows per
     /// group (default [`crate::gemvq::GEMVQ1_ROWS_MAX_WAVES`], also

@@ -591,6 +591,11 @@ impl Gpu {
         }
         let tasks = shape.k / tw;
         let lpr = lanes_for_tasks(tasks);
+        let want = if ch.ncols == 1 && tasks <= lpr {
+            self.gemvq1_rows_short()
+        } else {
+            want
+        };
         let (mut prefix, mut rows_per_group) =
             variant(cols, vmode, want).ok_or_else(|| shape_err(OP, "no kernel variant"))?;
         let mut f = self.func(Op::GemvQ(qt), &format!("{prefix}{}", qt.suffix()))?;
@@ -746,7 +751,53 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::k_split;
+    use super::{k_split, prefetch_plan, Prefetch};
+
+    #[test]
+    fn prefetch_plans_stay_within_the_budget_and_whole_lines() {
+        let plan = |budget, l: Prefetch, slots: usize| prefetch_plan(budget, l, || Ok(slots));
+        let head = Prefetch {
+            grid: (38_720, 1),
+            by_id: false,
+            shared: false,
+            rows_per_block: 4,
+            mats: 1,
+            row_bytes: 5_040,
+        };
+        // The output head (154,880 Q6_K rows): only the 1,188 resident blocks prefetch, a
+        // prefix of each of their rows, 16 MiB in all.
+        let (blocks, bytes) = plan(16 << 20, head, 1_188).unwrap();
+        assert_eq!(blocks, 1_188);
+        assert!(bytes > 0 && bytes % 128 == 0 && bytes < 5_040, "{bytes}");
+        assert!(blocks as usize * 4 * bytes as usize <= 16 << 20);
+        // A small matrix fits whole: each row at most its bytes rounded up to a line.
+        let small = Prefetch {
+            grid: (72, 1),
+            row_bytes: 3_400,
+            ..head
+        };
+        assert_eq!(plan(16 << 20, small, 1_188).unwrap(), (72, 3_456));
+        // A GLU reads two matrices: half the bytes a row.
+        let glu = Prefetch { mats: 2, ..head };
+        let (_, b2) = plan(16 << 20, glu, 1_188).unwrap();
+        assert_eq!(b2, bytes / 2 / 128 * 128);
+        // No budget, or experts by id without a shared expert: nothing.
+        assert_eq!(plan(0, head, 1_188).unwrap(), (0, 0));
+        let by_id = Prefetch {
+            grid: (256, 9),
+            by_id: true,
+            ..head
+        };
+        assert_eq!(plan(16 << 20, by_id, 1_188).unwrap(), (0, 0));
+        // With a shared expert only channel 0's blocks (the first grid.x) prefetch.
+        let shared = Prefetch {
+            shared: true,
+            ..by_id
+        };
+        assert_eq!(plan(16 << 20, shared, 1_188).unwrap().0, 256);
+        // A budget below one line a row: none.
+        assert_eq!(plan(1 << 10, head, 1_188).unwrap(), (0, 0));
+    }
 
     /// 132 SMs x 9 resident blocks (54 registers at 128 threads: the H200's answer).
     const SLOTS: usize = 132 * 9;
