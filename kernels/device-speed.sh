@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14|rows15|fin15|parts16|pf17] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14|rows15|fin15|parts16|pf17|fin17] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -732,5 +732,48 @@ grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
 grep -E "coalesced|F32" "$OUT/kernel-tests.txt" | head -6
 cat "$OUT/ab.txt"
 head -110 "$OUT/launches-all.txt"
+cat "$STEPS"
+fi
+
+# 21. STAGE=fin17 (sixteenth session, after pf17): the weight prefetch and the MLA merge measured
+#     slower and were taken out; the RMSNorm in parts and the router's coalesced GEMV are on by
+#     default. Their tests, tg128 of the previous session's last commit (gguftool-b) against
+#     this tree's defaults and each of the two turned off, and the short-decode MLA with more
+#     key splits (GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0), alternating; the
+#     default's timeline with every launch; the CUDA backend against the CPU; this tree's
+#     closing figures (llama.cpp's on this machine type: the fifteenth session's call 2).
+if [ "$STAGE" = fin17 ]; then
+cd "$D" || exit 2
+step tests 70 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 gemv_every gemv_glm5 rms_norm fused_norm 2>&1'
+[ -s /tmp/glm5.gguf ] || step synth 150 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+rm -f "$W"/ab-*.json
+ab_tg base-0 ./gguftool-b 100 X=0
+ab_tg def-0 ./gguftool 100 X=0
+for i in 1 2; do
+    ab_tg "base-$i" ./gguftool-b 25 X=0
+    ab_tg "def-$i" ./gguftool 25 X=0
+    ab_tg "noparts-$i" ./gguftool 25 GGUFTOOL_RMS_PARTS=0
+    ab_tg "nocoal-$i" ./gguftool 25 GGUFTOOL_GEMV_COALESCED=0
+    ab_tg "mla4-$i" ./gguftool 25 GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0
+done
+ab_table base def noparts nocoal mla4 > "$OUT/ab.txt"
+trace_run def X=0
+[ -s "$W/trace-def.csv" ] && python3 "$D/timeline.py" "$W/trace-def.csv" --last 48 --launches > "$OUT/launches-def.txt" 2>&1
+rm -f "$OUT/timeline-def.txt"
+step runtime-tests 100 "$OUT/runtime-tests.txt" ./runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_decode cuda::tests::glm5_heads_shared --test-threads=1 --nocapture
+B="./gguftool bench -m /tmp/glm5.gguf --device cuda --json"
+step ours-pp-tg 60 "$W/final-pp-tg.json" $B -p 8,16,32,64,512 -n 128 -r 2
+step ours-batched 40 "$W/final-batched.json" $B -p 0 -n 32 -r 1 --npl 8,32
+step ours-depth 40 "$W/final-depth.json" $B --no-profile -p 0 -n 32 -d 32768 -r 1
+cp "$W/final-pp-tg.json" "$OUT/bench-all.json" 2>/dev/null
+echo "== tests"; grep -E "test result|FAILED|panicked" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | tail -6
+grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
+cat "$OUT/ab.txt"
+head -24 "$OUT/launches-def.txt"
+for f in "$W"/final-*.json; do echo "== $f"; python3 -c "
+import json,sys
+for r in json.load(open('$f')):
+    print(r.get('test'), r.get('n_prompt'), r.get('n_gen'), r.get('n_depth'), r.get('n_seq'), round(r.get('avg_ts',0),1), round(r.get('stddev_ts',0),1))
+" 2>&1; done
 cat "$STEPS"
 fi

@@ -63,11 +63,6 @@ struct GemvQ {
     const uint8_t* seg_w[2];
     float* seg_y[2];
     long long seg_nblk[2];
-    // Weight prefetch into L2 before the wait on the previous kernel (see gemvq_prefetch):
-    // blocks of linear index < pf_blocks bring the first pf_bytes of each of their rows' main
-    // stream; 0: none.
-    long long pf_blocks;
-    int pf_bytes;
 };
 
 // The segment holding row `r` (rows past the end: the last one): its matrix, block count,
@@ -486,66 +481,11 @@ DEV float ksplit_sum(float v, float* red, int warp, int base, int wk, int ks, in
 // cache lines (L1 wavefronts) for 512 bytes, so a Q4_K task's activation loads cost ~2.5x the
 // wavefronts of its weight loads; R rows divide them by R. Each row's sums are the same
 // products in the same order as with R = 1: bitwise the one-row kernels.
-// Bytes of one decoder block in the stream a row's blocks are contiguous in: the whole block
-// for GGUF layouts, the quant bytes for the repacked ones (quant.cuh: the scales and d of a
-// repacked tensor lie in separate arrays after its quants).
-template <int QT> DEV constexpr int main_bytes() {
-    return QT == QT_Q8_0_R ? 32 : QT == QT_Q6_K_R ? 192 : QT >= QT_R ? 16 : QTraits<QT>::BB;
-}
-
-// The weights a block will read, asked of L2 while the previous kernel still runs. A decode
-// step alternates GEMVs that stream weights with one-block kernels (RMSNorm 5-9 us, the router,
-// quantize) during which the HBM is idle; a launch's blocks become resident early (programmatic
-// dependent launch) and sit in pdl_wait, so their prefetches overlap that idle time. The
-// weights are never written by any kernel, so reading them early is safe (prelude.cuh's rule
-// for code before the wait: parameter loads and L2 prefetches only). The host bounds the bytes
-// (pf_blocks x rows x pf_bytes) well inside L2 so the lines survive until the block reads them.
-// Channels without ids prefetch their slab; launches by id (MoE experts) only their shared
-// expert's rows (ws, ws2), by the blocks of channel 0, which are resident first.
-template <int QT, int NC, int MODE, int R>
-DEV void gemvq_prefetch(const GemvQ& p) {
-    if (p.pf_bytes <= 0) return;
-    if ((long long)blockIdx.y * gridDim.x + blockIdx.x >= p.pf_blocks) return;
-    const uint8_t* W1 = p.w;
-    const uint8_t* W2 = MODE == 1 ? p.w2 : nullptr;
-    long long e = (long long)blockIdx.y % p.n_slabs;
-    if (p.ids) {
-        if (!p.ws || blockIdx.y != 0) return;
-        W1 = p.ws;
-        W2 = MODE == 1 ? p.ws2 : nullptr;
-        e = 0;
-    }
-    const int KS = NC == 1 ? p.ksplit : 1;
-    const int rpb = (4 / KS) * (32 / p.lpr) * R;
-    const int r0 = blockIdx.x * rpb;
-    const int nr = min(rpb, p.nrows - r0);
-    const long long rowb = (long long)(p.K / QTraits<QT>::QB) * main_bytes<QT>();
-    const long long want = min((long long)p.pf_bytes, rowb);
-    // Lines of a row's prefix: one more than its length in lines (it need not start on one).
-    const int lines = (int)((want + 127) >> 7) + 1;
-    for (int i = threadIdx.x; i < nr * lines; i += blockDim.x) {
-        const int r = i / lines, l = i - r * lines;
-        const int row = r0 + r;
-        const uint8_t* w = W1;
-        int row0 = 0;
-        if (MODE == 0 && NC == 1 && p.nseg > 1 && !p.ids) {
-            const Seg sg = row_seg(p, row);
-            w = sg.w;
-            row0 = sg.row0;
-        }
-        const long long off = (e * p.nrows + row - row0) * rowb + min((long long)l * 128, want - 1);
-        prefetch_l2(w + off);
-        if (W2) prefetch_l2(W2 + off);
-    }
-}
-
 template <int QT, int NC, int MODE, int R = 1>
 DEV void gemvq_impl(const GemvQ& p, const QTables& tb) {
     static_assert(R == 1 || R == 2 || R == 4, "1, 2 or 4 rows per lane group");
     __shared__ float red[2][4 * 32];
-    pdl_trigger();
-    gemvq_prefetch<QT, NC, MODE, R>(p);
-    pdl_wait();
+    pdl_entry();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int lpr = p.lpr, groups = 32 / lpr;
     const int KS = NC == 1 ? p.ksplit : 1;

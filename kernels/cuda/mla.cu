@@ -48,10 +48,6 @@ struct MlaP {
     // Per-token sources of a batched step (null: every token reads kv / T, idx rows, pos or
     // pos0 + s above).
     const MlaRow* rows;
-    // Decode kernel with splits: arrival counters, one per (token, head group), zero between
-    // launches; set: the last split block of a group to finish merges the group's partials
-    // into o itself (mla_dec_merge_last), no combine launch (null: partials only).
-    int* cnt;
 };
 
 // What query token s reads: its cache, key list, length, position and key slots.
@@ -295,67 +291,13 @@ DEV bool mla_dec_prefetch_early(const MlaP& p) {
     return true;
 }
 
-// The combine of a decode launch's splits by its last block (p.cnt set): every split block of
-// a (token, head group) writes its partials, makes them visible device-wide and counts itself
-// in; the block that brings the count to n_split merges the group's heads exactly as
-// attn_combine_f32 does (the same maximum, the same weights, sums in the same order: its
-// per-thread terms and the zero-padded warp tree of block_max / block_sum are those of a
-// 256-thread combine block while n_split <= blockDim.x, which the host keeps), then zeroes the
-// counter for the next launch (every other block of the group has already counted). Saves the
-// combine launch of every decode step past the direct split's keys.
-DEV void mla_dec_merge_last(const MlaP& p, long long s) {
-    __shared__ int last;
-    __shared__ float wsplit[32 * MLA_DEC_WARPS];
-    __shared__ float scratch[32];
-    __threadfence();
-    __syncthreads();
-    const long long c = s * gridDim.z + blockIdx.z;
-    if (threadIdx.x == 0) {
-        last = atomicAdd(p.cnt + c, 1) == p.n_split - 1;
-        if (last) p.cnt[c] = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const long long row = p.Dv + 2;
-    const int hb = blockIdx.z * p.heads_per_block;
-    for (int h = hb; h < min(p.H, hb + p.heads_per_block); ++h) {
-        // Other blocks' partials: read through L2 (this SM holds no copy of them anyway).
-        const float* pr = p.part + (s * p.H + h) * (long long)p.n_split * row;
-        float m = NEG_INF;
-        for (int q = threadIdx.x; q < p.n_split; q += blockDim.x) m = fmaxf(m, __ldcg(pr + q * row));
-        const float M = block_max(m, scratch);
-        float z = 0.0f;
-        for (int q = threadIdx.x; q < p.n_split; q += blockDim.x) {
-            const float mp = __ldcg(pr + q * row);
-            const float e = (mp == NEG_INF || M == NEG_INF) ? 0.0f : expf(mp - M);
-            wsplit[q] = e;
-            z += __ldcg(pr + q * row + 1) * e;
-        }
-        const float Z = block_sum(z, scratch);
-        const float inv = Z > 0.0f ? 1.0f / Z : 0.0f;
-        float* orow = p.o + s * p.o_tok + (long long)h * p.o_head;
-        for (int d = threadIdx.x; d < p.Dv; d += blockDim.x) {
-            float acc = 0.0f;
-#pragma unroll 8
-            for (int q = 0; q < p.n_split; ++q) acc += __ldcg(pr + q * row + 2 + d) * wsplit[q];
-            orow[d] = acc * inv;
-        }
-        __syncthreads();  // wsplit is rewritten for the next head
-    }
-}
-
 template <int BF16, int HPW, int G>
 DEV void mla_dec_impl(const MlaP& p, bool early) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int split = blockIdx.x;
     const long long s = blockIdx.y;
     const int h0 = (blockIdx.z * (blockDim.x >> 5) + warp) * HPW;
-    // A warp past the last head has nothing to compute but still meets the merge's barriers.
-    if (h0 >= p.H) {
-        if (p.cnt && p.n_split > 1) mla_dec_merge_last(p, s);
-        return;
-    }
+    if (h0 >= p.H) return;
     const MlaTok tok = mla_tok(p, s);
     const int j0 = split * p.split_len;
     const int j1 = min(tok.n_eff, j0 + p.split_len);
@@ -529,7 +471,6 @@ DEV void mla_dec_impl(const MlaP& p, bool early) {
             }
         }
     }
-    if (p.cnt && p.n_split > 1) mla_dec_merge_last(p, s);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * MLA_DEC_WARPS, 3) mla_decode_f32(MlaP p) {

@@ -47,30 +47,11 @@ DEV void pdl_entry() {
 // Bring the 128-byte line holding `a` into L2 (no register, no wait; a no-op off the GPU). The
 // one memory instruction allowed before `pdl_wait`: L2 is where every SM's writes meet, so a line
 // fetched early is never a stale copy of one the previous kernel still writes.
-#ifdef GGUFTOOL_EMU
-// The CPU emulator records the addresses instead (a prefetch changes no result, so only its
-// record can be tested): kernels/emu tests take them with emu_prefetch_take, which returns how
-// many were asked since the last take (those past `cap` or the log's size are not copied).
-#define EMU_PF_CAP (1 << 18)
-static const void* emu_pf_log[EMU_PF_CAP];
-static long long emu_pf_len = 0;
-extern "C" __attribute__((visibility("default"))) long long emu_prefetch_take(const void** out, long long cap) {
-    const long long n = emu_pf_len;
-    for (long long i = 0; i < n && i < cap && i < EMU_PF_CAP; ++i) out[i] = emu_pf_log[i];
-    emu_pf_len = 0;
-    return n;
-}
-DEV void prefetch_l2(const void* a) {
-    if (emu_pf_len < EMU_PF_CAP) emu_pf_log[emu_pf_len] = a;
-    ++emu_pf_len;
-}
-#else
 DEV void prefetch_l2(const void* a) {
 #if defined(__CUDA_ARCH__)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
 #endif
 }
-#endif
 
 // Exact IEEE conversions (subnormals, inf and NaN included), matching the `half` crate.
 #ifdef GGUFTOOL_EMU

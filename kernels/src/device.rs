@@ -17,13 +17,6 @@ use crate::ops::Op;
 use crate::pool::{Bulk, DevBuf, Pool, PoolStats, StagedError, Staging, BULK_SLOT, STAGING_SLOT};
 use crate::quant::DeviceTables;
 
-/// The default weight-prefetch budget of a launch ([`Gpu::set_prefetch_bytes`]): off until a
-/// GPU timing says what it gains.
-pub const PREFETCH_BYTES: usize = 0;
-
-/// MLA decode arrival counters of a device: (token, head group) pairs of one launch.
-const MLA_COUNTERS: usize = 4096;
-
 /// Whether the CUDA driver library can be loaded (cudarc would panic on first use otherwise).
 pub fn driver_available() -> bool {
     // SAFETY: only tries to dlopen candidate library names.
@@ -175,26 +168,19 @@ pub struct Gpu {
     /// The f32-activation GEMV splits K over a block's warps for matrices of few rows
     /// (`GGUFTOOL_GEMV_KSPLIT=0` turns it off).
     gemv_ksplit: AtomicBool,
-    /// A one-row RMSNorm spreads its outputs over several blocks (`GGUFTOOL_RMS_PARTS=1`).
+    /// A one-row RMSNorm spreads its outputs over several blocks (`GGUFTOOL_RMS_PARTS=0` turns
+    /// it off).
     rms_parts: AtomicBool,
-    /// Few-row F32 GEMVs read their rows coalesced (`GGUFTOOL_GEMV_COALESCED=1`).
+    /// Few-row F32 GEMVs read their rows coalesced (`GGUFTOOL_GEMV_COALESCED=0` turns it off).
     gemv_coalesced: AtomicBool,
-    /// Bytes of weights a launch may ask L2 for before its wait on the previous kernel
-    /// (`GGUFTOOL_PREFETCH_MB`; 0 = none).
-    prefetch_bytes: std::sync::atomic::AtomicUsize,
     resources: Mutex<Vec<KernelResources>>,
     tables: OnceLock<DeviceTables>,
-    /// The MLA decode kernel's arrival counters (zero between launches: the last block of a
-    /// head group resets its own), allocated on first use.
-    mla_counters: OnceLock<CudaSlice<i32>>,
     blas: OnceLock<cudarc::cublas::CudaBlas>,
     sync_each: AtomicBool,
     /// Warps per row group of one-column integer GEMVs: 0 = chosen per launch, else 1, 2 or 4.
     gemvq_ksplit: std::sync::atomic::AtomicUsize,
     /// Most rows per lane group of one-column integer GEMVs (1, 2 or 4).
     gemvq1_rows: std::sync::atomic::AtomicUsize,
-    /// The same for launches whose lanes run one task a row (0: as `gemvq1_rows`).
-    gemvq1_rows_short: std::sync::atomic::AtomicUsize,
     /// Several rows per group only for launches of at most this many one-row waves (0: any).
     gemvq1_waves: std::sync::atomic::AtomicUsize,
     /// mmq's forced k-split (0: the plan's choice).
@@ -337,11 +323,6 @@ impl Gpu {
             .and_then(|v| v.parse().ok())
             .filter(|r| matches!(r, 1 | 2 | 4))
             .unwrap_or(crate::gemvq::GEMVQ1_ROWS);
-        let gemvq1_rows_short = std::env::var("GGUFTOOL_GEMVQ1_SHORT")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|r| matches!(r, 1 | 2 | 4))
-            .unwrap_or(0);
         let gemvq1_waves = std::env::var("GGUFTOOL_GEMVQ1_WAVES")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -375,24 +356,14 @@ impl Gpu {
             gemv_ksplit: AtomicBool::new(
                 std::env::var("GGUFTOOL_GEMV_KSPLIT").map_or(true, |v| v != "0"),
             ),
-            rms_parts: AtomicBool::new(std::env::var("GGUFTOOL_RMS_PARTS").is_ok_and(|v| v == "1")),
-            gemv_coalesced: AtomicBool::new(
-                std::env::var("GGUFTOOL_GEMV_COALESCED").is_ok_and(|v| v == "1"),
-            ),
-            prefetch_bytes: std::sync::atomic::AtomicUsize::new(
-                std::env::var("GGUFTOOL_PREFETCH_MB")
-                    .ok()
-                    .and_then(|v| v.parse::<usize>().ok())
-                    .map_or(PREFETCH_BYTES, |mb| mb << 20),
-            ),
+            rms_parts: AtomicBool::new(env_on("GGUFTOOL_RMS_PARTS")),
+            gemv_coalesced: AtomicBool::new(env_on("GGUFTOOL_GEMV_COALESCED")),
             resources: Mutex::new(Vec::new()),
             tables: OnceLock::new(),
-            mla_counters: OnceLock::new(),
             blas: OnceLock::new(),
             sync_each: AtomicBool::new(sync_each),
             gemvq_ksplit: std::sync::atomic::AtomicUsize::new(gemvq_ksplit),
             gemvq1_rows: std::sync::atomic::AtomicUsize::new(gemvq1_rows),
-            gemvq1_rows_short: std::sync::atomic::AtomicUsize::new(gemvq1_rows_short),
             gemvq1_waves: std::sync::atomic::AtomicUsize::new(gemvq1_waves),
             mmq_ksplit: std::sync::atomic::AtomicUsize::new(0),
             mmq_slices: std::sync::atomic::AtomicUsize::new(mmq_slices),
@@ -456,27 +427,6 @@ impl Gpu {
     }
     pub(crate) fn gemvq1_rows(&self) -> usize {
         self.gemvq1_rows.load(Ordering::Relaxed)
-    }
-    /// Rows per lane group for one-column launches whose lanes run a single task per row
-    /// (K <= 64 x lanes per row: q_b at K = 2,048, the shared expert's down projection), where
-    /// a block's life is one round of loads: 4 rows put twice the loads of 2 in flight and
-    /// halve the blocks (`GGUFTOOL_GEMVQ1_SHORT=1|2|4`; unset or 0: as
-    /// [`Gpu::set_gemvq1_rows`]). For A/B runs.
-    pub fn set_gemvq1_rows_short(&self, rows: usize) -> Result<(), KernelError> {
-        if !matches!(rows, 0 | 1 | 2 | 4) {
-            return Err(KernelError::BadShape {
-                op: "gemvq",
-                msg: format!("{rows} rows per lane group (0, 1, 2 or 4)"),
-            });
-        }
-        self.gemvq1_rows_short.store(rows, Ordering::Relaxed);
-        Ok(())
-    }
-    pub(crate) fn gemvq1_rows_short(&self) -> usize {
-        match self.gemvq1_rows_short.load(Ordering::Relaxed) {
-            0 => self.gemvq1_rows(),
-            r => r,
-        }
     }
     /// The most waves of blocks a one-column launch may have and still take several rows per
     /// group (default [`crate::gemvq::GEMVQ1_ROWS_MAX_WAVES`], also
@@ -567,8 +517,8 @@ impl Gpu {
 
     /// One-row RMSNorms (a decode step's) in parts: one block per register slot of the row,
     /// each forming the whole row's sum of squares and writing its slot's outputs (rmsnorm.cu;
-    /// bitwise the one-block kernel). Off by default until a GPU timing says it is faster
-    /// (`GGUFTOOL_RMS_PARTS=1` starts a device with it on).
+    /// bitwise the one-block kernel). On by default since the H100 A/B of 2026-12-07 (tg128
+    /// 892.9 -> 910.9 tok/s, same call; `GGUFTOOL_RMS_PARTS=0` starts a device with it off).
     pub fn set_rms_parts(&self, on: bool) {
         self.rms_parts.store(on, Ordering::Relaxed);
     }
@@ -578,25 +528,14 @@ impl Gpu {
 
     /// Few-row F32 GEMVs (the MoE router) with one row per block read coalesced
     /// (gemv.cu `gemvc_f32`: each warp load 512 contiguous bytes, where the k-split kernel's
-    /// lanes each read their own 128-byte chunk) instead of the k-split kernel. Off by default
-    /// until a GPU timing says it is faster (`GGUFTOOL_GEMV_COALESCED=1` starts a device with
-    /// it on).
+    /// lanes each read their own 128-byte chunk) instead of the k-split kernel. On by default
+    /// since the H100 A/B of 2026-12-07 (the router 10.6 -> 5.0 us a layer, tg128 892.9 ->
+    /// 898.8 tok/s, same call; `GGUFTOOL_GEMV_COALESCED=0` starts a device with it off).
     pub fn set_gemv_coalesced(&self, on: bool) {
         self.gemv_coalesced.store(on, Ordering::Relaxed);
     }
     pub(crate) fn gemv_coalesced(&self) -> bool {
         self.gemv_coalesced.load(Ordering::Relaxed)
-    }
-
-    /// Bytes of weights a decode GEMV launch may ask L2 for while the previous kernel still
-    /// runs (gemvq.cu `gemvq_prefetch`, gemv.cu's coalesced f32 kernel): its resident blocks
-    /// bring the first bytes of their rows, this many in all; 0 turns it off
-    /// (`GGUFTOOL_PREFETCH_MB` starts a device with a budget in MiB).
-    pub fn set_prefetch_bytes(&self, bytes: usize) {
-        self.prefetch_bytes.store(bytes, Ordering::Relaxed);
-    }
-    pub(crate) fn prefetch_bytes(&self) -> usize {
-        self.prefetch_bytes.load(Ordering::Relaxed)
     }
 
     pub(crate) fn gemvq_ksplit(&self) -> Option<usize> {
@@ -1103,29 +1042,6 @@ impl Gpu {
         self.stream
             .alloc_zeros(n.max(1))
             .map_err(KernelError::driver("cuMemAlloc"))
-    }
-
-    /// The device address of `n` zeroed MLA arrival counters (mla.cu `mla_dec_merge_last`):
-    /// one buffer per device, allocated zeroed on first use and kept zero by the kernel.
-    pub(crate) fn mla_counters(&self, n: usize) -> Result<u64, KernelError> {
-        if n > MLA_COUNTERS {
-            return Err(KernelError::BadShape {
-                op: "mla",
-                msg: format!("{n} head groups > {MLA_COUNTERS} counters"),
-            });
-        }
-        if self.mla_counters.get().is_none() {
-            let z = self.zeros::<i32>(MLA_COUNTERS)?;
-            let _ = self.mla_counters.set(z);
-        }
-        let c = self
-            .mla_counters
-            .get()
-            .ok_or_else(|| KernelError::BadShape {
-                op: "mla",
-                msg: "counters not allocated".into(),
-            })?;
-        Ok(cudarc::driver::DevicePtr::device_ptr(c, &self.stream).0)
     }
 
     /// An uninitialized device buffer of `n` elements from the caching pool (no driver call

@@ -175,7 +175,6 @@ struct GemvF {
     count: i32,
     y: u64,
     y_stride: i64,
-    pf: i32,
 }
 
 // SAFETY: plain struct laid out exactly as `struct GemvF` in gemv.cu.
@@ -258,13 +257,6 @@ impl Gpu {
         let f = self.func(Op::Gemv, name)?;
         let tables = self.tables()?.params;
         let cfg = self.cfg_rows(OP, rows.div_ceil(rows_per_block) as u64, ch.count, 128)?;
-        // The coalesced kernel's row prefetch: the budget over every row of every channel.
-        let pf = if variant == GemvVariant::Coalesced && ch.ids.is_none() {
-            let all = rows * ch.count.min(65_535);
-            (self.prefetch_bytes() / all.max(1)).min(k * 4) / 128 * 128
-        } else {
-            0
-        };
         let ip = match ch.ids {
             Some(ids) => ids.device_ptr(stream).0,
             None => 0u64,
@@ -287,7 +279,6 @@ impl Gpu {
             count: to_i32(OP, "channels", ch.count)?,
             y: yp,
             y_stride: ch.y_stride as i64,
-            pf: pf.min(i32::MAX as usize) as i32,
         };
         let mut b = self.args(&f);
         b.arg(&p).arg(&tables);

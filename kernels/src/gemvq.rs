@@ -207,8 +207,6 @@ struct GemvQParams {
     seg_w: [u64; 2],
     seg_y: [u64; 2],
     seg_nblk: [i64; 2],
-    pf_blocks: i64,
-    pf_bytes: i32,
 }
 
 /// The most matrices one stacked launch ([`Gpu::gemv_q_stacked`]) takes.
@@ -266,49 +264,6 @@ fn k_split(
         }
     }
     best.1
-}
-
-/// What the weight prefetch of a launch (gemvq.cu `gemvq_prefetch`) depends on.
-#[derive(Debug, Clone, Copy)]
-struct Prefetch {
-    /// The launch's grid (x: row blocks, y: channels).
-    grid: (usize, usize),
-    /// Channels pick their slab by id (MoE experts: unknown before the wait).
-    by_id: bool,
-    /// A shared expert rides along (its rows are known).
-    shared: bool,
-    rows_per_block: usize,
-    /// Matrices a row reads (GLU: gate and up).
-    mats: usize,
-    row_bytes: usize,
-}
-
-/// The blocks that prefetch (those of linear index below the first value: the ones resident
-/// first) and the bytes of each of their rows (the second), so that all of them together ask
-/// for at most `budget` bytes; `slots` gives the blocks resident at once (asked only when
-/// there is a budget). Launches by id prefetch only the shared expert's rows, by channel 0's
-/// blocks.
-fn prefetch_plan(
-    budget: usize,
-    l: Prefetch,
-    slots: impl FnOnce() -> Result<usize, KernelError>,
-) -> Result<(i64, i32), KernelError> {
-    if budget == 0 || (l.by_id && !l.shared) {
-        return Ok((0, 0));
-    }
-    let eligible = if l.by_id {
-        l.grid.0
-    } else {
-        l.grid.0 * l.grid.1
-    };
-    let blocks = eligible.min(slots()?.max(1));
-    let per_row = budget / (blocks * l.rows_per_block.max(1) * l.mats.max(1)).max(1);
-    // Whole lines; a prefix shorter than one line is not worth the instructions.
-    let bytes = per_row.min(l.row_bytes.next_multiple_of(128)) / 128 * 128;
-    if bytes == 0 {
-        return Ok((0, 0));
-    }
-    Ok((blocks as i64, bytes.min(i32::MAX as usize) as i32))
 }
 
 /// Whether `shape` has an integer-dot-product GEMV (type, layout and row length).
@@ -591,11 +546,6 @@ impl Gpu {
         }
         let tasks = shape.k / tw;
         let lpr = lanes_for_tasks(tasks);
-        let want = if ch.ncols == 1 && tasks <= lpr {
-            self.gemvq1_rows_short()
-        } else {
-            want
-        };
         let (mut prefix, mut rows_per_group) =
             variant(cols, vmode, want).ok_or_else(|| shape_err(OP, "no kernel variant"))?;
         let mut f = self.func(Op::GemvQ(qt), &format!("{prefix}{}", qt.suffix()))?;
@@ -719,22 +669,8 @@ impl Gpu {
             seg_w: [0; 2],
             seg_y: [0; 2],
             seg_nblk: [0; 2],
-            pf_blocks: 0,
-            pf_bytes: 0,
         };
         let mut p = p;
-        (p.pf_blocks, p.pf_bytes) = prefetch_plan(
-            self.prefetch_bytes(),
-            Prefetch {
-                grid: (cfg.grid_dim.0 as usize, cfg.grid_dim.1 as usize),
-                by_id: ch.ids.is_some(),
-                shared: wsp != 0,
-                rows_per_block,
-                mats: if matches!(mode, QMode::Glu(_)) { 2 } else { 1 },
-                row_bytes: shape.row_bytes().unwrap_or(0),
-            },
-            || Ok(self.info().sm_count as usize * self.blocks_per_sm_128(&f)? as usize),
-        )?;
         for (i, &(row0, nblk, wp, yp)) in stack.segs.iter().enumerate() {
             p.seg_row[i] = to_i32(OP, "rows", row0)?;
             p.seg_nblk[i] = nblk;
@@ -751,53 +687,7 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::{k_split, prefetch_plan, Prefetch};
-
-    #[test]
-    fn prefetch_plans_stay_within_the_budget_and_whole_lines() {
-        let plan = |budget, l: Prefetch, slots: usize| prefetch_plan(budget, l, || Ok(slots));
-        let head = Prefetch {
-            grid: (38_720, 1),
-            by_id: false,
-            shared: false,
-            rows_per_block: 4,
-            mats: 1,
-            row_bytes: 5_040,
-        };
-        // The output head (154,880 Q6_K rows): only the 1,188 resident blocks prefetch, a
-        // prefix of each of their rows, 16 MiB in all.
-        let (blocks, bytes) = plan(16 << 20, head, 1_188).unwrap();
-        assert_eq!(blocks, 1_188);
-        assert!(bytes > 0 && bytes % 128 == 0 && bytes < 5_040, "{bytes}");
-        assert!(blocks as usize * 4 * bytes as usize <= 16 << 20);
-        // A small matrix fits whole: each row at most its bytes rounded up to a line.
-        let small = Prefetch {
-            grid: (72, 1),
-            row_bytes: 3_400,
-            ..head
-        };
-        assert_eq!(plan(16 << 20, small, 1_188).unwrap(), (72, 3_456));
-        // A GLU reads two matrices: half the bytes a row.
-        let glu = Prefetch { mats: 2, ..head };
-        let (_, b2) = plan(16 << 20, glu, 1_188).unwrap();
-        assert_eq!(b2, bytes / 2 / 128 * 128);
-        // No budget, or experts by id without a shared expert: nothing.
-        assert_eq!(plan(0, head, 1_188).unwrap(), (0, 0));
-        let by_id = Prefetch {
-            grid: (256, 9),
-            by_id: true,
-            ..head
-        };
-        assert_eq!(plan(16 << 20, by_id, 1_188).unwrap(), (0, 0));
-        // With a shared expert only channel 0's blocks (the first grid.x) prefetch.
-        let shared = Prefetch {
-            shared: true,
-            ..by_id
-        };
-        assert_eq!(plan(16 << 20, shared, 1_188).unwrap().0, 256);
-        // A budget below one line a row: none.
-        assert_eq!(plan(1 << 10, head, 1_188).unwrap(), (0, 0));
-    }
+    use super::k_split;
 
     /// 132 SMs x 9 resident blocks (54 registers at 128 threads: the H200's answer).
     const SLOTS: usize = 132 * 9;

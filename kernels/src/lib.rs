@@ -36,7 +36,7 @@ pub use attention::{AttnShape, KeyLists};
 pub use comm::{can_access_peer, OneShotHandles, OneShotRank};
 pub use device::{
     device_count, driver_available, host_wait_ns, DeviceInfo, Gpu, KernelResources, KindTime,
-    Profile, PREFETCH_BYTES,
+    Profile,
 };
 pub use error::KernelError;
 pub use gemv::{Channels, MatShape};
@@ -45,8 +45,8 @@ pub use gemvq::{
 };
 pub use indexer::{force_indexer_lanes, IndexerShape};
 pub use mla::{
-    force_mla_decode, force_mla_merge, force_mla_tc, mla_tc_plan, CacheElem, MlaParams, MlaRow,
-    MlaSeq, MlaShape, MlaTcPlan,
+    force_mla_decode, force_mla_tc, mla_tc_plan, CacheElem, MlaParams, MlaRow, MlaSeq, MlaShape,
+    MlaTcPlan,
 };
 pub use mmq::{
     mmq_kernel_name, mmq_ks_allowed, mmq_plan, mmq_plan_ks, mmq_sliceable, mmq_stage_row_bytes,

@@ -88,9 +88,6 @@ pub struct MlaParams {
     pub o_head: i64,
     /// Per-token [`MlaRow`]s of a batched step (0: every token reads `kv`, `t`, `idx`, `pos`).
     pub rows: u64,
-    /// Decode kernel with splits: zeroed arrival counters, one per (token, head group); set, the
-    /// last split block of each group merges the partials into `o` (no combine launch).
-    pub cnt: u64,
 }
 
 // SAFETY: plain struct laid out exactly as `struct MlaP` in mla.cu.
@@ -197,7 +194,6 @@ impl MlaParams {
             } else {
                 src.rows + (s0 * std::mem::size_of::<MlaRow>()) as u64
             },
-            cnt: 0,
         })
     }
 }
@@ -253,18 +249,6 @@ impl KernelSwitch {
         };
         self.mode.store(v, std::sync::atomic::Ordering::Relaxed);
     }
-}
-
-/// The decode kernel's merge of its splits by the last block of each head group
-/// (`GGUFTOOL_MLA_MERGE=1`; off by default until a GPU timing says it is faster): needs
-/// n_split <= its 128 threads (the combine's per-thread terms, see mla.cu).
-static DEC_MERGE: KernelSwitch = KernelSwitch::new("GGUFTOOL_MLA_MERGE");
-const DEC_MERGE_MAX_SPLITS: usize = 128;
-
-/// Force the decode kernel's merge by its last blocks on or off for this process (tests and
-/// A/B runs; `None`: the default).
-pub fn force_mla_merge(on: Option<bool>) {
-    DEC_MERGE.force(on);
 }
 
 /// The decode kernel against the tile kernel (`GGUFTOOL_MLA_DECODE=0|1`).
@@ -725,25 +709,17 @@ impl Gpu {
                 "mla_decode_f32"
             },
         )?;
-        // One split: the kernel writes o itself; more: partials for the combine, which the
-        // last block of each head group does itself where the merge is on (its counters).
+        // One split: the kernel writes o itself; more: partials for the combine.
         let mut part = if n_split > 1 {
             Some(self.alloc::<f32>(m.tokens * m.heads * n_split * (m.d_v + 2))?)
         } else {
             None
         };
-        let groups = m.tokens * m.heads.div_ceil(DEC_HEADS_PER_BLOCK);
-        let cnt = if n_split > 1 && n_split <= DEC_MERGE_MAX_SPLITS && DEC_MERGE.get() == 2 {
-            self.mla_counters(groups)?
-        } else {
-            0
-        };
         let part_ptr = part.as_mut().map_or(0, |b| b.ptr());
         let p = MlaParams {
             heads_per_block: DEC_HEADS_PER_BLOCK as i32,
             part: part_ptr,
-            o: if n_split == 1 || cnt != 0 { op } else { 0 },
-            cnt,
+            o: if n_split == 1 { op } else { 0 },
             ..MlaParams::of(&m, 0, qp, src, n_eff, (split_len, n_split))?
         };
         let cfg = self.cfg(
@@ -760,7 +736,7 @@ impl Gpu {
         // SAFETY: q/kv/o/idx extents checked by the caller for every token; the kernel
         // range-checks every key index; `part` holds tokens * heads * n_split rows of d_v + 2.
         unsafe { self.launch(OP, b, cfg) }?;
-        if part.is_some() && cnt == 0 {
+        if part.is_some() {
             // SAFETY: o extent checked by the caller; part written by the launch before.
             unsafe { self.mla_combine(&p, op, m.tokens) }?;
         }

@@ -195,9 +195,9 @@ fn gemv_oracle(w: &[f32], x: &[f32], rows: usize, k: usize) -> (Vec<f64>, Vec<f6
 }
 
 /// The few-row kernel choices of `g.gemv`: one row per lane group, the k-split over a block's
-/// warps (`Gpu::set_gemv_ksplit`), and for F32 the coalesced one-row-a-block kernel with a
-/// weight prefetch budget (`Gpu::set_gemv_coalesced`, `Gpu::set_prefetch_bytes`).
-const GEMV_MODES: [&str; 3] = ["one row", "k-split", "coalesced + prefetch"];
+/// warps (`Gpu::set_gemv_ksplit`), and for F32 the coalesced one-row-a-block kernel
+/// (`Gpu::set_gemv_coalesced`).
+const GEMV_MODES: [&str; 3] = ["one row", "k-split", "coalesced"];
 
 /// `g.gemv` in mode `mode` of [`GEMV_MODES`] (the settings back to their defaults after), its
 /// output downloaded.
@@ -210,12 +210,10 @@ fn gemv_with_ksplit(
 ) -> Vec<f32> {
     g.set_gemv_ksplit(mode > 0);
     g.set_gemv_coalesced(mode == 2);
-    g.set_prefetch_bytes(if mode == 2 { 1 << 20 } else { 0 });
     let mut dy = nan_buf(g, shape.rows);
     let res = g.gemv(shape, dw, dx, &mut dy);
     g.set_gemv_ksplit(true);
-    g.set_gemv_coalesced(false);
-    g.set_prefetch_bytes(kernels::PREFETCH_BYTES);
+    g.set_gemv_coalesced(true);
     res.unwrap();
     g.download(&dy).unwrap()
 }
@@ -1749,30 +1747,6 @@ fn check_gemvq(
     // each kernel's schedule allows (H100, 2026-12-07: not bitwise), so each is held to the
     // oracle's bound (which allows for the contraction) and only reported when it differs.
     if ncols == 1 {
-        // The weight prefetch before the wait changes what L2 holds, not what is computed:
-        // with no budget and with 1 MiB the same kernel gives the same bits.
-        for budget in [0usize, 1 << 20] {
-            g.set_prefetch_bytes(budget);
-            let mut d1 = nan_buf(g, rows);
-            let r1 = g.gemv_q(
-                shape,
-                &dw,
-                QMode::Plain,
-                QChannels::dense(1, rows),
-                &q,
-                &mut d1,
-            );
-            g.set_prefetch_bytes(kernels::PREFETCH_BYTES);
-            r1.unwrap();
-            let y1 = g.download(&d1).unwrap();
-            let same = y.iter().zip(&y1).all(|(a, b)| a.to_bits() == b.to_bits());
-            if !same {
-                say(&format!(
-                    "gemvq {ty} {rows}x{k}: prefetch budget {budget} B changed the output"
-                ));
-            }
-            ok &= same;
-        }
         for rpg in [1usize, 4] {
             g.set_gemvq1_rows(rpg).unwrap();
             let mut d1 = nan_buf(g, rows);

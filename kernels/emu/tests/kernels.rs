@@ -129,8 +129,6 @@ struct GemvQParams {
     seg_w: [*const u8; 2],
     seg_y: [*mut f32; 2],
     seg_nblk: [i64; 2],
-    pf_blocks: i64,
-    pf_bytes: i32,
 }
 
 /// `struct QTables` of quant.cuh (eight table pointers; the gemvq kernels read only `kvalues`,
@@ -195,8 +193,6 @@ fn gemvq_params(
         seg_w: [std::ptr::null(); 2],
         seg_y: [std::ptr::null_mut(); 2],
         seg_nblk: [0; 2],
-        pf_blocks: 0,
-        pf_bytes: 0,
     }
 }
 
@@ -697,7 +693,6 @@ struct GemvFParams {
     count: i32,
     y: *mut f32,
     y_stride: i64,
-    pf: i32,
 }
 
 type GemvFn = unsafe extern "C" fn(GemvFParams, QTables);
@@ -706,8 +701,8 @@ type GemvFn = unsafe extern "C" fn(GemvFParams, QTables);
 /// (`gemvs_f32`, what `Gpu::gemv_batched` takes for matrices of few rows: the MoE router) on
 /// F32 weights: both within the f64 bound of kernels/tests/gpu.rs's `gemv_oracle` (k/32 + 10
 /// roundings of sum |w x|), at widths giving 32 and 8 lanes a row and a row count that leaves
-/// the last block partial; the coalesced kernel (`gemvc_f32`, one row a block) too, which also
-/// asks L2 for the first `pf` bytes of its row before its wait and nothing else.
+/// the last block partial; the coalesced kernel (`gemvc_f32`, one row a block: the router's
+/// since 2026-12-07) too.
 #[test]
 fn gemv_f32_k_split_matches_f64() {
     if !compiler("gemv_f32_k_split_matches_f64") {
@@ -745,26 +740,12 @@ fn gemv_f32_k_split_matches_f64() {
                 count: 1,
                 y: y.mut_ptr(),
                 y_stride: rows as i64,
-                pf: 640,
             };
             let grid = rows.div_ceil(rows_per_block) as u32;
-            let take: PrefetchTakeFn = unsafe { m.entry("emu_prefetch_take") }.unwrap();
-            unsafe { take(std::ptr::null_mut(), 0) };
             m.launch(entry, [grid, 1, 1], [128, 1, 1], 0, &|| unsafe {
                 f(p, tables)
             })
             .unwrap();
-            let mut log = vec![std::ptr::null::<u8>(); 1 << 16];
-            let n = unsafe { take(log.as_mut_ptr(), log.len() as i64) } as usize;
-            let got: Vec<usize> = log[..n].iter().map(|a| *a as usize).collect();
-            if entry == "gemvc_f32" {
-                let ranges: Vec<(usize, usize)> = (0..rows)
-                    .map(|i| (wb.ptr() as usize + i * k * 4, 640.min(k * 4)))
-                    .collect();
-                check_prefetch(&format!("{entry} {rows}x{k}"), &got, &ranges);
-            } else {
-                assert!(got.is_empty(), "{entry} prefetched {n} lines");
-            }
             let y = y.to_vec();
             let gamma = (k as f64 / 32.0 + 10.0) * 2f64.powi(-24);
             let mut worst = 0f64;
@@ -789,250 +770,6 @@ fn gemv_f32_k_split_matches_f64() {
             assert!(worst <= 1.0, "{entry} {rows}x{k}: {worst}");
         }
     }
-}
-
-type PrefetchTakeFn = unsafe extern "C" fn(*mut *const u8, i64) -> i64;
-
-/// One weight-prefetching launch of a gemvq entry: returns the addresses it asked L2 for.
-fn gemvq_prefetched(qt: QType, entry: &str, p: GemvQParams, grid: [u32; 3]) -> Vec<usize> {
-    let m = module(Op::GemvQ(qt));
-    let f: GemvqFn = unsafe { m.entry(entry) }.unwrap();
-    let take: PrefetchTakeFn = unsafe { m.entry("emu_prefetch_take") }.unwrap();
-    let t = QTables {
-        t: [std::ptr::null(); 8],
-    };
-    // Launches of other tests (no prefetch budget) add nothing; drop whatever is there.
-    unsafe { take(std::ptr::null_mut(), 0) };
-    m.launch(entry, grid, [128, 1, 1], 0, &|| unsafe { f(p, t) })
-        .unwrap();
-    let mut out = vec![std::ptr::null::<u8>(); 1 << 18];
-    let n = unsafe { take(out.as_mut_ptr(), out.len() as i64) } as usize;
-    assert!(n <= out.len(), "{entry}: {n} prefetches overflow the log");
-    out[..n].iter().map(|a| *a as usize).collect()
-}
-
-/// Checks a launch's prefetches against the byte ranges it should ask for: every address in
-/// one of them, and every 128-byte line of each range asked at least once.
-fn check_prefetch(what: &str, got: &[usize], ranges: &[(usize, usize)]) {
-    assert!(!ranges.is_empty(), "{what}: no range expected");
-    for &a in got {
-        assert!(
-            ranges.iter().any(|&(s, n)| a >= s && a < s + n),
-            "{what}: address {a:#x} outside every expected row prefix"
-        );
-    }
-    let lines: std::collections::HashSet<usize> = got.iter().map(|a| a >> 7).collect();
-    for &(s, n) in ranges {
-        for l in (s >> 7)..=((s + n - 1) >> 7) {
-            assert!(
-                lines.contains(&l),
-                "{what}: line {l:#x} of [{s:#x}, +{n}) not asked"
-            );
-        }
-    }
-}
-
-/// The weight prefetch before the wait on the previous kernel (gemvq.cu `gemvq_prefetch`):
-/// the blocks of linear index < pf_blocks ask L2 for the first pf_bytes of each of their rows'
-/// quant stream (the whole block in the GGUF layout, the quants of a repacked one), nothing
-/// else: one matrix at 1 and 2 rows a group and k-splits 1 and 2, a repacked Q8_0, a stack of
-/// three matrices (rows in the second and third segments), per-channel slabs (grid.y), and a
-/// GLU by expert id whose channel-0 blocks prefetch the shared expert's gate and up rows.
-#[test]
-fn gemvq_prefetch_asks_for_the_resident_blocks_row_prefixes_only() {
-    if !compiler("gemvq_prefetch_asks_for_the_resident_blocks_row_prefixes_only") {
-        return;
-    }
-    let mut r = Rng::new("emu gemvq prefetch");
-    let k = 768usize;
-    let none_x = |rows: usize| {
-        let qs = Buf::filled(rows * k, 0i8);
-        let ds = Buf::filled(rows * k / 32, 0u64);
-        (qs, ds)
-    };
-    let (xq, xd) = none_x(4);
-    let x = Q8AParams {
-        qs: xq.ptr(),
-        ds: xd.ptr(),
-        rows: 4,
-    };
-    for (ty, qt, row_main) in [
-        (GgmlType::Q4_K, QType::Q4K, k / 256 * 144),
-        (GgmlType::Q8_0, QType::Q8_0, k / 32 * 32),
-    ] {
-        let bs = ty.block_size();
-        let rows = 45usize;
-        let w = Buf::new(&device_layout(ty, sane_blocks(ty, rows * k, &mut r)));
-        let base = w.ptr() as usize;
-        let lpr = lanes_for_tasks(k / qt.task_weights());
-        for (prefix, rpg) in [("gemvq1_", 1usize), ("gemvq1r2_", 2)] {
-            for ks in [1usize, 2] {
-                for pf_bytes in [256usize, 1 << 20] {
-                    let rpb = (4 / ks) * (32 / lpr) * rpg;
-                    let grid = rows.div_ceil(rpb) as u32;
-                    let pf_blocks = 2usize.min(grid as usize);
-                    let mut y = Buf::filled(rows, f32::NAN);
-                    let p = GemvQParams {
-                        pf_blocks: pf_blocks as i64,
-                        pf_bytes: pf_bytes as i32,
-                        ..gemvq_params(w.ptr(), rows * k / bs, rows, k, lpr, ks, x, y.mut_ptr())
-                    };
-                    let entry = format!("{prefix}{}", qt.suffix());
-                    let got = gemvq_prefetched(qt, &entry, p, [grid, 1, 1]);
-                    let want = pf_bytes.min(row_main);
-                    let ranges: Vec<(usize, usize)> = (0..(pf_blocks * rpb).min(rows))
-                        .map(|row| (base + row * row_main, want))
-                        .collect();
-                    check_prefetch(&format!("{ty} {entry} ks {ks} {pf_bytes} B"), &got, &ranges);
-                }
-            }
-        }
-    }
-    // A stack of three Q4_K matrices at 2 rows a group, every block prefetching 384 bytes.
-    {
-        let (ty, qt) = (GgmlType::Q4_K, QType::Q4K);
-        let row_main = k / 256 * 144;
-        let rows = [132usize, 40, 3];
-        let mats: Vec<Buf<u8>> = rows
-            .iter()
-            .map(|&n| Buf::new(&sane_blocks(ty, n * k, &mut r)))
-            .collect();
-        let mut ys: Vec<Buf<f32>> = rows.iter().map(|&n| Buf::filled(n, f32::NAN)).collect();
-        let total: usize = rows.iter().sum();
-        let lpr = lanes_for_tasks(k / qt.task_weights());
-        let rpb = 4 * (32 / lpr) * 2;
-        let grid = total.div_ceil(rpb);
-        let mut p = GemvQParams {
-            nseg: 3,
-            y_stride: rows[0] as i64,
-            pf_blocks: grid as i64,
-            pf_bytes: 384,
-            ..gemvq_params(
-                mats[0].ptr(),
-                rows[0] * k / 256,
-                total,
-                k,
-                lpr,
-                1,
-                x,
-                ys[0].mut_ptr(),
-            )
-        };
-        let mut row0 = rows[0];
-        for i in 1..3 {
-            p.seg_row[i - 1] = row0 as i32;
-            p.seg_w[i - 1] = mats[i].ptr();
-            p.seg_y[i - 1] = ys[i].mut_ptr();
-            p.seg_nblk[i - 1] = (rows[i] * k / 256) as i64;
-            row0 += rows[i];
-        }
-        let got = gemvq_prefetched(qt, "gemvq1r2_q4_k", p, [grid as u32, 1, 1]);
-        let ranges: Vec<(usize, usize)> = mats
-            .iter()
-            .zip(&rows)
-            .flat_map(|(m, &n)| {
-                let b = m.ptr() as usize;
-                (0..n).map(move |row| (b + row * row_main, 384))
-            })
-            .collect();
-        check_prefetch("Q4_K stack of 3", &got, &ranges);
-    }
-    // Per-channel slabs (per-head matrices): channel y's blocks read slab y; the first 5
-    // blocks in launch order (x fastest) prefetch.
-    {
-        let (ty, qt) = (GgmlType::Q4_K, QType::Q4K);
-        let (rows, slabs) = (80usize, 3usize);
-        let row_main = k / 256 * 144;
-        let w = Buf::new(&sane_blocks(ty, slabs * rows * k, &mut r));
-        let lpr = lanes_for_tasks(k / qt.task_weights());
-        let rpb = 4 * (32 / lpr);
-        let gx = rows.div_ceil(rpb);
-        assert!(
-            gx * slabs > 5 && gx < 5,
-            "the 5 prefetching blocks span two channels"
-        );
-        let mut y = Buf::filled(slabs * rows, f32::NAN);
-        let p = GemvQParams {
-            n_slabs: slabs as i32,
-            count: slabs as i32,
-            x_div: slabs as i32,
-            y_rows: slabs as i64,
-            pf_blocks: 5,
-            pf_bytes: 1 << 20,
-            ..gemvq_params(
-                w.ptr(),
-                slabs * rows * k / 256,
-                rows,
-                k,
-                lpr,
-                1,
-                x,
-                y.mut_ptr(),
-            )
-        };
-        let got = gemvq_prefetched(qt, "gemvq1_q4_k", p, [gx as u32, slabs as u32, 1]);
-        let wb = w.ptr() as usize;
-        let ranges: Vec<(usize, usize)> = (0..5)
-            .flat_map(|b| {
-                let (bx, e) = (b % gx, b / gx);
-                (bx * rpb..((bx + 1) * rpb).min(rows))
-                    .map(move |row| (wb + (e * rows + row) * row_main, row_main))
-            })
-            .collect();
-        check_prefetch("Q4_K per-channel slabs", &got, &ranges);
-    }
-    // A GLU by expert id: the routed experts are unknown before the wait, so channel 0's
-    // blocks prefetch the shared expert's gate and up rows and no routed expert is asked.
-    {
-        let (ty, qt) = (GgmlType::Q4_K, QType::Q4K);
-        let (rows, ne) = (40usize, 4usize);
-        let row_main = k / 256 * 144;
-        let blocks = |n: usize, r: &mut Rng| Buf::new(&sane_blocks(ty, n * rows * k, r));
-        let (gate, up, sg, su) = (
-            blocks(ne, &mut r),
-            blocks(ne, &mut r),
-            blocks(1, &mut r),
-            blocks(1, &mut r),
-        );
-        let ids = Buf::new(&[3i32, 1]);
-        let lpr = lanes_for_tasks(k / qt.task_weights());
-        let rpb = 4 * (32 / lpr) * 2;
-        let gx = rows.div_ceil(rpb);
-        let mut act = Buf::filled(3 * rows, f32::NAN);
-        let p = GemvQParams {
-            w2: up.ptr(),
-            n_slabs: ne as i32,
-            ids: ids.ptr(),
-            count: 3,
-            x_div: 3,
-            y_rows: 3,
-            ws: sg.ptr(),
-            ws2: su.ptr(),
-            ws_nblk: (rows * k / 256) as i64,
-            pf_blocks: gx as i64,
-            pf_bytes: 1 << 20,
-            ..gemvq_params(
-                gate.ptr(),
-                ne * rows * k / 256,
-                rows,
-                k,
-                lpr,
-                1,
-                x,
-                act.mut_ptr(),
-            )
-        };
-        let got = gemvq_prefetched(qt, "gemvq_glu1r_q4_k", p, [gx as u32, 3, 1]);
-        let ranges: Vec<(usize, usize)> = [&sg, &su]
-            .iter()
-            .flat_map(|m| {
-                let b = m.ptr() as usize;
-                (0..rows).map(move |row| (b + row * row_main, row_main))
-            })
-            .collect();
-        check_prefetch("Q4_K GLU by id, shared expert", &got, &ranges);
-    }
-    say("gemvq prefetch: resident blocks' row prefixes, every line, nothing else");
 }
 
 // ---------------------------------------------------------------------------------------------
