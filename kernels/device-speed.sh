@@ -744,7 +744,9 @@ fi
 #     closing figures (llama.cpp's on this machine type: the fifteenth session's call 2).
 if [ "$STAGE" = fin17 ]; then
 cd "$D" || exit 2
-step tests 70 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 gemv_every gemv_glm5 rms_norm fused_norm 2>&1'
+# SHORT=1 (the session's device time nearly spent): no kernel tests (pf17 ran them), the
+# A/B without the two off-switches and the MLA splits, only the pp / tg closing figures.
+[ -n "${SHORT:-}" ] || step tests 70 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 gemv_every gemv_glm5 rms_norm fused_norm 2>&1'
 [ -s /tmp/glm5.gguf ] || step synth 150 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
 rm -f "$W"/ab-*.json
 ab_tg base-0 ./gguftool-b 100 X=0
@@ -753,18 +755,19 @@ for i in 1 2; do
     ab_tg "base-$i" ./gguftool-b 25 X=0
     ab_tg "def-$i" ./gguftool 25 X=0
     ab_tg "noparts-$i" ./gguftool 25 GGUFTOOL_RMS_PARTS=0
+    [ -n "${SHORT:-}" ] && continue
     ab_tg "nocoal-$i" ./gguftool 25 GGUFTOOL_GEMV_COALESCED=0
     ab_tg "mla4-$i" ./gguftool 25 GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0
 done
 ab_table base def noparts nocoal mla4 > "$OUT/ab.txt"
+step runtime-tests 100 "$OUT/runtime-tests.txt" ./runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_decode cuda::tests::glm5_heads_shared --test-threads=1 --nocapture
 trace_run def X=0
 [ -s "$W/trace-def.csv" ] && python3 "$D/timeline.py" "$W/trace-def.csv" --last 48 --launches > "$OUT/launches-def.txt" 2>&1
 rm -f "$OUT/timeline-def.txt"
-step runtime-tests 100 "$OUT/runtime-tests.txt" ./runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_decode cuda::tests::glm5_heads_shared --test-threads=1 --nocapture
 B="./gguftool bench -m /tmp/glm5.gguf --device cuda --json"
 step ours-pp-tg 60 "$W/final-pp-tg.json" $B -p 8,16,32,64,512 -n 128 -r 2
-step ours-batched 40 "$W/final-batched.json" $B -p 0 -n 32 -r 1 --npl 8,32
-step ours-depth 40 "$W/final-depth.json" $B --no-profile -p 0 -n 32 -d 32768 -r 1
+[ -n "${SHORT:-}" ] || step ours-batched 40 "$W/final-batched.json" $B -p 0 -n 32 -r 1 --npl 8,32
+[ -n "${SHORT:-}" ] || step ours-depth 40 "$W/final-depth.json" $B --no-profile -p 0 -n 32 -d 32768 -r 1
 cp "$W/final-pp-tg.json" "$OUT/bench-all.json" 2>/dev/null
 echo "== tests"; grep -E "test result|FAILED|panicked" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | tail -6
 grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
