@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14|rows15|fin15|parts16|pf17|fin17] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14|rows15|fin15|pf17|fin17] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -115,6 +115,21 @@ closing_figures() {
     step ours-batched 40 "$W/final-batched.json" $B -p 0 -n 32 -r 1 --npl 8,32
     step ours-depth 40 "$W/final-depth.json" $B --no-profile -p 0 -n 32 -d 32768 -r 1
     cat "$W"/bench-llama*.txt > "$OUT/llama.txt" 2>/dev/null
+}
+# Every final-*.json record of this call: test, prompt, generated, depth, sequences, tok/s, sd
+# (and the weight-read GB/s where a stage asks for it: print_finals gbps).
+print_finals() {
+    local extra=${1:-}
+    for f in "$W"/final-*.json; do echo "== $f"; python3 - "$f" "$extra" <<'PY' 2>&1
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    row = [r.get('test'), r.get('n_prompt'), r.get('n_gen'), r.get('n_depth'), r.get('n_seq'),
+           round(r.get('avg_ts', 0), 1), round(r.get('stddev_ts', 0), 1)]
+    if sys.argv[2] == 'gbps':
+        row.append(r.get('gbps', ''))
+    print(*row)
+PY
+    done
 }
 if [ "$STAGE" = final ]; then
 build_llama
@@ -542,11 +557,7 @@ grep -E "^\| (decode fusions|shared Q6_K)" "$OUT/runtime-tests.txt"
 head -30 "$OUT/timeline-new.txt"
 cat "$OUT/ab.txt"
 cat "$OUT/llama.txt"
-for f in "$W"/final-*.json; do echo "== $f"; python3 -c "
-import json,sys
-for r in json.load(open('$f')):
-    print(r.get('test'), r.get('n_prompt'), r.get('n_gen'), r.get('n_depth'), r.get('n_seq'), round(r.get('avg_ts',0),1), round(r.get('stddev_ts',0),1))
-" 2>&1; done
+print_finals
 cat "$STEPS"
 fi
 
@@ -647,57 +658,20 @@ echo "== tests"; grep -E "test result|FAILED|panicked" "$OUT/runtime-tests.txt" 
 for f in "$OUT"/launches-*.txt; do echo "== $(basename "$f")"; head -12 "$f"; done
 cat "$OUT/ab.txt"
 cat "$OUT/llama.txt"
-for f in "$W"/final-*.json; do echo "== $f"; python3 -c "
-import json,sys
-for r in json.load(open('$f')):
-    print(r.get('test'), r.get('n_prompt'), r.get('n_gen'), r.get('n_depth'), r.get('n_seq'), round(r.get('avg_ts',0),1), round(r.get('stddev_ts',0),1), r.get('gbps', ''))
-" 2>&1; done
+print_finals gbps
 cat "$STEPS"
 fi
 
-# 19. STAGE=parts16 (written in the fifteenth session for the next call, H200 preferred): the
-#     one-row RMSNorm in parts (GGUFTOOL_RMS_PARTS=1, one block per register slot, bitwise the
-#     one-block kernel: its GPU test first) and, on the H200, whether the output head wants 2
-#     rows per group too (GGUFTOOL_GEMVQ1_WAVES=0: the H200's head ran at 78% of copy bandwidth
-#     with one row in the fourteenth session's timeline, the H100's at 99%). tg128 of the
-#     previous commit (gguftool-b) and of this tree's four settings, alternating; the timelines
-#     of the default and of the parts with every launch listed.
-if [ "$STAGE" = parts16 ]; then
-cd "$D" || exit 2
-step norm-tests 60 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 rms_norm fused_norm 2>&1'
-step synth 150 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
-ab_tg base-0 ./gguftool-b 100 X=0
-ab_tg def-0 ./gguftool 100 X=0
-for i in 1 2; do
-    ab_tg "base-$i" ./gguftool-b 25 X=0
-    ab_tg "def-$i" ./gguftool 25 X=0
-    ab_tg "parts-$i" ./gguftool 25 GGUFTOOL_RMS_PARTS=1
-    ab_tg "waves0-$i" ./gguftool 25 GGUFTOOL_GEMVQ1_WAVES=0
-    ab_tg "both-$i" ./gguftool 25 GGUFTOOL_RMS_PARTS=1 GGUFTOOL_GEMVQ1_WAVES=0
-done
-ab_table base def parts waves0 both > "$OUT/ab.txt"
-for c in "def X=0" "parts GGUFTOOL_RMS_PARTS=1"; do
-    set -- $c
-    trace_run "$1" "$2"
-    [ -s "$W/trace-$1.csv" ] && python3 "$D/timeline.py" "$W/trace-$1.csv" --last 48 --launches > "$OUT/launches-$1.txt" 2>&1
-    rm -f "$OUT/timeline-$1.txt"
-done
-step runtime-tests 150 "$OUT/runtime-tests.txt" bash -c 'GGUFTOOL_RMS_PARTS=1 ./runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_decode cuda::tests::cuda_add_rms --test-threads=1 --nocapture 2>&1'
-echo "== tests"; grep -E "test result|FAILED|panicked" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | tail -6
-grep -E "parts" "$OUT/kernel-tests.txt" | head -8
-for f in "$OUT"/launches-*.txt; do echo "== $(basename "$f")"; head -14 "$f"; done
-cat "$OUT/ab.txt"
-cat "$STEPS"
-fi
-
-# 20. STAGE=pf17 (sixteenth session): three things written without a GPU, each off by default:
+# 19. STAGE=pf17 (sixteenth session): three things written without a GPU, each off by default:
 #     the weight prefetch into L2 before a GEMV's wait on the previous kernel
 #     (GGUFTOOL_PREFETCH_MB: the HBM idles while a one-block norm or the router runs), the
 #     router's coalesced F32 GEMV (GGUFTOOL_GEMV_COALESCED=1), more key splits for the short
 #     decode MLA (GGUFTOOL_MLA_DEC_SPLIT / _DIRECT), their merge by the last block of each head
 #     group instead of the combine launch (GGUFTOOL_MLA_MERGE=1), 4 rows per lane group where
 #     a lane runs one task a row (GGUFTOOL_GEMVQ1_SHORT=4), and the fifteenth session's RMSNorm in
-#     parts (GGUFTOOL_RMS_PARTS=1). Their tests first, then tg128 of the previous commit
+#     parts (GGUFTOOL_RMS_PARTS=1). Ran on commit 54f3c83's tree: the prefetch, merge and
+#     short-row variables exist only there (e27b03d took them out), so on a later tree those
+#     rows measure the default. Their tests first, then tg128 of the previous commit
 #     (gguftool-b) and of each setting alternating, the timeline of the combination with
 #     every launch, and the CUDA backend against the CPU with everything on.
 if [ "$STAGE" = pf17 ]; then
@@ -735,7 +709,7 @@ head -110 "$OUT/launches-all.txt"
 cat "$STEPS"
 fi
 
-# 21. STAGE=fin17 (sixteenth session, after pf17): the weight prefetch and the MLA merge measured
+# 20. STAGE=fin17 (sixteenth session, after pf17): the weight prefetch and the MLA merge measured
 #     slower and were taken out; the RMSNorm in parts and the router's coalesced GEMV are on by
 #     default. Their tests, tg128 of the previous session's last commit (gguftool-b) against
 #     this tree's defaults and each of the two turned off, and the short-decode MLA with more
@@ -773,10 +747,6 @@ echo "== tests"; grep -E "test result|FAILED|panicked" "$OUT/kernel-tests.txt" "
 grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
 cat "$OUT/ab.txt"
 head -24 "$OUT/launches-def.txt"
-for f in "$W"/final-*.json; do echo "== $f"; python3 -c "
-import json,sys
-for r in json.load(open('$f')):
-    print(r.get('test'), r.get('n_prompt'), r.get('n_gen'), r.get('n_depth'), r.get('n_seq'), round(r.get('avg_ts',0),1), round(r.get('stddev_ts',0),1))
-" 2>&1; done
+print_finals
 cat "$STEPS"
 fi

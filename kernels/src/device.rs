@@ -353,9 +353,7 @@ impl Gpu {
             gemvq_multirow: AtomicBool::new(
                 std::env::var("GGUFTOOL_GEMVQ_ROWS").map_or(true, |v| v != "1"),
             ),
-            gemv_ksplit: AtomicBool::new(
-                std::env::var("GGUFTOOL_GEMV_KSPLIT").map_or(true, |v| v != "0"),
-            ),
+            gemv_ksplit: AtomicBool::new(env_on("GGUFTOOL_GEMV_KSPLIT")),
             rms_parts: AtomicBool::new(env_on("GGUFTOOL_RMS_PARTS")),
             gemv_coalesced: AtomicBool::new(env_on("GGUFTOOL_GEMV_COALESCED")),
             resources: Mutex::new(Vec::new()),

@@ -13,6 +13,9 @@ use crate::error::KernelError;
 use crate::ops::Op;
 use crate::quant::{block_alignment, type_kernels, WMat};
 
+/// The coalesced F32 kernel (gemv.cu; one entry, not one per type).
+pub(crate) const GEMVC_F32: &str = "gemvc_f32";
+
 /// From this many rows on, a lane computes 4 rows (activation reuse); below it 1 row per lane
 /// keeps enough blocks in flight for small matrices (kv_a: 576 rows).
 const MULTI_ROW_MIN: usize = 2048;
@@ -252,7 +255,7 @@ impl Gpu {
             GemvVariant::FourRows => (kinds.gemv4, 4 * (32 / lpr) * 4),
             GemvVariant::OneRow => (kinds.gemv, 4 * (32 / lpr)),
             GemvVariant::KSplit => (kinds.gemvs, 32 / lpr),
-            GemvVariant::Coalesced => ("gemvc_f32", 1),
+            GemvVariant::Coalesced => (GEMVC_F32, 1),
         };
         let f = self.func(Op::Gemv, name)?;
         let tables = self.tables()?.params;

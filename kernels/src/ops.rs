@@ -332,7 +332,7 @@ impl Op {
             Op::Dequant => return per_type(&|k| vec![k.dequant, k.dequant_bf16, k.get_rows]),
             Op::Gemv => {
                 let mut v = per_type(&|k| vec![k.gemv, k.gemv4, k.gemvs]);
-                v.push("gemvc_f32".to_string());
+                v.push(crate::gemv::GEMVC_F32.to_string());
                 return v;
             }
             Op::GemvQ(q) => {

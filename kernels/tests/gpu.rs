@@ -201,7 +201,7 @@ const GEMV_MODES: [&str; 3] = ["one row", "k-split", "coalesced"];
 
 /// `g.gemv` in mode `mode` of [`GEMV_MODES`] (the settings back to their defaults after), its
 /// output downloaded.
-fn gemv_with_ksplit(
+fn gemv_in_mode(
     g: &Gpu,
     mode: usize,
     shape: MatShape,
@@ -238,8 +238,8 @@ fn gemv_every_type_matches_f64() {
             let dx = g.upload(&x).unwrap();
             // 129 rows: one-row blocks, and with the k-split on, 4 warps a row (33 blocks);
             // F32: one row a block, coalesced.
-            for (mode, ksplit) in GEMV_MODES.iter().enumerate() {
-                let y = gemv_with_ksplit(&g, mode, MatShape::new(ty, rows, k), &dw, &dx);
+            for (mode, name) in GEMV_MODES.iter().enumerate() {
+                let y = gemv_in_mode(&g, mode, MatShape::new(ty, rows, k), &dw, &dx);
                 let mut worst = 0f64;
                 let mut ok = true;
                 for i in 0..rows {
@@ -249,13 +249,13 @@ fn gemv_every_type_matches_f64() {
                 }
                 row(
                     &format!("gemv {ty}"),
-                    &format!("{rows}x{k} {ksplit}"),
+                    &format!("{rows}x{k} {name}"),
                     worst,
                     1.0,
                     ok,
                 );
                 if !ok {
-                    bad.push((ty, rows, *ksplit));
+                    bad.push((ty, rows, *name));
                 }
             }
         }
@@ -289,20 +289,20 @@ fn gemv_glm5_shapes() {
         let (want, tol) = gemv_oracle(&w, &x, rows, k);
         let dw = g.upload(&bytes).unwrap();
         let dx = g.upload(&x).unwrap();
-        for (mode, ksplit) in GEMV_MODES.iter().enumerate() {
-            let y = gemv_with_ksplit(&g, mode, MatShape::new(ty, rows, k), &dw, &dx);
+        for (mode, name) in GEMV_MODES.iter().enumerate() {
+            let y = gemv_in_mode(&g, mode, MatShape::new(ty, rows, k), &dw, &dx);
             let worst = (0..rows)
                 .map(|i| (f64::from(y[i]) - want[i]).abs() / tol[i])
                 .fold(0f64, f64::max);
             let ok = y.iter().all(|v| v.is_finite()) && worst <= 1.0;
             row(
                 &format!("gemv {ty}"),
-                &format!("{rows}x{k} {ksplit}"),
+                &format!("{rows}x{k} {name}"),
                 worst,
                 1.0,
                 ok,
             );
-            assert!(ok, "gemv {ty} {rows}x{k} {ksplit}");
+            assert!(ok, "gemv {ty} {rows}x{k} {name}");
         }
     }
 }
