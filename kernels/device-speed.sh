@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14|rows15|fin15|pf17|fin17] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14|rows15|fin15|pf17|fin17|s18] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -748,5 +748,54 @@ grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
 cat "$OUT/ab.txt"
 head -24 "$OUT/launches-def.txt"
 print_finals
+cat "$STEPS"
+fi
+
+# 21. STAGE=s18 (seventeenth session; written while no machine was lent, so first run by a later
+#     session): what that session wrote without a GPU. The step's positions are uploaded before
+#     its first kernel (Backend::stage_positions: before, that copy sat between the first
+#     layer's q_b GEMV and its cache-row kernel; on by default), and two opt-in fusions, each
+#     bitwise the launches it replaces on the CPU emulator: the MLA queries' quantize + RoPE as
+#     one launch (GGUFTOOL_FUSE_ROPE_Q8=1) and the attention output's q8 from the combine launch
+#     (GGUFTOOL_FUSE_ATTN_Q8=1). Their kernel tests (bitwise against the launches they replace),
+#     the CUDA backend against the CPU with both on, then tg128 of the previous commit
+#     (gguftool-b, built from the commit before these changes) against this tree's default, each
+#     fusion, both, and the short-decode MLA's key splits (GGUFTOOL_MLA_DEC_SPLIT / _DIRECT:
+#     more splits shorten the blocks' latency-bound walk over the keys, and with ATTN_Q8 the
+#     combine they add also quantizes), alternating; the default's timeline with the copies
+#     shown (timeline.py --mem); both tools' closing figures (llama.cpp built in the background
+#     at nice 19; prepare with LLAMA=1).
+if [ "$STAGE" = s18 ]; then
+cd "$D" || exit 2
+( nice -n 19 bash ./llamacpp-bench.sh /nonexistent -p 0 -n 0 > "$W/llama-build.txt" 2>&1 ) &
+BUILD=$!
+NEW="GGUFTOOL_FUSE_ROPE_Q8=1 GGUFTOOL_FUSE_ATTN_Q8=1"
+step tests 90 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 rope_q8 mla_ rope 2>&1'
+[ -s /tmp/glm5.gguf ] || step synth 150 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+step runtime-tests 120 "$OUT/runtime-tests.txt" env $NEW GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0 ./runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_decode cuda::tests::glm5_heads_shared --test-threads=1 --nocapture
+rm -f "$W"/ab-*.json
+ab_tg base-0 ./gguftool-b 100 X=0
+ab_tg def-0 ./gguftool 100 X=0
+for i in 1 2; do
+    ab_tg "base-$i" ./gguftool-b 25 X=0
+    ab_tg "def-$i" ./gguftool 25 X=0
+    ab_tg "rq8-$i" ./gguftool 25 GGUFTOOL_FUSE_ROPE_Q8=1
+    ab_tg "aq8-$i" ./gguftool 25 GGUFTOOL_FUSE_ATTN_Q8=1
+    ab_tg "both-$i" ./gguftool 25 $NEW
+    ab_tg "s4-$i" ./gguftool 25 GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0
+    ab_tg "s4q-$i" ./gguftool 25 $NEW GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0
+    ab_tg "s8q-$i" ./gguftool 25 $NEW GGUFTOOL_MLA_DEC_SPLIT=8 GGUFTOOL_MLA_DEC_DIRECT=8
+done
+ab_table base def rq8 aq8 both s4 s4q s8q > "$OUT/ab.txt"
+trace_run def X=0
+[ -s "$W/trace-def.csv" ] && python3 "$D/timeline.py" "$W/trace-def.csv" --last 48 --launches --mem > "$OUT/launches-def.txt" 2>&1
+rm -f "$OUT/timeline-def.txt"
+closing_figures
+echo "== tests"; grep -E "test result|FAILED|panicked" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | tail -6
+grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
+cat "$OUT/ab.txt"
+head -24 "$OUT/launches-def.txt"
+cat "$OUT/llama.txt"
+print_finals gbps
 cat "$STEPS"
 fi

@@ -112,11 +112,18 @@ extern "C" __global__ void __launch_bounds__(256)
 // the splits with independent loads: no serial chain of L2 reads per split. n_split <= 1024
 // (checked by the host). A query with no visible key (impossible for causal attention) gets
 // zeros.
+// Optional fused q8 activations (the input format of gemvq.cu, for the per-head GEMV after MLA):
+// if `qs` is non-null, every output value is also quantized exactly as quantize.cu's quantize_q8a
+// does for rows = tokens * H of k = Dv (same helper, same arithmetic, same layout: codes
+// qs[(s*H + h)*Dv + d], records qd[((s*H + h)*Dv + d) / 32]), which saves its launch. Needs Dv and
+// blockDim.x multiples of 32 (a warp then holds one whole block per iteration: d < Dv is
+// warp-uniform) and dense o (o_head_stride == Dv, o_tok_stride == H*Dv); the host checks both
+// and passes null otherwise. The f32 output is the same with or without it.
 #define COMBINE_MAX_SPLITS 1024
 extern "C" __global__ void __launch_bounds__(256)
     attn_combine_f32(const float* __restrict__ part, int n_split, int H, int Dv,
                      float* __restrict__ o, long long o_tok_stride, long long o_head_stride,
-                     long long tokens) {
+                     long long tokens, int8_t* __restrict__ qs, float2* __restrict__ qd) {
     pdl_entry();
     __shared__ float wsplit[COMBINE_MAX_SPLITS];
     __shared__ float scratch[32];
@@ -138,11 +145,15 @@ extern "C" __global__ void __launch_bounds__(256)
         const float Z = block_sum(z, scratch);
         const float inv = Z > 0.0f ? 1.0f / Z : 0.0f;
         float* orow = o + s * o_tok_stride + (long long)h * o_head_stride;
+        const long long q_row = (s * H + h) * (long long)Dv;
         for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
             float acc = 0.0f;
 #pragma unroll 8
             for (int p = 0; p < n_split; ++p) acc += pr[p * row + 2 + d] * wsplit[p];
-            orow[d] = acc * inv;
+            const float v = acc * inv;
+            orow[d] = v;
+            // Warp-uniform: qs is a parameter, and d < Dv holds for a whole warp or none of it.
+            if (qs) q8a_store_block(v, q_row + d, qs, qd);
         }
         __syncthreads();  // wsplit is rewritten for the next token
     }

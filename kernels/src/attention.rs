@@ -156,6 +156,8 @@ impl Gpu {
         let (qts, qhs) = (m.q_tok_stride as i64, m.q_head_stride as i64);
         let (ots, ohs) = (m.o_tok_stride as i64, m.o_head_stride as i64);
         let null_pos = 0u64;
+        // attn_combine_f32's optional q8 outputs (codes, records): not asked for here.
+        let no_q8 = 0u64;
         let mut s0 = 0usize;
         while s0 < m.tokens {
             let cs = chunk.min(m.tokens - s0);
@@ -209,8 +211,10 @@ impl Gpu {
                 .arg(&op_c)
                 .arg(&ots)
                 .arg(&ohs)
-                .arg(&cs64);
-            // SAFETY: o extent checked above.
+                .arg(&cs64)
+                .arg(&no_q8)
+                .arg(&no_q8);
+            // SAFETY: o extent checked above; no q8 output (null codes and records).
             unsafe { self.launch(OP, b3, cfg3) }?;
             s0 += cs;
         }

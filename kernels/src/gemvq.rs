@@ -310,18 +310,40 @@ impl Gpu {
             ));
         }
         need_len(OP, "x", dlen(x), (rows - 1) * x_stride + k)?;
-        let n = rows * k;
         let (q, qp, dp) = Q8Act::alloc(self, rows, k)?;
-        let f = self.func(Op::Quantize, "quantize_q8a")?;
-        let blocks = (n / 32).div_ceil(8).min(1 << 16) as u64;
-        let cfg = self.cfg(OP, (blocks, 1, 1), 256)?;
         let (xp, _gx) = x.device_ptr(self.stream());
+        // SAFETY: x extent checked; the output regions are `q`'s buffer, sized by alloc for
+        // rows x k.
+        unsafe { self.quantize_q8_into(xp, x_stride, rows, k, qp, dp) }?;
+        Ok(q)
+    }
+
+    /// The quantize_q8a launch of [`Gpu::quantize_q8`] on device addresses: `rows` rows of `k`
+    /// f32 values at `xp` (`x_stride` apart) into the codes at `qp` and the records at `dp`
+    /// (both dense, row 0 first), for producers that fill part of a [`Q8Act`] themselves.
+    ///
+    /// # Safety
+    /// `k` is a non-zero multiple of 32; `xp` holds `(rows - 1) * x_stride + k` values, `qp`
+    /// `rows * k` codes and `dp` `rows * k / 32` 8-byte records; all outlive the launch.
+    pub(crate) unsafe fn quantize_q8_into(
+        &self,
+        xp: u64,
+        x_stride: usize,
+        rows: usize,
+        k: usize,
+        qp: u64,
+        dp: u64,
+    ) -> Result<(), KernelError> {
+        const OP: &str = "quantize";
+        let n = rows * k;
+        let f = self.func(Op::Quantize, "quantize_q8a")?;
+        let blocks = (n / 32).div_ceil(8).clamp(1, 1 << 16) as u64;
+        let cfg = self.cfg(OP, (blocks, 1, 1), 256)?;
         let (xs, r64, k32) = (x_stride as i64, rows as i64, to_i32(OP, "k", k)?);
         let mut b = self.args(&f);
         b.arg(&xp).arg(&xs).arg(&r64).arg(&k32).arg(&qp).arg(&dp);
-        // SAFETY: x extent checked; the output regions lie within `q`'s buffer (sized by alloc).
-        unsafe { self.launch(OP, b, cfg) }?;
-        Ok(q)
+        // SAFETY: by the caller.
+        unsafe { self.launch(OP, b, cfg) }
     }
 
     /// Integer-dot-product GEMV over channels (see [`QChannels`], [`QMode`]): `y` rows get the

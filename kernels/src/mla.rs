@@ -9,6 +9,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 use crate::attention::KeyLists;
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
+use crate::gemvq::Q8Act;
 use crate::launch::{check_query_span, shape_err};
 use crate::ops::Op;
 
@@ -117,6 +118,31 @@ pub struct MlaSeq<'a, C> {
     pub pos0: usize,
     pub keys: Option<KeyLists<'a>>,
 }
+
+/// Where a call's q8 activations go (the device addresses of a [`Q8Act`]'s codes and records;
+/// rows of `k` = d_v values, row `s * heads + h` for token s, head h, quantize.cu's layout).
+#[derive(Debug, Clone, Copy)]
+struct Q8Out {
+    qs: u64,
+    qd: u64,
+    k: usize,
+}
+
+impl Q8Out {
+    /// The outputs from row `r0` on (a token group's first row).
+    fn at_row(self, r0: usize) -> Q8Out {
+        let at = r0 * self.k;
+        Q8Out {
+            qs: self.qs + at as u64,
+            qd: self.qd + (8 * (at / 32)) as u64,
+            k: self.k,
+        }
+    }
+}
+
+/// attn_combine_f32's block size (a multiple of 32, as its q8 epilogue needs).
+const COMBINE_THREADS: u32 = 256;
+const _: () = assert!(COMBINE_THREADS.is_multiple_of(32));
 
 /// Where a launch's tokens read keys: one cache and list block, or the per-token rows (whose
 /// key lists are `n_keys` long; a launch's `n_eff` is then the longest token's key count).
@@ -416,6 +442,38 @@ impl Gpu {
         o: &mut impl DevicePtrMut<f32>,
         m: MlaShape,
     ) -> Result<(), KernelError> {
+        self.mla_attention_impl(q, kv, keys, o, m, false)
+            .map(|_| ())
+    }
+
+    /// [`Gpu::mla_attention`] that also returns `o` as q8 activations for the next GEMV:
+    /// `tokens * heads` rows of `d_v` (row `s * heads + h`), bit for bit what
+    /// [`Gpu::quantize_q8`]`(o, tokens * heads, d_v, d_v)` gives after [`Gpu::mla_attention`]
+    /// (whose `o` it writes bit for bit too). Where the plan merges key splits, the combine
+    /// launch writes them itself (no quantize launch); where the kernel writes `o` directly (one
+    /// split), one quantize launch follows. Needs dense `o` (`o_head_stride == d_v`,
+    /// `o_tok_stride == heads * d_v`) and `d_v` a multiple of 32; refused otherwise.
+    pub fn mla_attention_q8<C: CacheElem>(
+        &self,
+        q: &impl DevicePtr<f32>,
+        kv: &impl DevicePtr<C>,
+        keys: Option<KeyLists<'_>>,
+        o: &mut impl DevicePtrMut<f32>,
+        m: MlaShape,
+    ) -> Result<Q8Act, KernelError> {
+        self.mla_attention_impl(q, kv, keys, o, m, true)?
+            .ok_or_else(|| shape_err("mla", "no q8 output"))
+    }
+
+    fn mla_attention_impl<C: CacheElem>(
+        &self,
+        q: &impl DevicePtr<f32>,
+        kv: &impl DevicePtr<C>,
+        keys: Option<KeyLists<'_>>,
+        o: &mut impl DevicePtrMut<f32>,
+        m: MlaShape,
+        want_q8: bool,
+    ) -> Result<Option<Q8Act>, KernelError> {
         const OP: &str = "mla";
         self.mla_check(q, o, &m)?;
         if m.kv_len == 0 {
@@ -424,6 +482,7 @@ impl Gpu {
         check_query_span(OP, m.pos0, m.tokens, m.kv_len)?;
         need_len(OP, "kv", dlen(kv), (m.kv_len - 1) * m.kv_stride + m.d)?;
         let n_eff = KeyLists::slots(keys, OP, m.tokens, m.kv_len)?;
+        let (act, q8) = self.mla_q8_alloc(&m, want_q8)?;
         let s = self.stream();
         let (qp, _gq) = q.device_ptr(s);
         let (kp, _gk) = kv.device_ptr(s);
@@ -439,9 +498,10 @@ impl Gpu {
             rows: 0,
             n_keys: 0,
         };
-        // SAFETY: q, kv, o and the key lists were checked above for every token; the guards
-        // live until return.
-        unsafe { self.mla_dispatch::<C>(qp, op, src, m, n_eff, m.tokens) }
+        // SAFETY: q, kv, o and the key lists were checked above for every token, the q8
+        // outputs sized for o's rows by mla_q8_alloc; the guards and `act` live until return.
+        unsafe { self.mla_dispatch::<C>(qp, op, src, m, n_eff, m.tokens, q8) }?;
+        Ok(act)
     }
 
     /// [`Gpu::mla_attention`] for a batched step of several sequences in one launch: the query
@@ -457,6 +517,33 @@ impl Gpu {
         o: &mut impl DevicePtrMut<f32>,
         m: MlaShape,
     ) -> Result<(), KernelError> {
+        self.mla_attention_seqs_impl(q, seqs, o, m, false)
+            .map(|_| ())
+    }
+
+    /// [`Gpu::mla_attention_seqs`] that also returns `o` as q8 activations, `m.tokens * heads`
+    /// rows of `d_v` in the order of o's rows, bit for bit what [`Gpu::quantize_q8`]`(o,
+    /// m.tokens * heads, d_v, d_v)` gives after [`Gpu::mla_attention_seqs`]; as
+    /// [`Gpu::mla_attention_q8`] (same launches, same requirements on o).
+    pub fn mla_attention_seqs_q8<C: CacheElem>(
+        &self,
+        q: &impl DevicePtr<f32>,
+        seqs: &[MlaSeq<'_, C>],
+        o: &mut impl DevicePtrMut<f32>,
+        m: MlaShape,
+    ) -> Result<Q8Act, KernelError> {
+        self.mla_attention_seqs_impl(q, seqs, o, m, true)?
+            .ok_or_else(|| shape_err("mla", "no q8 output"))
+    }
+
+    fn mla_attention_seqs_impl<C: CacheElem>(
+        &self,
+        q: &impl DevicePtr<f32>,
+        seqs: &[MlaSeq<'_, C>],
+        o: &mut impl DevicePtrMut<f32>,
+        m: MlaShape,
+        want_q8: bool,
+    ) -> Result<Option<Q8Act>, KernelError> {
         const OP: &str = "mla";
         self.mla_check(q, o, &m)?;
         let total: usize = seqs.iter().map(|q| q.tokens).sum();
@@ -523,6 +610,7 @@ impl Gpu {
                 });
             }
         }
+        let (act, q8) = self.mla_q8_alloc(&m, want_q8)?;
         let d_rows = self.upload_async(&rows)?;
         let (qp, _gq) = q.device_ptr(s);
         let (op, _go) = o.device_ptr_mut(s);
@@ -535,11 +623,36 @@ impl Gpu {
             n_keys: n_keys.unwrap_or(0),
         };
         // Each token's work is that of a one-token call (its own keys): the kernel choice of one.
-        // SAFETY: q and o were checked above, every row's cache and key list too; the guards
-        // and the uploaded rows live until return.
-        let r = unsafe { self.mla_dispatch::<C>(qp, op, src, m, n_eff, 1) };
+        // SAFETY: q and o were checked above, every row's cache and key list too, the q8
+        // outputs sized for o's rows by mla_q8_alloc; the guards, the uploaded rows and `act`
+        // live until return.
+        let r = unsafe { self.mla_dispatch::<C>(qp, op, src, m, n_eff, 1, q8) };
         drop(guards);
-        r
+        r.map(|()| act)
+    }
+
+    /// The q8 outputs of a checked call when asked for: storage for `tokens * heads` rows of
+    /// `d_v` and its device addresses, after checking that o is dense and `d_v` a multiple of
+    /// 32 (what quantize_q8 over o's rows and the combine's epilogue need).
+    fn mla_q8_alloc(
+        &self,
+        m: &MlaShape,
+        want_q8: bool,
+    ) -> Result<(Option<Q8Act>, Option<Q8Out>), KernelError> {
+        if !want_q8 {
+            return Ok((None, None));
+        }
+        if !m.d_v.is_multiple_of(32)
+            || m.o_head_stride != m.d_v
+            || m.o_tok_stride != m.heads * m.d_v
+        {
+            return Err(shape_err(
+                "mla",
+                format!("q8 output needs dense o rows of a multiple of 32: {m:?}"),
+            ));
+        }
+        let (act, qs, qd) = Q8Act::alloc(self, m.tokens * m.heads, m.d_v)?;
+        Ok((Some(act), Some(Q8Out { qs, qd, k: m.d_v })))
     }
 
     /// The checks every MLA call shares: shape, widths, strides, q and o extents.
@@ -595,11 +708,15 @@ impl Gpu {
     }
 
     /// The launches of a checked call: the tensor-core, decode or tile kernel by shape
-    /// (`choice_tokens`: the query tokens that share keys, 1 for a batch of sequences).
+    /// (`choice_tokens`: the query tokens that share keys, 1 for a batch of sequences), and
+    /// with `q8` o's q8 activations too (from the combine, or a quantize launch after a kernel
+    /// that wrote o directly).
     ///
     /// # Safety
     /// q, o and what `src` points at hold every token's rows (checked by the callers) and
-    /// outlive the call.
+    /// outlive the call; with `q8`, o is dense, `d_v` a multiple of 32 and `q8` holds
+    /// `tokens * heads` rows of `d_v` (mla_q8_alloc).
+    #[allow(clippy::too_many_arguments)]
     unsafe fn mla_dispatch<C: CacheElem>(
         &self,
         qp: u64,
@@ -608,6 +725,7 @@ impl Gpu {
         m: MlaShape,
         n_eff: usize,
         choice_tokens: usize,
+        q8: Option<Q8Out>,
     ) -> Result<(), KernelError> {
         const OP: &str = "mla";
         let sm = self.info().sm_count as usize;
@@ -616,11 +734,11 @@ impl Gpu {
             && mla_tc_plan(m.heads, 1, n_eff, m.d, (sm, self.max_smem_optin())).is_some()
         {
             // SAFETY: by the caller.
-            return unsafe { self.mla_tc(qp, op, src, m, n_eff) };
+            return unsafe { self.mla_tc(qp, op, src, m, n_eff, q8) };
         }
         if use_decode(choice_tokens, n_eff, m.d, m.d_v) {
             // SAFETY: by the caller.
-            return unsafe { self.mla_decode::<C>(qp, op, src, m, n_eff) };
+            return unsafe { self.mla_decode::<C>(qp, op, src, m, n_eff, q8) };
         }
         let smem = 4 * (KT * (m.d + 4) + 32 * KT + KT);
         // Decode-sized steps stage each block's queries (up to 32 heads) in shared memory; the
@@ -677,8 +795,11 @@ impl Gpu {
             // SAFETY: q/kv/idx extents checked above for every token; the kernel range-checks
             // every key index; `part` holds cs * heads * n_split rows of d_v + 2.
             unsafe { self.launch(OP, b, cfg) }?;
-            // SAFETY: o extent checked above; part written by the launch before.
-            unsafe { self.mla_combine(&p, op + (s0 * m.o_tok_stride * 4) as u64, cs) }?;
+            let o_s0 = op + (s0 * m.o_tok_stride * 4) as u64;
+            let q8_s0 = q8.map(|q| q.at_row(s0 * m.heads));
+            // SAFETY: o extent checked above, the q8 outputs by the caller (rows from this
+            // group's first on); part written by the launch before.
+            unsafe { self.mla_combine(&p, o_s0, cs, q8_s0) }?;
             let _ = &mut part;
             s0 += cs;
         }
@@ -686,10 +807,11 @@ impl Gpu {
     }
 
     /// The decode kernel (mla.cu `mla_decode_*`) on the device pointers of q and o and the
-    /// tokens' key source.
+    /// tokens' key source; with `q8` also o's q8 activations.
     ///
     /// # Safety
-    /// The extents were checked by the public calls and the buffers outlive the call.
+    /// The extents were checked by the public calls and the buffers outlive the call (`q8`: as
+    /// for [`Gpu::mla_dispatch`]).
     unsafe fn mla_decode<C: CacheElem>(
         &self,
         qp: u64,
@@ -697,6 +819,7 @@ impl Gpu {
         src: Src,
         m: MlaShape,
         n_eff: usize,
+        q8: Option<Q8Out>,
     ) -> Result<(), KernelError> {
         const OP: &str = "mla";
         let sm = self.info().sm_count as usize;
@@ -737,17 +860,24 @@ impl Gpu {
         // range-checks every key index; `part` holds tokens * heads * n_split rows of d_v + 2.
         unsafe { self.launch(OP, b, cfg) }?;
         if part.is_some() {
-            // SAFETY: o extent checked by the caller; part written by the launch before.
-            unsafe { self.mla_combine(&p, op, m.tokens) }?;
+            // SAFETY: o extent checked by the caller, the q8 outputs too; part written by the
+            // launch before.
+            unsafe { self.mla_combine(&p, op, m.tokens, q8) }?;
+        } else if let Some(q) = q8 {
+            // SAFETY: the kernel wrote o's tokens * heads dense rows of d_v (checked by the
+            // caller), which the q8 outputs hold (mla_q8_alloc).
+            unsafe { self.mla_quantize_rows(op, m.tokens * m.heads, &m, q) }?;
         }
         Ok(())
     }
 
     /// The tensor-core kernel (mla.cu `mla_tc_bf16`, bf16 cache) on the device pointers of q
     /// and o and the tokens' key source; token groups keep grid.y within the device limit.
+    /// With `q8` also o's q8 activations.
     ///
     /// # Safety
-    /// The extents were checked by the public calls and the buffers outlive the call.
+    /// The extents were checked by the public calls and the buffers outlive the call (`q8`: as
+    /// for [`Gpu::mla_dispatch`]).
     unsafe fn mla_tc(
         &self,
         qp: u64,
@@ -755,6 +885,7 @@ impl Gpu {
         src: Src,
         m: MlaShape,
         n_eff: usize,
+        q8: Option<Q8Out>,
     ) -> Result<(), KernelError> {
         const OP: &str = "mla";
         let sm = self.info().sm_count as usize;
@@ -790,9 +921,15 @@ impl Gpu {
             // SAFETY: q/kv/o/idx extents checked by the caller for every token; the kernel
             // range-checks every key index; `part` holds cs * heads * n_split rows of d_v + 2.
             unsafe { self.launch(OP, b, cfg) }?;
+            let q8_s0 = q8.map(|q| q.at_row(s0 * m.heads));
             if !direct {
-                // SAFETY: o extent checked by the caller; part written by the launch before.
-                unsafe { self.mla_combine(&p, o_s0, cs) }?;
+                // SAFETY: o extent checked by the caller, the q8 outputs too (rows from this
+                // group's first on); part written by the launch before.
+                unsafe { self.mla_combine(&p, o_s0, cs, q8_s0) }?;
+            } else if let Some(q) = q8_s0 {
+                // SAFETY: the launch wrote this group's cs * heads dense rows of d_v at o_s0;
+                // the q8 outputs hold them from the group's first row on.
+                unsafe { self.mla_quantize_rows(o_s0, cs * m.heads, &m, q) }?;
             }
             s0 += cs;
         }
@@ -800,14 +937,39 @@ impl Gpu {
     }
 
     /// attn_combine_f32 over the `p.n_split` partials at `p.part` of `tokens` query tokens, into
-    /// the output at `o` (strides `p.o_tok` / `p.o_head`).
+    /// the output at `o` (strides `p.o_tok` / `p.o_head`) and, with `q8`, its q8 activations
+    /// from the same launch (dense o only: refused otherwise).
     ///
     /// # Safety
-    /// `p.part` holds the partials of those tokens and `o` their outputs.
-    unsafe fn mla_combine(&self, p: &MlaParams, o: u64, tokens: usize) -> Result<(), KernelError> {
+    /// `p.part` holds the partials of those tokens, `o` their outputs and `q8` (when set)
+    /// `tokens * p.h` rows of `p.dv` codes and records.
+    unsafe fn mla_combine(
+        &self,
+        p: &MlaParams,
+        o: u64,
+        tokens: usize,
+        q8: Option<Q8Out>,
+    ) -> Result<(), KernelError> {
         const OP: &str = "mla";
+        // The epilogue's warps hold whole blocks of 32 (d_v and the block multiples of 32) of
+        // rows laid out as quantize_q8's (dense o).
+        let (qs, qd) = match q8 {
+            None => (0u64, 0u64),
+            Some(q) => {
+                let dense = p.o_head == i64::from(p.dv)
+                    && p.o_tok == i64::from(p.h) * i64::from(p.dv)
+                    && q.k == p.dv as usize;
+                if !dense || p.dv % 32 != 0 {
+                    return Err(shape_err(
+                        OP,
+                        format!("q8 output needs dense o rows of a multiple of 32: {p:?}"),
+                    ));
+                }
+                (q.qs, q.qd)
+            }
+        };
         let f_comb = self.func(Op::Attention, "attn_combine_f32")?;
-        let cfg = self.cfg_rows(OP, u64::try_from(p.h).unwrap_or(0), tokens, 256)?;
+        let cfg = self.cfg_rows(OP, u64::try_from(p.h).unwrap_or(0), tokens, COMBINE_THREADS)?;
         let t = tokens as i64;
         let mut b = self.args(&f_comb);
         b.arg(&p.part)
@@ -817,9 +979,35 @@ impl Gpu {
             .arg(&o)
             .arg(&p.o_tok)
             .arg(&p.o_head)
-            .arg(&t);
+            .arg(&t)
+            .arg(&qs)
+            .arg(&qd);
         // SAFETY: by the caller.
         unsafe { self.launch(OP, b, cfg) }
+    }
+
+    /// quantize_q8 of `rows` dense rows of `m.d_v` at `o` (a kernel wrote them directly) into
+    /// the q8 outputs `q` (from its first row on): what the combine's epilogue writes where
+    /// there is one.
+    ///
+    /// # Safety
+    /// `o` holds `rows` rows of `m.d_v`, `m.o_head_stride` apart (== d_v), and `q` at least
+    /// `rows` rows of codes and records of `m.d_v` (a multiple of 32).
+    unsafe fn mla_quantize_rows(
+        &self,
+        o: u64,
+        rows: usize,
+        m: &MlaShape,
+        q: Q8Out,
+    ) -> Result<(), KernelError> {
+        if q.k != m.d_v || !m.d_v.is_multiple_of(32) || m.o_head_stride != m.d_v {
+            return Err(shape_err(
+                "mla",
+                format!("q8 output needs dense o rows of a multiple of 32: {m:?}"),
+            ));
+        }
+        // SAFETY: by the caller.
+        unsafe { self.quantize_q8_into(o, m.o_head_stride, rows, m.d_v, q.qs, q.qd) }
     }
 }
 
@@ -827,6 +1015,20 @@ impl Gpu {
 mod tests {
     use super::{dec_plan, plan, COMBINE_MAX_SPLITS, DEC_DIRECT_KEYS, DEC_MIN_SPLIT};
     const LIM: (usize, usize) = (DEC_MIN_SPLIT, DEC_DIRECT_KEYS);
+
+    #[test]
+    fn q8_outputs_of_a_token_group_start_at_its_first_row() {
+        let q = super::Q8Out {
+            qs: 1 << 20,
+            qd: 1 << 30,
+            k: 512,
+        };
+        // Token 3 of 64 heads: row 192, code 192 * 512, record 192 * 512 / 32 (8 bytes each).
+        let at = q.at_row(3 * 64);
+        assert_eq!(at.qs, (1 << 20) + 192 * 512);
+        assert_eq!(at.qd, (1 << 30) + 8 * 192 * 16);
+        assert_eq!(at.k, 512);
+    }
 
     #[test]
     fn decode_plans_cover_every_key() {

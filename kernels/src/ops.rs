@@ -352,7 +352,7 @@ impl Op {
             Op::Quantize => &["quantize_q8a"],
             Op::RmsNorm => &["rmsnorm_f32", "rmsnorm_rope_f32"],
             Op::LayerNorm => &["layernorm_f32", "layernorm_rope_f32"],
-            Op::Rope => &["rope_f32"],
+            Op::Rope => &["rope_f32", "rope_q8_f32"],
             Op::Attention => &["attn_scores_f32", "attn_av_partial_f32", "attn_combine_f32"],
             Op::Mla => &[
                 "mla_partial_f32",

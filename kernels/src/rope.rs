@@ -1,9 +1,11 @@
-//! Interleaved RoPE on the rope dims of every head (GLM-5 main attention and DSA indexer).
+//! Interleaved RoPE on the rope dims of every head (GLM-5 main attention and DSA indexer), and
+//! the absorbed MLA queries' fused q8a quantization + RoPE ([`Gpu::rope_q8_to`]).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
+use crate::gemvq::Q8Act;
 use crate::launch::shape_err;
 use crate::ops::Op;
 
@@ -29,6 +31,22 @@ pub enum RopeStyle {
     InterleavedHf,
     /// Pairs `(x[j], x[j + n_rot/2])` (GPT-NeoX).
     Neox,
+}
+
+/// Most quantizing warps and most rotating warps of one `rope_q8_f32` block (each loops over
+/// what is beyond them), so a block stays within 1,024 threads for any `nope` and `n_rot`.
+const RQ_MAX_WARPS: usize = 16;
+
+/// Block shape of `rope_q8_f32` (rope.cu) for `nope` quantized columns (a multiple of 32) and
+/// `n_rot` rotated ones: `(quantizing warps, threads per block)`. One warp per block of 32
+/// quantized values and one thread per rotated pair, each capped at [`RQ_MAX_WARPS`] warps: at
+/// decode (GLM-5: nope 192, n_rot 64) 6 quantizing warps and 1 rotating warp, all busy at once.
+/// The grid is one block per head in x and the tokens in y up to the device's limit
+/// (grid-strided beyond it).
+pub fn rope_q8_block(nope: usize, n_rot: usize) -> (u32, u32) {
+    let qw = (nope / 32).clamp(1, RQ_MAX_WARPS);
+    let rw = (n_rot / 2).div_ceil(32).clamp(1, RQ_MAX_WARPS);
+    (qw as u32, ((qw + rw) * 32) as u32)
 }
 
 /// `inv_freq[j] = 1 / theta^(2j / n_rot)` as transformers computes it in f32 (the exponent in
@@ -88,6 +106,79 @@ impl Gpu {
         unsafe { self.rope_raw(xp, &xl, yp, &yl, pos, inv_freq, style) }
     }
 
+    /// [`Gpu::quantize_q8`] of the first `nope` columns of every (token, head) group of `x` and
+    /// [`Gpu::rope_to`] of its rope dims into `y`, in one launch. Returns the q8a activations of
+    /// `xl.tokens * xl.heads` rows (row `s * heads + h`: the `nope` values from
+    /// `x[s * tok_stride + h * head_stride]` on), bitwise what
+    /// `quantize_q8(x, tokens * heads, nope, head_stride)` gives when
+    /// `tok_stride == heads * head_stride` (the MLA queries: `head_stride = nope + rope`); `y`
+    /// gets exactly what `rope_to(x, xl, y, yl, ..)` writes, nothing else, and `x` is unchanged.
+    /// `nope` is a multiple of 32 at most `xl.offset` (the quantized columns lie before the
+    /// rotated ones).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_q8_to(
+        &self,
+        x: &impl DevicePtr<f32>,
+        xl: RopeLayout,
+        nope: usize,
+        y: &mut impl DevicePtrMut<f32>,
+        yl: RopeLayout,
+        pos: &impl DevicePtr<i32>,
+        inv_freq: &impl DevicePtr<f32>,
+        style: RopeStyle,
+    ) -> Result<Q8Act, KernelError> {
+        const OP: &str = "rope_q8";
+        if (xl.tokens, xl.heads, xl.n_rot) != (yl.tokens, yl.heads, yl.n_rot) {
+            return Err(shape_err(OP, format!("layouts differ: {xl:?} -> {yl:?}")));
+        }
+        if nope == 0 || !nope.is_multiple_of(32) || nope > xl.offset {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "nope {nope} must be a multiple of 32 in 32..={} (the rope offset)",
+                    xl.offset
+                ),
+            ));
+        }
+        // x's furthest element is a rotated one (nope <= offset), so this covers the quantized
+        // columns too.
+        check_layout(OP, "x", dlen(x), &xl)?;
+        check_layout(OP, "y", dlen(y), &yl)?;
+        need_len(OP, "pos", dlen(pos), xl.tokens)?;
+        need_len(OP, "inv_freq", dlen(inv_freq), xl.n_rot / 2)?;
+        let rows = xl.tokens * xl.heads;
+        let f = self.func(Op::Rope, "rope_q8_f32")?;
+        let (qw, block) = rope_q8_block(nope, xl.n_rot);
+        let cfg = self.cfg_rows(OP, xl.heads as u64, xl.tokens, block)?;
+        let (xts, xhs) = (xl.tok_stride as i64, xl.head_stride as i64);
+        let (yts, yhs) = (yl.tok_stride as i64, yl.head_stride as i64);
+        let xo = to_i32(OP, "offset", xl.offset)?;
+        let yo = to_i32(OP, "offset", yl.offset)?;
+        let nr = to_i32(OP, "n_rot", xl.n_rot)?;
+        let np = to_i32(OP, "nope", nope)?;
+        let qw = qw as i32;
+        let de = style_code(style);
+        let t64 = xl.tokens as i64;
+        let (q, qp, dp) = Q8Act::alloc(self, rows, nope)?;
+        let s = self.stream();
+        let (xp, _gx) = x.device_ptr(s);
+        let (yp, _gy) = y.device_ptr_mut(s);
+        let (pp, _gp) = pos.device_ptr(s);
+        let (fp, _gf) = inv_freq.device_ptr(s);
+        let mut b = self.args(&f);
+        b.arg(&xp).arg(&xts).arg(&xhs).arg(&xo).arg(&np).arg(&qw);
+        b.arg(&qp).arg(&dp);
+        b.arg(&yp).arg(&yts).arg(&yhs).arg(&yo);
+        b.arg(&nr).arg(&pp).arg(&fp).arg(&de).arg(&t64);
+        // SAFETY: both layouts, pos and inv_freq checked against their buffers; the quantized
+        // columns [0, nope) of every group lie within x (nope <= offset); `q` was sized by
+        // `Q8Act::alloc` for the `tokens * heads` rows of `nope` the blocks write (grid.x =
+        // heads, every token reached by the y grid-stride); x, y and `q` are distinct buffers
+        // (a `&` and a `&mut` borrow and a fresh allocation), so nothing read is written.
+        unsafe { self.launch(OP, b, cfg) }?;
+        Ok(q)
+    }
+
     /// # Safety
     /// `xp` / `yp` must hold layouts `xl` / `yl` ([`check_layout`]), equal in tokens, heads and
     /// n_rot; `yp` either is `xp` with `yl == xl` or shares no element with it.
@@ -116,11 +207,7 @@ impl Gpu {
         let xo = to_i32(OP, "offset", xl.offset)?;
         let yo = to_i32(OP, "offset", yl.offset)?;
         let nr = to_i32(OP, "n_rot", xl.n_rot)?;
-        let de: i32 = match style {
-            RopeStyle::Interleaved => 0,
-            RopeStyle::InterleavedHf => 1,
-            RopeStyle::Neox => 2,
-        };
+        let de = style_code(style);
         let t64 = xl.tokens as i64;
         let mut b = self.args(&f);
         b.arg(&xp).arg(&xts).arg(&xhs).arg(&xo);
@@ -128,6 +215,15 @@ impl Gpu {
         b.arg(&nr).arg(&pp).arg(&fp).arg(&de).arg(&t64);
         // SAFETY: the caller's contract; pos and inv_freq extents checked above.
         unsafe { self.launch(OP, b, cfg) }
+    }
+}
+
+/// The kernels' `style` argument (rope.cu).
+fn style_code(style: RopeStyle) -> i32 {
+    match style {
+        RopeStyle::Interleaved => 0,
+        RopeStyle::InterleavedHf => 1,
+        RopeStyle::Neox => 2,
     }
 }
 

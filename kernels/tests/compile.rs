@@ -160,6 +160,7 @@ fn every_kernel_compiles_for_sm90_and_sm120() {
                             "mla_decode_bf16",
                             "mla_tc_bf16",
                             "quantize_q8a",
+                            "rope_q8_f32",
                         ];
                         // Every integer-dot GEMV and tensor-core matrix product variant is hot
                         // (decode, prefill, grouped MoE).

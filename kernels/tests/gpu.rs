@@ -4738,3 +4738,313 @@ fn mmq_channel_maps_bad_ids_and_refusals() {
     }
     assert!(bad.is_empty(), "mmq channels: {bad:?}");
 }
+
+/// The absorbed MLA queries' fused q8a quantization + RoPE (`rope_q8_to`, one launch) against
+/// the two it replaces (`quantize_q8` of the 192 nope columns of every 256-wide head, `rope_to`
+/// of its 64 rope columns into the 576-wide absorbed rows at 512), bitwise: codes, scales (NaN
+/// for the blocks holding the planted NaN and -inf), sums, every element of the NaN-poisoned
+/// output, the input unchanged; GLM-5 shapes (64 heads), 1, 3 and 8 tokens, every style. Then
+/// the shapes it refuses.
+#[test]
+fn rope_q8_equals_quantize_q8_and_rope_to() {
+    let Some(g) = gpu("rope_q8_equals_quantize_q8_and_rope_to") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("rope_q8");
+    let (heads, nope, n_rot, lat) = (64usize, 192usize, 64usize, 512usize);
+    let (xh, yh) = (nope + n_rot, lat + n_rot);
+    let inv = kernels::rope_inv_freq(1e6, n_rot);
+    let dinv = g.upload(&inv).unwrap();
+    for pos in [vec![4095i32], vec![0, 1000, 131071], (0..8).collect()] {
+        let tokens = pos.len();
+        let mut x = r.vec(tokens * heads * xh, 1.0);
+        for (g_, grp) in x.chunks_mut(xh).enumerate() {
+            // Block-to-block magnitudes as real activations have (activations()).
+            for (b, blk) in grp[..nope].chunks_mut(32).enumerate() {
+                let sc = [8.0, 1.0, 0.01, 1.0, 0.0, 1.0][(g_ + b) % 6];
+                blk.iter_mut().for_each(|v| *v *= sc);
+            }
+        }
+        x[2 * 32 + 7] = f32::NAN;
+        x[(tokens * heads - 1) * xh + 5 * 32 + 30] = f32::NEG_INFINITY;
+        let (dx, dpos) = (g.upload(&x).unwrap(), g.upload(&pos).unwrap());
+        let lay = |head: usize, off: usize| RopeLayout {
+            tokens,
+            heads,
+            tok_stride: heads * head,
+            head_stride: head,
+            offset: off,
+            n_rot,
+        };
+        for style in [
+            RopeStyle::Interleaved,
+            RopeStyle::InterleavedHf,
+            RopeStyle::Neox,
+        ] {
+            let sep = g.quantize_q8(&dx, tokens * heads, nope, xh).unwrap();
+            let mut dy = nan_buf(&g, tokens * heads * yh);
+            g.rope_to(
+                &dx,
+                lay(xh, nope),
+                &mut dy,
+                lay(yh, lat),
+                &dpos,
+                &dinv,
+                style,
+            )
+            .unwrap();
+            let mut dy2 = nan_buf(&g, tokens * heads * yh);
+            let fused = g
+                .rope_q8_to(
+                    &dx,
+                    lay(xh, nope),
+                    nope,
+                    &mut dy2,
+                    lay(yh, lat),
+                    &dpos,
+                    &dinv,
+                    style,
+                )
+                .unwrap();
+            let ((fq, fd, fs), (sq, sd, ss)) =
+                (fused.to_host(&g).unwrap(), sep.to_host(&g).unwrap());
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            let (y, y2) = (g.download(&dy).unwrap(), g.download(&dy2).unwrap());
+            let nan_d = fd.iter().filter(|d| d.is_nan()).count();
+            let ok = (fused.rows, fused.k) == (tokens * heads, nope)
+                && fq == sq
+                && bits(&fd) == bits(&sd)
+                && fs == ss
+                && nan_d == 2
+                && bits(&y) == bits(&y2)
+                && g.download(&dx)
+                    .unwrap()
+                    .iter()
+                    .zip(&x)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+            row(
+                &format!("rope_q8_to {style:?}"),
+                &format!("{tokens} tok x {heads} heads, q8 {nope} of {xh}, rope -> {yh}@{lat}"),
+                0.0,
+                0.0,
+                ok,
+            );
+            assert!(
+                ok,
+                "rope_q8_to {tokens} tokens {style:?} differs from quantize_q8 + rope_to"
+            );
+        }
+    }
+    // Refused: nope not a multiple of 32, zero, or past the rope offset; layouts that differ;
+    // too short a buffer.
+    let (tokens, pos) = (2usize, vec![0i32, 1]);
+    let dpos = g.upload(&pos).unwrap();
+    let lay = |head: usize, off: usize| RopeLayout {
+        tokens,
+        heads,
+        tok_stride: heads * head,
+        head_stride: head,
+        offset: off,
+        n_rot,
+    };
+    let dx = nan_buf(&g, tokens * heads * xh);
+    let mut dy = nan_buf(&g, tokens * heads * yh);
+    let st = RopeStyle::Interleaved;
+    for bad_nope in [0usize, 48, 224] {
+        assert!(g
+            .rope_q8_to(
+                &dx,
+                lay(xh, nope),
+                bad_nope,
+                &mut dy,
+                lay(yh, lat),
+                &dpos,
+                &dinv,
+                st
+            )
+            .is_err());
+    }
+    let mut other = lay(yh, lat);
+    other.heads = heads - 1;
+    assert!(g
+        .rope_q8_to(&dx, lay(xh, nope), nope, &mut dy, other, &dpos, &dinv, st)
+        .is_err());
+    let short = nan_buf(&g, tokens * heads * xh - 1);
+    assert!(g
+        .rope_q8_to(
+            &short,
+            lay(xh, nope),
+            nope,
+            &mut dy,
+            lay(yh, lat),
+            &dpos,
+            &dinv,
+            st
+        )
+        .is_err());
+}
+
+/// `Gpu::mla_attention_q8` / `mla_attention_seqs_q8` (o's q8 activations from the split
+/// combine's epilogue, or from one quantize launch after a kernel that wrote o directly) against
+/// `mla_attention` / `mla_attention_seqs` followed by `quantize_q8(o, tokens * heads, 512, 512)`,
+/// bitwise: the f32 output, codes, scales and sums. GLM-5 shapes (64 heads, keys 576, values
+/// 512) over a bf16 cache: a short decode (20 keys: one split, written directly by the decode
+/// and tensor-core kernels), longer ones (700 keys: decode-kernel splits; 2,047 dense and 2,048
+/// listed keys: tensor-core splits), a 3-token step, each by shape and forced through the tile,
+/// decode and tensor-core kernels; then a batched step of sequences, and the refusal of a
+/// non-dense output.
+#[test]
+fn mla_attention_q8_equals_mla_attention_then_quantize() {
+    let Some(g) = gpu("mla_attention_q8_equals_mla_attention_then_quantize") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("mla_q8");
+    let (heads, d, dv) = (64usize, 576usize, 512usize);
+    let bf16 = |c: &[f32]| -> Vec<u16> {
+        c.iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect()
+    };
+    let shape = |tokens: usize, t_len: usize| MlaShape {
+        tokens,
+        heads,
+        d,
+        d_v: dv,
+        q_tok_stride: heads * d,
+        q_head_stride: d,
+        kv_stride: d,
+        kv_len: t_len,
+        o_tok_stride: heads * dv,
+        o_head_stride: dv,
+        scale: 1.0 / 16.0,
+        pos0: t_len - tokens,
+    };
+    // (decode kernel, tensor-core kernel) switches: by shape, tile, decode, tensor-core.
+    let choices: [(&str, Option<bool>, Option<bool>); 4] = [
+        ("by shape", None, None),
+        ("tile kernel", Some(false), Some(false)),
+        ("decode kernel", Some(true), Some(false)),
+        ("tensor-core kernel", None, Some(true)),
+    ];
+    let mut bad = Vec::new();
+    for (t_len, s_n, sparse) in [
+        (20usize, 1usize, false),
+        (700, 1, false),
+        (2047, 1, false),
+        (2048, 1, true),
+        (65, 3, false),
+    ] {
+        let dc = g.upload(&bf16(&r.vec(t_len * d, 1.0))).unwrap();
+        let dq = g.upload(&r.vec(s_n * heads * d, 1.0)).unwrap();
+        let n_keys = 300.min(t_len + 2);
+        let lists = mla_key_lists(&mut r, s_n, n_keys, t_len - s_n);
+        let didx = g
+            .upload(&lists.iter().flatten().copied().collect::<Vec<i32>>())
+            .unwrap();
+        let iv = didx.as_view();
+        let keys = sparse.then_some(KeyLists {
+            idx: &iv,
+            n_keys,
+            stride: n_keys,
+        });
+        let m = shape(s_n, t_len);
+        for (kname, dec, tc) in choices {
+            kernels::force_mla_decode(dec);
+            kernels::force_mla_tc(tc);
+            let mut o = nan_buf(&g, s_n * heads * dv);
+            g.mla_attention(&dq, &dc, keys, &mut o, m).unwrap();
+            let want = g.quantize_q8(&o, s_n * heads, dv, dv).unwrap();
+            let mut o8 = nan_buf(&g, s_n * heads * dv);
+            let got = g.mla_attention_q8(&dq, &dc, keys, &mut o8, m);
+            kernels::force_mla_decode(None);
+            kernels::force_mla_tc(None);
+            let got = got.unwrap();
+            let (of, o8f) = (g.download(&o).unwrap(), g.download(&o8).unwrap());
+            let same_o = of.len() == o8f.len()
+                && of.iter().zip(&o8f).all(|(a, b)| a.to_bits() == b.to_bits());
+            let same_q8 = (got.rows, got.k) == (s_n * heads, dv)
+                && got.to_host(&g).unwrap() == want.to_host(&g).unwrap();
+            let finite = o8f.iter().all(|v| v.is_finite());
+            let ok = same_o && same_q8 && finite;
+            row(
+                &format!("mla q8, {kname}"),
+                &format!(
+                    "64 heads, T {t_len}, {s_n} queries{}, bf16 cache",
+                    if sparse { ", sparse" } else { "" }
+                ),
+                f64::from(u8::from(!ok)),
+                0.0,
+                ok,
+            );
+            if !ok {
+                bad.push(format!(
+                    "T {t_len} S {s_n} sparse {sparse} {kname}: o {same_o} q8 {same_q8} finite {finite}"
+                ));
+            }
+        }
+    }
+    // A batched step: decode-sized sequences (one split for the shortest under the decode
+    // kernel, splits for the others) and a 2-token one.
+    let seqs = [(20usize, 1usize), (700, 1), (2047, 1), (65, 2)];
+    let caches: Vec<_> = seqs
+        .iter()
+        .map(|&(t, _)| g.upload(&bf16(&r.vec(t * d, 1.0))).unwrap())
+        .collect();
+    let tokens: usize = seqs.iter().map(|s| s.1).sum();
+    let dq = g.upload(&r.vec(tokens * heads * d, 1.0)).unwrap();
+    let ms: Vec<kernels::MlaSeq<'_, u16>> = seqs
+        .iter()
+        .zip(&caches)
+        .map(|(&(t, n), c)| kernels::MlaSeq {
+            kv: c.as_view(),
+            kv_len: t,
+            tokens: n,
+            pos0: t - n,
+            keys: None,
+        })
+        .collect();
+    let m = MlaShape {
+        kv_len: 0,
+        pos0: 0,
+        ..shape(tokens, tokens)
+    };
+    for (kname, dec, tc) in choices {
+        kernels::force_mla_decode(dec);
+        kernels::force_mla_tc(tc);
+        let mut o = nan_buf(&g, tokens * heads * dv);
+        g.mla_attention_seqs(&dq, &ms, &mut o, m).unwrap();
+        let want = g.quantize_q8(&o, tokens * heads, dv, dv).unwrap();
+        let mut o8 = nan_buf(&g, tokens * heads * dv);
+        let got = g.mla_attention_seqs_q8(&dq, &ms, &mut o8, m);
+        kernels::force_mla_decode(None);
+        kernels::force_mla_tc(None);
+        let got = got.unwrap();
+        let (of, o8f) = (g.download(&o).unwrap(), g.download(&o8).unwrap());
+        let same_o = of.iter().zip(&o8f).all(|(a, b)| a.to_bits() == b.to_bits());
+        let same_q8 = got.to_host(&g).unwrap() == want.to_host(&g).unwrap();
+        let ok = same_o && same_q8 && o8f.iter().all(|v| v.is_finite());
+        row(
+            &format!("mla seqs q8, {kname}"),
+            &format!("{} sequences, {tokens} tokens, bf16 cache", seqs.len()),
+            f64::from(u8::from(!ok)),
+            0.0,
+            ok,
+        );
+        if !ok {
+            bad.push(format!("seqs {kname}: o {same_o} q8 {same_q8}"));
+        }
+    }
+    // o rows not dense (a padded head stride): refused, not misquantized.
+    let dc = g.upload(&bf16(&r.vec(64 * d, 1.0))).unwrap();
+    let dq = g.upload(&r.vec(heads * d, 1.0)).unwrap();
+    let pad = MlaShape {
+        o_head_stride: dv + 32,
+        o_tok_stride: heads * (dv + 32),
+        ..shape(1, 64)
+    };
+    let mut o = nan_buf(&g, heads * (dv + 32));
+    assert!(g.mla_attention_q8(&dq, &dc, None, &mut o, pad).is_err());
+    assert!(bad.is_empty(), "mla q8 differs: {bad:?}");
+}

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Per-step kernel time from a cupti_trace.c CSV (issue 12's measuring instrument).
 
-usage: timeline.py TRACE.csv [--last N] [--end REGEX] [--launches]
+usage: timeline.py TRACE.csv [--last N] [--end REGEX] [--launches] [--mem]
 
 A step ends with the sampling kernel (--end). Of the last N steps (default 32), each kernel is
 charged its exclusive time: from the previous kernel's end (or its own start, if later) to its
@@ -23,7 +23,9 @@ end_re = re.compile(args[args.index("--end") + 1] if "--end" in args else r"samp
 rows = []
 with open(path) as f:
     for r in csv.DictReader(f):
-        if r["name"].startswith("mem"):
+        # Copies and memsets only with --mem (a memcpy's "grid" is its byte count): they sit
+        # between kernels in stream order and break the chain of early-launched kernels.
+        if r["name"].startswith("mem") and "--mem" not in args:
             continue
         rows.append((int(r["start"]), int(r["end"]), r["name"], r["gx"], r["gy"], r["gz"]))
 rows.sort(key=lambda r: r[0])

@@ -189,6 +189,14 @@ pub trait Backend: Clone + Send + Sync + 'static {
     ) -> Result<Self::Tensor, RuntimeError>;
     /// Token embedding rows of a `{d, vocab}` table.
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor, RuntimeError>;
+    /// A step's token positions (row r's position), given before the step's first op. A
+    /// backend that copies them to a device does it here, ahead of the step's kernels, rather
+    /// than at the first RoPE, between two kernels of the first layer (where the copy breaks
+    /// the chain of early-launched kernels). The positions the later ops receive are the same
+    /// values; nothing depends on this call having been made.
+    fn stage_positions(&self, _positions: &[u32]) -> Result<(), RuntimeError> {
+        Ok(())
+    }
     /// RMSNorm over every group of `len(w)` columns (f32 statistics), then times `w`.
     fn rms_norm(
         &self,

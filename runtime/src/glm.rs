@@ -848,6 +848,7 @@ impl<B: Backend> GlmModel<B> {
             .iter()
             .flat_map(|s| (s.pos0..s.pos0 + s.n).map(|p| p as u32))
             .collect();
+        be.stage_positions(&positions)?;
         let embd = be.embed(&self.token_embd, tokens)?;
         self.emit(obs, || "token_embd.out".into(), &embd)?;
         let mut h = Residual::new(embd);
@@ -1058,13 +1059,14 @@ impl<B: Backend> GlmModel<B> {
         let bi = mtp.layer.spec.index;
         let n = tokens.len();
         let table = mtp.embed_tokens.as_ref().unwrap_or(&self.token_embd);
+        let positions: Vec<u32> = (pos0..pos0 + n).map(|p| p as u32).collect();
+        be.stage_positions(&positions)?;
         let e = be.rms_norm(&be.embed(table, tokens)?, &mtp.enorm, eps)?;
         let hh = be.rms_norm(hidden, &mtp.hnorm, eps)?;
         self.emit(obs, || format!("blk.{bi}.nextn.enorm.out"), &e)?;
         self.emit(obs, || format!("blk.{bi}.nextn.hnorm.out"), &hh)?;
         let x = be.matmul(&be.concat_cols(&[&e, &hh])?, &mtp.eh_proj)?;
         self.emit(obs, || format!("blk.{bi}.nextn.eh_proj.out"), &x)?;
-        let positions: Vec<u32> = (pos0..pos0 + n).map(|p| p as u32).collect();
         let segs = [Seg { row0: 0, n, pos0 }];
         let mut prev_sel = [None];
         let h = self.decoder_layer(

@@ -17,7 +17,8 @@ use kernels::{mla_tc_plan, MlaParams, Op};
 use oracle::*;
 
 type MlaFn = unsafe extern "C" fn(MlaParams);
-type CombineFn = unsafe extern "C" fn(*const f32, i32, i32, i32, *mut f32, i64, i64, i64);
+type CombineFn =
+    unsafe extern "C" fn(*const f32, i32, i32, i32, *mut f32, i64, i64, i64, *mut i8, *mut u64);
 
 /// GLM-5's key and value widths.
 const D: usize = 576;
@@ -33,7 +34,7 @@ struct Case {
 }
 
 /// attn_combine_f32 over `part`'s `n_split` partials of `tokens` x `heads` rows into `o`
-/// (dense `[tokens, heads, DV]`), as `Gpu::mla_attention` merges the splits.
+/// (dense `[tokens, heads, DV]`), as `Gpu::mla_attention` merges the splits (no q8 output).
 fn combine(part: &mut Buf<f32>, n_split: usize, heads: usize, tokens: usize, o: &mut Buf<f32>) {
     let ma = common::module(Op::Attention);
     let fc: CombineFn = unsafe { ma.entry("attn_combine_f32") }.unwrap();
@@ -53,6 +54,8 @@ fn combine(part: &mut Buf<f32>, n_split: usize, heads: usize, tokens: usize, o: 
                 (heads * DV) as i64,
                 DV as i64,
                 tokens as i64,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
             )
         },
     )

@@ -83,7 +83,8 @@ impl Default for CudaOptions {
 }
 
 /// The fused launches of the fast path, each with an environment switch that restores the
-/// launches it replaces (to A/B them in one build; docs/GPU.md). All on by default.
+/// launches it replaces (to A/B them in one build; docs/GPU.md). All on by default but the two
+/// not yet run on a GPU ([`Fusions::from_env`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fusions {
     /// `Backend::glu` as one GEMV launch over gate and up (gemvq's GLU mode, as the routed
@@ -118,6 +119,15 @@ pub struct Fusions {
     /// launch each). A layer's q_a, kv_a and indexer keys: 2 launches fewer per layer, and
     /// kv_a's 576 rows and the keys' 128 no longer run alone on a mostly idle GPU.
     pub stack: bool,
+    /// The fused MLA queries' quantize (q_nope to q8 for the per-head k_b GEMV) and RoPE (the
+    /// rope columns into the query rows) as one launch, `kernels::Gpu::rope_q8_to`, bitwise
+    /// the two launches: 1 launch fewer per layer (`GGUFTOOL_FUSE_ROPE_Q8=1`).
+    pub rope_q8: bool,
+    /// The absorbed MLA attention's output handed to the per-head v_b GEMV already quantized:
+    /// where the launch has key splits, the combine launch writes the q8 activations with its
+    /// f32 output (`kernels::Gpu::mla_attention_q8`), bitwise the quantize launch it saves: 1
+    /// launch fewer per layer on a split decode step (`GGUFTOOL_FUSE_ATTN_Q8=1`).
+    pub attn_q8: bool,
 }
 
 impl Fusions {
@@ -129,6 +139,8 @@ impl Fusions {
         shared: true,
         seqs: true,
         stack: true,
+        rope_q8: true,
+        attn_q8: true,
     };
     pub const NONE: Fusions = Fusions {
         glu: false,
@@ -138,11 +150,17 @@ impl Fusions {
         shared: false,
         seqs: false,
         stack: false,
+        rope_q8: false,
+        attn_q8: false,
     };
 
-    /// [`Fusions::ALL`] less the ones switched off by their variable set to `0`.
+    /// [`Fusions::ALL`] less the ones switched off by their variable set to `0`; `rope_q8` and
+    /// `attn_q8` only where their variable is `1`: written without a GPU (seventeenth
+    /// session, checked on the CPU emulator bitwise against the launches they replace), they
+    /// stay opt-in until a GPU run has checked and timed them (docs/GPU.md).
     pub fn from_env() -> Self {
         let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
+        let opt_in = |var: &str| std::env::var(var).is_ok_and(|v| v == "1");
         Fusions {
             glu: on("GGUFTOOL_FUSE_GLU"),
             add: on("GGUFTOOL_FUSE_ADD"),
@@ -151,6 +169,8 @@ impl Fusions {
             shared: on("GGUFTOOL_FUSE_SHARED"),
             seqs: on("GGUFTOOL_FUSE_SEQS"),
             stack: on("GGUFTOOL_FUSE_STACK"),
+            rope_q8: opt_in("GGUFTOOL_FUSE_ROPE_Q8"),
+            attn_q8: opt_in("GGUFTOOL_FUSE_ATTN_Q8"),
         }
     }
 }
@@ -631,6 +651,17 @@ impl CudaBackend {
             && self.norm_q8
     }
 
+    /// Whether an absorbed MLA attention of `rows` query rows should hand back its output's q8
+    /// copy (rows x heads by v_dim, the view the per-head v_b GEMV quantizes): on the fast
+    /// path's GEMV steps with the fusion on; the combine launch of a split plan writes it, a
+    /// one-split plan quantizes in a launch of its own (the one the GEMV would have made).
+    fn attn_q8(&self, rows: usize, p: &AttnParams) -> bool {
+        self.fuse.attn_q8
+            && !self.opts.exact
+            && p.v_dim.is_multiple_of(32)
+            && (1..=self.gemvq_max_rows).contains(&rows)
+    }
+
     fn fast(&self, shape: &MatShape) -> bool {
         !self.opts.exact && kernels::gemvq_supported(shape)
     }
@@ -875,18 +906,23 @@ impl CudaBackend {
         })
     }
 
-    /// RoPE's device inputs: the positions, the inverse frequencies, the kernel's style.
-    fn rope_inputs(&self, positions: &[u32], p: &RopeParams) -> Result<RopeInputs, RuntimeError> {
+    /// The device copy of a step's positions (the kernels take i32).
+    fn positions_u32(&self, positions: &[u32]) -> Result<Arc<DevBuf<i32>>, RuntimeError> {
         let pos: Vec<i32> = positions
             .iter()
             .map(|&v| i32::try_from(v).map_err(|_| err(format!("rope: position {v} too large"))))
             .collect::<Result<_, _>>()?;
+        self.positions(&pos)
+    }
+
+    /// RoPE's device inputs: the positions, the inverse frequencies, the kernel's style.
+    fn rope_inputs(&self, positions: &[u32], p: &RopeParams) -> Result<RopeInputs, RuntimeError> {
         let style = match p.style {
             RopeStyle::Interleaved => kernels::RopeStyle::Interleaved,
             RopeStyle::Neox => kernels::RopeStyle::Neox,
         };
         Ok((
-            self.positions(&pos)?,
+            self.positions_u32(positions)?,
             self.inv_freq(p.theta, p.n_rot)?,
             style,
         ))
@@ -1582,13 +1618,7 @@ impl Backend for CudaBackend {
         let w = lat + rope;
         let mut out = self.alloc(rows, heads * w)?;
         let qb = q.f32().ok_or_else(|| not_f32("mla_queries"))?;
-        let x8 = self
-            .gpu
-            .quantize_q8(qb, rows * heads, nope, nope + rope)
-            .map_err(kerr("mla_queries"))?;
         let (dpos, inv, style) = self.rope_inputs(positions, p)?;
-        let o = out.f32_mut().ok_or_else(|| not_f32("mla_queries"))?;
-        self.heads_gemv_q(shape, k_b, &x8, rows, w, o)?;
         let layout = |head: usize, offset: usize| RopeLayout {
             tokens: rows,
             heads,
@@ -1597,6 +1627,30 @@ impl Backend for CudaBackend {
             offset,
             n_rot: rope,
         };
+        let o = out.f32_mut().ok_or_else(|| not_f32("mla_queries"))?;
+        if self.fuse.rope_q8 && nope.is_multiple_of(32) {
+            // The rotation writes columns lat.., the GEMV after it columns ..lat.
+            let x8 = self
+                .gpu
+                .rope_q8_to(
+                    qb,
+                    layout(nope + rope, nope),
+                    nope,
+                    o,
+                    layout(w, lat),
+                    &dpos.view(),
+                    &inv.view(),
+                    style,
+                )
+                .map_err(kerr("mla_queries"))?;
+            self.heads_gemv_q(shape, k_b, &x8, rows, w, o)?;
+            return Ok(out);
+        }
+        let x8 = self
+            .gpu
+            .quantize_q8(qb, rows * heads, nope, nope + rope)
+            .map_err(kerr("mla_queries"))?;
+        self.heads_gemv_q(shape, k_b, &x8, rows, w, o)?;
         self.gpu
             .rope_to(
                 qb,
@@ -1609,6 +1663,15 @@ impl Backend for CudaBackend {
             )
             .map_err(kerr("mla_queries"))?;
         Ok(out)
+    }
+
+    fn stage_positions(&self, positions: &[u32]) -> Result<(), RuntimeError> {
+        // Uploaded now (the cache of recent position lists hands this copy to the step's RoPE
+        // launches), so no copy sits between the first layer's kernels.
+        if !positions.is_empty() {
+            self.positions_u32(positions)?;
+        }
+        Ok(())
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor, RuntimeError> {
@@ -1883,6 +1946,15 @@ impl Backend for CudaBackend {
         if mla {
             let m = mla_shape(p, n, q.cols, k.cols, t);
             let o = out.f32_mut().ok_or_else(|| not_f32("attention"))?;
+            if self.attn_q8(n, p) {
+                let q8 = match &k.store {
+                    Store::F32(kb) => self.gpu.mla_attention_q8(qb, kb, keys, o, m),
+                    Store::Bf16(kb) => self.gpu.mla_attention_q8(qb, kb, keys, o, m),
+                }
+                .map_err(kerr("attention"))?;
+                let _ = out.q8.set(q8);
+                return Ok(out);
+            }
             match &k.store {
                 Store::F32(kb) => self.gpu.mla_attention(qb, kb, keys, o, m),
                 Store::Bf16(kb) => self.gpu.mla_attention(qb, kb, keys, o, m),
@@ -1993,20 +2065,32 @@ impl Backend for CudaBackend {
         }
         let qb = q.f32().ok_or_else(|| not_f32("attention_seqs"))?;
         let o = out.f32_mut().ok_or_else(|| not_f32("attention_seqs"))?;
-        if bf16 {
+        let with_q8 = self.attn_q8(n, p);
+        let q8 = if bf16 {
             let ms = mla_seqs(seqs, &lists, |s| match s {
                 Store::Bf16(b) => Some(b),
                 Store::F32(_) => None,
             });
-            self.gpu.mla_attention_seqs(qb, &ms, o, m)
+            if with_q8 {
+                self.gpu.mla_attention_seqs_q8(qb, &ms, o, m).map(Some)
+            } else {
+                self.gpu.mla_attention_seqs(qb, &ms, o, m).map(|()| None)
+            }
         } else {
             let ms = mla_seqs(seqs, &lists, |s| match s {
                 Store::F32(b) => Some(b),
                 Store::Bf16(_) => None,
             });
-            self.gpu.mla_attention_seqs(qb, &ms, o, m)
+            if with_q8 {
+                self.gpu.mla_attention_seqs_q8(qb, &ms, o, m).map(Some)
+            } else {
+                self.gpu.mla_attention_seqs(qb, &ms, o, m).map(|()| None)
+            }
         }
         .map_err(kerr("attention_seqs"))?;
+        if let Some(q8) = q8 {
+            let _ = out.q8.set(q8);
+        }
         Ok(out)
     }
 

@@ -213,6 +213,9 @@ impl<B: Backend> Backend for Ranked<B> {
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor, RuntimeError> {
         self.inner.embed(table, ids)
     }
+    fn stage_positions(&self, positions: &[u32]) -> Result<(), RuntimeError> {
+        self.inner.stage_positions(positions)
+    }
     fn rms_norm(
         &self,
         x: &Self::Tensor,
