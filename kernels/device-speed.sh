@@ -767,8 +767,12 @@ fi
 #     at nice 19; prepare with LLAMA=1).
 if [ "$STAGE" = s18 ]; then
 cd "$D" || exit 2
-( nice -n 19 bash ./llamacpp-bench.sh /nonexistent -p 0 -n 0 > "$W/llama-build.txt" 2>&1 ) &
-BUILD=$!
+# SHORT=1 (little device time left): no llama.cpp, two A/B rounds of four settings, no
+# closing figures.
+if [ -z "${SHORT:-}" ]; then
+    ( nice -n 19 bash ./llamacpp-bench.sh /nonexistent -p 0 -n 0 > "$W/llama-build.txt" 2>&1 ) &
+    BUILD=$!
+fi
 NEW="GGUFTOOL_FUSE_ROPE_Q8=1 GGUFTOOL_FUSE_ATTN_Q8=1"
 step tests 90 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 rope_q8 mla_ rope 2>&1'
 [ -s /tmp/glm5.gguf ] || step synth 150 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
@@ -779,6 +783,12 @@ ab_tg def-0 ./gguftool 100 X=0
 for i in 1 2; do
     ab_tg "base-$i" ./gguftool-b 25 X=0
     ab_tg "def-$i" ./gguftool 25 X=0
+    if [ -n "${SHORT:-}" ]; then
+        ab_tg "both-$i" ./gguftool 25 $NEW
+        ab_tg "s4q-$i" ./gguftool 25 $NEW GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0
+        [ "$i" = 1 ] && { trace_run def X=0; [ -s "$W/trace-def.csv" ] && python3 "$D/timeline.py" "$W/trace-def.csv" --last 48 --launches --mem > "$OUT/launches-def.txt" 2>&1; rm -f "$OUT/timeline-def.txt"; }
+        continue
+    fi
     ab_tg "rq8-$i" ./gguftool 25 GGUFTOOL_FUSE_ROPE_Q8=1
     ab_tg "aq8-$i" ./gguftool 25 GGUFTOOL_FUSE_ATTN_Q8=1
     ab_tg "both-$i" ./gguftool 25 $NEW
@@ -787,10 +797,12 @@ for i in 1 2; do
     ab_tg "s8q-$i" ./gguftool 25 $NEW GGUFTOOL_MLA_DEC_SPLIT=8 GGUFTOOL_MLA_DEC_DIRECT=8
 done
 ab_table base def rq8 aq8 both s4 s4q s8q > "$OUT/ab.txt"
-trace_run def X=0
-[ -s "$W/trace-def.csv" ] && python3 "$D/timeline.py" "$W/trace-def.csv" --last 48 --launches --mem > "$OUT/launches-def.txt" 2>&1
-rm -f "$OUT/timeline-def.txt"
-closing_figures
+if [ -z "${SHORT:-}" ]; then
+    trace_run def X=0
+    [ -s "$W/trace-def.csv" ] && python3 "$D/timeline.py" "$W/trace-def.csv" --last 48 --launches --mem > "$OUT/launches-def.txt" 2>&1
+    rm -f "$OUT/timeline-def.txt"
+    closing_figures
+fi
 echo "== tests"; grep -E "test result|FAILED|panicked" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | tail -6
 grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
 cat "$OUT/ab.txt"
