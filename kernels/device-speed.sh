@@ -751,32 +751,27 @@ print_finals
 cat "$STEPS"
 fi
 
-# 21. STAGE=s18 (seventeenth session; written while no machine was lent, so first run by a later
-#     session): what that session wrote without a GPU. The step's positions are uploaded before
-#     its first kernel (Backend::stage_positions: before, that copy sat between the first
-#     layer's q_b GEMV and its cache-row kernel; on by default), and two opt-in fusions, each
-#     bitwise the launches it replaces on the CPU emulator: the MLA queries' quantize + RoPE as
-#     one launch (GGUFTOOL_FUSE_ROPE_Q8=1) and the attention output's q8 from the combine launch
-#     (GGUFTOOL_FUSE_ATTN_Q8=1). Their kernel tests (bitwise against the launches they replace),
-#     the CUDA backend against the CPU with both on, then tg128 of the previous commit
-#     (gguftool-b, built from the commit before these changes) against this tree's default, each
-#     fusion, both, and the short-decode MLA's key splits (GGUFTOOL_MLA_DEC_SPLIT / _DIRECT:
-#     more splits shorten the blocks' latency-bound walk over the keys, and with ATTN_Q8 the
-#     combine they add also quantizes), alternating; the default's timeline with the copies
-#     shown (timeline.py --mem); both tools' closing figures (llama.cpp built in the background
-#     at nice 19; prepare with LLAMA=1).
+# 21. STAGE=s18 (seventeenth session; one ~9-minute call, not yet run: the session's machine
+#     came for 3 minutes, STAGE=s18m below): the step's positions uploaded before its first
+#     kernel (Backend::stage_positions), the MLA queries' quantize + RoPE as one launch
+#     (GGUFTOOL_FUSE_ROPE_Q8) and the attention output's q8 from the combine launch
+#     (GGUFTOOL_FUSE_ATTN_Q8), the short decode's MLA in 4-key splits: all on by default. Their
+#     kernel tests, the CUDA backend against the CPU, then tg128 of a previous commit
+#     (gguftool-b) against this tree's default, each fusion off, and other key splits (16/32 as
+#     before, 2, 8), alternating; the default's timeline with the copies shown (timeline.py
+#     --mem); both tools' closing figures (llama.cpp built in the background at nice 19; prepare
+#     with LLAMA=1).
 if [ "$STAGE" = s18 ]; then
 cd "$D" || exit 2
-# SHORT=1 (little device time left): no llama.cpp, two A/B rounds of four settings, no
-# closing figures.
+# SHORT=1 (little device time left): no llama.cpp, two A/B rounds of three settings and the
+# timeline, no closing figures.
 if [ -z "${SHORT:-}" ]; then
     ( nice -n 19 bash ./llamacpp-bench.sh /nonexistent -p 0 -n 0 > "$W/llama-build.txt" 2>&1 ) &
     BUILD=$!
 fi
-NEW="GGUFTOOL_FUSE_ROPE_Q8=1 GGUFTOOL_FUSE_ATTN_Q8=1"
 step tests 90 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 rope_q8 mla_ rope 2>&1'
 [ -s /tmp/glm5.gguf ] || step synth 150 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
-step runtime-tests 120 "$OUT/runtime-tests.txt" env $NEW GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0 ./runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_decode cuda::tests::glm5_heads_shared --test-threads=1 --nocapture
+step runtime-tests 120 "$OUT/runtime-tests.txt" ./runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_decode cuda::tests::glm5_heads_shared --test-threads=1 --nocapture
 rm -f "$W"/ab-*.json
 ab_tg base-0 ./gguftool-b 100 X=0
 ab_tg def-0 ./gguftool 100 X=0
@@ -784,19 +779,17 @@ for i in 1 2; do
     ab_tg "base-$i" ./gguftool-b 25 X=0
     ab_tg "def-$i" ./gguftool 25 X=0
     if [ -n "${SHORT:-}" ]; then
-        ab_tg "both-$i" ./gguftool 25 $NEW
-        ab_tg "s4q-$i" ./gguftool 25 $NEW GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0
+        ab_tg "s16-$i" ./gguftool 25 GGUFTOOL_MLA_DEC_SPLIT=16 GGUFTOOL_MLA_DEC_DIRECT=32
         [ "$i" = 1 ] && { trace_run def X=0; [ -s "$W/trace-def.csv" ] && python3 "$D/timeline.py" "$W/trace-def.csv" --last 48 --launches --mem > "$OUT/launches-def.txt" 2>&1; rm -f "$OUT/timeline-def.txt"; }
         continue
     fi
-    ab_tg "rq8-$i" ./gguftool 25 GGUFTOOL_FUSE_ROPE_Q8=1
-    ab_tg "aq8-$i" ./gguftool 25 GGUFTOOL_FUSE_ATTN_Q8=1
-    ab_tg "both-$i" ./gguftool 25 $NEW
-    ab_tg "s4-$i" ./gguftool 25 GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0
-    ab_tg "s4q-$i" ./gguftool 25 $NEW GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0
-    ab_tg "s8q-$i" ./gguftool 25 $NEW GGUFTOOL_MLA_DEC_SPLIT=8 GGUFTOOL_MLA_DEC_DIRECT=8
+    ab_tg "norq8-$i" ./gguftool 25 GGUFTOOL_FUSE_ROPE_Q8=0
+    ab_tg "noaq8-$i" ./gguftool 25 GGUFTOOL_FUSE_ATTN_Q8=0
+    ab_tg "s16-$i" ./gguftool 25 GGUFTOOL_MLA_DEC_SPLIT=16 GGUFTOOL_MLA_DEC_DIRECT=32
+    ab_tg "s2-$i" ./gguftool 25 GGUFTOOL_MLA_DEC_SPLIT=2 GGUFTOOL_MLA_DEC_DIRECT=0
+    ab_tg "s8-$i" ./gguftool 25 GGUFTOOL_MLA_DEC_SPLIT=8 GGUFTOOL_MLA_DEC_DIRECT=0
 done
-ab_table base def rq8 aq8 both s4 s4q s8q > "$OUT/ab.txt"
+ab_table base def norq8 noaq8 s16 s2 s8 > "$OUT/ab.txt"
 if [ -z "${SHORT:-}" ]; then
     trace_run def X=0
     [ -s "$W/trace-def.csv" ] && python3 "$D/timeline.py" "$W/trace-def.csv" --last 48 --launches --mem > "$OUT/launches-def.txt" 2>&1
@@ -809,5 +802,28 @@ cat "$OUT/ab.txt"
 head -24 "$OUT/launches-def.txt"
 cat "$OUT/llama.txt"
 print_finals gbps
+cat "$STEPS"
+fi
+
+# 22. STAGE=s18m: STAGE=s18 for a call of ~4 minutes: the new kernels' GPU tests, the same-call
+#     tg128 A/B (previous commit, default, both opt-in fusions, and those with 4-key MLA splits),
+#     then the CUDA backend against the CPU with both fusions on.
+if [ "$STAGE" = s18m ]; then
+cd "$D" || exit 2
+NEW="GGUFTOOL_FUSE_ROPE_Q8=1 GGUFTOOL_FUSE_ATTN_Q8=1"
+step tests 50 "$OUT/kernel-tests.txt" bash -c './kernels-gpu --test-threads=1 rope_q8 mla_attention_q8 2>&1'
+[ -s /tmp/glm5.gguf ] || step synth 60 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+rm -f "$W"/ab-*.json
+ab_tg base-0 ./gguftool-b 40 X=0
+for i in 1 2; do
+    ab_tg "base-$i" ./gguftool-b 20 X=0
+    ab_tg "def-$i" ./gguftool 20 X=0
+    ab_tg "both-$i" ./gguftool 20 $NEW
+    ab_tg "s4q-$i" ./gguftool 20 $NEW GGUFTOOL_MLA_DEC_SPLIT=4 GGUFTOOL_MLA_DEC_DIRECT=0
+done
+ab_table base def both s4q > "$OUT/ab.txt"
+step runtime-tests 90 "$OUT/runtime-tests.txt" env $NEW ./runtime-lib cuda::tests::glm5_heads_decode cuda::tests::cuda_matches_cpu_on_fixtures --test-threads=1 --nocapture
+echo "== tests"; grep -E "test result|FAILED|panicked|\| rope_q8|mla_q8|launches per step" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | tail -12
+cat "$OUT/ab.txt"
 cat "$STEPS"
 fi

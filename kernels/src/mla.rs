@@ -233,9 +233,13 @@ const DEC_MAX_DV: usize = 512;
 /// Decode blocks aimed at per SM (H200 sweep, docs/BENCHMARKS.md): 4 of 4 warps each.
 const DEC_BLOCKS_PER_SM: usize = 4;
 /// A split holds at least this many keys; up to `DEC_DIRECT_KEYS` keys take one split whose
-/// block writes the output itself (no combine launch).
-const DEC_MIN_SPLIT: usize = 16;
-const DEC_DIRECT_KEYS: usize = 32;
+/// block writes the output itself (no combine launch). 4 and 0: a short decode step's blocks
+/// walk their keys one latency-bound pair after another, so more splits of fewer keys beat
+/// the combine launch they add (H100, same call, 2026-12-07, with the combine writing the q8
+/// activations: tg128 919.9 -> 938.1 against 16 and 32; docs/BENCHMARKS.md, seventeenth
+/// session). A split of at most 4 keys (a step over 1-4 keys) still writes the output itself.
+const DEC_MIN_SPLIT: usize = 4;
+const DEC_DIRECT_KEYS: usize = 0;
 
 /// A kernel choice: by shape (0), never (1) or wherever the kernel applies (2); its environment
 /// variable (`0` / `1`) sets it on first use, tests and A/B runs force it.
@@ -1032,22 +1036,40 @@ mod tests {
 
     #[test]
     fn decode_plans_cover_every_key() {
-        for heads in [4usize, 8, 64] {
-            for tokens in [1usize, 2, 8] {
-                for n in [1usize, 16, 31, 32, 33, 100, 2048, 4097, 32768, 1 << 20] {
-                    let (len, ns) = dec_plan(heads, tokens, n, 132, LIM);
-                    assert!(len * ns >= n && len * (ns - 1) < n, "{heads} {tokens} {n}");
-                    assert!(ns <= COMBINE_MAX_SPLITS, "{n} keys: {ns} splits");
-                    assert_eq!(ns == 1, n <= DEC_DIRECT_KEYS || len >= n);
+        // The defaults and the limits before the seventeenth session.
+        for lim in [LIM, (16, 32)] {
+            for heads in [4usize, 8, 64] {
+                for tokens in [1usize, 2, 8] {
+                    for n in [
+                        1usize,
+                        3,
+                        4,
+                        5,
+                        16,
+                        31,
+                        32,
+                        33,
+                        100,
+                        2048,
+                        4097,
+                        32768,
+                        1 << 20,
+                    ] {
+                        let (len, ns) = dec_plan(heads, tokens, n, 132, lim);
+                        assert!(len * ns >= n && len * (ns - 1) < n, "{heads} {tokens} {n}");
+                        assert!(ns <= COMBINE_MAX_SPLITS, "{n} keys: {ns} splits");
+                        assert_eq!(ns == 1, n <= lim.1 || len >= n, "{lim:?} {n}");
+                    }
                 }
             }
         }
         // 64 heads over 2048 keys: 8 head blocks x 66 splits = ~4 blocks per SM.
         assert_eq!(dec_plan(64, 1, 2048, 132, LIM), (32, 64));
-        // A short decode: one split, no combine.
-        assert_eq!(dec_plan(64, 1, 20, 132, LIM), (20, 1));
-        // Every split at 4 keys: 20 keys in 5 splits.
-        assert_eq!(dec_plan(64, 1, 20, 132, (4, 0)), (4, 5));
+        // A short decode: splits of 4 keys, 20 keys in 5 splits; up to 4 keys one split.
+        assert_eq!(dec_plan(64, 1, 20, 132, LIM), (4, 5));
+        assert_eq!(dec_plan(64, 1, 3, 132, LIM), (4, 1));
+        // The limits before the seventeenth session: 20 keys in one direct split.
+        assert_eq!(dec_plan(64, 1, 20, 132, (16, 32)), (20, 1));
     }
 
     #[test]

@@ -83,8 +83,7 @@ impl Default for CudaOptions {
 }
 
 /// The fused launches of the fast path, each with an environment switch that restores the
-/// launches it replaces (to A/B them in one build; docs/GPU.md). All on by default but the two
-/// not yet run on a GPU ([`Fusions::from_env`]).
+/// launches it replaces (to A/B them in one build; docs/GPU.md). All on by default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fusions {
     /// `Backend::glu` as one GEMV launch over gate and up (gemvq's GLU mode, as the routed
@@ -121,12 +120,13 @@ pub struct Fusions {
     pub stack: bool,
     /// The fused MLA queries' quantize (q_nope to q8 for the per-head k_b GEMV) and RoPE (the
     /// rope columns into the query rows) as one launch, `kernels::Gpu::rope_q8_to`, bitwise
-    /// the two launches: 1 launch fewer per layer (`GGUFTOOL_FUSE_ROPE_Q8=1`).
+    /// the two launches: 1 launch fewer per layer (`GGUFTOOL_FUSE_ROPE_Q8=0`: both launches).
     pub rope_q8: bool,
     /// The absorbed MLA attention's output handed to the per-head v_b GEMV already quantized:
     /// where the launch has key splits, the combine launch writes the q8 activations with its
     /// f32 output (`kernels::Gpu::mla_attention_q8`), bitwise the quantize launch it saves: 1
-    /// launch fewer per layer on a split decode step (`GGUFTOOL_FUSE_ATTN_Q8=1`).
+    /// launch fewer per layer on a split decode step (`GGUFTOOL_FUSE_ATTN_Q8=0`: the GEMV
+    /// quantizes).
     pub attn_q8: bool,
 }
 
@@ -154,13 +154,9 @@ impl Fusions {
         attn_q8: false,
     };
 
-    /// [`Fusions::ALL`] less the ones switched off by their variable set to `0`; `rope_q8` and
-    /// `attn_q8` only where their variable is `1`: written without a GPU (seventeenth
-    /// session, checked on the CPU emulator bitwise against the launches they replace), they
-    /// stay opt-in until a GPU run has checked and timed them (docs/GPU.md).
+    /// [`Fusions::ALL`] less the ones switched off by their variable set to `0`.
     pub fn from_env() -> Self {
         let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
-        let opt_in = |var: &str| std::env::var(var).is_ok_and(|v| v == "1");
         Fusions {
             glu: on("GGUFTOOL_FUSE_GLU"),
             add: on("GGUFTOOL_FUSE_ADD"),
@@ -169,8 +165,8 @@ impl Fusions {
             shared: on("GGUFTOOL_FUSE_SHARED"),
             seqs: on("GGUFTOOL_FUSE_SEQS"),
             stack: on("GGUFTOOL_FUSE_STACK"),
-            rope_q8: opt_in("GGUFTOOL_FUSE_ROPE_Q8"),
-            attn_q8: opt_in("GGUFTOOL_FUSE_ATTN_Q8"),
+            rope_q8: on("GGUFTOOL_FUSE_ROPE_Q8"),
+            attn_q8: on("GGUFTOOL_FUSE_ATTN_Q8"),
         }
     }
 }
