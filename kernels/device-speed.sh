@@ -806,8 +806,10 @@ cat "$STEPS"
 fi
 
 # 22. STAGE=s18m: STAGE=s18 for a call of ~4 minutes: the new kernels' GPU tests, the same-call
-#     tg128 A/B (previous commit, default, both opt-in fusions, and those with 4-key MLA splits),
-#     then the CUDA backend against the CPU with both fusions on.
+#     tg128 A/B (previous commit, default, both fusions, and those with 4-key MLA splits), then
+#     the CUDA backend against the CPU with both fusions on. Ran once, on 80443bd's binaries,
+#     where the fusions were opt-in and the splits 16/32; on later trees the fusions' variables
+#     and "def" against "both" measure nothing (both are defaults, and so are the 4-key splits).
 if [ "$STAGE" = s18m ]; then
 cd "$D" || exit 2
 NEW="GGUFTOOL_FUSE_ROPE_Q8=1 GGUFTOOL_FUSE_ATTN_Q8=1"
