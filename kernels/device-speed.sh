@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14|rows15|fin15|pf17|fin17|s18] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14|rows15|fin15|pf17|fin17|s18|s18m|s19] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -827,5 +827,52 @@ ab_table base def both s4q > "$OUT/ab.txt"
 step runtime-tests 90 "$OUT/runtime-tests.txt" env $NEW ./runtime-lib cuda::tests::glm5_heads_decode cuda::tests::cuda_matches_cpu_on_fixtures --test-threads=1 --nocapture
 echo "== tests"; grep -E "test result|FAILED|panicked|\| rope_q8|mla_q8|launches per step" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | tail -12
 cat "$OUT/ab.txt"
+cat "$STEPS"
+fi
+
+# 23. STAGE=s19 (eighteenth session; ~5 minutes): an MLA block's q_a norm, latent cache rows and
+#     indexer keys as one launch (Backend::mla_norms, kernels::Gpu::mla_norms; on by default,
+#     GGUFTOOL_FUSE_MLA_NORMS=0 turns it off). Its kernel test and the neighbouring norm tests,
+#     the CUDA backend against the CPU (the fusion test now counts 31 launches), then tg128 of
+#     the previous commit (gguftool-b) against this tree with and without the fusion, three
+#     alternating rounds, pp512 and 8-sequence decode with and without it, and the default's
+#     timeline with copies. Also the 6,144-wide norms as 12 parts of 512 threads or 24 of 256
+#     (GGUFTOOL_RMS_REGS=12 / 24 with GGUFTOOL_RMS_WIDE=512 / 256), two rounds.
+if [ "$STAGE" = s19 ]; then
+cd "$D" || exit 2
+step tests 60 "$OUT/kernel-tests.txt" bash -c 'GGUFTOOL_CUDA_SYNC=1 ./kernels-gpu --test-threads=1 mla_norms norm_rope fused_norm rms_norm 2>&1'
+[ -s /tmp/glm5.gguf ] || step synth 150 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+step runtime-tests 130 "$OUT/runtime-tests.txt" ./runtime-lib cuda::tests::cuda_matches_cpu_on_fixtures cuda::tests::glm5_heads_decode cuda::tests::glm5_heads_shared --test-threads=1 --nocapture
+rm -f "$W"/ab-*.json
+ab_tg base-0 ./gguftool-b 100 X=0
+ab_tg def-0 ./gguftool 100 X=0
+for i in 1 2 3; do
+    ab_tg "base-$i" ./gguftool-b 25 X=0
+    ab_tg "def-$i" ./gguftool 25 X=0
+    ab_tg "nonorm-$i" ./gguftool 25 GGUFTOOL_FUSE_MLA_NORMS=0
+    [ "$i" = 3 ] && continue
+    ab_tg "r12-$i" ./gguftool 25 GGUFTOOL_RMS_REGS=12 GGUFTOOL_RMS_WIDE=512
+    ab_tg "r24-$i" ./gguftool 25 GGUFTOOL_RMS_REGS=24 GGUFTOOL_RMS_WIDE=256
+done
+ab_table base def nonorm r12 r24 > "$OUT/ab.txt"
+B="./gguftool bench -m /tmp/glm5.gguf --device cuda --no-profile --json"
+for c in def nonorm def nonorm; do
+    v=1; [ "$c" = nonorm ] && v=0
+    step "pp-$c" 30 "$W/pp-$c-$(date +%s%N).json" env GGUFTOOL_FUSE_MLA_NORMS=$v $B -p 512 -n 32 -r 2 --npl 1,8
+done
+python3 - "$W" >> "$OUT/ab.txt" <<'PY'
+import json, glob, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "pp-*.json"))):
+    for r in json.load(open(f)):
+        print(os.path.basename(f).split("-")[1], r["test"], r["n_prompt"], r["n_gen"], r["n_seq"], round(r["avg_ts"], 1))
+PY
+trace_run def X=0
+[ -s "$W/trace-def.csv" ] && python3 "$D/timeline.py" "$W/trace-def.csv" --last 48 --launches --mem > "$OUT/launches-def.txt" 2>&1
+rm -f "$OUT/timeline-def.txt"
+echo "== tests"; grep -E "test result|FAILED|panicked" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | tail -6
+grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
+grep -E "mla_norms|decode fusions" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | head -20
+cat "$OUT/ab.txt"
+head -24 "$OUT/launches-def.txt"
 cat "$STEPS"
 fi

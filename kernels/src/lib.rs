@@ -55,7 +55,7 @@ pub use mmq::{
 pub use moe::{
     moe_mmq_tile, ExpertGroups, Gating, RouterConfig, TileSet, MOE_TILE, MOE_TILE_WIDTHS,
 };
-pub use norm::{CacheRows, RowRope, Rows};
+pub use norm::{CacheRows, NormRope, QaNorm, RowRope, Rows};
 pub use ops::{Op, QType};
 pub use pool::{DevBuf, DevViewMut, PoolStats};
 pub use rope::{rope_inv_freq, RopeLayout, RopeStyle};

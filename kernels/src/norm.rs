@@ -1,6 +1,6 @@
 //! RMSNorm (with an optional fused residual add) and LayerNorm, one block per row.
 
-use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr};
 
 use crate::device::{dlen, need_len, to_i32, Gpu};
 use crate::error::KernelError;
@@ -55,6 +55,20 @@ impl Rows {
 /// with parts.
 pub(crate) const RMS_REGS: usize = 8;
 
+/// [`RMS_REGS`], or the 12, 16 or 24 that `GGUFTOOL_RMS_REGS` names: an A/B knob for the decode
+/// step's 6,144-wide norms (H100 timeline: 9.3 us a launch against 4.9 for the 2,048-wide one),
+/// which with `GGUFTOOL_RMS_WIDE=512` / `256` then run as 12 / 24 parts of fewer threads.
+pub(crate) fn rms_regs() -> usize {
+    static REGS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *REGS.get_or_init(|| {
+        std::env::var("GGUFTOOL_RMS_REGS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|r| matches!(r, 12 | 16 | 24))
+            .unwrap_or(RMS_REGS)
+    })
+}
+
 fn block_for(n: usize) -> u32 {
     // Wide rows get the most threads: a single row (decode) is one block, bound by how many
     // loads are in flight, not by the SM's arithmetic.
@@ -101,6 +115,181 @@ enum Residual<'a, I, R> {
     InPlace(&'a mut R),
     /// Read from the first, the sum written to the second.
     Split(&'a I, &'a mut R),
+}
+
+/// rmsnorm.cu's `struct RmsJob`: one RMSNorm's operands, rows, parts and threads.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct RmsJob {
+    x: u64,
+    x_stride: i64,
+    res: u64,
+    res_stride: i64,
+    xo: u64,
+    xo_stride: i64,
+    w: u64,
+    y: u64,
+    y_stride: i64,
+    qs: u64,
+    qd: u64,
+    n: i32,
+    eps: f32,
+    rows: i32,
+    parts: i32,
+    threads: i32,
+}
+
+impl RmsJob {
+    /// The job of no rows (an absent norm of [`Gpu::mla_norms`]).
+    const NONE: RmsJob = RmsJob {
+        x: 0,
+        x_stride: 0,
+        res: 0,
+        res_stride: 0,
+        xo: 0,
+        xo_stride: 0,
+        w: 0,
+        y: 0,
+        y_stride: 0,
+        qs: 0,
+        qd: 0,
+        n: 0,
+        eps: 0.0,
+        rows: 0,
+        parts: 1,
+        threads: 32,
+    };
+}
+
+/// norm_rows.cuh's `struct NormRopeJob`: one fused norm + RoPE (+ cache rows).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct NormRopeJob {
+    x: u64,
+    x_stride: i64,
+    w: u64,
+    b: u64,
+    pos: u64,
+    inv_freq: u64,
+    cf: u64,
+    cb: u64,
+    c_stride: i64,
+    cols: i32,
+    n: i32,
+    eps: f32,
+    off: i32,
+    n_rot: i32,
+    style: i32,
+    rows: i32,
+    threads: i32,
+}
+
+impl NormRopeJob {
+    const NONE: NormRopeJob = NormRopeJob {
+        x: 0,
+        x_stride: 0,
+        w: 0,
+        b: 0,
+        pos: 0,
+        inv_freq: 0,
+        cf: 0,
+        cb: 0,
+        c_stride: 0,
+        cols: 0,
+        n: 0,
+        eps: 0.0,
+        off: 0,
+        n_rot: 0,
+        style: 0,
+        rows: 0,
+        threads: 32,
+    };
+}
+
+/// A device byte range a job touches and whether it writes it.
+type Touch = ((u64, u64), bool);
+
+/// `[p, p + bytes)` (empty where p is 0: an absent operand).
+fn touch(p: u64, bytes: usize, write: bool) -> Touch {
+    let end = if p == 0 { 0 } else { p + bytes as u64 };
+    ((p, end), write)
+}
+
+impl RmsJob {
+    /// What the launch reads and writes of x, res, xo and y (the q8 output is a fresh buffer).
+    fn ranges(&self) -> Vec<Touch> {
+        let rows = self.rows.max(0) as usize;
+        let n = self.n.max(0) as usize;
+        let b = |stride: i64| 4 * span(rows, stride.max(0) as usize, n);
+        vec![
+            touch(self.x, b(self.x_stride), false),
+            touch(self.res, b(self.res_stride), false),
+            touch(self.xo, b(self.xo_stride), true),
+            touch(self.y, b(self.y_stride), true),
+        ]
+    }
+}
+
+impl NormRopeJob {
+    /// What the launch reads and writes of its rows (in place) and cache rows.
+    fn ranges(&self) -> Vec<Touch> {
+        let rows = self.rows.max(0) as usize;
+        let cols = self.cols.max(0) as usize;
+        vec![
+            touch(
+                self.x,
+                4 * span(rows, self.x_stride.max(0) as usize, cols),
+                true,
+            ),
+            touch(self.cf, 4 * rows * cols, true),
+            touch(self.cb, 2 * rows * cols, true),
+        ]
+    }
+}
+
+/// The first pair of ranges of two different jobs that overlap where either writes.
+fn first_overlap(jobs: &[&[Touch]]) -> Option<((u64, u64), (u64, u64))> {
+    for (a, ra) in jobs.iter().enumerate() {
+        for rb in &jobs[a + 1..] {
+            for &(x, xw) in ra.iter() {
+                for &(y, yw) in rb.iter() {
+                    if (xw || yw) && x.0 < y.1 && y.0 < x.1 {
+                        return Some((x, y));
+                    }
+                }
+            }
+        }
+    }
+    None
+}
+
+// SAFETY: plain structs laid out exactly as rmsnorm.cu's `struct RmsJob` and norm_rows.cuh's
+// `struct NormRopeJob` (the launch checks their sizes against the kernel's parameters).
+unsafe impl DeviceRepr for RmsJob {}
+unsafe impl DeviceRepr for NormRopeJob {}
+
+/// The q_a norm of [`Gpu::mla_norms`]: [`Gpu::rms_norm_q8`]'s operands (`q8: false`:
+/// [`Gpu::rms_norm`]'s).
+pub struct QaNorm<'a, X, Y> {
+    pub x: &'a X,
+    pub w: Option<&'a CudaView<'a, f32>>,
+    pub y: &'a mut Y,
+    pub l: Rows,
+    pub eps: f32,
+    pub q8: bool,
+}
+
+/// A fused norm + RoPE of [`Gpu::mla_norms`]: [`Gpu::rms_norm_rope`]'s operands (`bias`
+/// unused) or [`Gpu::layer_norm_rope`]'s (`cols` = `l.n`).
+pub struct NormRope<'a, X> {
+    pub x: &'a mut X,
+    pub cols: usize,
+    pub w: Option<&'a CudaView<'a, f32>>,
+    pub bias: Option<&'a CudaView<'a, f32>>,
+    pub l: Rows,
+    pub eps: f32,
+    pub rope: RowRope<'a>,
+    pub cache: Option<CacheRows<'a>>,
 }
 
 impl Gpu {
@@ -251,6 +440,45 @@ impl Gpu {
         want_q8: bool,
     ) -> Result<Option<Q8Act>, KernelError> {
         const OP: &str = "rmsnorm";
+        let (j, q8) = self.rms_job(x, res, w, y, l, eps, want_q8)?;
+        let f = self.func(Op::RmsNorm, "rmsnorm_f32")?;
+        let cfg = self.cfg(OP, (j.rows as u64, j.parts as u64, 1), j.threads as u32)?;
+        let mut b = self.args(&f);
+        b.arg(&j.x)
+            .arg(&j.x_stride)
+            .arg(&j.res)
+            .arg(&j.res_stride)
+            .arg(&j.xo)
+            .arg(&j.xo_stride);
+        b.arg(&j.w)
+            .arg(&j.y)
+            .arg(&j.y_stride)
+            .arg(&j.n)
+            .arg(&j.eps)
+            .arg(&j.qs)
+            .arg(&j.qd);
+        // SAFETY: extents of x, res, h, y and w checked by rms_job; the q8 regions were sized
+        // for l.rows x l.n by Q8Act::alloc; parts only where no part's writes overlap another's
+        // reads.
+        unsafe { self.launch(OP, b, cfg) }?;
+        Ok(q8)
+    }
+
+    /// The checked operands of one RMSNorm launch ([`Gpu::rms_norm_impl`], one job of
+    /// [`Gpu::mla_norms`]) and its q8 output, allocated when `want_q8`. The device-pointer
+    /// guards carry nothing: the context runs without cudarc's event tracking (`Gpu::open`).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_job<I: DevicePtr<f32>, R: DevicePtrMut<f32>>(
+        &self,
+        x: &impl DevicePtr<f32>,
+        res: Residual<'_, I, R>,
+        w: Option<&CudaView<'_, f32>>,
+        y: &mut impl DevicePtrMut<f32>,
+        l: Rows,
+        eps: f32,
+        want_q8: bool,
+    ) -> Result<(RmsJob, Option<Q8Act>), KernelError> {
+        const OP: &str = "rmsnorm";
         check_rows(OP, dlen(x), dlen(y), l)?;
         if want_q8 && (!l.n.is_multiple_of(32) || l.y_stride != l.n) {
             return Err(shape_err(
@@ -258,35 +486,26 @@ impl Gpu {
                 format!("q8 output needs dense rows of a multiple of 32: {l:?}"),
             ));
         }
-        let f = self.func(Op::RmsNorm, "rmsnorm_f32")?;
         let threads = rms_block(l.n);
         debug_assert!(threads.is_multiple_of(32));
-        let (q8, qp, dp) = if want_q8 {
-            let (q, qp, dp) = Q8Act::alloc(self, l.rows, l.n)?;
-            (Some(q), qp, dp)
-        } else {
-            (None, 0u64, 0u64)
-        };
         let s = self.stream();
         let wp = opt_ptr(OP, "w", w, l.n, s)?;
-        let (xp, _gx) = x.device_ptr(s);
-        let (yp, _gy) = y.device_ptr_mut(s);
+        let xp = x.device_ptr(s).0;
+        let yp = y.device_ptr_mut(s).0;
         let need = span(l.rows, l.y_stride, l.n);
         // (residual in, residual out): the kernel reads res (stride ys) and writes the sum to
         // xo (stride ys); both 0 without a residual.
-        let (ip, op, _gi, _go) = match res {
-            Residual::None => (0u64, 0u64, None, None),
+        let (ip, op) = match res {
+            Residual::None => (0u64, 0u64),
             Residual::InPlace(r) => {
                 need_len(OP, "res", dlen(r), need)?;
-                let (p, g) = r.device_ptr_mut(s);
-                (p, p, None, Some(g))
+                let p = r.device_ptr_mut(s).0;
+                (p, p)
             }
             Residual::Split(i, o) => {
                 need_len(OP, "res", dlen(i), need)?;
                 need_len(OP, "h", dlen(o), need)?;
-                let (pi, gi) = i.device_ptr(s);
-                let (po, go) = o.device_ptr_mut(s);
-                (pi, po, Some(gi), Some(go))
+                (i.device_ptr(s).0, o.device_ptr_mut(s).0)
             }
         };
         // A single row in parts (one block per register slot) where nothing a part writes
@@ -298,28 +517,89 @@ impl Gpu {
         let slots = l.n.div_ceil(threads as usize);
         let parts = if l.rows == 1
             && self.rms_parts()
-            && slots <= RMS_REGS
+            && slots <= rms_regs()
             && [xr, rr].iter().all(|&a| apart(a, yr) && apart(a, hr))
         {
             slots
         } else {
             1
         };
-        let cfg = self.cfg(OP, (l.rows as u64, parts as u64, 1), threads)?;
+        let (q8, qs, qd) = if want_q8 {
+            let (q, qp, dp) = Q8Act::alloc(self, l.rows, l.n)?;
+            (Some(q), qp, dp)
+        } else {
+            (None, 0u64, 0u64)
+        };
         let (xs, ys) = (l.x_stride as i64, l.y_stride as i64);
-        let n = to_i32(OP, "n", l.n)?;
+        let job = RmsJob {
+            x: xp,
+            x_stride: xs,
+            res: ip,
+            res_stride: ys,
+            xo: op,
+            xo_stride: ys,
+            w: wp,
+            y: yp,
+            y_stride: ys,
+            qs,
+            qd,
+            n: to_i32(OP, "n", l.n)?,
+            eps,
+            rows: to_i32(OP, "rows", l.rows)?,
+            parts: parts as i32,
+            threads: threads as i32,
+        };
+        Ok((job, q8))
+    }
+
+    /// An MLA block's three norms after its stacked projection as one launch (rmsnorm.cu's
+    /// `mla_norms_f32`): `q` ([`Gpu::rms_norm`] or, with `q.q8`, [`Gpu::rms_norm_q8`]),
+    /// `kv` ([`Gpu::rms_norm_rope`]) and `ix` ([`Gpu::layer_norm_rope`]), each with the
+    /// operands, checks, thread count and parts its own launch takes, so every output is
+    /// bitwise what that launch writes. Returns `q`'s q8 activations when asked. The jobs must
+    /// touch disjoint memory (the runtime's are separate projection outputs and caches).
+    pub fn mla_norms<X, Y, K, I>(
+        &self,
+        q: Option<QaNorm<'_, X, Y>>,
+        kv: NormRope<'_, K>,
+        ix: Option<NormRope<'_, I>>,
+    ) -> Result<Option<Q8Act>, KernelError>
+    where
+        X: DevicePtr<f32>,
+        Y: DevicePtrMut<f32>,
+        K: DevicePtrMut<f32>,
+        I: DevicePtrMut<f32>,
+    {
+        const OP: &str = "mla_norms";
+        let (qj, q8) = match q {
+            None => (RmsJob::NONE, None),
+            Some(q) => self.rms_job(
+                q.x,
+                Residual::<CudaSlice<f32>, CudaSlice<f32>>::None,
+                q.w,
+                q.y,
+                q.l,
+                q.eps,
+                q.q8,
+            )?,
+        };
+        let kj = self.rms_rope_job(kv)?;
+        let ij = match ix {
+            None => NormRopeJob::NONE,
+            Some(ix) => self.ln_rope_job(ix)?,
+        };
+        // No job may write what another reads or writes: they run side by side.
+        if let Some((a, b)) = first_overlap(&[&qj.ranges(), &kj.ranges(), &ij.ranges()]) {
+            return Err(shape_err(OP, format!("jobs overlap: {a:x?} and {b:x?}")));
+        }
+        let blocks = qj.rows as u64 * qj.parts as u64 + kj.rows as u64 + ij.rows as u64;
+        let threads = qj.threads.max(kj.threads).max(ij.threads) as u32;
+        let f = self.func(Op::RmsNorm, "mla_norms_f32")?;
+        let cfg = self.cfg(OP, (blocks, 1, 1), threads)?;
         let mut b = self.args(&f);
-        b.arg(&xp).arg(&xs).arg(&ip).arg(&ys).arg(&op).arg(&ys);
-        b.arg(&wp)
-            .arg(&yp)
-            .arg(&ys)
-            .arg(&n)
-            .arg(&eps)
-            .arg(&qp)
-            .arg(&dp);
-        // SAFETY: extents of x, res, h, y and w checked above; the q8 regions were sized for
-        // l.rows x l.n by Q8Act::alloc; parts only where no part's writes overlap another's
-        // reads.
+        b.arg(&qj).arg(&kj).arg(&ij);
+        // SAFETY: each job's operands checked as its own launch checks them (rms_job,
+        // rms_rope_job, ln_rope_job); the jobs write disjoint memory (the caller's contract).
         unsafe { self.launch(OP, b, cfg) }?;
         Ok(q8)
     }
@@ -339,19 +619,18 @@ impl Gpu {
         rope: RowRope<'_>,
         cache: Option<CacheRows<'_>>,
     ) -> Result<(), KernelError> {
-        const OP: &str = "rmsnorm_rope";
-        let threads = block_for(l.n);
-        if l.n > 8 * threads as usize || rope.offset < l.n || rope.offset + rope.n_rot > cols {
-            return Err(shape_err(
-                OP,
-                format!("{l:?} in rows of {cols}, rope {rope:?}"),
-            ));
-        }
+        let j = self.rms_rope_job(NormRope {
+            x,
+            cols,
+            w,
+            bias: None,
+            l,
+            eps,
+            rope,
+            cache,
+        })?;
         let f = self.func(Op::RmsNorm, "rmsnorm_rope_f32")?;
-        let w_need = l.n;
-        self.norm_rope(
-            OP, f, x, cols, w, None, w_need, l, eps, rope, cache, threads,
-        )
+        self.norm_rope_launch("rmsnorm_rope", f, &j)
     }
 
     /// The DSA indexer's cached keys in one launch: per row of `l.n` values, LayerNorm in
@@ -369,40 +648,75 @@ impl Gpu {
         rope: RowRope<'_>,
         cache: Option<CacheRows<'_>>,
     ) -> Result<(), KernelError> {
-        const OP: &str = "layernorm_rope";
-        if rope.offset + rope.n_rot > l.n {
-            return Err(shape_err(OP, format!("{l:?}, rope {rope:?}")));
-        }
+        let j = self.ln_rope_job(NormRope {
+            x,
+            cols: l.n,
+            w,
+            bias,
+            l,
+            eps,
+            rope,
+            cache,
+        })?;
         let f = self.func(Op::LayerNorm, "layernorm_rope_f32")?;
-        let threads = block_for(l.n);
-        self.norm_rope(OP, f, x, l.n, w, bias, l.n, l, eps, rope, cache, threads)
+        self.norm_rope_launch("layernorm_rope", f, &j)
     }
 
-    /// The launch of the two fused norm + RoPE kernels (one parameter list: the RMS kernel
-    /// takes no bias, the LayerNorm one normalises all `cols`).
-    #[allow(clippy::too_many_arguments)]
-    fn norm_rope(
+    /// [`Gpu::rms_norm_rope`]'s checked job (its `bias` must be absent).
+    fn rms_rope_job<X: DevicePtrMut<f32>>(
+        &self,
+        a: NormRope<'_, X>,
+    ) -> Result<NormRopeJob, KernelError> {
+        const OP: &str = "rmsnorm_rope";
+        let threads = block_for(a.l.n);
+        let (l, rope, cols) = (a.l, a.rope, a.cols);
+        if a.bias.is_some()
+            || l.n > rms_regs() * threads as usize
+            || rope.offset < l.n
+            || rope.offset + rope.n_rot > cols
+        {
+            return Err(shape_err(
+                OP,
+                format!("{l:?} in rows of {cols}, rope {rope:?}"),
+            ));
+        }
+        self.norm_rope_job(OP, a, l.n, threads)
+    }
+
+    /// [`Gpu::layer_norm_rope`]'s checked job (`cols` must equal `l.n`).
+    fn ln_rope_job<X: DevicePtrMut<f32>>(
+        &self,
+        a: NormRope<'_, X>,
+    ) -> Result<NormRopeJob, KernelError> {
+        const OP: &str = "layernorm_rope";
+        let (l, rope) = (a.l, a.rope);
+        if a.cols != l.n || rope.offset + rope.n_rot > l.n {
+            return Err(shape_err(
+                OP,
+                format!("{l:?} in rows of {}, rope {rope:?}", a.cols),
+            ));
+        }
+        self.norm_rope_job(OP, a, l.n, block_for(l.n))
+    }
+
+    /// The checked job of the two fused norm + RoPE kernels (one parameter list: the RMS kernel
+    /// takes no bias, the LayerNorm one normalises all `cols`); `w_need` weights (and bias
+    /// values) are read. Guards as in [`Gpu::rms_job`].
+    fn norm_rope_job<X: DevicePtrMut<f32>>(
         &self,
         op: &'static str,
-        f: crate::device::Kernel,
-        x: &mut impl DevicePtrMut<f32>,
-        cols: usize,
-        w: Option<&CudaView<'_, f32>>,
-        bias: Option<&CudaView<'_, f32>>,
+        a: NormRope<'_, X>,
         w_need: usize,
-        l: Rows,
-        eps: f32,
-        rope: RowRope<'_>,
-        cache: Option<CacheRows<'_>>,
         threads: u32,
-    ) -> Result<(), KernelError> {
+    ) -> Result<NormRopeJob, KernelError> {
+        let (l, cols, rope) = (a.l, a.cols, a.rope);
         if l.x_stride != l.y_stride || l.x_stride < cols {
             return Err(shape_err(
                 op,
                 format!("in place with strides {l:?}, {cols} columns"),
             ));
         }
-        check_rows(op, dlen(x), dlen(x), Rows { n: cols, ..l })?;
+        check_rows(op, dlen(a.x), dlen(a.x), Rows { n: cols, ..l })?;
         let half = rope.n_rot / 2;
         if rope.n_rot == 0
             || !rope.n_rot.is_multiple_of(2)
@@ -416,44 +730,69 @@ impl Gpu {
         }
         need_len(op, "pos", rope.pos.len(), l.rows)?;
         need_len(op, "inv_freq", rope.inv_freq.len(), half)?;
-        let cfg = self.cfg(op, (l.rows as u64, 1, 1), threads)?;
         let s = self.stream();
-        let wp = opt_ptr(op, "w", w, w_need, s)?;
-        let bp = opt_ptr(op, "b", bias, w_need, s)?;
-        let (pp, _gp) = rope.pos.device_ptr(s);
-        let (fp, _gf) = rope.inv_freq.device_ptr(s);
+        let w = opt_ptr(op, "w", a.w, w_need, s)?;
+        let b = opt_ptr(op, "b", a.bias, w_need, s)?;
         let need = l.rows * cols;
-        let (cf, cb, _gc) = match &cache {
-            None => (0u64, 0u64, None),
+        let (cf, cb) = match &a.cache {
+            None => (0u64, 0u64),
             Some(CacheRows::F32(c)) => {
                 need_len(op, "cache", dlen(c), need)?;
-                let (p, g) = c.device_ptr(s);
-                (p, 0, Some(g))
+                (c.device_ptr(s).0, 0)
             }
             Some(CacheRows::Bf16(c)) => {
                 need_len(op, "cache", dlen(c), need)?;
-                let (p, g) = c.device_ptr(s);
-                (0, p, Some(g))
+                (0, c.device_ptr(s).0)
             }
         };
-        let (xp, _gx) = x.device_ptr_mut(s);
-        let xs = l.x_stride as i64;
-        let (n, c32) = (to_i32(op, "n", l.n)?, to_i32(op, "cols", cols)?);
-        let (off, nr) = (
-            to_i32(op, "offset", rope.offset)?,
-            to_i32(op, "n_rot", rope.n_rot)?,
-        );
-        let style: i32 = match rope.style {
-            RopeStyle::Neox => 2,
-            _ => 0,
-        };
-        let cs = cols as i64;
+        Ok(NormRopeJob {
+            x: a.x.device_ptr_mut(s).0,
+            x_stride: l.x_stride as i64,
+            w,
+            b,
+            pos: rope.pos.device_ptr(s).0,
+            inv_freq: rope.inv_freq.device_ptr(s).0,
+            cf,
+            cb,
+            c_stride: cols as i64,
+            cols: to_i32(op, "cols", cols)?,
+            n: to_i32(op, "n", l.n)?,
+            eps: a.eps,
+            off: to_i32(op, "offset", rope.offset)?,
+            n_rot: to_i32(op, "n_rot", rope.n_rot)?,
+            style: match rope.style {
+                RopeStyle::Neox => 2,
+                _ => 0,
+            },
+            rows: to_i32(op, "rows", l.rows)?,
+            threads: threads as i32,
+        })
+    }
+
+    /// The launch of one fused norm + RoPE kernel on its job: a block of `j.threads` per row.
+    fn norm_rope_launch(
+        &self,
+        op: &'static str,
+        f: crate::device::Kernel,
+        j: &NormRopeJob,
+    ) -> Result<(), KernelError> {
+        let cfg = self.cfg(op, (j.rows as u64, 1, 1), j.threads as u32)?;
         let mut b = self.args(&f);
-        b.arg(&xp).arg(&xs).arg(&c32).arg(&wp).arg(&bp);
-        b.arg(&n).arg(&eps).arg(&off).arg(&nr).arg(&pp).arg(&fp);
-        b.arg(&style).arg(&cf).arg(&cb).arg(&cs);
-        // SAFETY: x, w, b, pos, inv_freq and the cache rows checked above against the rows the
-        // kernel touches; the rope span lies inside each row (checked by the callers).
+        b.arg(&j.x)
+            .arg(&j.x_stride)
+            .arg(&j.cols)
+            .arg(&j.w)
+            .arg(&j.b);
+        b.arg(&j.n)
+            .arg(&j.eps)
+            .arg(&j.off)
+            .arg(&j.n_rot)
+            .arg(&j.pos)
+            .arg(&j.inv_freq);
+        b.arg(&j.style).arg(&j.cf).arg(&j.cb).arg(&j.c_stride);
+        // SAFETY: x, w, b, pos, inv_freq and the cache rows checked by norm_rope_job against
+        // the rows the kernel touches; the rope span lies inside each row (rms_rope_job,
+        // ln_rope_job).
         unsafe { self.launch(op, b, cfg) }
     }
 
@@ -489,5 +828,63 @@ impl Gpu {
             .arg(&eps);
         // SAFETY: extents checked above.
         unsafe { self.launch(OP, b, cfg) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A q_a job reading 2,048 floats at `x` and writing them at `y`.
+    fn q_job(x: u64, y: u64) -> RmsJob {
+        RmsJob {
+            x,
+            y,
+            n: 2048,
+            rows: 1,
+            x_stride: 2048,
+            y_stride: 2048,
+            ..RmsJob::NONE
+        }
+    }
+
+    /// A kv job rewriting one 576-float row at `x` and its f32 cache row at `c`.
+    fn kv_job(x: u64, c: u64) -> NormRopeJob {
+        NormRopeJob {
+            x,
+            cf: c,
+            cols: 576,
+            n: 512,
+            rows: 1,
+            x_stride: 576,
+            ..NormRopeJob::NONE
+        }
+    }
+
+    #[test]
+    fn side_by_side_jobs_must_not_overlap_where_one_writes() {
+        let (q, kv) = (q_job(0x10000, 0x20000), kv_job(0x30000, 0x40000));
+        let none = NormRopeJob::NONE;
+        assert_eq!(
+            first_overlap(&[&q.ranges(), &kv.ranges(), &none.ranges()]),
+            None
+        );
+        // kv's rows start inside q's output (8,192 bytes from 0x20000).
+        let kv_in_y = kv_job(0x20000 + 8188, 0x40000);
+        assert!(first_overlap(&[&q.ranges(), &kv_in_y.ranges()]).is_some());
+        // The first byte past q's input is free; the last one is not.
+        assert!(first_overlap(&[&q.ranges(), &kv_job(0x10000 + 8192, 0x40000).ranges()]).is_none());
+        assert!(first_overlap(&[&q.ranges(), &kv_job(0x10000 + 8188, 0x40000).ranges()]).is_some());
+        // Two jobs' caches on one row.
+        let ix = NormRopeJob {
+            cols: 128,
+            n: 128,
+            x_stride: 128,
+            ..kv_job(0x50000, 0x40000 + 4 * 575)
+        };
+        assert!(first_overlap(&[&kv.ranges(), &ix.ranges()]).is_some());
+        // Reads alone may share memory: two q jobs reading one input, writing apart.
+        let q2 = q_job(0x10000, 0x60000);
+        assert!(first_overlap(&[&q.ranges(), &q2.ranges()]).is_none());
     }
 }

@@ -13,6 +13,9 @@ use gguf::GgmlType;
 const PRELUDE: &str = include_str!("../cuda/prelude.cuh");
 /// The ggml block decoders, shared by the ops that read quantized weights.
 const QUANT: &str = include_str!("../cuda/quant.cuh");
+/// The norms' shared row bodies (cache stores, LayerNorm statistics, the fused norm + RoPE
+/// jobs), for the modules of rmsnorm.cu and layernorm.cu.
+const NORM_ROWS: &str = include_str!("../cuda/norm_rows.cuh");
 
 /// Weight types with an integer-dot-product GEMV (gemvq.cu). `Q4_K`, `Q5_K` and `IQ4_XS` read
 /// GGUF blocks; the others read the repacked layout (`crate::repack`).
@@ -290,11 +293,14 @@ impl Op {
                 ),
             ));
         }
+        if matches!(self, Op::RmsNorm | Op::LayerNorm) {
+            v.push(("norm_rows.cuh", NORM_ROWS.to_string()));
+        }
         if self == Op::RmsNorm {
             // The register path's width, which the wrapper needs too (its parts).
             v.push((
                 "rmsnorm-regs.cuh",
-                format!("#define RMS_REGS {}\n", crate::norm::RMS_REGS),
+                format!("#define RMS_REGS {}\n", crate::norm::rms_regs()),
             ));
         }
         if let Op::Mmq(q) = self {
@@ -350,7 +356,7 @@ impl Op {
                     .collect()
             }
             Op::Quantize => &["quantize_q8a"],
-            Op::RmsNorm => &["rmsnorm_f32", "rmsnorm_rope_f32"],
+            Op::RmsNorm => &["rmsnorm_f32", "rmsnorm_rope_f32", "mla_norms_f32"],
             Op::LayerNorm => &["layernorm_f32", "layernorm_rope_f32"],
             Op::Rope => &["rope_f32", "rope_q8_f32"],
             Op::Attention => &["attn_scores_f32", "attn_av_partial_f32", "attn_combine_f32"],

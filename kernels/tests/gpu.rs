@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use gguf::GgmlType;
 use kernels::{
-    AttnShape, Channels, Gating, Gpu, IndexerShape, KeyLists, MatShape, RopeLayout, RopeStyle,
-    RouterConfig, Rows, Rows3,
+    AttnShape, Channels, Gating, Gpu, IndexerShape, KeyLists, MatShape, NormRope, QaNorm,
+    RopeLayout, RopeStyle, RouterConfig, Rows, Rows3,
 };
 
 mod common;
@@ -907,6 +907,199 @@ fn norm_rope_kernels_equal_the_launches_they_fuse() {
         }
     }
     assert!(bad.is_empty(), "fused norm + rope differs: {bad:?}");
+}
+
+/// An MLA block's three norms as one launch (`mla_norms`) against the three launches it
+/// replaces, bitwise: q_a's RMSNorm (2,048 wide, with its q8 activations, in parts for one row)
+/// by `rms_norm_q8`, the latent cache rows (576 columns, 512 normalised, RoPE on the rest) by
+/// `rms_norm_rope`, the indexer keys (128 columns, RoPE on the first 64) by `layer_norm_rope`;
+/// 1 and 3 rows, both pair styles, f32 and bf16 cache rows, the q_a job or the indexer job
+/// absent. Cache rows past the written ones keep their poison.
+#[test]
+fn mla_norms_launch_equals_the_three_launches_it_replaces() {
+    let Some(g) = gpu("mla_norms_launch_equals_the_three_launches_it_replaces") else {
+        return;
+    };
+    let _s = serial();
+    let mut r = Rng::new("mla_norms");
+    let (qa, kv_cols, kv_n, ix_cols) = (2048usize, 576usize, 512usize, 128usize);
+    let mut bad = Vec::new();
+    let mut checked = 0;
+    for rows in [1usize, 3] {
+        let pos: Vec<i32> = (0..rows as i32).map(|i| 2047 + 5 * i).collect();
+        let inv = kernels::rope_inv_freq(1e6, 64);
+        let (dpos, dinv) = (g.upload(&pos).unwrap(), g.upload(&inv).unwrap());
+        let (pv, fv) = (dpos.as_view(), dinv.as_view());
+        let q_x = activations(&mut r, rows, qa);
+        let kv_x: Vec<f32> = (0..rows * kv_cols).map(|_| r.sym(3.0)).collect();
+        let ix_x: Vec<f32> = (0..rows * ix_cols).map(|_| r.sym(3.0)).collect();
+        let q_w: Vec<f32> = (0..qa).map(|_| 1.0 + r.sym(0.2)).collect();
+        let kv_w: Vec<f32> = (0..kv_n).map(|_| 1.0 + r.sym(0.2)).collect();
+        let ix_w: Vec<f32> = (0..ix_cols).map(|_| 1.0 + r.sym(0.2)).collect();
+        let ix_b: Vec<f32> = (0..ix_cols).map(|_| r.sym(0.2)).collect();
+        let (dqx, dqw, dkw, diw, dib) = (
+            g.upload(&q_x).unwrap(),
+            g.upload(&q_w).unwrap(),
+            g.upload(&kv_w).unwrap(),
+            g.upload(&ix_w).unwrap(),
+            g.upload(&ix_b).unwrap(),
+        );
+        let (qwv, kwv, iwv, ibv) = (dqw.as_view(), dkw.as_view(), diw.as_view(), dib.as_view());
+        let kv_l = Rows {
+            rows,
+            n: kv_n,
+            x_stride: kv_cols,
+            y_stride: kv_cols,
+        };
+        let ix_l = Rows::dense(rows, ix_cols);
+        let q_l = Rows::dense(rows, qa);
+        for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
+            let rope = |offset: usize| RowRope {
+                offset,
+                n_rot: 64,
+                pos: &pv,
+                inv_freq: &fv,
+                style,
+            };
+            for (bf16, with_q, with_ix) in [
+                (false, true, true),
+                (true, true, true),
+                (true, false, true),
+                (false, true, false),
+            ] {
+                // Caches with one spare row that must keep its poison.
+                let caches = |cols: usize| {
+                    let spare = (rows + 1) * cols;
+                    (
+                        g.upload_async(&vec![f32::NAN; spare]).unwrap(),
+                        g.upload_async(&vec![0x7fc1u16; spare]).unwrap(),
+                    )
+                };
+                fn rows_of(
+                    c: &mut (kernels::DevBuf<f32>, kernels::DevBuf<u16>),
+                    n: usize,
+                    bf16: bool,
+                ) -> CacheRows<'_> {
+                    if bf16 {
+                        CacheRows::Bf16(c.1.slice_mut(0..n))
+                    } else {
+                        CacheRows::F32(c.0.slice_mut(0..n))
+                    }
+                }
+                // The three launches.
+                let (mut wkc, mut wic) = (caches(kv_cols), caches(ix_cols));
+                let mut wy = nan_buf(&g, rows * qa);
+                let mut wkx = g.upload(&kv_x).unwrap();
+                let mut wix = g.upload(&ix_x).unwrap();
+                let wq8 = if with_q {
+                    Some(g.rms_norm_q8(&dqx, Some(&qwv), &mut wy, q_l, 1e-6).unwrap())
+                } else {
+                    None
+                };
+                let kc = rows_of(&mut wkc, rows * kv_cols, bf16);
+                g.rms_norm_rope(
+                    &mut wkx,
+                    kv_cols,
+                    Some(&kwv),
+                    kv_l,
+                    1e-6,
+                    rope(kv_n),
+                    Some(kc),
+                )
+                .unwrap();
+                if with_ix {
+                    let ic = rows_of(&mut wic, rows * ix_cols, bf16);
+                    g.layer_norm_rope(
+                        &mut wix,
+                        Some(&iwv),
+                        Some(&ibv),
+                        ix_l,
+                        1e-6,
+                        rope(0),
+                        Some(ic),
+                    )
+                    .unwrap();
+                }
+                // One launch.
+                let (mut gkc, mut gic) = (caches(kv_cols), caches(ix_cols));
+                let mut gy = nan_buf(&g, rows * qa);
+                let mut gkx = g.upload(&kv_x).unwrap();
+                let mut gix = g.upload(&ix_x).unwrap();
+                let q = with_q.then_some(QaNorm {
+                    x: &dqx,
+                    w: Some(&qwv),
+                    y: &mut gy,
+                    l: q_l,
+                    eps: 1e-6,
+                    q8: true,
+                });
+                let kv = NormRope {
+                    x: &mut gkx,
+                    cols: kv_cols,
+                    w: Some(&kwv),
+                    bias: None,
+                    l: kv_l,
+                    eps: 1e-6,
+                    rope: rope(kv_n),
+                    cache: Some(rows_of(&mut gkc, rows * kv_cols, bf16)),
+                };
+                let ix = with_ix.then(|| NormRope {
+                    x: &mut gix,
+                    cols: ix_cols,
+                    w: Some(&iwv),
+                    bias: Some(&ibv),
+                    l: ix_l,
+                    eps: 1e-6,
+                    rope: rope(0),
+                    cache: Some(rows_of(&mut gic, rows * ix_cols, bf16)),
+                });
+                let gq8 = g.mla_norms(q, kv, ix).unwrap();
+                let same = |a: &[f32], b: &[f32]| {
+                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+                };
+                let mut ok = true;
+                ok &= same(&g.download(&gy).unwrap(), &g.download(&wy).unwrap());
+                ok &= same(&g.download(&gkx).unwrap(), &g.download(&wkx).unwrap());
+                ok &= same(&g.download(&gix).unwrap(), &g.download(&wix).unwrap());
+                ok &= match (&gq8, &wq8) {
+                    (Some(a), Some(b)) => a.to_host(&g).unwrap() == b.to_host(&g).unwrap(),
+                    (None, None) => true,
+                    _ => false,
+                };
+                if bf16 {
+                    ok &= g.download(&gkc.1).unwrap() == g.download(&wkc.1).unwrap();
+                    ok &= g.download(&gic.1).unwrap() == g.download(&wic.1).unwrap();
+                } else {
+                    ok &= same(&g.download(&gkc.0).unwrap(), &g.download(&wkc.0).unwrap());
+                    ok &= same(&g.download(&gic.0).unwrap(), &g.download(&wic.0).unwrap());
+                }
+                // The spare cache row keeps its poison, and the jobs wrote (not NaN).
+                let kcf = g.download(&gkc.0).unwrap();
+                ok &= bf16 || kcf[..rows * kv_cols].iter().all(|v| v.is_finite());
+                ok &= kcf[rows * kv_cols..].iter().all(|v| v.is_nan());
+                let y = g.download(&gy).unwrap();
+                ok &= y.iter().all(|v| v.is_finite()) == with_q;
+                row(
+                    &format!("mla_norms {style:?}"),
+                    &format!("{rows} rows, bf16 {bf16}, q {with_q}, indexer {with_ix}"),
+                    0.0,
+                    0.0,
+                    ok,
+                );
+                if !ok {
+                    bad.push(format!(
+                        "{style:?} {rows} rows bf16 {bf16} q {with_q} ix {with_ix}"
+                    ));
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 16);
+    assert!(
+        bad.is_empty(),
+        "mla_norms differs from its three launches: {bad:?}"
+    );
 }
 
 #[test]

@@ -387,6 +387,20 @@ pub trait Backend: Clone + Send + Sync + 'static {
         indexer_keys_composed(self, k, w, b, eps, positions, p, cache)
     }
 
+    /// An MLA block's norms after its stacked projection, at `positions`: `q` = (q_a, its norm
+    /// weight, eps) by [`Backend::rms_norm`], `kv` by [`Backend::mla_kv_rows`], `ix` by
+    /// [`Backend::indexer_keys`]. They are independent of each other, so a backend that pays
+    /// per launch may run them as one; the default composes the three ops.
+    fn mla_norms(
+        &self,
+        q: Option<(&Self::Tensor, &Self::Weight, f32)>,
+        kv: KvRowsArgs<'_, Self::Tensor, Self::Weight>,
+        ix: Option<IndexerKeysArgs<'_, Self::Tensor, Self::Weight>>,
+        positions: &[u32],
+    ) -> Result<MlaNormed<Self::Tensor>, RuntimeError> {
+        mla_norms_composed(self, q, kv, ix, positions)
+    }
+
     /// Whether the forward adds a block's output to the residual stream in the next block's
     /// norm ([`Backend::add_rms_norm`], whose sum is [`Backend::add`]'s: the same values) instead
     /// of at once, so a backend that pays per launch saves the add's. The default composition
@@ -555,6 +569,46 @@ pub(crate) fn check_seq_rows(
         )));
     }
     Ok(())
+}
+
+/// [`Backend::mla_kv_rows`]'s operands but the positions (one job of [`Backend::mla_norms`]).
+pub struct KvRowsArgs<'a, T, W> {
+    pub kv_a: T,
+    pub w: &'a W,
+    pub n: usize,
+    pub eps: f32,
+    pub p: &'a RopeParams,
+    pub cache: Option<&'a mut T>,
+}
+
+/// [`Backend::indexer_keys`]'s operands but the positions (one job of [`Backend::mla_norms`]).
+pub struct IndexerKeysArgs<'a, T, W> {
+    pub k: T,
+    pub w: &'a W,
+    pub b: &'a W,
+    pub eps: f32,
+    pub p: &'a RopeParams,
+    pub cache: Option<&'a mut T>,
+}
+
+/// [`Backend::mla_norms`]'s outputs: the normalised q_a (when asked), the kv rows, the
+/// indexer's keys (when asked).
+pub type MlaNormed<T> = (Option<T>, T, Option<T>);
+
+/// [`Backend::mla_norms`] by the ops, in the forward's order: q_a's norm, the kv rows, the keys.
+pub(crate) fn mla_norms_composed<B: Backend>(
+    be: &B,
+    q: Option<(&B::Tensor, &B::Weight, f32)>,
+    kv: KvRowsArgs<'_, B::Tensor, B::Weight>,
+    ix: Option<IndexerKeysArgs<'_, B::Tensor, B::Weight>>,
+    positions: &[u32],
+) -> Result<MlaNormed<B::Tensor>, RuntimeError> {
+    let q = q.map(|(x, w, eps)| be.rms_norm(x, w, eps)).transpose()?;
+    let kv = be.mla_kv_rows(kv.kv_a, kv.w, kv.n, kv.eps, positions, kv.p, kv.cache)?;
+    let ix = ix
+        .map(|a| be.indexer_keys(a.k, a.w, a.b, a.eps, positions, a.p, a.cache))
+        .transpose()?;
+    Ok((q, kv, ix))
 }
 
 /// [`Backend::mla_kv_rows`] by the ops: the latent norm in place, RoPE, the append.

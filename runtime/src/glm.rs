@@ -15,7 +15,10 @@
 //! where the vocabulary-split head's logits are gathered. With one rank every collective is the
 //! identity and every share is the whole tensor.
 
-use crate::backend::{AttnParams, Backend, IndexerParams, RopeParams, RouteParams, SeqAttn};
+use crate::backend::{
+    AttnParams, Backend, IndexerKeysArgs, IndexerParams, KvRowsArgs, RopeParams, RouteParams,
+    SeqAttn,
+};
 use crate::cache::KvCache;
 use crate::lm::{check_requests, LanguageModel, SeqStep, SequenceState};
 use crate::sampling::{finish_rows, SampleRequest, Sampled};
@@ -1234,11 +1237,52 @@ impl<B: Backend> GlmModel<B> {
             (Some(ix), Some(_)) => segs.iter().any(|s| s.pos0 + s.n > ix.top_k),
             _ => false,
         };
+        // Compressed keys/values (emitted before they are normalised in place below).
+        self.emit(obs, || format!("blk.{bi}.attn_kv_a_mqa.out"), &kv_a)?;
+        // The projections' norms, one op where the backend fuses them: q_a's; the cache rows in
+        // place (latent normalised, the shared key part roped); the indexer's keys (always: they
+        // are cached). A step of one sequence appends its rows to the caches in the same op
+        // (batches per sequence below).
+        let single = segs.len() == 1;
+        let k_rope = RopeParams {
+            offset: m.kv_lora_rank,
+            ..rope_p(1, m.cache_width())
+        };
+        let ix_rope = self.spec.indexer.as_ref().map(|ix| rope_p(1, ix.head_dim));
+        let (kv_cache, ix_cache) = if single {
+            let lc = &mut caches[0].layers[li];
+            (Some(&mut lc.kv), lc.index_keys.as_mut())
+        } else {
+            (None, None)
+        };
+        let q_norm = match (&w.q_a, &q_a_out) {
+            (Some((_, qa_norm)), Some(r)) => Some((r, qa_norm, m.lora_norm_eps)),
+            _ => None,
+        };
+        let ix_args = match (&self.spec.indexer, ix_w, ix_k_out, &ix_rope) {
+            (Some(ix), Some(iw), Some(k), Some(p)) => Some(IndexerKeysArgs {
+                k,
+                w: &iw.k_norm,
+                b: &iw.k_norm_b,
+                eps: ix.norm_eps,
+                p,
+                cache: ix_cache,
+            }),
+            _ => None,
+        };
+        let kv_args = KvRowsArgs {
+            kv_a,
+            w: &w.kv_a_norm,
+            n: m.kv_lora_rank,
+            eps: m.lora_norm_eps,
+            p: &k_rope,
+            cache: kv_cache,
+        };
+        let (q_a_normed, kv_rows, ix_k) = be.mla_norms(q_norm, kv_args, ix_args, positions)?;
         // Queries.
         let mut ix_q_raw = None;
-        let q = match (&w.q_a, q_a_out) {
-            (Some((_, qa_norm)), Some(r)) => {
-                let r = be.rms_norm(&r, qa_norm, m.lora_norm_eps)?;
+        let q = match q_a_normed {
+            Some(r) => {
                 self.emit(obs, || format!("blk.{bi}.attn_q_a_norm.out"), &r)?;
                 match ix_w.filter(|_| ix_q_needed) {
                     Some(iw) => {
@@ -1253,49 +1297,20 @@ impl<B: Backend> GlmModel<B> {
                     None => be.matmul(&r, &w.q_b)?,
                 }
             }
-            _ => be.matmul(x, &w.q_b)?,
+            None => be.matmul(x, &w.q_b)?,
         };
         self.emit(obs, || format!("blk.{bi}.attn_q_b.out"), &q)?;
-        // Compressed keys/values: normalised latent and the roped shared key part.
-        self.emit(obs, || format!("blk.{bi}.attn_kv_a_mqa.out"), &kv_a)?;
-        // The cache rows in place: latent normalised, the shared key part roped; a step of one
-        // sequence appends them to its cache in the same op (batches per sequence below).
-        let single = segs.len() == 1;
-        let k_rope = RopeParams {
-            offset: m.kv_lora_rank,
-            ..rope_p(1, m.cache_width())
-        };
-        let kv_rows = be.mla_kv_rows(
-            kv_a,
-            &w.kv_a_norm,
-            m.kv_lora_rank,
-            m.lora_norm_eps,
-            positions,
-            &k_rope,
-            single.then(|| &mut caches[0].layers[li].kv),
-        )?;
         if obs.is_some() {
             // RoPE leaves the latent columns as normalised.
             let lat = be.slice_cols(&kv_rows, 0, m.kv_lora_rank)?;
             self.emit(obs, || format!("blk.{bi}.attn_kv_a_norm.out"), &lat)?;
         }
 
-        // Lightning indexer: keys always (they are cached), queries only when some query sees
-        // more than top_k keys (otherwise every causal key is selected: dense attention).
+        // Lightning indexer: queries only when some query sees more than top_k keys
+        // (otherwise every causal key is selected: dense attention).
         let mut ix_q = None;
         let mut ix_keys = None;
-        if let (Some(ix), Some(iw), Some(k_out)) = (&self.spec.indexer, ix_w, ix_k_out) {
-            let k = be.indexer_keys(
-                k_out,
-                &iw.k_norm,
-                &iw.k_norm_b,
-                ix.norm_eps,
-                positions,
-                &rope_p(1, ix.head_dim),
-                single
-                    .then(|| caches[0].layers[li].index_keys.as_mut())
-                    .flatten(),
-            )?;
+        if let (Some(ix), Some(iw), Some(k)) = (&self.spec.indexer, ix_w, ix_k) {
             self.emit(obs, || format!("blk.{bi}.indexer.k.out"), &k)?;
             ix_keys = Some(k);
             if ix_q_needed {

@@ -33,8 +33,8 @@ use crate::backend::{
     append_rows_seqs_composed, attention_seqs_composed, check_append_rows, check_attention,
     check_head_concat, check_head_slice, check_indexer, check_moe_ffn, check_rope, check_route,
     check_same, check_sample, check_seq_rows, indexer_keys_composed, mla_kv_rows_composed,
-    mla_queries_composed, AttnParams, Backend, Gating, IndexerParams, RopeParams, RopeStyle,
-    RouteParams, SeqAttn, Shape,
+    mla_norms_composed, mla_queries_composed, AttnParams, Backend, Gating, IndexerKeysArgs,
+    IndexerParams, KvRowsArgs, MlaNormed, RopeParams, RopeStyle, RouteParams, SeqAttn, Shape,
 };
 use crate::sampling::SampleRequest;
 use crate::weights::HostWeight;
@@ -128,6 +128,10 @@ pub struct Fusions {
     /// launch fewer per layer on a split decode step (`GGUFTOOL_FUSE_ATTN_Q8=0`: the GEMV
     /// quantizes).
     pub attn_q8: bool,
+    /// `Backend::mla_norms` as one launch: an MLA block's q_a norm (with its q8 activations),
+    /// latent cache rows and indexer keys side by side, `kernels::Gpu::mla_norms`, bitwise the
+    /// three launches: 2 launches fewer per layer (`GGUFTOOL_FUSE_MLA_NORMS=0`: one each).
+    pub norms: bool,
 }
 
 impl Fusions {
@@ -141,6 +145,7 @@ impl Fusions {
         stack: true,
         rope_q8: true,
         attn_q8: true,
+        norms: true,
     };
     pub const NONE: Fusions = Fusions {
         glu: false,
@@ -152,6 +157,7 @@ impl Fusions {
         stack: false,
         rope_q8: false,
         attn_q8: false,
+        norms: false,
     };
 
     /// [`Fusions::ALL`] less the ones switched off by their variable set to `0`.
@@ -167,6 +173,7 @@ impl Fusions {
             stack: on("GGUFTOOL_FUSE_STACK"),
             rope_q8: on("GGUFTOOL_FUSE_ROPE_Q8"),
             attn_q8: on("GGUFTOOL_FUSE_ATTN_Q8"),
+            norms: on("GGUFTOOL_FUSE_MLA_NORMS"),
         }
     }
 }
@@ -1542,6 +1549,126 @@ impl Backend for CudaBackend {
             .rms_norm_rope(xb, cols, Some(&wv), l, eps, rope, out)
             .map_err(kerr("mla_kv_rows"))?;
         Ok(kv_a)
+    }
+
+    /// One launch (`kernels::Gpu::mla_norms`) where every job takes its fused path alone
+    /// (`rms_norm` with its q8 epilogue as `rms_norm` decides it, `mla_kv_rows`,
+    /// `indexer_keys`): bitwise those launches (tested); otherwise the three ops.
+    fn mla_norms(
+        &self,
+        q: Option<(&CudaTensor, &CudaWeight, f32)>,
+        kv: KvRowsArgs<'_, CudaTensor, CudaWeight>,
+        ix: Option<IndexerKeysArgs<'_, CudaTensor, CudaWeight>>,
+        positions: &[u32],
+    ) -> Result<MlaNormed<CudaTensor>, RuntimeError> {
+        let rows = kv.kv_a.rows;
+        let q_fits = q.is_none_or(|(x, w, _)| {
+            w.dims == [x.cols] && x.cols > 0 && x.rows == rows && x.f32().is_some()
+        });
+        let kv_fits = kv.w.dims == [kv.n]
+            && kv.n > 0
+            && kv.n <= kv.kv_a.cols
+            && self.norm_rope_fits(&kv.kv_a, kv.n, false, positions, kv.p, kv.cache.as_deref());
+        let ix_fits = ix.as_ref().is_none_or(|a| {
+            a.w.dims == [a.k.cols]
+                && a.b.dims == [a.k.cols]
+                && a.k.rows == rows
+                && self.norm_rope_fits(&a.k, 0, true, positions, a.p, a.cache.as_deref())
+        });
+        if !(self.fuse.norms && q_fits && kv_fits && ix_fits && (q.is_some() || ix.is_some())) {
+            return mla_norms_composed(self, q, kv, ix, positions);
+        }
+        // The q_a norm's operands and output (q8 where `rms_norm` would make it).
+        let q_in = match q {
+            Some((x, w, eps)) => Some((x, self.vector(w, "rms_norm")?.slice(0..x.cols), eps)),
+            None => None,
+        };
+        let mut q_out = q_in
+            .as_ref()
+            .map(|(x, _, _)| self.alloc(x.rows, x.cols))
+            .transpose()?;
+        // The kv rows' operands.
+        let KvRowsArgs {
+            kv_a: mut kv_t,
+            w: kv_w,
+            n: kv_n,
+            eps: kv_eps,
+            p: kv_p,
+            cache: kv_cache,
+        } = kv;
+        let kv_wv = self.vector(kv_w, "rms_norm")?.slice(0..kv_n);
+        let (kv_pos, kv_inv, kv_style) = self.rope_inputs(positions, kv_p)?;
+        let (kv_pv, kv_fv) = (kv_pos.view(), kv_inv.view());
+        let kv_cols = kv_t.cols;
+        let kv_rows = kv_cache.map(|c| self.cache_rows(c, rows)).transpose()?;
+        // The indexer keys' operands.
+        let ix_ri = ix
+            .as_ref()
+            .map(|a| self.rope_inputs(positions, a.p))
+            .transpose()?;
+        let ix_views = ix_ri.as_ref().map(|(pos, inv, _)| (pos.view(), inv.view()));
+        let mut ix_parts = None;
+        if let Some(a) = ix {
+            let wv = self.vector(a.w, "layer_norm")?.slice(0..a.k.cols);
+            let bv = self.vector(a.b, "layer_norm")?.slice(0..a.k.cols);
+            let cache = a.cache.map(|c| self.cache_rows(c, rows)).transpose()?;
+            ix_parts = Some((a.k, wv, bv, a.eps, a.p, cache));
+        }
+        let mut ix_out = None;
+        let q8 = {
+            let qa = match (&q_in, q_out.as_mut()) {
+                (Some((x, wv, eps)), Some(o)) => Some(kernels::QaNorm {
+                    x: x.f32().ok_or_else(|| not_f32("mla_norms"))?,
+                    w: Some(wv),
+                    y: o.f32_mut().ok_or_else(|| not_f32("mla_norms"))?,
+                    l: Rows::dense(x.rows, x.cols),
+                    eps: *eps,
+                    q8: self.q8_epilogue(x.rows, x.cols),
+                }),
+                _ => None,
+            };
+            let kvj = kernels::NormRope {
+                x: kv_t.f32_mut().ok_or_else(|| not_f32("mla_norms"))?,
+                cols: kv_cols,
+                w: Some(&kv_wv),
+                bias: None,
+                l: Rows {
+                    rows,
+                    n: kv_n,
+                    x_stride: kv_cols,
+                    y_stride: kv_cols,
+                },
+                eps: kv_eps,
+                rope: row_rope(&kv_pv, &kv_fv, kv_style, kv_p),
+                cache: kv_rows,
+            };
+            let ixj = match (ix_parts.as_mut(), ix_views.as_ref(), ix_ri.as_ref()) {
+                (Some((k, wv, bv, eps, p, cache)), Some((pv, fv)), Some((_, _, style))) => {
+                    let cols = k.cols;
+                    Some(kernels::NormRope {
+                        x: k.f32_mut().ok_or_else(|| not_f32("mla_norms"))?,
+                        cols,
+                        w: Some(&*wv),
+                        bias: Some(&*bv),
+                        l: Rows::dense(rows, cols),
+                        eps: *eps,
+                        rope: row_rope(pv, fv, *style, p),
+                        cache: cache.take(),
+                    })
+                }
+                _ => None,
+            };
+            self.gpu
+                .mla_norms(qa, kvj, ixj)
+                .map_err(kerr("mla_norms"))?
+        };
+        if let (Some(o), Some(q8)) = (q_out.as_ref(), q8) {
+            let _ = o.q8.set(q8);
+        }
+        if let Some((k, ..)) = ix_parts {
+            ix_out = Some(k);
+        }
+        Ok((q_out, kv_t, ix_out))
     }
 
     /// One launch (layernorm_rope_f32): `layer_norm`'s code in place, `rope`'s on the normalised

@@ -2,7 +2,10 @@
 //! the rank's group and the turns its uploads take with the other ranks of its device. The
 //! forward pass sees an ordinary [`Backend`].
 
-use crate::backend::{AttnParams, Backend, IndexerParams, RopeParams, RouteParams, SeqAttn};
+use crate::backend::{
+    AttnParams, Backend, IndexerKeysArgs, IndexerParams, KvRowsArgs, MlaNormed, RopeParams,
+    RouteParams, SeqAttn,
+};
 use crate::weights::HostWeight;
 use crate::RuntimeError;
 use std::sync::{Arc, Condvar, Mutex};
@@ -295,6 +298,15 @@ impl<B: Backend> Backend for Ranked<B> {
         cache: Option<&mut Self::Tensor>,
     ) -> Result<Self::Tensor, RuntimeError> {
         self.inner.indexer_keys(k, w, b, eps, positions, p, cache)
+    }
+    fn mla_norms(
+        &self,
+        q: Option<(&Self::Tensor, &Self::Weight, f32)>,
+        kv: KvRowsArgs<'_, Self::Tensor, Self::Weight>,
+        ix: Option<IndexerKeysArgs<'_, Self::Tensor, Self::Weight>>,
+        positions: &[u32],
+    ) -> Result<MlaNormed<Self::Tensor>, RuntimeError> {
+        self.inner.mla_norms(q, kv, ix, positions)
     }
     fn residual_into_norm(&self) -> bool {
         self.inner.residual_into_norm()
