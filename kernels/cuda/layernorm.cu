@@ -31,8 +31,7 @@ extern "C" __global__ void layernorm_rope_f32(float* x, long long x_stride, int 
                                               long long c_stride) {
     pdl_entry();
     __shared__ float scratch[32];
-    const NormRopeJob j = {x,    x_stride, w,   b,   pos,   inv_freq, cf,
-                           cb,   c_stride, cols, n, eps,  off,      n_rot,
-                           style, (int)gridDim.x, (int)blockDim.x};
+    const NormRopeJob j = norm_rope_job(x, x_stride, cols, w, b, n, eps, off, n_rot, pos,
+                                        inv_freq, style, cf, cb, c_stride);
     layernorm_rope_row(j, blockIdx.x, threadIdx.x, blockDim.x, scratch);
 }

@@ -61,6 +61,18 @@ struct NormRopeJob {
     int threads;
 };
 
+// The job of a one-norm launch (rmsnorm_rope_f32, layernorm_rope_f32): its arguments, a block
+// of blockDim.x threads per row.
+DEV NormRopeJob norm_rope_job(float* x, long long x_stride, int cols, const float* w,
+                              const float* b, int n, float eps, int off, int n_rot,
+                              const int* pos, const float* inv_freq, int style, float* cf,
+                              uint16_t* cb, long long c_stride) {
+    const NormRopeJob j = {x,   x_stride, w,     b,     pos,   inv_freq,       cf,
+                           cb,  c_stride, cols,  n,     eps,   off,            n_rot,
+                           style, (int)gridDim.x, (int)blockDim.x};
+    return j;
+}
+
 // layernorm_rope_f32's row r (see there) by threads t < bd.
 DEV void layernorm_rope_row(const NormRopeJob& j, long long r, int t, int bd, float* scratch) {
     float* xr = j.x + r * j.x_stride;

@@ -1274,22 +1274,6 @@ fn topk_one_block_and_split_over_blocks_equal_the_reference() {
 // ---------------------------------------------------------------------------------------------
 // rmsnorm.cu
 
-type RmsFn = unsafe extern "C" fn(
-    *const f32,
-    i64,
-    *const f32,
-    i64,
-    *mut f32,
-    i64,
-    *const f32,
-    *mut f32,
-    i64,
-    i32,
-    f32,
-    *mut i8,
-    *mut u64,
-);
-
 /// kernels/src/norm.rs's threads per row.
 fn block_for(n: usize) -> u32 {
     match n {

@@ -13,25 +13,10 @@ mod common;
 #[path = "../../tests/common/oracle.rs"]
 mod oracle;
 
-use common::{compiler, module, say, Buf};
+use common::{compiler, module, say, Buf, RmsFn};
 use kernels::{rope_inv_freq, Op};
 use oracle::*;
 
-type RmsFn = unsafe extern "C" fn(
-    *const f32,
-    i64,
-    *const f32,
-    i64,
-    *mut f32,
-    i64,
-    *const f32,
-    *mut f32,
-    i64,
-    i32,
-    f32,
-    *mut i8,
-    *mut u64,
-);
 type NormRopeFn = unsafe extern "C" fn(
     *mut f32,
     i64,

@@ -85,3 +85,21 @@ impl<T: Copy> Buf<T> {
         unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }.to_vec()
     }
 }
+
+/// rmsnorm.cu's `rmsnorm_f32` (x, x_stride, res, res_stride, xo, xo_stride, w, y, y_stride, n,
+/// eps, q8 codes, q8 records).
+pub type RmsFn = unsafe extern "C" fn(
+    *const f32,
+    i64,
+    *const f32,
+    i64,
+    *mut f32,
+    i64,
+    *const f32,
+    *mut f32,
+    i64,
+    i32,
+    f32,
+    *mut i8,
+    *mut u64,
+);
