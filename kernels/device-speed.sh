@@ -5,7 +5,7 @@
 # and 4,096 tokens), kernel microbenchmarks against the copy bandwidth of the same run, then the
 # end-to-end bench on the GLM-5-shaped model made here with `synth`. Every step has a time box
 # inside one global deadline (DEADLINE seconds); logs and JSON go to $OUT, a table is printed
-# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14|rows15|fin15|pf17|fin17|s18|s18m|s19] bash .device-speed/run.sh [DEADLINE]
+# last. Builds nothing. usage: [STAGE=new|regress|final|tiles|tiles-check|mla-tc|mla-tc2|seqs|depth|mmq|mmq2|mmq3|stack2|all14|reg14|rows15|fin15|pf17|fin17|s18|s18m|s19|s19b] bash .device-speed/run.sh [DEADLINE]
 set -uo pipefail
 DEADLINE=${1:-560}
 T0=$(date +%s)
@@ -874,5 +874,25 @@ grep -c "| ok |" "$OUT/kernel-tests.txt" | sed 's/^/kernel checks ok: /'
 grep -E "mla_norms|decode fusions" "$OUT/kernel-tests.txt" "$OUT/runtime-tests.txt" | head -20
 cat "$OUT/ab.txt"
 head -24 "$OUT/launches-def.txt"
+cat "$STEPS"
+fi
+
+# 24. STAGE=s19b (eighteenth session; ~3 minutes): fewer parts for the one-row RMSNorms
+#     (GGUFTOOL_RMS_PARTS_MAX=3 / 2; GGUFTOOL_RMS_PARTS=0: one block) against the default (one
+#     part per register slot: 6 for the 6,144-wide rows, 4 for q_a's), after s19 found 12 and
+#     24 parts slower. tg128, a warm-up and two alternating rounds.
+if [ "$STAGE" = s19b ]; then
+cd "$D" || exit 2
+[ -s /tmp/glm5.gguf ] || step synth 150 "$W/synth.json" ./gguftool synth --preset glm5 -o /tmp/glm5.gguf --force --json
+rm -f "$W"/ab-*.json
+ab_tg def-0 ./gguftool 100 X=0
+for i in 1 2; do
+    ab_tg "def-$i" ./gguftool 25 X=0
+    ab_tg "p3-$i" ./gguftool 25 GGUFTOOL_RMS_PARTS_MAX=3
+    ab_tg "p2-$i" ./gguftool 25 GGUFTOOL_RMS_PARTS_MAX=2
+    ab_tg "p1-$i" ./gguftool 25 GGUFTOOL_RMS_PARTS=0
+done
+ab_table def p3 p2 p1 > "$OUT/ab.txt"
+cat "$OUT/ab.txt"
 cat "$STEPS"
 fi

@@ -55,6 +55,21 @@ impl Rows {
 /// with parts.
 pub(crate) const RMS_REGS: usize = 8;
 
+/// The most parts a one-row RMSNorm takes: one per register slot unless `GGUFTOOL_RMS_PARTS_MAX`
+/// names 2 or more (an A/B knob: each part reads the whole row for its sum of squares, and 12 or
+/// 24 parts of a 6,144-wide row were 4.5% and 16% slower end to end than 6, H100 2026-12-08; a
+/// part then writes the slots `k` with `k % parts == part`, the same values).
+fn rms_parts_max() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("GGUFTOOL_RMS_PARTS_MAX")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&p: &usize| p >= 2)
+            .unwrap_or(usize::MAX)
+    })
+}
+
 /// [`RMS_REGS`], or the 12, 16 or 24 that `GGUFTOOL_RMS_REGS` names: an A/B knob for the decode
 /// step's 6,144-wide norms (H100 timeline: 9.3 us a launch against 4.9 for the 2,048-wide one),
 /// which with `GGUFTOOL_RMS_WIDE=512` / `256` then run as 12 / 24 parts of fewer threads.
@@ -520,7 +535,7 @@ impl Gpu {
             && slots <= rms_regs()
             && [xr, rr].iter().all(|&a| apart(a, yr) && apart(a, hr))
         {
-            slots
+            slots.min(rms_parts_max())
         } else {
             1
         };
