@@ -1237,8 +1237,12 @@ impl<B: Backend> GlmModel<B> {
             (Some(ix), Some(_)) => segs.iter().any(|s| s.pos0 + s.n > ix.top_k),
             _ => false,
         };
-        // Compressed keys/values (emitted before they are normalised in place below).
-        self.emit(obs, || format!("blk.{bi}.attn_kv_a_mqa.out"), &kv_a)?;
+        // Compressed keys/values: normalised in place below, so an observer gets a copy, emitted
+        // after the queries (the order the activations always had: doctor's first divergence).
+        let kv_a_seen = match obs {
+            Some(_) => Some(be.slice_cols(&kv_a, 0, be.shape(&kv_a).1)?),
+            None => None,
+        };
         // The projections' norms, one op where the backend fuses them: q_a's; the cache rows in
         // place (latent normalised, the shared key part roped); the indexer's keys (always: they
         // are cached). A step of one sequence appends its rows to the caches in the same op
@@ -1300,6 +1304,9 @@ impl<B: Backend> GlmModel<B> {
             None => be.matmul(x, &w.q_b)?,
         };
         self.emit(obs, || format!("blk.{bi}.attn_q_b.out"), &q)?;
+        if let Some(k) = &kv_a_seen {
+            self.emit(obs, || format!("blk.{bi}.attn_kv_a_mqa.out"), k)?;
+        }
         if obs.is_some() {
             // RoPE leaves the latent columns as normalised.
             let lat = be.slice_cols(&kv_rows, 0, m.kv_lora_rank)?;
