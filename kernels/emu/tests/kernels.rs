@@ -1339,10 +1339,11 @@ fn rmsnorm_matches_f64_with_residual_and_q8_epilogue() {
         };
         let (y, h, qs, qd) = run(1);
         // Parts (the register path: one block per register slot of the row, as the wrapper
-        // launches a decode row): every output bitwise the one-block launch's.
+        // launches a decode row, or fewer, as `GGUFTOOL_RMS_PARTS_MAX` caps them): every
+        // output bitwise the one-block launch's.
         let slots = n.div_ceil(bd as usize);
         if slots <= 8 {
-            for parts in [slots as u32, 2] {
+            for parts in [slots as u32, 3, 2] {
                 let (py, ph, pq, pd) = run(parts);
                 let same =
                     |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(u, v)| u.to_bits() == v.to_bits());
