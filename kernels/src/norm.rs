@@ -232,11 +232,11 @@ fn touch(p: u64, bytes: usize, write: bool) -> Touch {
 
 impl RmsJob {
     /// What the launch reads and writes of x, res, xo and y (the q8 output is a fresh buffer).
-    fn ranges(&self) -> Vec<Touch> {
+    fn ranges(&self) -> [Touch; 4] {
         let rows = self.rows.max(0) as usize;
         let n = self.n.max(0) as usize;
         let b = |stride: i64| 4 * span(rows, stride.max(0) as usize, n);
-        vec![
+        [
             touch(self.x, b(self.x_stride), false),
             touch(self.res, b(self.res_stride), false),
             touch(self.xo, b(self.xo_stride), true),
@@ -247,10 +247,10 @@ impl RmsJob {
 
 impl NormRopeJob {
     /// What the launch reads and writes of its rows (in place) and cache rows.
-    fn ranges(&self) -> Vec<Touch> {
+    fn ranges(&self) -> [Touch; 3] {
         let rows = self.rows.max(0) as usize;
         let cols = self.cols.max(0) as usize;
-        vec![
+        [
             touch(
                 self.x,
                 4 * span(rows, self.x_stride.max(0) as usize, cols),

@@ -1614,7 +1614,6 @@ impl Backend for CudaBackend {
             let cache = a.cache.map(|c| self.cache_rows(c, rows)).transpose()?;
             ix_parts = Some((a.k, wv, bv, a.eps, a.p, cache));
         }
-        let mut ix_out = None;
         let q8 = {
             let qa = match (&q_in, q_out.as_mut()) {
                 (Some((x, wv, eps)), Some(o)) => Some(kernels::QaNorm {
@@ -1665,10 +1664,7 @@ impl Backend for CudaBackend {
         if let (Some(o), Some(q8)) = (q_out.as_ref(), q8) {
             let _ = o.q8.set(q8);
         }
-        if let Some((k, ..)) = ix_parts {
-            ix_out = Some(k);
-        }
-        Ok((q_out, kv_t, ix_out))
+        Ok((q_out, kv_t, ix_parts.map(|(k, ..)| k)))
     }
 
     /// One launch (layernorm_rope_f32): `layer_norm`'s code in place, `rope`'s on the normalised
